@@ -1,0 +1,345 @@
+"""An edge node: an async Ray actor around a memory tier, the ring and the replication policy.
+
+An edge holds two kinds of chunks in two byte-bounded tiers: "main" (chunks the ring assigns
+it, pushed by the origin at publish) and "hot" (copies of chunks owned elsewhere that its
+region reads often: groupcache's hot cache, but promoted by measured demand rather than by
+chance; the hot tier's size is the budget that keeps copies from crowding out main chunks).
+
+`fetch(keys)` serves the longest prefix of keys it can: its own tiers first, then the ring
+owners nearest first, then the origin — one batched call per source, never one per chunk —
+and stops at the first key nobody holds. Concurrent misses for one key share one load
+(singleflight). A chunk this edge owns but lacked (it restarted empty) is kept on the way
+through, so an edge refills itself; an owner found lacking a chunk is sent it afterwards
+(read repair). Every served chunk's namespace is checked against the asker's, so one
+tenant's key never returns another tenant's KV.
+
+Placement is computed here from the membership the origin broadcasts (and, before that, from
+the topology): no per-request call asks anyone where a key lives.
+"""
+import asyncio
+import collections
+import os
+import time
+
+from kdn.cluster import NAMESPACE, edge_actor_name, origin_name
+from kdn.edge.cache import ChunkCache
+from kdn.edge.singleflight import Group
+from kdn.errors import PinCapacityError
+from kdn.manifest import Manifest
+from kdn.placement.replication import ReplicationPolicy
+from kdn.placement.ring import Edge, Ring
+from kdn.placement.topology import Topology
+
+PEER_TIMEOUT_S = 5.0      # a peer that does not answer in time is skipped (next owner, then origin)
+ORIGIN_TIMEOUT_S = 20.0
+MEMBERSHIP_REFRESH_S = 10.0
+POLICY_TICK_S = 1.0
+
+
+class EdgeNode:
+    def __init__(self, network: str, name: str, region: str, capacity_bytes: int, topology: dict,
+                 policy: str = "s3fifo", hot_fraction: float = 0.25, replicas: int = 2,
+                 http_port=None, http_host: str = "127.0.0.1", replication: dict = None):
+        self.network, self.name, self.region = network, name, region
+        self.capacity = int(capacity_bytes)
+        hot_bytes = max(1, int(self.capacity * hot_fraction))
+        self.main = ChunkCache(self.capacity - hot_bytes, policy)
+        self.hot = ChunkCache(hot_bytes, "lru")
+        self.topology = Topology.from_dict(topology)
+        self.replicas = replicas
+        self.members_version = 0
+        self.overrides = {}
+        self.ring = Ring([e for e in self.topology.edges])
+        self.demand = ReplicationPolicy(**{"hot_budget_fraction": hot_fraction, **(replication or {})})
+        self.loads = Group()
+        self.expiry = {}           # key -> monotonic deadline (KB TTL set by an operator)
+        self.manifests = {}        # (ns, name, version) -> manifest dict, as the origin broadcast it
+        self.handles = {}
+        self.counters = collections.Counter()
+        self.started = time.time()
+        self._bg = None
+        self._last_refresh = 0.0
+        self.http_port_wanted, self.http_host = http_port, http_host
+        self.http = None
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def _start_background(self):
+        if self._bg is None:
+            self._bg = asyncio.get_running_loop().create_task(self._background())
+
+    async def _background(self):
+        while True:
+            await asyncio.sleep(POLICY_TICK_S)
+            try:
+                self._tick()
+                if time.monotonic() - self._last_refresh > MEMBERSHIP_REFRESH_S:
+                    await self._refresh_membership()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                self.counters["background_errors"] += 1
+
+    def _tick(self):
+        """Apply the replication policy: fetch newly hot chunks, drop cold ones; expire TTLs."""
+        d = self.demand.decide(region_capacity_bytes={self.region: self.capacity},
+                               owners_region=self._owner_regions)
+        for key, region in d.demote:
+            if region == self.region and self.hot.discard(key):
+                self.counters["hot_demoted"] += 1
+        wanted = [k for k, region in d.promote if region == self.region and not self.hot.peek(k)
+                  and not self.main.peek(k)]
+        if wanted:
+            asyncio.get_running_loop().create_task(self._promote(wanted))
+        now = time.monotonic()
+        for key in [k for k, t in self.expiry.items() if t <= now]:
+            self.main.discard(key)
+            self.hot.discard(key)
+            del self.expiry[key]
+            self.counters["ttl_expired"] += 1
+
+    def _owner_regions(self, key):
+        return [self.ring.region_of(o) for o in self._owners([key])[0]]
+
+    async def _promote(self, keys):
+        """Copy chunks the policy made hot in this region into the hot tier (from owners)."""
+        got = await self.loads.do_many(keys, self._load_batch)
+        for k, g in zip(keys, got):
+            if g is not None and self.hot.put(k, g[0]):
+                self.counters["hot_promoted"] += 1
+
+    async def ping(self) -> dict:
+        self._start_background()
+        if self.http_port_wanted is not None and self.http is None:
+            await self.start_http(self.http_port_wanted, self.http_host)
+        return {"role": "edge", "name": self.name, "region": self.region, "pid": os.getpid(),
+                "http": self.http_address()}
+
+    def http_address(self):
+        return None if self.http is None else f"http://{self.http_host}:{self.http.port}"
+
+    async def start_http(self, port: int = 0, host: str = "127.0.0.1") -> str:
+        """Serve this edge over HTTP too (edge/http.py); returns the base URL."""
+        from kdn.edge.http import EdgeHTTP
+        if self.http is None:
+            self.http = EdgeHTTP(self, host=host, port=port)
+            await self.http.start()
+            self.http_host = host
+        return self.http_address()
+
+    # --- membership ---------------------------------------------------------------------
+    async def set_membership(self, m: dict) -> int:
+        if m["version"] >= self.members_version:
+            self.members_version = m["version"]
+            self.ring = Ring([Edge(*e) for e in m["members"]])
+            self.replicas = m.get("replicas", self.replicas)
+            self.overrides = m.get("overrides", {})
+            self.topology = Topology.from_dict(m["topology"])
+            self._last_refresh = time.monotonic()
+        return self.members_version
+
+    async def _refresh_membership(self):
+        self._last_refresh = time.monotonic()
+        m = await self._call_origin("membership", timeout=5.0)
+        if m is not None:
+            await self.set_membership(m)
+
+    def _handle(self, edge: str):
+        import ray
+        h = self.handles.get(edge)
+        if h is None:
+            name = origin_name(self.network) if edge is None else edge_actor_name(self.network, edge)
+            h = ray.get_actor(name, namespace=NAMESPACE)
+            self.handles[edge] = h
+        return h
+
+    async def _call(self, edge, method, *args, timeout=PEER_TIMEOUT_S, **kw):
+        """Call a peer (edge name) or the origin (None); None when it is gone or too slow."""
+        try:
+            ref = getattr(self._handle(edge), method).remote(*args, **kw)
+            return await asyncio.wait_for(ref, timeout)
+        except Exception:  # noqa: BLE001 - failover: the caller tries the next source
+            self.handles.pop(edge, None)
+            self.counters["peer_failures" if edge is not None else "origin_failures"] += 1
+            return None
+
+    async def _call_origin(self, method, *args, timeout=ORIGIN_TIMEOUT_S, **kw):
+        return await self._call(None, method, *args, timeout=timeout, **kw)
+
+    # --- the memory tiers ---------------------------------------------------------------
+    def _local(self, key):
+        if key in self.expiry and self.expiry[key] <= time.monotonic():
+            return None
+        c = self.main.get(key)
+        if c is None:
+            c = self.hot.get(key)
+            if c is not None:
+                self.counters["hot_hits"] += 1
+        else:
+            self.counters["main_hits"] += 1
+        return c
+
+    def _owners(self, keys):
+        return self.ring.owners_batch(list(keys), self.replicas) if len(self.ring) else [[] for _ in keys]
+
+    async def have(self, keys) -> list:
+        return [(k in self.main) or (k in self.hot) for k in keys]
+
+    async def put_chunks(self, chunks, role: str = "main", pin: bool = False, ttl_s=None) -> int:
+        """Store chunks the origin pushes (role main) or warms (role hot); returns how many fit."""
+        tier = self.hot if role == "hot" else self.main
+        n = 0
+        for c in chunks:
+            if c is None:
+                continue
+            if pin:
+                try:
+                    ok = tier.put(c.key, c, pin=True)
+                except PinCapacityError:  # keep it, unpinned, rather than not at all
+                    self.counters["pin_refused"] += 1
+                    ok = tier.put(c.key, c)
+            else:
+                ok = tier.put(c.key, c)
+            n += bool(ok)
+            if ttl_s:
+                self.expiry[c.key] = time.monotonic() + float(ttl_s)
+        self.counters[f"received_{role}"] += n
+        return n
+
+    async def peer_get(self, keys) -> list:
+        """What this edge holds of `keys` (None elsewhere); asked by other edges, never cascades."""
+        out = [self._local(k) for k in keys]
+        self.counters["peer_served"] += sum(c is not None for c in out)
+        return out
+
+    async def drop(self, keys) -> int:
+        return sum(self.main.discard(k) | self.hot.discard(k) for k in keys)
+
+    # --- manifests (broadcast by the origin, so reads survive an origin outage) -----------
+    async def add_manifest(self, m: dict) -> None:
+        self.manifests[(m["tenant"], m["fingerprint"], m["name"], m["version"])] = m
+
+    async def drop_manifest(self, ns, name, version) -> None:
+        for k in [k for k, m in self.manifests.items()
+                  if k[2] == name and k[3] == version and Manifest.from_dict(m).ns == ns]:
+            del self.manifests[k]
+
+    async def list_manifests(self, tenant: str, fingerprint: str) -> list:
+        """Manifests of one namespace: from the origin when it answers, else the broadcast copy."""
+        from kdn.keys import namespace_digest
+        got = await self._call_origin("manifests", namespace_digest(tenant, fingerprint), timeout=5.0)
+        if got is not None:
+            for m in got:
+                await self.add_manifest(m)
+            return got
+        return [m for (t, f, _, _), m in self.manifests.items() if t == tenant and f == fingerprint]
+
+    # --- fetch --------------------------------------------------------------------------
+    async def fetch(self, keys, ns: bytes, region: str = None) -> dict:
+        """The longest prefix of `keys` that the network holds, as Chunks with their sources."""
+        self._start_background()
+        t0 = time.perf_counter()
+        region = region or self.region
+        n = len(keys)
+        chunks, sources = [None] * n, [None] * n
+        for i, k in enumerate(keys):
+            c = self._local(k)
+            if c is not None:
+                chunks[i], sources[i] = c, "local"
+        missing = [i for i in range(n) if chunks[i] is None]
+        if missing:
+            # Keys after the first one nobody holds are useless for a prefix; but a local gap
+            # can be filled, so load every missing key up to the end and cut afterwards.
+            loaded = await self.loads.do_many([keys[i] for i in missing], self._load_batch)
+            for i, got in zip(missing, loaded):
+                if got is not None:
+                    chunks[i], sources[i] = got
+        m = next((i for i in range(n) if chunks[i] is None), n)
+        for i in range(m):
+            if chunks[i].ns != ns or chunks[i].key != keys[i]:
+                self.counters["namespace_refused"] += 1
+                m = i
+                break
+        nbytes = 0
+        for i in range(m):
+            nbytes += chunks[i].nbytes
+            self.demand.record(keys[i], region, chunks[i].nbytes)
+            if sources[i] != "local":
+                self._maybe_keep(keys[i], chunks[i], region)
+        self.counters["fetches"] += 1
+        self.counters["chunks_served"] += m
+        self.counters["bytes_served"] += nbytes
+        for s in sources[:m]:
+            self.counters["served_" + s.split(":")[0]] += 1
+        self.counters["fetch_us"] += int((time.perf_counter() - t0) * 1e6)
+        return {"chunks": chunks[:m], "sources": sources[:m], "edge": self.name,
+                "region": self.region, "ring": self.members_version}
+
+    def _maybe_keep(self, key, chunk, region):
+        """Keep a chunk that came from elsewhere if this edge owns it or its region reads it hot."""
+        owners = self._owners([key])[0]
+        if self.name in owners:
+            if self.main.put(key, chunk):
+                self.counters["refilled"] += 1
+        elif region == self.region and key in self.demand.hot(region):
+            if self.hot.put(key, chunk):
+                self.counters["hot_promoted"] += 1
+
+    async def _load_batch(self, keys) -> dict:
+        """Load keys from owners nearest first, then the origin: one call per source per round."""
+        result = {}
+        owners = self._owners(keys)
+        ranked = {}
+        for k, os_ in zip(keys, owners):
+            cands = [(o, self.ring.region_of(o)) for o in os_ if o != self.name]
+            ranked[k] = self.topology.rank_sources(self.region, cands, 1 << 20) if cands else []
+        lacking = collections.defaultdict(list)   # owner -> keys it should have had
+        pending = list(keys)
+        rnd = 0
+        while pending and any(len(ranked[k]) > rnd for k in pending):
+            groups = collections.defaultdict(list)
+            for k in pending:
+                if len(ranked[k]) > rnd:
+                    groups[ranked[k][rnd]].append(k)
+            replies = await asyncio.gather(*(self._call(e, "peer_get", ks) for e, ks in groups.items()))
+            for (e, ks), got in zip(groups.items(), replies):
+                for k, c in zip(ks, got or [None] * len(ks)):
+                    if c is not None and c.key == k:
+                        result[k] = (c, f"peer:{e}")
+                    elif got is not None:
+                        lacking[e].append(k)
+            pending = [k for k in pending if k not in result]
+            rnd += 1
+        if pending:
+            got = await self._call_origin("get_chunks", pending)
+            for k, c in zip(pending, got or [None] * len(pending)):
+                if c is not None and c.key == k:
+                    result[k] = (c, "origin")
+        for e, ks in lacking.items():          # read repair, after the reply is on its way
+            repair = [result[k][0] for k in ks if k in result]
+            if repair:
+                self.counters["repairs_sent"] += len(repair)
+                asyncio.get_running_loop().create_task(self._call(e, "put_chunks", repair))
+        return result
+
+    async def lookup(self, keys, ns: bytes) -> dict:
+        """How long a prefix of keys the network holds, without moving any KV."""
+        here = [((k in self.main) or (k in self.hot)) for k in keys]
+        n = next((i for i, h in enumerate(here) if not h), len(keys))
+        if n < len(keys):
+            rest = list(keys[n:])
+            got = await self._call_origin("has", rest, timeout=5.0)
+            if got is None:  # origin down: ask the owners
+                got = [False] * len(rest)
+                for i, (k, os_) in enumerate(zip(rest, self._owners(rest))):
+                    for o in os_:
+                        if o != self.name and (await self._call(o, "have", [k]) or [False])[0]:
+                            got[i] = True
+                            break
+            n += next((i for i, h in enumerate(got) if not h), len(got))
+        return {"chunks": n, "local": sum(here[:n]), "edge": self.name}
+
+    async def stats(self) -> dict:
+        c = dict(self.counters)
+        return {"role": "edge", "name": self.name, "region": self.region, "pid": os.getpid(),
+                "main": self.main.stats(), "hot": self.hot.stats(),
+                "hot_copies": len(self.hot), "ring_version": self.members_version,
+                "members": len(self.ring), "counters": c, "uptime_s": time.time() - self.started,
+                "http": self.http_address(), "demand": self.demand.stats()}

@@ -1,0 +1,388 @@
+"""The client: how an inference worker or an operator talks to a KDN network over Ray.
+
+`connect()` finds the network's origin by name, reads the membership and topology once, and
+from then on computes everything itself: the keys of a prompt (kdn.keys), which edge is
+nearest (the topology, from the worker's region — its Ray node's `region` label unless told),
+which keys belong to which KB (manifests, cached). A request goes to the nearest live edge; a
+call that errors or times out moves to the next edge at once, so a dead edge costs one
+timeout, never Ray's ~15 s node-death detection. Edges that failed are skipped for a while.
+
+Operator controls (pin, replicas, TTL, warm, add/remove edge) go to the origin.
+"""
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kdn.chunk import Chunk
+from kdn.cluster import NAMESPACE, edge_actor_name, init_ray, origin_name
+from kdn.errors import BadRequest, KDNError, ManifestError, NetworkError, NoLiveEdge
+from kdn.keys import CHUNK_TOKENS, as_token_array, chunk_keys, namespace_digest, prompt_keys
+from kdn.manifest import Manifest
+from kdn.placement.ring import Edge, Ring
+from kdn.placement.topology import Topology
+
+CALL_TIMEOUT_S = 5.0          # a control call
+FETCH_TIMEOUT_S = 4.0         # a fetch: base ...
+FETCH_TIMEOUT_PER_MB_S = 0.02  # ... plus this per expected MB (slow WAN links)
+SUSPECT_S = 10.0              # a failed edge is tried last for this long
+MANIFEST_TTL_S = 5.0
+
+
+@dataclass
+class Fetched:
+    """The longest cached prefix of a prompt: its chunks, where each came from, how long it took."""
+    keys: list
+    chunks: list
+    sources: list
+    tokens: int                 # prompt tokens covered by the chunks
+    nbytes: int
+    edge: str
+    seconds: float
+    failovers: list = field(default_factory=list)   # edges that failed before one answered
+    kb: object = None           # the manifest matched, if any
+
+    def kv_parts(self) -> list:
+        """Per-chunk KV arrays [layers, 2, heads, tokens, head_dim], in prompt order."""
+        return [c.kv for c in self.chunks]
+
+    def source_counts(self) -> dict:
+        out = {}
+        for s in self.sources:
+            s = s.split(":")[0]
+            out[s] = out.get(s, 0) + 1
+        return out
+
+
+def node_region() -> "str | None":
+    """The `region` label of the Ray node this process runs on (None when unlabelled)."""
+    import ray
+    labels = ray.get_runtime_context().get_node_labels() or {}
+    return labels.get("region")
+
+
+def connect(region: str = None, address: str = None, network: str = "kdn", tenant: str = "default",
+            fingerprint: str = "unspecified") -> "Client":
+    """Connect to a running KDN network (joining Ray at `address`, default 'auto', if needed)."""
+    import ray
+    if not ray.is_initialized():
+        init_ray(address or "auto")
+    return Client(network=network, region=region, tenant=tenant, fingerprint=fingerprint)
+
+
+class Client:
+    def __init__(self, network: str = "kdn", region: str = None, tenant: str = "default",
+                 fingerprint: str = "unspecified", chunk_tokens: int = CHUNK_TOKENS):
+        import ray
+        self.ray = ray
+        self.network = network
+        self.tenant, self.fingerprint = tenant, fingerprint
+        self.ns = namespace_digest(tenant, fingerprint)
+        self.chunk_tokens = chunk_tokens
+        self.region = region or node_region()
+        self._handles = {}
+        self._suspect = {}           # edge -> monotonic time until which it is tried last
+        self._manifests = (0.0, [])  # (fetched at, [Manifest])
+        self.membership = None
+        self.refresh()
+        if self.region is None:
+            self.region = self.topology.origin_region
+        if self.region not in self.topology.regions:
+            raise KDNError(f"region {self.region!r} is not in the network's topology "
+                           f"(regions: {', '.join(self.topology.regions)})")
+
+    # --- plumbing -----------------------------------------------------------------------
+    def _actor(self, edge):
+        h = self._handles.get(edge)
+        if h is None:
+            name = origin_name(self.network) if edge is None else edge_actor_name(self.network, edge)
+            try:
+                h = self.ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                raise NetworkError(f"no actor {name!r} in namespace {NAMESPACE!r}: is the network "
+                                   f"{self.network!r} up?") from None
+            self._handles[edge] = h
+        return h
+
+    def _origin_call(self, method, *args, timeout=CALL_TIMEOUT_S, **kw):
+        try:
+            return self.ray.get(getattr(self._actor(None), method).remote(*args, **kw), timeout=timeout)
+        except self.ray.exceptions.RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, KDNError):
+                raise cause from None
+            raise
+        except (self.ray.exceptions.GetTimeoutError, self.ray.exceptions.RayActorError) as e:
+            self._handles.pop(None, None)
+            raise NetworkError(f"the origin of network {self.network!r} did not answer {method} "
+                               f"within {timeout:.0f} s: {type(e).__name__}") from None
+
+    def refresh(self) -> None:
+        """Re-read membership and topology (from the origin, else from any edge)."""
+        try:
+            m = self._origin_call("membership")
+        except (NetworkError, ValueError):
+            m = None
+            for actor in self.ray.util.list_named_actors(all_namespaces=True):
+                if actor.get("namespace") == NAMESPACE and actor["name"].startswith(f"{self.network}:edge:"):
+                    try:
+                        h = self.ray.get_actor(actor["name"], namespace=NAMESPACE)
+                        st = self.ray.get(h.stats.remote(), timeout=2)
+                        if m is None:
+                            m = {"members": [], "version": 0, "topology": None}
+                        m["members"].append([st["name"], st["region"], 1.0])
+                    except Exception:  # noqa: BLE001 - dead edge: skip
+                        continue
+            if m is None or not m["members"]:
+                raise NetworkError(f"network {self.network!r}: neither the origin nor any edge answers")
+            if self.membership is not None:
+                m["topology"] = self.membership["topology"]
+            elif m["topology"] is None:
+                raise NetworkError(f"network {self.network!r}: the origin is down and no topology is known")
+        self.membership = m
+        self.topology = Topology.from_dict(m["topology"])
+        self.ring = Ring([Edge(*e) for e in m["members"]])
+
+    def ranked_edges(self) -> list:
+        """Edges nearest first from this client's region; recently failed ones last."""
+        now = time.monotonic()
+        names = [e.name for e in self.ring.edges]
+        cands = [(n, self.ring.region_of(n)) for n in names]
+        ranked = self.topology.rank_sources(self.region, cands, 1 << 20)
+        return sorted(ranked, key=lambda n: self._suspect.get(n, 0) > now)
+
+    def _edge_call(self, method, *args, timeout=CALL_TIMEOUT_S, **kw):
+        """Call the nearest live edge; fail over to the next on error or timeout."""
+        failed = []
+        for edge in self.ranked_edges():
+            try:
+                ref = getattr(self._actor(edge), method).remote(*args, **kw)
+                return self.ray.get(ref, timeout=timeout), edge, failed
+            except self.ray.exceptions.RayTaskError as e:
+                cause = e.as_instanceof_cause()
+                if isinstance(cause, KDNError):
+                    raise cause from None
+                failed.append(edge)
+            except Exception:  # noqa: BLE001 - timeout, dead actor, dead node: next edge
+                failed.append(edge)
+            self._handles.pop(edge, None)
+            self._suspect[edge] = time.monotonic() + SUSPECT_S
+        raise NoLiveEdge(f"no edge of network {self.network!r} answered {method} "
+                         f"(tried {', '.join(failed) or 'none'})")
+
+    # --- knowledge bases ----------------------------------------------------------------
+    def manifests(self, refresh: bool = False) -> list:
+        """Committed KB versions of this client's namespace (cached a few seconds)."""
+        at, ms = self._manifests
+        if refresh or time.monotonic() - at > MANIFEST_TTL_S:
+            got, _, _ = self._edge_call("list_manifests", self.tenant, self.fingerprint)
+            ms = [Manifest.from_dict(d) for d in got]
+            self._manifests = (time.monotonic(), ms)
+        return ms
+
+    def manifest(self, kb: str, version: int = None) -> Manifest:
+        for refresh in (False, True):
+            ms = [m for m in self.manifests(refresh=refresh) if m.name == kb
+                  and (version is None or m.version == version)]
+            if ms:
+                return max(ms, key=lambda m: m.version)
+        raise ManifestError(f"no knowledge base {kb!r}" + (f" version {version}" if version else "")
+                            + f" for tenant {self.tenant!r} and this model")
+
+    def keys_for(self, tokens, kb: str = None) -> tuple:
+        """(keys, manifest) for a prompt: the chunking of the KB the prompt starts with.
+
+        A KB whose length is not a multiple of the chunk size ends in a partial chunk; its
+        key covers exactly the KB's tokens, so the prompt is cut at the KB's length there.
+        Without `kb`, every KB of the namespace is a candidate and the longest match wins.
+        """
+        toks = as_token_array(tokens)
+        cands = [self.manifest(kb)] if kb else [m for m in self.manifests() if m.layout == "prefix"]
+        best, best_keys, best_n = None, prompt_keys(toks, self.ns, self.chunk_tokens), 0
+        full_keys = best_keys
+        for m in cands:
+            if m.layout != "prefix" or m.chunk_tokens != self.chunk_tokens:
+                continue
+            keys = prompt_keys(toks, self.ns, m.chunk_tokens, boundary=min(m.n_tokens, len(toks)))
+            n = 0
+            for a, b in zip(keys, m.keys):
+                if a != b:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_keys, best_n = m, keys[:n], n
+        if best is None:
+            return full_keys, None
+        return best_keys, best
+
+    # --- reads --------------------------------------------------------------------------
+    def lookup(self, tokens, kb: str = None) -> dict:
+        """How many leading tokens of the prompt the network holds (no KV moves)."""
+        keys, m = self.keys_for(tokens, kb)
+        got, edge, _ = self._edge_call("lookup", keys, self.ns)
+        n = got["chunks"]
+        return {"chunks": n, "tokens": self._tokens_of(n, len(as_token_array(tokens)), m),
+                "keys": len(keys), "edge": edge, "kb": m.label() if m else None}
+
+    def _tokens_of(self, n_chunks, n_tokens, m):
+        if m is not None and n_chunks == len(m.keys):
+            return m.n_tokens
+        return min(n_chunks * self.chunk_tokens, n_tokens)
+
+    def fetch(self, tokens, kb: str = None, timeout_s: float = None) -> Fetched:
+        """The longest cached prefix of `tokens`, as chunks from the nearest live edge."""
+        t0 = time.perf_counter()
+        keys, m = self.keys_for(tokens, kb)
+        if not keys:
+            return Fetched([], [], [], 0, 0, None, 0.0, kb=m)
+        if timeout_s is None:
+            per_chunk = self._chunk_bytes_estimate()
+            timeout_s = FETCH_TIMEOUT_S + FETCH_TIMEOUT_PER_MB_S * len(keys) * per_chunk / 1e6
+        reply, edge, failed = self._edge_call("fetch", keys, self.ns, self.region, timeout=timeout_s)
+        chunks, sources = reply["chunks"], reply["sources"]
+        for k, c in zip(keys, chunks):
+            if not isinstance(c, Chunk) or c.key != k or c.ns != self.ns:
+                raise NetworkError(f"edge {edge} answered a chunk that is not the one asked for")
+        if reply.get("ring", 0) > self.membership.get("version", 0):
+            try:
+                self.refresh()
+            except NetworkError:
+                pass
+        n = len(chunks)
+        return Fetched(keys=keys[:n], chunks=chunks, sources=sources,
+                       tokens=self._tokens_of(n, len(as_token_array(tokens)), m),
+                       nbytes=sum(c.nbytes for c in chunks), edge=edge,
+                       seconds=time.perf_counter() - t0, failovers=failed, kb=m)
+
+    def _chunk_bytes_estimate(self):
+        return 64 << 20  # generous: the timeout must not cut a slow but healthy transfer
+
+    # --- publish ------------------------------------------------------------------------
+    def publish(self, kb: str, documents, kv, layout: str = "prefix", meta: dict = None,
+                dtype: str = None, batch_bytes: int = 64 << 20, timeout_s: float = 300.0) -> dict:
+        """Publish a KB version whose KV the caller computed.
+
+        documents: [(doc name, token ids), ...] in order. kv: for the prefix layout one array
+        [layers, 2, heads, total tokens, head_dim] (numpy or torch) of the concatenated
+        documents; for segments a list of such arrays, one per document. Only chunks the
+        origin lacks travel; the origin then pushes them to their owners. Returns a receipt.
+        """
+        m = Manifest.build(kb, self.tenant, self.fingerprint, documents, layout=layout,
+                           chunk_tokens=self.chunk_tokens, meta=meta)
+        chunks = self._split(m, kv, dtype)
+        missing = self._origin_call("missing", list(m.keys), timeout=timeout_s)
+        sent = sent_bytes = 0
+        batch, size = [], 0
+        for i in missing:
+            batch.append(chunks[i])
+            size += chunks[i].nbytes
+            if size >= batch_bytes:
+                self._origin_call("put_chunks", batch, timeout=timeout_s)
+                sent, sent_bytes, batch, size = sent + len(batch), sent_bytes + size, [], 0
+        if batch:
+            self._origin_call("put_chunks", batch, timeout=timeout_s)
+            sent, sent_bytes = sent + len(batch), sent_bytes + size
+        receipt = self._origin_call("commit", m.to_dict(), timeout=timeout_s)
+        receipt.update(sent_chunks=sent, sent_bytes=sent_bytes)
+        self._manifests = (0.0, [])
+        return receipt
+
+    def _split(self, m: Manifest, kv, dtype) -> list:
+        def as_array(x):
+            if isinstance(x, np.ndarray):
+                return x
+            try:
+                import torch
+                if isinstance(x, torch.Tensor):
+                    return x
+            except ImportError:
+                pass
+            raise BadRequest(f"kv must be a numpy array or torch tensor, got {type(x).__name__}")
+
+        def cut(arr, spans, keys):
+            if arr.ndim != 5 or arr.shape[1] != 2:
+                raise BadRequest(f"kv must have shape [layers, 2, heads, tokens, head_dim], got {tuple(arr.shape)}")
+            total = spans[-1][1] if spans else 0
+            if arr.shape[3] != total:
+                raise BadRequest(f"kv covers {arr.shape[3]} tokens but the documents have {total}")
+            out = []
+            for (s, e), k in zip(spans, keys):
+                part = arr[:, :, :, s:e]
+                if isinstance(part, np.ndarray):
+                    out.append(Chunk(k, m.ns, np.ascontiguousarray(part), dtype or str(part.dtype)))
+                else:
+                    out.append(Chunk.from_torch(k, m.ns, part.contiguous()))
+            return out
+
+        ct = m.chunk_tokens
+        if m.layout == "prefix":
+            spans = [(s, min(s + ct, m.n_tokens)) for s in range(0, m.n_tokens, ct)]
+            return cut(as_array(kv), spans, m.keys)
+        if not isinstance(kv, (list, tuple)) or len(kv) != len(m.documents):
+            raise BadRequest(f"the segments layout needs one kv array per document "
+                             f"({len(m.documents)}), got {type(kv).__name__}")
+        out = []
+        for d, arr in zip(m.documents, kv):
+            spans = [(s, min(s + ct, d.tokens)) for s in range(0, d.tokens, ct)]
+            out.extend(cut(as_array(arr), spans, m.keys[d.first_chunk:d.first_chunk + d.n_chunks]))
+        return out
+
+    def delete(self, kb: str, version: int) -> dict:
+        return self._origin_call("delete_version", self.ns, kb, version)
+
+    # --- operators ----------------------------------------------------------------------
+    def pin(self, kb: str, regions) -> dict:
+        return self._origin_call("set_override", self.tenant, kb, pin_regions=list(regions), timeout=120)
+
+    def set_replicas(self, kb: str, n: int) -> dict:
+        return self._origin_call("set_override", self.tenant, kb, replicas=n, timeout=120)
+
+    def set_ttl(self, kb: str, seconds: float) -> dict:
+        return self._origin_call("set_override", self.tenant, kb, ttl_s=seconds, timeout=120)
+
+    def warm(self, kb: str, region: str) -> dict:
+        return self._origin_call("warm", self.tenant, kb, region, timeout=120)
+
+    def add_edge(self, name: str, region: str, capacity_bytes: int = 2 << 30) -> dict:
+        """Start an edge actor in `region` and add it to the ring (keys move to it)."""
+        from kdn.cluster import start_edge
+        topo = Topology.from_dict(self.membership["topology"])
+        edge = topo.add_edge(name, region, int(capacity_bytes))
+        h = start_edge(self.network, edge, topo, capacity_bytes=capacity_bytes)
+        self.ray.get(h.ping.remote(), timeout=60)
+        m = self._origin_call("add_edge", name, region, edge.weight, timeout=300)
+        self.refresh()
+        return m
+
+    def remove_edge(self, name: str, kill: bool = True) -> dict:
+        """Take an edge out of the ring (its keys re-homed first), then stop it."""
+        m = self._origin_call("remove_edge", name, timeout=300)
+        if kill:
+            try:
+                self.ray.kill(self._actor(name), no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self._handles.pop(name, None)
+        self.refresh()
+        return m
+
+    def status(self, timeout_s: float = 3.0) -> dict:
+        """Origin and every edge's stats; a component that does not answer is reported down."""
+        out = {"network": self.network, "region": self.region, "edges": []}
+        try:
+            out["origin"] = self._origin_call("stats", timeout=timeout_s)
+        except NetworkError as e:
+            out["origin"] = {"down": str(e)}
+        refs = {}
+        for e in self.ring.edges:
+            try:
+                refs[e.name] = self._actor(e.name).stats.remote()
+            except NetworkError:
+                refs[e.name] = None
+        for e in self.ring.edges:
+            try:
+                st = self.ray.get(refs[e.name], timeout=timeout_s) if refs[e.name] else None
+            except Exception:  # noqa: BLE001
+                st = None
+            out["edges"].append(st or {"name": e.name, "region": e.region, "down": True})
+        return out

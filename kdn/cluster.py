@@ -1,0 +1,251 @@
+"""Launch: a KDN network on Ray, either on an embedded one-machine cluster or on a real one.
+
+`LocalCluster` builds real Ray nodes on this machine with `ray.cluster_utils.Cluster`, one per
+region, each labelled `region=<name>`, so locality is real even on one machine (and every node
+is 127.0.0.1: see kdn.env). `start_network` places the origin on a node of the topology's
+origin region and one edge actor per topology edge on a node of that edge's region (Ray label
+selectors), all named actors in the `kdn` namespace, so any driver or worker finds them.
+
+Restart settings are chosen on purpose: an edge restarts (max_restarts=-1) and comes back
+empty, then refills by pull-through; the origin restarts and comes back from disk.
+
+`kdn up` / `kdn down` use `up()` / `down()`: the embedded cluster's processes outlive the
+`kdn up` process (shutdown_at_exit=False); their pids and the address go to a state file
+so `kdn down` stops exactly what `up` started, and nothing else on the machine.
+"""
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kdn.env import prepare_ray_env
+from kdn.errors import KDNError, NetworkError
+
+NAMESPACE = "kdn"
+DEFAULT_REGIONS = ("us-east", "eu-west", "ap-south")
+
+
+def kdn_home() -> Path:
+    """Where KDN keeps state by default: $KDN_HOME, else ~/.cache/kdn."""
+    return Path(os.environ.get("KDN_HOME") or Path.home() / ".cache" / "kdn")
+
+
+def origin_name(network: str) -> str:
+    return f"{network}:origin"
+
+
+def edge_actor_name(network: str, edge: str) -> str:
+    return f"{network}:edge:{edge}"
+
+
+def ensure_ray_token() -> None:
+    """Ray 2.60 token auth needs ~/.ray/auth_token before a Cluster's head starts; make it once."""
+    prepare_ray_env()
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return
+    from ray._private.authentication.authentication_token_setup import ensure_token_if_auth_enabled
+    ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+
+
+def init_ray(address: str, namespace: str = NAMESPACE) -> None:
+    """Connect this process to Ray at `address` ("local" starts a private one-node instance)."""
+    prepare_ray_env()
+    import ray
+    if ray.is_initialized():
+        return
+    ray.init(address=address, namespace=namespace, include_dashboard=False,
+             log_to_driver=False, configure_logging=True, logging_level="WARNING")
+
+
+class LocalCluster:
+    """Real Ray nodes on this machine, one per region, labelled `region=<name>`.
+
+    The head node carries the first region (put the origin's region first). Each node gets
+    `cpus` logical CPUs and its own object store; actors of KDN ask for num_cpus=0, so the
+    logical CPUs are left for workers (tasks that run a model).
+    """
+
+    def __init__(self, regions=DEFAULT_REGIONS, cpus: int = 2, object_store_bytes: int = 1 << 30,
+                 shutdown_at_exit: bool = True):
+        if not regions:
+            raise KDNError("a local cluster needs at least one region")
+        ensure_ray_token()
+        from ray.cluster_utils import Cluster
+        self.regions = list(regions)
+        self._opts = dict(num_cpus=cpus, object_store_memory=object_store_bytes)
+        self.cluster = Cluster(initialize_head=True, shutdown_at_exit=shutdown_at_exit,
+                               head_node_args=dict(labels={"region": self.regions[0]},
+                                                   include_dashboard=False, **self._opts))
+        self.nodes = {self.regions[0]: [self.cluster.head_node]}
+        for r in self.regions[1:]:
+            self.add_node(r)
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def add_node(self, region: str):
+        """Start one more Ray node labelled with `region` (about 2 s here)."""
+        node = self.cluster.add_node(labels={"region": region}, **self._opts)
+        self.nodes.setdefault(region, []).append(node)
+        if region not in self.regions:
+            self.regions.append(region)
+        return node
+
+    def remove_node(self, node, graceful: bool = False) -> None:
+        """Kill one worker node's processes, as a crashed machine would be."""
+        self.cluster.remove_node(node, allow_graceful=graceful)
+        for nodes in self.nodes.values():
+            if node in nodes:
+                nodes.remove(node)
+
+    def pids(self) -> list:
+        out = []
+        for nodes in self.nodes.values():
+            for node in nodes:
+                for infos in node.all_processes.values():
+                    out.extend(i.process.pid for i in infos if i.process is not None)
+        return out
+
+    def shutdown(self) -> None:
+        import ray
+        if ray.is_initialized():
+            ray.shutdown()
+        self.cluster.shutdown()
+
+
+@dataclass
+class Network:
+    """Handles of one running network: its name, origin and edges (name -> actor handle)."""
+    name: str
+    topology: object
+    origin: object
+    edges: dict = field(default_factory=dict)
+
+    def edge(self, name):
+        return self.edges[name]
+
+
+def _edge_class():
+    from kdn.edge.node import EdgeNode
+    return EdgeNode
+
+
+def _origin_class():
+    from kdn.origin.node import OriginNode
+    return OriginNode
+
+
+def start_edge(network: str, edge, topology, detached: bool = False, capacity_bytes=None,
+               policy: str = "s3fifo", http_port=None):
+    """Start one edge actor on a node of its region; returns the handle."""
+    import ray
+    cls = ray.remote(_edge_class())
+    opts = dict(name=edge_actor_name(network, edge.name), namespace=NAMESPACE, num_cpus=0,
+                max_restarts=-1, max_task_retries=0, max_concurrency=1000,
+                label_selector={"region": edge.region}, get_if_exists=False)
+    if detached:
+        opts["lifetime"] = "detached"
+    cap = capacity_bytes or topology.capacity_bytes(edge.name)
+    return cls.options(**opts).remote(network=network, name=edge.name, region=edge.region,
+                                      capacity_bytes=cap, topology=topology.to_dict(), policy=policy,
+                                      http_port=http_port)
+
+
+def start_network(topology, root, network: str = "kdn", detached: bool = False,
+                  replicas: int = 2, http: bool = False, timeout_s: float = 60.0) -> Network:
+    """Start the origin and every edge of `topology` on the connected Ray cluster.
+
+    The origin keeps its durable store under `root`. Returns when every actor answers.
+    """
+    import ray
+    root = str(Path(root).absolute())
+    ocls = ray.remote(_origin_class())
+    opts = dict(name=origin_name(network), namespace=NAMESPACE, num_cpus=0, max_restarts=-1,
+                max_task_retries=0, max_concurrency=1000,
+                label_selector={"region": topology.origin_region})
+    if detached:
+        opts["lifetime"] = "detached"
+    origin = ocls.options(**opts).remote(network=network, root=root, topology=topology.to_dict(),
+                                         replicas=replicas)
+    edges = {e.name: start_edge(network, e, topology, detached=detached, http_port=0 if http else None)
+             for e in topology.edges}
+    try:
+        ray.get([origin.ping.remote()] + [h.ping.remote() for h in edges.values()], timeout=timeout_s)
+        ray.get(origin.set_members.remote([(e.name, e.region, e.weight) for e in topology.edges]),
+                timeout=timeout_s)
+    except Exception as e:
+        raise NetworkError(f"network {network!r} did not start within {timeout_s:.0f} s: {e}") from e
+    return Network(network, topology, origin, edges)
+
+
+def stop_network(net_or_name) -> None:
+    """Kill the origin and edge actors of a network (its durable store stays on disk)."""
+    import ray
+    name = net_or_name.name if isinstance(net_or_name, Network) else net_or_name
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor.get("namespace") == NAMESPACE and actor["name"].startswith(f"{name}:"):
+            try:
+                ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE), no_restart=True)
+            except ValueError:
+                pass
+
+
+# --- kdn up / kdn down ---------------------------------------------------------------------
+def state_path() -> Path:
+    return kdn_home() / "cluster.json"
+
+
+def up(topology_file=None, address=None, root=None, network: str = "kdn", http: bool = True):
+    """Start a network: on an embedded local cluster (no address) or on the cluster at address.
+
+    Returns the state written for `kdn down` and `kdn status`.
+    """
+    from kdn.placement.topology import Topology
+    prepare_ray_env()
+    topo = Topology.from_toml(topology_file) if topology_file else Topology.default_local(list(DEFAULT_REGIONS))
+    root = Path(root) if root else kdn_home() / "origin"
+    state = {"network": network, "root": str(root.absolute()), "started": time.time()}
+    if address is None:
+        if state_path().exists():
+            raise KDNError(f"a KDN cluster started by `kdn up` is already recorded in {state_path()}; "
+                           "run `kdn down` first")
+        regions = [topo.origin_region] + [r for r in topo.regions if r != topo.origin_region]
+        cluster = LocalCluster(regions, shutdown_at_exit=False)
+        state.update(address=cluster.address, pids=cluster.pids(), embedded=True)
+    else:
+        state.update(address=address, pids=[], embedded=False)
+    import ray
+    init_ray(state["address"])
+    start_network(topo, root, network=network, detached=True, http=http)
+    state_path().parent.mkdir(parents=True, exist_ok=True)
+    state_path().write_text(json.dumps(state, indent=1))
+    return state
+
+
+def read_state() -> dict:
+    try:
+        return json.loads(state_path().read_text())
+    except FileNotFoundError:
+        raise NetworkError("no KDN cluster is recorded: start one with `kdn up`") from None
+
+
+def down() -> dict:
+    """Stop what `kdn up` started: the network's actors, then the embedded cluster's processes."""
+    state = read_state()
+    try:
+        init_ray(state["address"])
+        stop_network(state["network"])
+        import ray
+        ray.shutdown()
+    except Exception:  # noqa: BLE001 - the cluster may already be gone; still stop processes
+        pass
+    for pid in state.get("pids", []):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    state_path().unlink(missing_ok=True)
+    return state

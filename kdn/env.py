@@ -1,0 +1,21 @@
+"""Process environment KDN needs before Ray starts: loopback only, no usage stats, token auth.
+
+Decided once here and used by the CLI, the demo, the tests and CI alike:
+- RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps every node on 127.0.0.1 (no traffic off loopback);
+- RAY_USAGE_STATS_ENABLED=0: nothing is reported anywhere;
+- RAY_AUTH_MODE=token: Ray's token auth on (token in ~/.ray/auth_token, made if missing).
+"""
+import os
+
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "token",
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+def prepare_ray_env() -> None:
+    """Set KDN's Ray environment in this process (and so in every process it starts)."""
+    for k, v in RAY_ENV.items():
+        os.environ.setdefault(k, v)

@@ -1,0 +1,48 @@
+"""Shared fixtures: KDN's Ray environment, a 3-region Ray cluster on loopback, synthetic KV.
+
+The cluster is real: three Ray nodes on this machine (ray.cluster_utils.Cluster), labelled
+region=us-east / eu-west / ap-south. It is started once per session, only when a test asks
+for it, and shut down at the end; each test module starts its own KDN network on it (its own
+actor names and origin directory), so tests never see each other's state.
+"""
+import uuid
+
+import numpy as np
+import pytest
+
+from kdn.env import prepare_ray_env
+
+prepare_ray_env()
+
+REGIONS = ("us-east", "eu-west", "ap-south")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    from kdn.cluster import LocalCluster, init_ray
+    cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=768 << 20)
+    init_ray(cluster.address)
+    yield cluster
+    cluster.shutdown()
+
+
+def make_kv(n_tokens, layers=2, heads=2, head_dim=8, seed=0, dtype=np.float32):
+    """Deterministic KV [layers, 2, heads, n_tokens, head_dim] that differs per token position."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((layers, 2, heads, n_tokens, head_dim)).astype(dtype)
+
+
+def make_tokens(n, seed=0, vocab=49152):
+    return np.random.default_rng(seed + 1000).integers(0, vocab, n).tolist()
+
+
+@pytest.fixture
+def network_name():
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def synth():
+    """Synthetic inputs: synth.kv(n_tokens, ...) and synth.tokens(n, seed)."""
+    import types
+    return types.SimpleNamespace(kv=make_kv, tokens=make_tokens)

@@ -1,0 +1,290 @@
+"""The origin's durable chunk store: dedup, verified reads, atomic versions, crash recovery, GC."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+from kdn.chunk import Chunk, encode
+from kdn.errors import (ChunkNotFound, CorruptChunk, ManifestError, StoreError,
+                        VersionNotFound)
+from kdn.manifest import Manifest
+from kdn.origin.store import TEMP_SUFFIX, ChunkStore
+
+SHAPE = (2, 2, 2, 16, 8)   # layers, k/v, kv_heads, tokens, head_dim: 2 KiB of bf16
+
+
+def kv_for(key: bytes) -> np.ndarray:
+    """Deterministic bf16 (uint16) KV derived from the key: contents can be re-derived to check."""
+    seed = int.from_bytes(key[:8], "little")
+    return np.random.default_rng(seed).integers(0, 2**16, SHAPE, dtype=np.uint16)
+
+
+def chunks_of(m: Manifest) -> list:
+    return [Chunk(k, m.ns, kv_for(k), "bfloat16") for k in m.keys]
+
+
+def kb(name="handbook", docs=(("a", 0, 1000),), layout="prefix", **kw) -> Manifest:
+    return Manifest.build(name, "acme", "fp-1", [(d, np.arange(lo, hi)) for d, lo, hi in docs],
+                          layout=layout, chunk_tokens=64, **kw)
+
+
+def publish(store, m):
+    for c in chunks_of(m):
+        store.put(c)
+    return store.commit(m)
+
+
+def tree_files(root, suffix):
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(suffix)]
+
+
+def test_put_get_roundtrip_and_dedup(tmp_path):
+    s = ChunkStore(tmp_path / "o")
+    m = kb()
+    cs = chunks_of(m)
+    assert [s.put(c) for c in cs] == [True] * len(cs)
+    assert [s.put(c) for c in cs] == [False] * len(cs)            # content addressed: no second write
+    assert s.chunk_count == len(cs) == 16
+    frame = encode(cs[3])
+    assert s.bytes == len(frame) * len(cs)
+    got = s.get(cs[3].key)
+    assert got.equal(cs[3]) and got.dtype == "bfloat16"
+    assert s.get_frame(cs[3].key) == frame
+    assert s.has(cs[0].key) and set(s.keys()) == {c.key for c in cs}
+    path = tmp_path / "o" / "chunks" / cs[0].key.hex()[:2] / (cs[0].key.hex() + ".kdnc")
+    assert path.read_bytes() == encode(cs[0])                     # stored exactly as the frame
+    st = s.stats()
+    assert (st["writes"], st["deduplicated"], st["chunks"], st["reads"]) == (16, 16, 16, 2)
+    missing = bytes(16)
+    with pytest.raises(ChunkNotFound, match=f"chunk {missing.hex()} is not stored"):
+        s.get(missing)
+    with pytest.raises(StoreError, match="a chunk key is 16 bytes"):
+        s.get(b"short")
+
+
+def test_put_frame_verifies_before_writing(tmp_path):
+    s = ChunkStore(tmp_path)
+    c = chunks_of(kb())[0]
+    frame = encode(c)
+    assert s.put_frame(frame) == (c.key, True)
+    assert s.put_frame(memoryview(frame)) == (c.key, False)
+    other = chunks_of(kb())[1]
+    bad = bytearray(encode(other))
+    bad[-5] ^= 0x40                                                 # a flipped payload bit
+    with pytest.raises(StoreError, match=f"refusing to store an invalid frame of {len(bad)} bytes: "
+                                         "payload checksum mismatch"):
+        s.put_frame(bytes(bad))
+    assert not s.has(other.key) and s.chunk_count == 1
+    assert not tree_files(tmp_path, TEMP_SUFFIX)
+
+
+def test_same_key_from_many_threads_writes_once(tmp_path):
+    s = ChunkStore(tmp_path)
+    c = chunks_of(kb())[0]
+    results = []
+    barrier = threading.Barrier(8)
+
+    def go():
+        barrier.wait()
+        results.append(s.put(c))
+
+    ts = [threading.Thread(target=go) for _ in range(8)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert sorted(results) == [False] * 7 + [True]
+    assert s.chunk_count == 1 and s.get(c.key).equal(c)
+    assert not tree_files(tmp_path, TEMP_SUFFIX)
+
+
+def test_commit_assigns_versions_and_manifests_are_listed(tmp_path):
+    s = ChunkStore(tmp_path)
+    m = kb(meta={"pinned": ["eu"]})
+    v1 = publish(s, m)
+    assert v1.version == 1 and v1.meta == {"pinned": ["eu"]}
+    v2 = publish(s, kb(docs=(("a", 0, 1000), ("b", 5000, 5300))))
+    assert v2.version == 2
+    assert s.manifest(m.ns, "handbook") == v2
+    assert s.manifest(m.ns, "handbook", 1) == v1
+    other = publish(s, kb(name="faq", docs=(("q", 9, 99),)))
+    assert [x.label() for x in s.manifests()] == ["acme/faq@v1", "acme/handbook@v1", "acme/handbook@v2"]
+    assert s.manifests(m.ns) == s.manifests() and s.manifests(bytes(16)) == []
+    assert other.version == 1
+    # v2 shares every chunk of the unchanged prefix with v1: only the tail was written
+    shared = len(set(v1.keys) & set(v2.keys))
+    assert shared == 15 and s.chunk_count == len(set(v1.keys) | set(v2.keys) | set(other.keys))
+    with pytest.raises(ManifestError, match="cannot commit acme/handbook@v2: version 2 already exists"):
+        s.commit(v2)
+    assert s.commit(kb().with_version(7)).version == 7
+    assert s.commit(kb()).version == 8
+    with pytest.raises(VersionNotFound, match=r"KB 'handbook' of ns [0-9a-f]{32} has no committed "
+                                              r"version 5 \(committed: 1, 2, 7, 8\)"):
+        s.manifest(m.ns, "handbook", 5)
+    with pytest.raises(VersionNotFound, match="KB 'nothing' of ns .* has no committed version$"):
+        s.manifest(m.ns, "nothing")
+
+
+def test_commit_refuses_missing_chunks_and_harms_nothing(tmp_path):
+    s = ChunkStore(tmp_path)
+    v1 = publish(s, kb())
+    m = kb(docs=(("a", 0, 1000), ("b", 5000, 5300)))
+    cs = chunks_of(m)
+    for c in cs[:-2]:
+        s.put(c)
+    with pytest.raises(ManifestError, match=f"cannot commit acme/handbook@v\\?: 2 of 21 chunk\\(s\\) are not "
+                                            f"stored \\(first: {cs[-2].key.hex()}"):
+        s.commit(m)
+    assert s.manifests() == [v1]
+    assert all(s.get(k).equal(c) for k, c in zip(v1.keys, chunks_of(v1)))
+    with pytest.raises(ManifestError, match="commit\\(\\) takes a Manifest, got dict"):
+        s.commit(m.to_dict())
+    with pytest.raises(ManifestError, match="KB name must match"):
+        s.manifest(m.ns, "../../etc")
+    with pytest.raises(StoreError, match="a namespace digest is 16 bytes"):
+        s.manifest(b"x", "handbook")
+
+
+def test_delete_version_retires_without_reusing_the_number_and_collect(tmp_path):
+    s = ChunkStore(tmp_path)
+    v1 = publish(s, kb(docs=(("a", 0, 1000),)))
+    v2 = publish(s, kb(docs=(("a", 0, 500), ("c", 7000, 7400))))
+    only_v1 = set(v1.keys) - set(v2.keys)
+    assert s.collect() == dict(chunks=0, bytes=0)                   # everything is live
+    s.delete_version(v1.ns, "handbook", 1)
+    with pytest.raises(VersionNotFound, match="no committed version 1 to delete"):
+        s.delete_version(v1.ns, "handbook", 1)
+    assert s.manifests() == [v2]
+    frame_len = len(encode(chunks_of(v1)[0]))
+    assert s.collect() == dict(chunks=len(only_v1), bytes=len(only_v1) * frame_len)
+    assert set(s.keys()) == set(v2.keys)
+    assert all(s.get(k).equal(c) for k, c in zip(v2.keys, chunks_of(v2)))
+    assert publish(s, kb()).version == 3                              # 1 is retired, never reused
+    assert ChunkStore(tmp_path).manifest(v1.ns, "handbook").version == 3
+
+
+def test_corrupt_chunk_is_never_served(tmp_path):
+    s = ChunkStore(tmp_path)
+    v1 = publish(s, kb())
+    victim = v1.keys[5]
+    path = tmp_path / "chunks" / victim.hex()[:2] / (victim.hex() + ".kdnc")
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptChunk, match=f"chunk {victim.hex()} is corrupt in {path}: payload checksum mismatch"):
+        s.get(victim)
+    with pytest.raises(CorruptChunk):
+        s.get_frame(victim)
+    assert s.verify() == [victim]
+    # A whole, valid frame of another key under this name is corrupt too.
+    path.write_bytes(encode(chunks_of(v1)[6]))
+    with pytest.raises(CorruptChunk, match=f"the file holds key {v1.keys[6].hex()}"):
+        s.get(victim)
+    assert s.stats()["corrupt_detected"] == 4
+    assert s.get(v1.keys[4]).equal(chunks_of(v1)[4])
+
+
+def test_corrupt_manifest_is_named_and_blocks_collection(tmp_path):
+    s = ChunkStore(tmp_path)
+    v1 = publish(s, kb())
+    (mpath,) = tree_files(tmp_path / "manifests", ".kdnm")
+    raw = bytearray(open(mpath, "rb").read())
+    raw[40] ^= 0xFF
+    open(mpath, "wb").write(bytes(raw))
+    with pytest.raises(ManifestError, match=f"manifest file {mpath} is unreadable: manifest checksum mismatch"):
+        s.manifest(v1.ns, "handbook")
+    with pytest.raises(ManifestError):
+        s.collect()                                  # cannot tell what is live: delete nothing
+    assert s.chunk_count == len(v1.keys) and len(list(s.keys())) == len(v1.keys)
+
+
+def test_uncommitted_puts_survive_collect_until_the_process_is_gone(tmp_path):
+    s = ChunkStore(tmp_path)
+    m = kb()
+    for c in chunks_of(m):
+        s.put(c)
+    assert s.collect()["chunks"] == 0 and s.stats()["pending"] == 16   # a publish in progress
+    assert s.release(m.keys[:4]) == 4 and s.collect()["chunks"] == 4    # that publisher gave up on 4
+    assert s.stats()["pending"] == 12 and s.stats()["versions"] == 0
+    reopened = ChunkStore(tmp_path)                                     # the publisher is gone
+    assert reopened.collect()["chunks"] == 12 and reopened.chunk_count == 0
+
+
+CHILD = textwrap.dedent('''
+    import os, stat, sys, time
+    import numpy as np
+    sys.path.insert(0, os.environ["KDN_TEST_DIR"])
+    from test_store import chunks_of, kb
+    from kdn.origin.store import ChunkStore
+
+    root, point = sys.argv[1], sys.argv[2]
+    store = ChunkStore(root)
+    for c in chunks_of(kb(docs=(("a", 0, 1000),))):
+        store.put(c)
+    store.commit(kb(docs=(("a", 0, 1000),)))
+    print("V1", flush=True)
+
+    real_fsync, files = os.fsync, [0]
+    hang_at = {"chunk": 3, "manifest": None}[point]
+    v2 = kb(docs=(("a", 0, 1000), ("b", 5000, 6000)))
+    new = [k for k in v2.keys if not store.has(k)]
+    hang_at = hang_at or len(new) + 1          # the manifest is the file after the new chunks
+
+    def fsync(fd):
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            files[0] += 1
+            if files[0] == hang_at:
+                print("HANG", flush=True)
+                time.sleep(600)
+        real_fsync(fd)
+
+    os.fsync = fsync
+    for c in chunks_of(v2):
+        store.put(c)
+    store.commit(v2)
+    print("DONE", flush=True)
+''')
+
+
+@pytest.mark.parametrize("point", ["chunk", "manifest"])
+def test_crash_mid_publish_leaves_previous_versions_whole(tmp_path, point):
+    root = tmp_path / "origin"
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = dict(os.environ, KDN_TEST_DIR=os.path.dirname(__file__))
+    proc = subprocess.Popen([sys.executable, str(script), str(root), point], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "V1"
+        assert proc.stdout.readline().strip() == "HANG"
+        temps = tree_files(root, TEMP_SUFFIX)
+        assert len(temps) == 1                         # killed with a write half done
+        kind = ".kdnm." if point == "manifest" else ".kdnc."
+        assert kind in os.path.basename(temps[0]) and temps[0].endswith(TEMP_SUFFIX)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    v1_manifest = kb(docs=(("a", 0, 1000),))
+    s = ChunkStore(root)
+    assert s.stats()["cleaned_partials"] == 1 and not tree_files(root, TEMP_SUFFIX)
+    (only,) = s.manifests()
+    assert only.version == 1 and only.keys == v1_manifest.keys
+    assert s.manifest(only.ns, "handbook").version == 1     # the half-written v2 is not visible
+    with pytest.raises(VersionNotFound):
+        s.manifest(only.ns, "handbook", 2)
+    assert all(s.get(k).equal(c) for k, c in zip(only.keys, chunks_of(v1_manifest)))
+    assert s.verify() == []
+    v2 = kb(docs=(("a", 0, 1000), ("b", 5000, 6000)))
+    new = set(v2.keys) - set(only.keys)
+    orphans = 2 if point == "chunk" else len(new)            # v2's chunks that made it to disk
+    assert len(new) == 17 and s.chunk_count == len(only.keys) + orphans
+    assert s.collect()["chunks"] == orphans
+    assert set(s.keys()) == set(only.keys)
+    assert publish(s, v2).version == 2                       # a retried publish succeeds
+    assert s.verify() == [] and len(s.manifests()) == 2
