@@ -135,6 +135,12 @@ class EdgeNode:
             self._last_refresh = time.monotonic()
         return self.members_version
 
+    async def membership(self) -> dict:
+        """The membership this edge routes by (clients use it while the origin is down)."""
+        return {"version": self.members_version, "replicas": self.replicas,
+                "members": [[e.name, e.region, e.weight] for e in self.ring.edges],
+                "topology": self.topology.to_dict(), "overrides": self.overrides}
+
     async def _refresh_membership(self):
         self._last_refresh = time.monotonic()
         m = await self._call_origin("membership", timeout=5.0)
@@ -201,6 +207,24 @@ class EdgeNode:
             if ttl_s:
                 self.expiry[c.key] = time.monotonic() + float(ttl_s)
         self.counters[f"received_{role}"] += n
+        return n
+
+    async def pin_keys(self, keys) -> int:
+        """Pin chunks this edge holds (an operator pinned their KB to this region)."""
+        n = 0
+        for k in keys:
+            c = self.main.peek(k) or self.hot.peek(k)
+            if c is None:
+                continue
+            try:
+                if k not in self.main:
+                    self.main.put(k, c, pin=True)
+                    self.hot.discard(k)
+                else:
+                    self.main.pin(k)
+                n += 1
+            except PinCapacityError:
+                self.counters["pin_refused"] += 1
         return n
 
     async def peer_get(self, keys) -> list:

@@ -124,21 +124,17 @@ class Client:
         except (NetworkError, ValueError):
             m = None
             for actor in self.ray.util.list_named_actors(all_namespaces=True):
-                if actor.get("namespace") == NAMESPACE and actor["name"].startswith(f"{self.network}:edge:"):
-                    try:
-                        h = self.ray.get_actor(actor["name"], namespace=NAMESPACE)
-                        st = self.ray.get(h.stats.remote(), timeout=2)
-                        if m is None:
-                            m = {"members": [], "version": 0, "topology": None}
-                        m["members"].append([st["name"], st["region"], 1.0])
-                    except Exception:  # noqa: BLE001 - dead edge: skip
-                        continue
-            if m is None or not m["members"]:
+                if actor.get("namespace") != NAMESPACE or not actor["name"].startswith(f"{self.network}:edge:"):
+                    continue
+                try:
+                    h = self.ray.get_actor(actor["name"], namespace=NAMESPACE)
+                    got = self.ray.get(h.membership.remote(), timeout=2)
+                except Exception:  # noqa: BLE001 - dead or restarting edge: ask the next
+                    continue
+                if m is None or got["version"] > m["version"]:
+                    m = got
+            if m is None:
                 raise NetworkError(f"network {self.network!r}: neither the origin nor any edge answers")
-            if self.membership is not None:
-                m["topology"] = self.membership["topology"]
-            elif m["topology"] is None:
-                raise NetworkError(f"network {self.network!r}: the origin is down and no topology is known")
         self.membership = m
         self.topology = Topology.from_dict(m["topology"])
         self.ring = Ring([Edge(*e) for e in m["members"]])
@@ -343,12 +339,14 @@ class Client:
     def warm(self, kb: str, region: str) -> dict:
         return self._origin_call("warm", self.tenant, kb, region, timeout=120)
 
-    def add_edge(self, name: str, region: str, capacity_bytes: int = 2 << 30) -> dict:
+    def add_edge(self, name: str, region: str, capacity_bytes: int = 2 << 30, **edge_options) -> dict:
         """Start an edge actor in `region` and add it to the ring (keys move to it)."""
         from kdn.cluster import start_edge
         topo = Topology.from_dict(self.membership["topology"])
         edge = topo.add_edge(name, region, int(capacity_bytes))
-        h = start_edge(self.network, edge, topo, capacity_bytes=capacity_bytes)
+        # detached: the edge belongs to the network, not to this client (stop_network kills it)
+        h = start_edge(self.network, edge, topo, capacity_bytes=capacity_bytes, detached=True,
+                       replicas=self.membership.get("replicas", 2), **edge_options)
         self.ray.get(h.ping.remote(), timeout=60)
         m = self._origin_call("add_edge", name, region, edge.weight, timeout=300)
         self.refresh()

@@ -139,7 +139,7 @@ def _origin_class():
 
 
 def start_edge(network: str, edge, topology, detached: bool = False, capacity_bytes=None,
-               policy: str = "s3fifo", http_port=None):
+               http_port=None, replicas: int = 2, **edge_options):
     """Start one edge actor on a node of its region; returns the handle."""
     import ray
     cls = ray.remote(_edge_class())
@@ -150,15 +150,18 @@ def start_edge(network: str, edge, topology, detached: bool = False, capacity_by
         opts["lifetime"] = "detached"
     cap = capacity_bytes or topology.capacity_bytes(edge.name)
     return cls.options(**opts).remote(network=network, name=edge.name, region=edge.region,
-                                      capacity_bytes=cap, topology=topology.to_dict(), policy=policy,
-                                      http_port=http_port)
+                                      capacity_bytes=cap, topology=topology.to_dict(),
+                                      http_port=http_port, replicas=replicas, **edge_options)
 
 
 def start_network(topology, root, network: str = "kdn", detached: bool = False,
-                  replicas: int = 2, http: bool = False, timeout_s: float = 60.0) -> Network:
+                  replicas: int = 2, http: bool = False, timeout_s: float = 60.0,
+                  edge_options: dict = None) -> Network:
     """Start the origin and every edge of `topology` on the connected Ray cluster.
 
-    The origin keeps its durable store under `root`. Returns when every actor answers.
+    The origin keeps its durable store under `root`; every chunk goes to `replicas` ring
+    owners. edge_options go to each EdgeNode (policy, hot_fraction, replication settings).
+    Returns when every actor answers.
     """
     import ray
     root = str(Path(root).absolute())
@@ -170,7 +173,8 @@ def start_network(topology, root, network: str = "kdn", detached: bool = False,
         opts["lifetime"] = "detached"
     origin = ocls.options(**opts).remote(network=network, root=root, topology=topology.to_dict(),
                                          replicas=replicas)
-    edges = {e.name: start_edge(network, e, topology, detached=detached, http_port=0 if http else None)
+    edges = {e.name: start_edge(network, e, topology, detached=detached, http_port=0 if http else None,
+                                replicas=replicas, **(edge_options or {}))
              for e in topology.edges}
     try:
         ray.get([origin.ping.remote()] + [h.ping.remote() for h in edges.values()], timeout=timeout_s)

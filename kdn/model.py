@@ -304,6 +304,7 @@ class Generation:
     prompt_tokens: int
     cached_tokens: int    # prompt tokens whose KV came in through `cache`
     finish: str           # "eos" or "length"
+    logits: torch.Tensor  # [vocab] float32 after the last prompt token (chose the first new token)
 
 
 _PROBE = "kdn-probe-knowledge"
@@ -583,6 +584,7 @@ class Model:
         with torch.inference_mode():
             logits = self._forward(torch.tensor([ids[start:]], dtype=torch.long), cache).logits[0, -1]
             ttft = time.perf_counter() - t0
+            first_logits = logits.float().clone()
             while True:
                 nxt = int(torch.argmax(logits))
                 if nxt in self.eos_ids:
@@ -596,4 +598,5 @@ class Model:
         self.stats["generated_tokens"] += len(out_ids)
         text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
         return Generation(tokens=out_ids, text=text, ttft_s=ttft, total_s=time.perf_counter() - t0,
-                          prompt_tokens=len(ids), cached_tokens=cached_tokens, finish=finish)
+                          prompt_tokens=len(ids), cached_tokens=cached_tokens, finish=finish,
+                          logits=first_logits)

@@ -19,7 +19,8 @@ from pathlib import Path
 import msgpack
 
 from kdn.cluster import NAMESPACE, edge_actor_name
-from kdn.errors import KDNError, ManifestError, StoreError
+from kdn.errors import KDNError, ManifestError, StoreError, VersionNotFound
+from kdn.keys import namespace_digest
 from kdn.manifest import Manifest
 from kdn.origin.store import ChunkStore
 from kdn.placement.ring import Edge, Ring
@@ -146,17 +147,34 @@ class OriginNode:
         """Commit a manifest (all its chunks must be stored), push to owners, return a receipt."""
         m = Manifest.from_dict(manifest) if isinstance(manifest, dict) else manifest
         t0 = time.perf_counter()
-        committed = await asyncio.to_thread(self.store.commit, m)
-        self.counters["versions_committed"] += 1
+        latest = await asyncio.to_thread(self._latest, m.tenant, m.fingerprint, m.name)
+        if latest is not None and self._same_content(latest, m):
+            committed, unchanged = latest, True    # publishing unchanged knowledge: no new version
+        else:
+            committed, unchanged = await asyncio.to_thread(self.store.commit, m), False
+            self.counters["versions_committed"] += 1
         await asyncio.gather(*(self._call(n, "add_manifest", committed.to_dict(), timeout=10)
                                for n, _, _ in self.members))
         placement, pushed = {}, {}
         if push:
             placement, pushed = await self._push(committed)
         return {"kb": committed.name, "tenant": committed.tenant, "version": committed.version,
+                "unchanged": unchanged,
                 "chunks": len(committed.keys), "tokens": committed.n_tokens,
                 "bytes": self._bytes_of(committed.keys), "placement": placement, "pushed": pushed,
                 "seconds": time.perf_counter() - t0}
+
+    def _latest(self, tenant, fingerprint, name):
+        try:
+            return self.store.manifest(namespace_digest(tenant, fingerprint), name)
+        except VersionNotFound:
+            return None
+
+    @staticmethod
+    def _same_content(a: Manifest, b: Manifest) -> bool:
+        return (a.keys == b.keys and a.layout == b.layout and a.chunk_tokens == b.chunk_tokens
+                and [(d.name, d.start, d.end, d.digest) for d in a.documents]
+                == [(d.name, d.start, d.end, d.digest) for d in b.documents] and a.meta == b.meta)
 
     def _bytes_of(self, keys):
         return sum(self.store.size_of(k) for k in set(keys))
@@ -191,6 +209,8 @@ class OriginNode:
                 pushed[edge] = 0
                 return
             todo = [k for k, h in zip(keys, have) if not h]
+            if edge in pinned_edges:   # chunks it already holds get pinned where they are
+                await self._call(edge, "pin_keys", [k for k, h in zip(keys, have) if h])
             pushed[edge] = await self._send(edge, todo, sem, role="main", pin=edge in pinned_edges,
                                             ttl_s=ov.get("ttl_s"))
 

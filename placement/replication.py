@@ -246,6 +246,10 @@ class ReplicationPolicy:
             out.promote.append((key, region))
             self.c["promotions"] += 1
 
+        def idle_past_ttl(key, region):
+            o = self._overrides.get(self._kb.get(key))
+            return o is not None and o.ttl_s is not None and now - last.get((key, region), now) > o.ttl_s
+
         for region in sorted(set(rates) | set(self._hot) | set(pins)):
             rr = rates.get(region, {})
             hot = self._hot.setdefault(region, {})
@@ -259,10 +263,8 @@ class ReplicationPolicy:
                     continue
                 elif rr.get(key, 0.0) < self.demote_rate:
                     demote(key, region, "cold")
-                else:
-                    o = self._overrides.get(self._kb.get(key))
-                    if o is not None and o.ttl_s is not None and now - last.get((key, region), now) > o.ttl_s:
-                        demote(key, region, "expired")
+                elif idle_past_ttl(key, region):
+                    demote(key, region, "expired")
             # 2. pins: always, first
             for key in sorted(pinned):
                 if key not in hot and region not in owner_regions(key):
@@ -279,7 +281,7 @@ class ReplicationPolicy:
                            key=lambda t: (-t[0], t[1]))
             victims = sorted((rr.get(k, 0.0), k) for k in hot if k not in pinned)   # coldest first
             for r, key in cands:
-                if region in owner_regions(key):
+                if region in owner_regions(key) or idle_past_ttl(key, region):
                     continue
                 size = self._size.get(key, 0)
                 need = self._hot_bytes.get(region, 0) + size - budget

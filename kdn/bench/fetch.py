@@ -1,0 +1,307 @@
+"""`kdn bench fetch`: KV fetch through the network against a plain `ray.get` of the same bytes.
+
+It builds its own two-node Ray cluster on loopback (LocalCluster: regions "near" and "far",
+never an existing cluster), starts a network with one edge per node (near-0, far-0; the
+origin on the near node), publishes a synthetic 64 MiB prefix and checks that both edges hold
+every chunk in memory (with 2 edges and 2 replicas each owns all of it; otherwise the KB is
+warmed into the region). A worker actor on the near node (label_selector region=near) then
+measures, in one run and interleaved rep by rep so machine noise hits both sides alike:
+
+- same node: Client.fetch(tokens) — the worker's region, read from its node's label, makes
+  near-0 its nearest edge — against ray.get of a trivial actor on the near node that holds
+  the same chunk arrays and returns them;
+- cross node: Client(region="far").fetch(tokens) from the same near-node worker — the client
+  ranks far-0 first, so the chunks cross from the far node's object store — against the same
+  trivial actor placed on the far node;
+- one-chunk latency: Client.fetch of the first 256 tokens from near-0, p50/p99 over many
+  calls, next to ray.get of one chunk array from the near trivial actor.
+
+Both sides return numpy arrays through Ray's object store, so the ratios say what the edge
+adds (key computation, manifest match, tier lookup, Chunk objects, checks) on top of the
+transport every Ray program pays. Every fetched byte is compared with the trivial actor's
+copy once. The default KV shape is SmolLM2-135M's (30 layers, 3 KV heads, head_dim 64, fp32:
+45 KiB per token), so 64 MiB is 1456 tokens in six chunks of 256 (the last 176).
+"""
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+
+import numpy as np
+
+from kdn.bench import emit_json, median, p, table
+from kdn.keys import CHUNK_TOKENS
+
+REGIONS = ("near", "far")
+FINGERPRINT = "bench-fetch-synthetic"
+KB = "bench-fetch"
+TARGET_RATIO = 0.8
+TARGET_P50_MS = 2.0
+DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+class PlainHolder:
+    """The baseline: holds the chunk arrays in its own memory and returns them, nothing else."""
+
+    def __init__(self, arrays):
+        self.arrays = [np.array(a, copy=True) for a in arrays]
+
+    def node(self):
+        import ray
+        return ray.get_runtime_context().get_node_labels().get("region")
+
+    def all(self):
+        return self.arrays
+
+    def one(self, i):
+        return self.arrays[i]
+
+
+class FetchWorker:
+    """Runs every measurement from one process on the near node."""
+
+    def __init__(self, network: str, tokens: list, plain: dict):
+        from kdn.client import Client
+        self.tokens = tokens
+        self.plain = plain                     # region -> PlainHolder handle
+        self.near = Client(network=network, fingerprint=FINGERPRINT)
+        self.far = Client(network=network, region="far", fingerprint=FINGERPRINT)
+
+    def where(self):
+        from kdn.client import node_region
+        return {"node_region": node_region(), "near_client": self.near.region,
+                "far_client": self.far.region}
+
+    def check(self, n_bytes: int) -> dict:
+        """Fetch through both edges once; every byte must equal the plain copy."""
+        import ray
+        ref = ray.get(self.plain["near"].all.remote())
+        out = {}
+        for name, client in (("same_node", self.near), ("cross_node", self.far)):
+            f = client.fetch(self.tokens)
+            got = [c.kv for c in f.chunks]
+            out[name] = {"edge": f.edge, "sources": f.source_counts(), "tokens": f.tokens,
+                         "nbytes": f.nbytes,
+                         "equal": f.nbytes == n_bytes and len(got) == len(ref)
+                         and all(np.array_equal(a, b) for a, b in zip(got, ref))}
+        return out
+
+    def throughput(self, reps: int) -> dict:
+        """Seconds per whole-prefix transfer, four paths interleaved rep by rep (after a warmup)."""
+        import ray
+        paths = {
+            "same_node_fetch": lambda: self.near.fetch(self.tokens).nbytes,
+            "same_node_plain": lambda: sum(a.nbytes for a in ray.get(self.plain["near"].all.remote())),
+            "cross_node_fetch": lambda: self.far.fetch(self.tokens).nbytes,
+            "cross_node_plain": lambda: sum(a.nbytes for a in ray.get(self.plain["far"].all.remote())),
+        }
+        times = {k: [] for k in paths}
+        nbytes = {}
+        for rep in range(reps + 1):
+            for name, fn in paths.items():
+                t0 = time.perf_counter()
+                nbytes[name] = fn()
+                dt = time.perf_counter() - t0
+                if rep:                      # rep 0 is the warmup
+                    times[name].append(dt)
+        return {"seconds": times, "nbytes": nbytes}
+
+    def latency(self, calls: int) -> dict:
+        """Milliseconds per one-chunk fetch from the same-node edge, and per plain one-chunk get."""
+        import ray
+        first = self.tokens[:CHUNK_TOKENS]
+        fetch_ms, plain_ms, keys_ms = [], [], []
+        self.near.fetch(first)
+        ray.get(self.plain["near"].one.remote(0))
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            f = self.near.fetch(first)
+            fetch_ms.append((time.perf_counter() - t0) * 1e3)
+            assert len(f.chunks) == 1 and f.edge == "near-0"
+            t0 = time.perf_counter()
+            ray.get(self.plain["near"].one.remote(0))
+            plain_ms.append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            self.near.keys_for(first)
+            keys_ms.append((time.perf_counter() - t0) * 1e3)
+        return {"fetch_ms": fetch_ms, "plain_ms": plain_ms, "keys_ms": keys_ms,
+                "chunk_bytes": f.nbytes}
+
+
+def synthetic(mib: float, layers: int, heads: int, head_dim: int, dtype: str, seed: int = 0):
+    """(tokens, kv[layers, 2, heads, T, head_dim]) with T the most tokens that fit in mib MiB."""
+    per_token = layers * 2 * heads * head_dim * np.dtype(DTYPES[dtype]).itemsize
+    n = int(mib * (1 << 20)) // per_token
+    if n < 1:
+        raise SystemExit(f"kdn bench fetch: {mib} MiB holds no token of {per_token} bytes")
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 49152, n).tolist()
+    kv = rng.standard_normal((layers, 2, heads, n, head_dim), dtype=np.float32).astype(DTYPES[dtype])
+    return tokens, kv
+
+
+def chunk_arrays(kv, chunk_tokens=CHUNK_TOKENS):
+    n = kv.shape[3]
+    return [np.ascontiguousarray(kv[:, :, :, s:min(s + chunk_tokens, n)]) for s in range(0, n, chunk_tokens)]
+
+
+def ensure_everywhere(client, net, keys, log) -> dict:
+    """Make both edges hold every chunk (warm the KB into a region whose edge lacks some)."""
+    import ray
+    held = {}
+    for region in REGIONS:
+        edge = net.edge(f"{region}-0")
+        have = ray.get(edge.have.remote(keys))
+        if not all(have):
+            log(f"  {region}-0 holds {sum(have)}/{len(keys)} chunks: warming {KB} into {region}")
+            client.warm(KB, region)
+            have = ray.get(edge.have.remote(keys))
+        if not all(have):
+            raise RuntimeError(f"edge {region}-0 still lacks {have.count(False)} of {len(keys)} chunks")
+        st = ray.get(edge.stats.remote())
+        held[region] = {"main": st["main"]["items"], "hot": st["hot_copies"]}
+    return held
+
+
+def run(args, log) -> dict:
+    import ray
+    from kdn.client import Client
+    from kdn.cluster import LocalCluster, init_ray, start_network, stop_network
+    from kdn.placement.topology import Topology
+
+    tokens, kv = synthetic(args.mib, args.layers, args.heads, args.head_dim, args.dtype)
+    arrays = chunk_arrays(kv)
+    total = sum(a.nbytes for a in arrays)
+    log(f"KV {args.layers}x2x{args.heads}x{len(tokens)}x{args.head_dim} {args.dtype}: "
+        f"{total / 2**20:.2f} MiB in {len(arrays)} chunks")
+    cluster = net = None
+    actors = []
+    root = tempfile.mkdtemp(prefix="kdn-bench-fetch-")
+    try:
+        t0 = time.perf_counter()
+        cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=args.object_store_mib << 20)
+        init_ray(cluster.address)
+        topo = Topology.default_local(list(REGIONS))        # edges near-0, far-0; origin in near
+        name = f"bench-fetch-{uuid.uuid4().hex[:6]}"
+        net = start_network(topo, root, network=name)
+        log(f"cluster + network up in {time.perf_counter() - t0:.1f} s")
+        client = Client(network=name, region="near", fingerprint=FINGERPRINT)
+        t0 = time.perf_counter()
+        receipt = client.publish(KB, [("synthetic", tokens)], kv)
+        keys = list(client.manifest(KB).keys)
+        held = ensure_everywhere(client, net, keys, log)
+        log(f"published {receipt['chunks']} chunks in {time.perf_counter() - t0:.1f} s; "
+            f"placement {receipt['placement']}")
+
+        holder = ray.remote(PlainHolder)
+        ref = ray.put(arrays)
+        plain = {r: holder.options(num_cpus=0, label_selector={"region": r}).remote(ref) for r in REGIONS}
+        actors += list(plain.values())
+        where = ray.get([plain[r].node.remote() for r in REGIONS])
+        worker = ray.remote(FetchWorker).options(num_cpus=1, label_selector={"region": "near"}) \
+            .remote(name, tokens, plain)
+        actors.append(worker)
+        placed = ray.get(worker.where.remote())
+        if placed["node_region"] != "near" or where != list(REGIONS):
+            raise RuntimeError(f"actors not where asked: worker {placed}, plain holders {where}")
+        check = ray.get(worker.check.remote(total))
+        for path, c in check.items():
+            if not c["equal"]:
+                raise RuntimeError(f"{path}: fetched bytes differ from the published KV: {c}")
+        log(f"checked: {check}")
+
+        edge = net.edge("near-0")
+        before = ray.get(edge.stats.remote())["counters"]
+        tp = ray.get(worker.throughput.remote(args.reps))
+        lat = ray.get(worker.latency.remote(args.calls))
+        after = ray.get(edge.stats.remote())["counters"]
+        fetches = after.get("fetches", 0) - before.get("fetches", 0)
+        edge_us = (after.get("fetch_us", 0) - before.get("fetch_us", 0)) / max(1, fetches)
+        return dict(total=total, n_chunks=len(arrays), n_tokens=len(tokens), held=held,
+                    check=check, tp=tp, lat=lat, edge_us_mean=edge_us, edge_fetches=fetches)
+    finally:
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone with its node
+                pass
+        if net is not None:
+            try:
+                stop_network(net)
+            except Exception:  # noqa: BLE001 - the cluster goes next anyway
+                pass
+        if cluster is not None:
+            cluster.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def summarize(r: dict, args) -> dict:
+    sec = r["tp"]["seconds"]
+    gbps = {k: r["total"] / 1e9 / median(v) for k, v in sec.items()}
+    lat = r["lat"]
+    out = {
+        "bytes": r["total"], "chunks": r["n_chunks"], "tokens": r["n_tokens"],
+        "chunk_bytes": lat["chunk_bytes"], "reps": args.reps, "calls": args.calls,
+        "shape": [args.layers, 2, args.heads, r["n_tokens"], args.head_dim], "dtype": args.dtype,
+        "same_node_gbps": gbps["same_node_fetch"], "same_node_plain_gbps": gbps["same_node_plain"],
+        "same_node_ratio": gbps["same_node_fetch"] / gbps["same_node_plain"],
+        "cross_node_gbps": gbps["cross_node_fetch"], "cross_node_plain_gbps": gbps["cross_node_plain"],
+        "cross_node_ratio": gbps["cross_node_fetch"] / gbps["cross_node_plain"],
+        "one_chunk_p50_ms": p(lat["fetch_ms"], 50), "one_chunk_p99_ms": p(lat["fetch_ms"], 99),
+        "one_chunk_plain_p50_ms": p(lat["plain_ms"], 50), "one_chunk_plain_p99_ms": p(lat["plain_ms"], 99),
+        "keys_for_p50_ms": p(lat["keys_ms"], 50),
+        "edge_handler_mean_ms": r["edge_us_mean"] / 1e3,
+    }
+    out["targets_met"] = {"same_node_ratio": out["same_node_ratio"] >= TARGET_RATIO,
+                          "cross_node_ratio": out["cross_node_ratio"] >= TARGET_RATIO,
+                          "one_chunk_p50_ms": out["one_chunk_p50_ms"] <= TARGET_P50_MS}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="kdn bench fetch", description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=float, default=64.0, help="size of the published prefix (MiB)")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--heads", type=int, default=3, help="KV heads")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--reps", type=int, default=7, help="whole-prefix transfers per path (>= 5)")
+    ap.add_argument("--calls", type=int, default=200, help="one-chunk fetches for the latency")
+    ap.add_argument("--object-store-mib", type=int, default=1024, help="per Ray node")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = ap.parse_args(argv)
+    if args.reps < 5:
+        ap.error(f"--reps must be >= 5 (a median of fewer is noise), got {args.reps}")
+
+    def log(msg):
+        print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    from kdn.env import prepare_ray_env
+    prepare_ray_env()
+    s = summarize(run(args, log), args)
+    mib = s["bytes"] / 2**20
+    table([
+        {"path": "same node (near-0)", "MiB": mib, "fetch GB/s": s["same_node_gbps"],
+         "plain ray.get GB/s": s["same_node_plain_gbps"], "ratio": s["same_node_ratio"],
+         "target": f">= {TARGET_RATIO}", "met": s["targets_met"]["same_node_ratio"]},
+        {"path": "cross node (far-0)", "MiB": mib, "fetch GB/s": s["cross_node_gbps"],
+         "plain ray.get GB/s": s["cross_node_plain_gbps"], "ratio": s["cross_node_ratio"],
+         "target": f">= {TARGET_RATIO}", "met": s["targets_met"]["cross_node_ratio"]},
+    ])
+    print()
+    table([
+        {"one chunk": f"{s['chunk_bytes'] / 2**20:.2f} MiB", "calls": s["calls"],
+         "fetch p50 ms": s["one_chunk_p50_ms"], "fetch p99 ms": s["one_chunk_p99_ms"],
+         "plain p50 ms": s["one_chunk_plain_p50_ms"], "plain p99 ms": s["one_chunk_plain_p99_ms"],
+         "keys_for p50 ms": s["keys_for_p50_ms"], "edge handler ms": s["edge_handler_mean_ms"],
+         "target": f"p50 <= {TARGET_P50_MS}", "met": s["targets_met"]["one_chunk_p50_ms"]},
+    ])
+    if args.json:
+        emit_json(s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

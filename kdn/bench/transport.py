@@ -1,0 +1,388 @@
+"""`kdn bench transport`: fetch GB/s of the same KV over Ray, over HTTP, and from Redis.
+
+One run, one machine, the same bytes: a one-node network (origin + one edge with HTTP) holds
+a published KB of N chunks (default 32 chunks of 2 MiB = 64 MiB: 256 tokens x 16 layers x
+2 KV heads x head_dim 64, float16), all in the edge's memory. Each rep fetches all of it:
+
+- ray:   Client.fetch(tokens) in a Ray worker process on the edge's node: keys computed in
+         the worker, the edge's answer through the object store (mapped, not copied, on the
+         worker's side; no checksums: Ray is trusted).
+- http:  EdgeHTTPClient.fetch_tokens(tokens) in this process (not a Ray call): the frames
+         received into one preallocated buffer and every frame verified (xxh3) into Chunks.
+- redis: redis-server on loopback (Debian's, started and stopped here, no persistence)
+         holding each chunk's frame under its key; one MGET of all keys, each value read into
+         its own preallocated buffer over RESP on a raw socket (redis-py if installed is
+         measured too) and verified into Chunks exactly like HTTP.
+- copy:  one numpy copy of 64 MiB in this process, the memory-bandwidth ceiling of the run.
+
+GB/s = bytes of KV / median seconds of >= 5 reps (1e9 B/s). Peers not run here (LMCache's
+KV server, Mooncake Store) are measured by ../shared/anchors; with $ANCHORS venvs present
+and --run-anchors they run beside, else their recorded figures are printed, labelled so.
+"""
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from kdn.bench import emit_json, median, table
+from kdn.chunk import decode, encode
+
+REGION = "bench"
+TENANT, FINGERPRINT = "default", "bench-transport"
+HEADS, HEAD_DIM, TOKENS = 2, 64, 256
+DEFAULT_ANCHORS = Path(__file__).resolve().parents[3] / "shared" / "anchors"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gbps(nbytes, seconds):
+    return nbytes / seconds / 1e9
+
+
+# --- Redis over RESP on a raw socket ---------------------------------------------------------
+class Resp:
+    """The least RESP2 client that reads large values fast: bulk replies land by recv_into
+    in a buffer allocated at their announced length, never assembled from pieces."""
+
+    def __init__(self, port: int, timeout_s: float = 60.0):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+        self.pending = bytearray()
+
+    def close(self):
+        self.sock.close()
+
+    def send(self, *args):
+        parts = [f"*{len(args)}\r\n".encode()]
+        for a in args:
+            a = a.encode() if isinstance(a, str) else a
+            parts += [f"${len(a)}\r\n".encode(), a, b"\r\n"]
+        big = [p for p in parts if len(p) > 65536]
+        if not big:
+            self.sock.sendall(b"".join(parts))
+        else:
+            for p in parts:
+                self.sock.sendall(p)
+
+    def _line(self) -> bytes:
+        while True:
+            i = self.pending.find(b"\r\n")
+            if i >= 0:
+                line = bytes(self.pending[:i])
+                del self.pending[:i + 2]
+                return line
+            more = self.sock.recv(65536)
+            if not more:
+                raise ConnectionError("redis closed the connection")
+            self.pending += more
+
+    def _exact(self, n: int) -> np.ndarray:
+        out = np.empty(n, np.uint8)
+        mv = memoryview(out)
+        have = min(n, len(self.pending))
+        mv[:have] = self.pending[:have]
+        del self.pending[:have]
+        while have < n:
+            r = self.sock.recv_into(mv[have:])
+            if not r:
+                raise ConnectionError("redis closed the connection mid-value")
+            have += r
+        while len(self.pending) < 2:
+            self.pending += self.sock.recv(65536)
+        del self.pending[:2]
+        return out
+
+    def reply(self):
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind in (b"+", b":"):
+            return rest
+        if kind == b"-":
+            raise RuntimeError(f"redis: {rest.decode()}")
+        if kind == b"$":
+            n = int(rest)
+            return None if n < 0 else self._exact(n)
+        if kind == b"*":
+            return [self.reply() for _ in range(int(rest))]
+        raise RuntimeError(f"redis: unexpected reply {line[:40]!r}")
+
+
+def start_redis(tmp: str):
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return None, None
+    port = free_port()
+    proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                             "--appendonly", "no", "--protected-mode", "yes", "--dir", tmp,
+                             "--loglevel", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            r = Resp(port, timeout_s=2)
+            r.send("PING")
+            r.reply()
+            r.close()
+            return proc, port
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not answer PING within 10 s")
+
+
+def stop(proc):
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# --- the Ray side ----------------------------------------------------------------------------
+def _ray_worker(network, tokens, digests, reps):
+    """In a Ray worker on the edge's node: time Client.fetch of the whole KB, reps times."""
+    from kdn.client import Client
+    cl = Client(network=network, region=REGION, tenant=TENANT, fingerprint=FINGERPRINT)
+    f = cl.fetch(tokens)                          # warm: manifests, handles; check the bytes
+    ok = [xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")) for c in f.chunks] == digests
+    times, sources = [], set(f.sources)
+    for _ in range(reps):
+        del f
+        t0 = time.perf_counter()
+        f = cl.fetch(tokens)
+        times.append(time.perf_counter() - t0)
+        sources |= set(f.sources)
+    return {"times": times, "ok": ok, "nbytes": f.nbytes, "sources": sorted(sources), "pid": os.getpid()}
+
+
+# --- anchors ---------------------------------------------------------------------------------
+ANCHOR_RUNS = {   # label -> (venv, script, args): 64 MiB in 2 x 32 MiB values, read direction
+    "LMCache 0.5.6 lm:// retrieve": ("venv-lmcache", "lmcache_bench.py", ["--backend", "lm", "--chunks", "2"]),
+    "Mooncake 0.3.13 get_into": ("venv-mooncake", "mooncake_bench.py", ["--n", "2", "--mib", "32", "--api", "buffer"]),
+}
+RECORDED = {   # label -> (system, op) in results_here.jsonl
+    "LMCache 0.5.6 lm:// retrieve": ("lmcache-0.5.6 engine -> lm://", "retrieve"),
+    "Mooncake 0.3.13 get_into": ("mooncake-store-0.3.13 (tcp)", "get", "buffer"),
+    "Redis 7 + redis-py GET": ("redis-7 (redis-py)", "get", "tcp-loopback"),
+}
+
+
+def run_anchors(anchors: Path, venvs: Path, reps: int) -> dict:
+    out = {}
+    for label, (venv, script, args) in ANCHOR_RUNS.items():
+        py = venvs / venv / "bin" / "python"
+        if not py.exists():
+            continue
+        try:
+            p = subprocess.run([str(py), str(anchors / script), *args, "--reps", str(reps)],
+                               capture_output=True, text=True, timeout=400, cwd=anchors)
+            lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+            out[label] = json.loads(lines[-1])["gbps"] if lines else None
+        except (subprocess.TimeoutExpired, ValueError, KeyError, OSError):
+            out[label] = None
+    return out
+
+
+def recorded_anchors(anchors: Path) -> dict:
+    path = anchors / "results_here.jsonl"
+    if not path.exists():
+        return {}
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    out = {}
+    for label, want in RECORDED.items():
+        for r in rows:
+            extra = r.get("api", r.get("transport"))
+            if (r.get("system"), r.get("op")) == want[:2] and (len(want) < 3 or extra == want[2]):
+                out[label] = r["gbps"]
+                break
+    return out
+
+
+# --- the benchmark ---------------------------------------------------------------------------
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="kdn bench transport", description=__doc__.splitlines()[0])
+    ap.add_argument("--chunks", type=int, default=32, help="chunks in the KB (default 32)")
+    ap.add_argument("--chunk-mib", type=int, default=2, help="MiB per chunk (default 2)")
+    ap.add_argument("--reps", type=int, default=5, help="timed reps per transport (>= 5)")
+    ap.add_argument("--anchors", default=os.environ.get("KDN_ANCHORS_DIR") or str(DEFAULT_ANCHORS),
+                    help="the anchors folder (default ../shared/anchors beside the repo)")
+    ap.add_argument("--run-anchors", action="store_true",
+                    help="run LMCache/Mooncake anchors from the venvs under $ANCHORS (slow)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = ap.parse_args(argv)
+    if args.reps < 5 or args.chunks < 1 or args.chunk_mib < 1:
+        ap.error("--reps must be >= 5, --chunks and --chunk-mib >= 1")
+
+    layers = (args.chunk_mib << 20) // (2 * HEADS * TOKENS * HEAD_DIM * 2)
+    n_tokens = args.chunks * TOKENS
+    rng = np.random.default_rng(0)
+    kv = rng.standard_normal((layers, 2, HEADS, n_tokens, HEAD_DIM), dtype=np.float32).astype(np.float16)
+    tokens = rng.integers(0, 49152, n_tokens).tolist()
+    total = kv.nbytes
+    print(f"KV: {args.chunks} chunks x {kv.nbytes // args.chunks / 2**20:.0f} MiB "
+          f"({TOKENS} tokens x {layers} layers x {HEADS} heads x {HEAD_DIM} head_dim, float16) "
+          f"= {total / 2**20:.0f} MiB; median of {args.reps} reps", flush=True)
+
+    from kdn.cluster import LocalCluster, init_ray, start_network, stop_network
+    from kdn.client import Client
+    from kdn.http_client import EdgeHTTPClient
+    from kdn.placement.topology import Topology
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="kdn-bench-transport-")
+    network = f"bench-transport-{uuid.uuid4().hex[:6]}"
+    cluster = LocalCluster([REGION], cpus=2, object_store_bytes=max(512 << 20, 6 * total))
+    redis_proc = None
+    rows, res = [], {}
+    try:
+        init_ray(cluster.address)
+        topo = Topology.default_local([REGION], edges_per_region=1,
+                                      capacity_bytes=max(1 << 30, 4 * total))
+        net = start_network(topo, Path(tmp) / "origin", network=network, http=True, replicas=1)
+        (edge,) = net.edges.values()
+        url = ray.get(edge.ping.remote())["http"]
+        cl = Client(network=network, region=REGION, tenant=TENANT, fingerprint=FINGERPRINT)
+        cl.publish("transport", [("blob", tokens)], kv)
+        m = cl.manifest("transport")
+        from kdn.chunk import Chunk
+        chunks = [Chunk(k, m.ns, np.ascontiguousarray(kv[:, :, :, s:s + TOKENS]), "float16")
+                  for k, s in zip(m.keys, range(0, n_tokens, TOKENS))]
+        digests = [xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")) for c in chunks]
+
+        def record(name, client, times, note, nbytes=total):
+            med = median(times)
+            res[name] = gbps(nbytes, med)
+            rows.append({"transport": name, "client": client, "GB/s": res[name],
+                         "median_ms": med * 1e3, "min_ms": min(times) * 1e3,
+                         "max_ms": max(times) * 1e3, "note": note})
+
+        # copy: the ceiling of this run
+        dst = np.empty_like(kv)
+        times = []
+        for _ in range(args.reps + 1):
+            t0 = time.perf_counter()
+            np.copyto(dst, kv)
+            times.append(time.perf_counter() - t0)
+        record("copy", "np.copyto", times[1:], "memory bandwidth, one core")
+        del dst
+
+        # ray: a worker process on the edge's node
+        worker = ray.remote(num_cpus=0)(_ray_worker).options(label_selector={"region": REGION})
+        got = ray.get(worker.remote(network, tokens, digests, args.reps), timeout=600)
+        if not got["ok"] or got["nbytes"] != total:
+            raise RuntimeError(f"Ray fetch returned other bytes than published ({got['nbytes']} B)")
+        record("ray", "Client.fetch (worker)", got["times"],
+               f"object store, zero-copy map; sources {','.join(got['sources'])}")
+
+        # http: this process, no Ray call on the path
+        h = EdgeHTTPClient(url, timeout_s=120)
+        f = h.fetch_tokens(tokens, TENANT, FINGERPRINT)
+        if [xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")) for c in f.chunks] != digests:
+            raise RuntimeError("HTTP fetch returned other bytes than published")
+        times, sources = [], set(f.sources)
+        for _ in range(args.reps):
+            del f
+            t0 = time.perf_counter()
+            f = h.fetch_tokens(tokens, TENANT, FINGERPRINT)
+            times.append(time.perf_counter() - t0)
+            sources |= set(f.sources)
+        del f
+        record("http", "EdgeHTTPClient", times,
+               f"one recv buffer, every frame verified; sources {','.join(sorted(sources))}")
+        h.close()
+
+        # redis
+        redis_proc, port = start_redis(tmp)
+        if redis_proc is None:
+            print("redis-server is not installed: Redis skipped. Install it with "
+                  "`apt-get install -y redis-server` (Debian/Ubuntu).", flush=True)
+        else:
+            names = [c.key.hex() for c in chunks]
+            r = Resp(port)
+            for name, c in zip(names, chunks):
+                r.send("SET", name, encode(c))
+                r.reply()
+
+            def redis_fetch():
+                r.send("MGET", *names)
+                return [decode(v) for v in r.reply()]
+
+            got = redis_fetch()
+            if [xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")) for c in got] != digests:
+                raise RuntimeError("Redis returned other bytes than stored")
+            del got
+            times = []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                got = redis_fetch()
+                times.append(time.perf_counter() - t0)
+                del got
+            record("redis", "RESP, recv_into", times, "MGET, a buffer per value, frames verified")
+            r.close()
+            try:
+                import redis as redis_py
+                rp = redis_py.Redis(host="127.0.0.1", port=port, socket_timeout=120)
+                rp.mget(names)
+                times = []
+                for _ in range(args.reps):
+                    t0 = time.perf_counter()
+                    got = [decode(v) for v in rp.mget(names)]
+                    times.append(time.perf_counter() - t0)
+                    del got
+                record("redis-py", "redis-py MGET", times, "bytes per value, frames verified")
+                rp.close()
+            except ImportError:
+                pass
+        stop_network(network)
+    finally:
+        stop(redis_proc)
+        cluster.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    table(rows, ["transport", "client", "GB/s", "median_ms", "min_ms", "max_ms", "note"])
+    peers = {k: v for k, v in res.items() if k in ("ray", "redis", "redis-py")}
+    fastest = max(peers, key=peers.get)
+    out = {"bench": "transport", "chunks": args.chunks, "chunk_bytes": total // args.chunks,
+           "bytes": total, "reps": args.reps, "ray_gbps": res["ray"], "http_gbps": res["http"],
+           "redis_gbps": res.get("redis"), "copy_gbps": res["copy"],
+           "http_over_ray": res["http"] / res["ray"],
+           "http_over_redis": res["http"] / res["redis"] if "redis" in res else None,
+           "fastest_peer": fastest, "http_over_fastest_peer": res["http"] / peers[fastest]}
+    if "redis-py" in res:
+        out["redis_py_gbps"] = res["redis-py"]
+    print(f"\nHTTP vs the fastest peer measured in this run ({fastest}): "
+          f"{out['http_over_fastest_peer']:.2f}x; vs Ray {out['http_over_ray']:.2f}x"
+          + (f", vs Redis {out['http_over_redis']:.2f}x" if out["http_over_redis"] else ""))
+
+    anchors = Path(args.anchors)
+    venvs = Path(os.environ["ANCHORS"]) if os.environ.get("ANCHORS") else None
+    ran = run_anchors(anchors, venvs, args.reps) if args.run_anchors and venvs else {}
+    if ran:
+        print("\nPeers measured now by ../shared/anchors (64 MiB, read direction):")
+        table([{"peer": k, "GB/s": v if v is not None else "failed"} for k, v in ran.items()])
+        out["anchors_this_run"] = ran
+    elif args.run_anchors:
+        print("\n--run-anchors: set ANCHORS to the folder holding the anchor venvs "
+              "(see the anchors README); nothing run", file=sys.stderr)
+    recorded = recorded_anchors(anchors)
+    if recorded:
+        print("\nPeers recorded earlier on this machine, not this run (anchors/results_here.jsonl, "
+              "512 MiB, read direction):")
+        table([{"peer": k, "GB/s": v} for k, v in recorded.items()])
+        out["anchors_recorded"] = recorded
+    if args.json:
+        emit_json(out)
+    return 0

@@ -1,0 +1,265 @@
+"""A worker outside Ray reads an edge over HTTP and gets the very bytes a Ray client gets.
+
+`EdgeHTTPClient(url)` speaks to one edge's HTTP server (kdn.edge.http). A fetch answer is
+kdn.chunk frames back to back with an exact Content-Length, so the whole body is received
+straight into ONE preallocated buffer (http.client's readinto: the socket's recv_into
+writes into it, no intermediate bytes objects), made read-only, and cut into Chunks
+without copying: each chunk's kv is a view of that buffer, verified by decode() (header
+and payload checksums) before it is returned. That is the receive path of LMCache's own
+KV server, the fastest peer measured on this machine; a bytes-per-chunk client (redis-py)
+copies every payload twice more.
+
+One keep-alive connection per client; a connection the server closed is reopened once and
+the (idempotent) request repeated. Only loopback edges are accepted unless allow_remote is
+set, mirroring the server, which binds 127.0.0.1 unless told otherwise.
+"""
+import http.client
+import ipaddress
+import json
+import time
+from urllib.parse import urlencode, urlsplit
+
+import msgpack
+import numpy as np
+
+from kdn.chunk import decode, frame_size, read_header
+from kdn.client import Fetched
+from kdn.errors import BadRequest, ManifestError, NetworkError
+from kdn.keys import KEY_BYTES, as_token_array, namespace_digest, prompt_keys
+from kdn.manifest import Manifest
+
+MANIFEST_TTL_S = 5.0
+MAX_RESPONSE_BYTES = 64 << 30
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def best_prefix(tokens, ns: bytes, manifests, kb: str = None) -> tuple:
+    """(keys, manifest) of the prefix-layout KB the prompt starts with, matched longest.
+
+    A KB of L tokens was published with the chunking of its own L tokens, so the prompt is
+    keyed with boundary=L (kdn.keys.prompt_keys). No match: all of the prompt's keys, None.
+    """
+    toks = as_token_array(tokens)
+    cands = [m for m in manifests if m.layout == "prefix" and (kb is None or m.name == kb)]
+    best, best_keys, best_n = None, None, 0
+    for m in sorted(cands, key=lambda m: -(m.version or 0)):
+        keys = prompt_keys(toks, ns, m.chunk_tokens, boundary=min(m.n_tokens, len(toks)))
+        n = 0
+        for a, b in zip(keys, m.keys):
+            if a != b:
+                break
+            n += 1
+        if n > best_n:
+            best, best_keys, best_n = m, keys[:n], n
+    if best is None:
+        return prompt_keys(toks, ns), None
+    return best_keys, best
+
+
+class EdgeHTTPClient:
+    """lookup / fetch / kbs / health against one edge's HTTP server."""
+
+    def __init__(self, base_url: str, timeout_s: float = 30.0, allow_remote: bool = False,
+                 max_response_bytes: int = MAX_RESPONSE_BYTES):
+        u = urlsplit(base_url)
+        if u.scheme != "http" or not u.hostname or u.port is None:
+            raise BadRequest(f"an edge URL is http://HOST:PORT, got {base_url!r}")
+        if not allow_remote and not _loopback(u.hostname):
+            raise BadRequest(f"edge URL {base_url!r} is not on loopback; pass allow_remote=True "
+                             f"to read an edge on another machine")
+        self.url = base_url.rstrip("/")
+        self.host, self.port = u.hostname, u.port
+        self.timeout_s = float(timeout_s)
+        self.max_response_bytes = int(max_response_bytes)
+        self._conn = None
+        self._manifests = {}        # (tenant, fingerprint) -> (fetched at, [Manifest])
+        self.stats = {"requests": 0, "reconnects": 0, "fetches": 0, "chunks": 0, "bytes": 0}
+
+    # --- plumbing -----------------------------------------------------------------------
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _request(self, method: str, path: str, body: bytes = None, content_type: str = None):
+        """(response, connection) with the status line and headers read, the body not yet."""
+        headers = {"Content-Type": content_type} if content_type else {}
+        for attempt in (0, 1):
+            if self._conn is None:
+                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+            try:
+                self._conn.request(method, path, body=body, headers=headers)
+                resp = self._conn.getresponse()
+                self.stats["requests"] += 1
+                return resp
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
+                    http.client.CannotSendRequest, http.client.BadStatusLine) as e:
+                self.close()
+                if attempt:
+                    raise NetworkError(f"edge {self.url} closed the connection on "
+                                       f"{method} {path}: {e}") from None
+                self.stats["reconnects"] += 1
+            except OSError as e:
+                self.close()
+                raise NetworkError(f"edge {self.url} unreachable on {method} {path}: {e}") from None
+
+    def _refuse(self, resp, method, path):
+        raw = resp.read()
+        try:
+            message = json.loads(raw)["message"]
+        except (ValueError, KeyError, TypeError):
+            message = raw[:200].decode("utf-8", "replace")
+        if 400 <= resp.status < 500:
+            raise BadRequest(f"edge {self.url} refused {method} {path}: {resp.status} {message}")
+        raise NetworkError(f"edge {self.url} failed {method} {path}: {resp.status} {message}")
+
+    def _json(self, method, path, body=None, content_type=None):
+        resp = self._request(method, path, body, content_type)
+        if resp.status != 200:
+            self._refuse(resp, method, path)
+        try:
+            return json.loads(resp.read())
+        except ValueError as e:
+            raise NetworkError(f"edge {self.url} answered {path} with invalid JSON: {e}") from None
+
+    @staticmethod
+    def _keys_body(keys, ns, region=None) -> bytes:
+        ks = [bytes(k) for k in keys]
+        if not isinstance(ns, (bytes, bytearray)) or len(ns) != KEY_BYTES \
+                or any(len(k) != KEY_BYTES for k in ks):
+            raise BadRequest(f"ns and every key must be {KEY_BYTES} bytes")
+        body = {"ns": bytes(ns), "keys": ks}
+        if region is not None:
+            body["region"] = region
+        return msgpack.packb(body, use_bin_type=True)
+
+    # --- endpoints ----------------------------------------------------------------------
+    def health(self) -> dict:
+        return self._json("GET", "/health")
+
+    def metrics(self) -> str:
+        resp = self._request("GET", "/metrics")
+        if resp.status != 200:
+            self._refuse(resp, "GET", "/metrics")
+        return resp.read().decode("utf-8")
+
+    def kbs(self, tenant: str, fingerprint: str, refresh: bool = True) -> list:
+        """Committed KB manifests of the namespace (tenant, fingerprint), as Manifests."""
+        at, ms = self._manifests.get((tenant, fingerprint), (0.0, None))
+        if refresh or ms is None or time.monotonic() - at > MANIFEST_TTL_S:
+            got = self._json("GET", "/v1/kbs?" + urlencode({"tenant": tenant,
+                                                             "fingerprint": fingerprint}))
+            ms = []
+            for d in got["manifests"]:
+                d = dict(d, keys=[bytes.fromhex(k) for k in d["keys"]])
+                ms.append(Manifest.from_dict(d))
+            self._manifests[(tenant, fingerprint)] = (time.monotonic(), ms)
+        return ms
+
+    def lookup(self, keys, ns: bytes) -> dict:
+        """{"chunks": n, ...}: how long a prefix of keys the network holds; no KV moves."""
+        return self._json("POST", "/v1/lookup", self._keys_body(keys, ns), "application/msgpack")
+
+    def fetch(self, keys, ns: bytes, region: str = None) -> Fetched:
+        """The longest held prefix of keys as verified Chunks (views of one received buffer)."""
+        t0 = time.perf_counter()
+        keys = [bytes(k) for k in keys]
+        resp = self._request("POST", "/v1/fetch", self._keys_body(keys, ns, region),
+                             "application/msgpack")
+        if resp.status != 200:
+            self._refuse(resp, "POST", "/v1/fetch")
+        n = resp.length
+        if n is None:
+            resp.close()
+            self.close()
+            raise NetworkError(f"edge {self.url} answered a fetch without Content-Length")
+        if n > self.max_response_bytes:
+            self.close()
+            raise NetworkError(f"edge {self.url} answers {n} bytes, over max_response_bytes "
+                               f"{self.max_response_bytes}")
+        buf = np.empty(n, np.uint8)
+        view = memoryview(buf)
+        got = 0
+        try:
+            while got < n:
+                r = resp.readinto(view[got:])
+                if not r:
+                    break
+                got += r
+        except OSError as e:
+            self.close()
+            raise NetworkError(f"edge {self.url}: fetch body broken after {got} of {n} bytes: "
+                               f"{e}") from None
+        if got != n:
+            self.close()
+            raise NetworkError(f"edge {self.url}: fetch body ended after {got} of {n} bytes")
+        buf.flags.writeable = False
+        chunks = self._frames(memoryview(buf), keys, ns)
+        sources = [s for s in (resp.getheader("X-KDN-Sources") or "").split(",") if s]
+        if len(sources) != len(chunks) or int(resp.getheader("X-KDN-Chunks", -1)) != len(chunks):
+            raise NetworkError(f"edge {self.url} sent {len(chunks)} frames but headers say "
+                               f"{resp.getheader('X-KDN-Chunks')} chunks from {len(sources)} sources")
+        nbytes = sum(c.nbytes for c in chunks)
+        self.stats["fetches"] += 1
+        self.stats["chunks"] += len(chunks)
+        self.stats["bytes"] += n
+        return Fetched(keys=keys[:len(chunks)], chunks=chunks, sources=sources,
+                       tokens=sum(c.tokens for c in chunks), nbytes=nbytes,
+                       edge=resp.getheader("X-KDN-Edge"), seconds=time.perf_counter() - t0)
+
+    def _frames(self, mv: memoryview, keys, ns) -> list:
+        chunks, off = [], 0
+        while off < len(mv):
+            header, poff = read_header(mv[off:])
+            end = off + frame_size(header, poff)
+            if end > len(mv):
+                raise NetworkError(f"edge {self.url}: frame {len(chunks)} ends at byte {end}, "
+                                   f"after the {len(mv)}-byte body")
+            chunk = decode(mv[off:end])            # verifies the payload checksum too
+            i = len(chunks)
+            if i >= len(keys) or chunk.key != keys[i] or chunk.ns != ns:
+                raise NetworkError(f"edge {self.url} sent frame {i} for key {chunk.key.hex()}, "
+                                   f"not the key asked for")
+            chunks.append(chunk)
+            off = end
+        return chunks
+
+    def fetch_tokens(self, tokens, tenant: str, fingerprint: str, kb: str = None,
+                     region: str = None) -> Fetched:
+        """The longest cached prefix of a prompt's tokens (keys computed here, as a Ray client does).
+
+        The prompt is keyed with the chunking of the KB it starts with (its n_tokens boundary
+        from kbs(), cached a few seconds), so a KB's trailing partial chunk is found too.
+        """
+        t0 = time.perf_counter()
+        ns = namespace_digest(tenant, fingerprint)
+        manifests = self.kbs(tenant, fingerprint, refresh=False)
+        keys, m = best_prefix(tokens, ns, manifests, kb)
+        if kb is not None and m is None:
+            manifests = self.kbs(tenant, fingerprint, refresh=True)
+            if not any(x.name == kb for x in manifests):
+                raise ManifestError(f"no knowledge base {kb!r} for tenant {tenant!r} and "
+                                    f"fingerprint {fingerprint!r} at edge {self.url}")
+            keys, m = best_prefix(tokens, ns, manifests, kb)
+        f = self.fetch(keys, ns, region) if keys else \
+            Fetched([], [], [], 0, 0, None, 0.0)
+        n = len(f.chunks)
+        total = len(as_token_array(tokens))
+        f.tokens = m.n_tokens if m is not None and n == len(m.keys) else min(f.tokens, total)
+        f.kb = m
+        f.seconds = time.perf_counter() - t0
+        return f

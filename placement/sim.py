@@ -1,0 +1,615 @@
+"""The placement simulator: one multi-region trace replayed against five placement policies.
+
+The trace: regions with edges of a given capacity (a topology), knowledge bases of
+4-64 chunks, requests that each read a whole knowledge base from one region; a KB's
+popularity in a region mixes a global Zipf ranking with a regional one (`--regional`,
+per-region `--alpha`), and every ranking is redrawn halfway (the popularity shift).
+The policies: (a) origin only; (b) ring owners only (the origin pushes each chunk to its
+r owners); (c) owners + a pull-through LRU in every edge for chunks fetched from another
+region; (d) owners + demand-driven hot copies per region (ReplicationPolicy, ours);
+(e) oracle: every chunk at every reader's edge, no capacity limit; and (f) the budgeted
+oracle: (d)'s bytes, filled knowing the true popularity of each phase, the best any
+policy could do with the same storage (it tells a policy's loss from the workload's).
+
+A request's fetch time: the in-region hop that hands all its bytes to the worker, plus,
+for chunks its region lacks, the slowest source's latency and each source's bytes over
+its link (the edge pulls them over one WAN ingress); origin only is the origin-to-reader
+transfer. Per policy: mean and p99 fetch time, share of bytes served from the reader's
+region, origin egress, bytes crossing regions, peak stored bytes, and the bytes that move
+when an edge joins and when one leaves. `--ring` measures the ring itself (balance,
+bounded loads, movement, lookup speed, against a virtual-node ring).
+
+Run: `python -m kdn.placement.sim [--quick] [--json] [--plot PATH]` or `kdn bench placement`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from kdn.placement.replication import ReplicationPolicy
+from kdn.placement.ring import Edge, Ring, key_hashes
+from kdn.placement.topology import Topology
+
+REGION_NAMES = ["us-east", "eu-west", "ap-south", "us-west", "sa-east", "eu-north",
+                "ap-east", "af-south"]
+POLICIES = ["a_origin", "b_ring", "c_ring_lru", "d_ring_hot", "e_oracle", "f_budget_oracle"]
+MiB = 2**20
+
+
+# --- output helpers (kdn.bench passes its own; placement does not import kdn) -----------
+def _table(rows, columns=None, file=None):
+    file = file or sys.stdout
+    columns = columns or list(rows[0])
+    fmt = lambda v: (f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}") if isinstance(v, float) else str(v)
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)), file=file)
+    print("  ".join("-" * w for w in widths), file=file)
+    for x in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(x, widths)), file=file)
+
+
+def _emit_json(obj, file=None):
+    print(json.dumps(obj, sort_keys=True, default=float), file=file or sys.stdout, flush=True)
+
+
+# --- the trace -------------------------------------------------------------------------
+def zipf_weights(n: int, alpha: float) -> np.ndarray:
+    w = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** alpha
+    return w / w.sum()
+
+
+class Trace:
+    """Catalog, topology and requests, all drawn from one seed."""
+
+    def __init__(self, a):
+        rng = np.random.default_rng(a.seed)
+        self.chunk_bytes = int(a.chunk_mib * MiB)
+        lo, hi = a.chunks_min, a.chunks_max
+        self.kb_chunks = np.round(np.exp(rng.uniform(math.log(lo), math.log(hi + 1), a.kbs)) - 0.5) \
+            .clip(lo, hi).astype(np.int64)
+        self.kb_start = np.concatenate([[0], np.cumsum(self.kb_chunks)[:-1]])
+        self.n_chunks = int(self.kb_chunks.sum())
+        self.catalog_bytes = self.n_chunks * self.chunk_bytes
+        self.chunk_kb = np.repeat(np.arange(a.kbs), self.kb_chunks)
+        self.keys = [xxhash.xxh3_128_digest(f"sim/kb{k}/chunk{i}".encode())
+                     for k in range(a.kbs) for i in range(int(self.kb_chunks[k]))]
+        if a.topology:
+            self.topo = Topology.from_toml(a.topology)
+        else:
+            n_edges = a.regions * a.edges_per_region
+            cap = int(math.ceil(a.capacity_factor * a.replicas * self.catalog_bytes / n_edges))
+            self.topo = Topology.default_local(REGION_NAMES[:a.regions] if a.regions <= len(REGION_NAMES)
+                                               else [f"region-{i}" for i in range(a.regions)],
+                                               edges_per_region=a.edges_per_region, capacity_bytes=cap)
+        self.regions = self.topo.regions
+        nr = len(self.regions)
+        alphas = [float(x) for x in str(a.alpha).split(",")]
+        alphas = (alphas * nr)[:nr] if len(alphas) == 1 else alphas
+        if len(alphas) != nr:
+            raise SystemExit(f"--alpha: give one value or one per region ({nr}), got {a.alpha!r}")
+        # popularity per phase per region: (1-regional) * global Zipf + regional * own Zipf
+        self.pop = []
+        for phase in range(2):
+            g = rng.permutation(a.kbs)
+            per = []
+            for ri in range(nr):
+                z = zipf_weights(a.kbs, alphas[ri])
+                own = rng.permutation(a.kbs)
+                p = np.empty(a.kbs)
+                p[g] = (1 - a.regional) * z
+                p[own] += a.regional * z
+                per.append(p / p.sum())
+            self.pop.append(per)
+        n = a.requests
+        self.t = np.sort(rng.uniform(0, a.duration, n))
+        self.region = rng.integers(0, nr, n)
+        self.kb = np.empty(n, dtype=np.int64)
+        half = self.t >= a.duration / 2
+        for phase in range(2):
+            for ri in range(nr):
+                m = (half == bool(phase)) & (self.region == ri)
+                self.kb[m] = rng.choice(a.kbs, size=int(m.sum()), p=self.pop[phase][ri])
+        self.edge_pick = rng.integers(0, 1 << 30, n)     # which local edge a reader uses
+        self.duration = a.duration
+
+
+# --- policies --------------------------------------------------------------------------
+class Sim:
+    def __init__(self, tr: Trace, a):
+        self.tr, self.a = tr, a
+        topo = tr.topo
+        self.topo = topo
+        self.ring = Ring(topology=topo)
+        self.R = tr.regions
+        self.rix = {r: i for i, r in enumerate(self.R)}
+        self.edges = [e.name for e in self.ring.edges]
+        self.edge_region = np.array([self.rix[e.region] for e in self.ring.edges])
+        self.region_edges = [np.flatnonzero(self.edge_region == i) for i in range(len(self.R))]
+        self.cap = np.array([topo.capacity_bytes(n) for n in self.edges], dtype=np.int64)
+        self.owners = self.ring.owner_indices(tr.keys, a.replicas)             # (chunks, r)
+        self.owner_regions = [frozenset(self.edge_region[o].tolist()) for o in self.owners]
+        cb = tr.chunk_bytes
+        self.main_bytes = np.bincount(self.owners.ravel(), minlength=len(self.edges)) * cb
+        nr = len(self.R)
+        self.lat = np.array([[topo.latency_ms(s, d) / 1000 for d in self.R] for s in self.R])
+        self.bw = np.array([[topo.bandwidth_gbps(s, d) * 1e9 for d in self.R] for s in self.R])
+        # nearest owner region for each chunk and reader region (by transfer time of one chunk)
+        t1 = self.lat + cb / self.bw
+        self.src = np.empty((tr.n_chunks, nr), dtype=np.int64)
+        for c, regs in enumerate(self.owner_regions):
+            regs = sorted(regs)
+            for d in range(nr):
+                self.src[c, d] = min(regs, key=lambda s: (t1[s, d], s))
+        self.origin = self.rix[topo.origin_region]
+
+    def best_hot(self, phase: int) -> list[set]:
+        """Per region, the hot set (d) would pick knowing the true popularity: chunks not
+        owned in the region, most requested first, up to the same byte budget."""
+        tr, cb = self.tr, self.tr.chunk_bytes
+        caps = self.topo.region_capacity_bytes()
+        out = []
+        for d, reg in enumerate(self.R):
+            p = tr.pop[phase][d][tr.chunk_kb]
+            room = int(self.a.hot_budget * caps[reg]) // cb
+            order = sorted((c for c in range(tr.n_chunks) if d not in self.owner_regions[c]),
+                           key=lambda c: (-p[c], c))
+            out.append(set(order[:room]))
+        return out
+
+    def fetch_time(self, d: int, total: int, remote: dict) -> float:
+        t = self.lat[d, d] + total / self.bw[d, d]
+        if remote:
+            t += max(self.lat[s, d] for s in remote) + sum(b / self.bw[s, d] for s, b in remote.items())
+        return t
+
+    def run(self, name: str) -> dict:
+        tr, cb = self.tr, self.tr.chunk_bytes
+        n = len(tr.t)
+        times = np.empty(n)
+        local = wan = origin = 0
+        total_bytes = 0
+        all_local = 0                         # requests served entirely from the reader's region
+        peak = stored = 0
+        extra = {}
+        if name == "a_origin":
+            o = self.origin
+            for i in range(n):
+                d, k = int(tr.region[i]), int(tr.kb[i])
+                b = int(tr.kb_chunks[k]) * cb
+                times[i] = self.lat[o, d] + b / self.bw[o, d]
+                origin += b
+                wan += b if o != d else 0
+                local += b if o == d else 0
+                all_local += o == d
+                total_bytes += b
+        elif name == "e_oracle":
+            seen = set()
+            for i in range(n):
+                d, k = int(tr.region[i]), int(tr.kb[i])
+                b = int(tr.kb_chunks[k]) * cb
+                times[i] = self.lat[d, d] + b / self.bw[d, d]
+                local += b
+                all_local += 1
+                total_bytes += b
+                seen.add((k, d))
+            stored = peak = sum(int(tr.kb_chunks[k]) for k, _ in seen) * cb
+            origin = wan = stored                     # every copy comes from the origin once
+            self._oracle_seen = seen
+        else:
+            origin = stored = peak = int(self.main_bytes.sum())     # the push to owners
+            wan = sum(cb for c in range(tr.n_chunks) for r in self.edge_region[self.owners[c]]
+                      if r != self.origin)
+            if name == "c_ring_lru":
+                lru = [OrderedDict() for _ in self.edges]
+                room = [max(0, int(x)) // cb for x in (self.cap - self.main_bytes)]
+                cached = 0
+            if name == "f_budget_oracle":
+                known = [self.best_hot(ph) for ph in range(2)]
+                peak = max(peak, int(self.main_bytes.sum()) + max(sum(len(h) for h in x) for x in known) * cb)
+            if name == "d_ring_hot":
+                pol = ReplicationPolicy(half_life_s=self.a.half_life, promote_rate=self.a.promote_rate,
+                                        demote_rate=self.a.demote_rate,
+                                        hot_budget_fraction=self.a.hot_budget,
+                                        displace_ratio=self.a.displace_ratio)
+                caps = self.topo.region_capacity_bytes()
+                key_of = tr.keys
+                cid = {k: c for c, k in enumerate(key_of)}
+                regnames = self.R
+                owner_names = {key_of[c]: [regnames[r] for r in regs]
+                               for c, regs in enumerate(self.owner_regions)}
+                hot = [set() for _ in self.R]
+                next_decide = self.a.decide_every
+                fills = 0
+                self._pol = pol
+            for i in range(n):
+                d, k = int(tr.region[i]), int(tr.kb[i])
+                now = float(tr.t[i])
+                s0, m = int(tr.kb_start[k]), int(tr.kb_chunks[k])
+                total = m * cb
+                remote: dict = {}
+                if name == "d_ring_hot":
+                    while now >= next_decide:
+                        dec = pol.decide(now=next_decide, region_capacity_bytes=caps,
+                                         owners_region=owner_names.__getitem__)
+                        for key, reg in dec.demote:
+                            hot[self.rix[reg]].discard(cid[key])
+                        for key, reg in dec.promote:
+                            c = cid[key]
+                            hot[self.rix[reg]].add(c)
+                            wan += cb
+                            fills += 1
+                        stored = int(self.main_bytes.sum()) + sum(len(h) for h in hot) * cb
+                        peak = max(peak, stored)
+                        next_decide += self.a.decide_every
+                    hd = hot[d]
+                    rname = regnames[d]
+                    kbname = f"kb{k}"
+                    for c in range(s0, s0 + m):
+                        pol.record(key_of[c], rname, cb, now=now, kb=kbname)
+                        if d in self.owner_regions[c] or c in hd:
+                            continue
+                        s = int(self.src[c, d])
+                        remote[s] = remote.get(s, 0) + cb
+                elif name == "c_ring_lru":
+                    re = self.region_edges[d]
+                    e = int(re[tr.edge_pick[i] % len(re)])
+                    cache, r_e = lru[e], room[e]
+                    for c in range(s0, s0 + m):
+                        if d in self.owner_regions[c]:
+                            continue
+                        if c in cache:
+                            cache.move_to_end(c)
+                            continue
+                        s = int(self.src[c, d])
+                        remote[s] = remote.get(s, 0) + cb
+                        if r_e > 0:
+                            cache[c] = True
+                            cached += 1
+                            if len(cache) > r_e:
+                                cache.popitem(last=False)
+                                cached -= 1
+                    peak = max(peak, int(self.main_bytes.sum()) + cached * cb)
+                elif name == "f_budget_oracle":
+                    hd = known[int(now >= tr.duration / 2)][d]
+                    for c in range(s0, s0 + m):
+                        if d not in self.owner_regions[c] and c not in hd:
+                            s = int(self.src[c, d])
+                            remote[s] = remote.get(s, 0) + cb
+                else:  # b_ring
+                    for c in range(s0, s0 + m):
+                        if d not in self.owner_regions[c]:
+                            s = int(self.src[c, d])
+                            remote[s] = remote.get(s, 0) + cb
+                rb = sum(remote.values())
+                wan += rb
+                local += total - rb
+                all_local += not remote
+                total_bytes += total
+                times[i] = self.fetch_time(d, total, remote)
+            if name == "c_ring_lru":
+                stored = int(self.main_bytes.sum()) + cached * cb
+                self._lru = lru
+            if name == "d_ring_hot":
+                self._hot = hot
+                extra = {"hot_fills": fills, "replication": pol.stats()}
+                extra["replication"].pop("hot_copies", None)
+                extra["replication"].pop("hot_bytes", None)
+        join, leave = self.movement(name)
+        half = tr.t >= tr.duration / 2
+        window = max(tr.duration / 30, 1e-9)
+        series = [float(times[(tr.t >= w) & (tr.t < w + window)].mean()) if ((tr.t >= w) & (tr.t < w + window)).any()
+                  else float("nan") for w in np.arange(0, tr.duration, window)]
+        return {"policy": name, "mean_ms": 1000 * float(times.mean()),
+                "p99_ms": 1000 * float(np.percentile(times, 99)),
+                "mean_ms_after_shift": 1000 * float(times[half].mean()) if half.any() else float("nan"),
+                "local_share": local / total_bytes if total_bytes else 0.0,
+                "local_fetch_share": all_local / n if n else 0.0,
+                "origin_egress_gb": origin / 1e9, "wan_gb": wan / 1e9,
+                "stored_gb": peak / 1e9, "stored_end_gb": stored / 1e9,
+                "join_moved_gb": join / 1e9, "leave_moved_gb": leave / 1e9,
+                "series_ms": [1000 * x for x in series], **extra}
+
+    # bytes that must be copied when an edge joins (a new edge in the first region) or
+    # leaves (the last edge): ring main copies, plus in-region copies (hot / oracle)
+    def movement(self, name):
+        if name == "a_origin":
+            return 0, 0
+        tr, cb = self.tr, self.tr.chunk_bytes
+        new = Edge(f"{self.R[0]}-joined", self.R[0], self.ring.edges[0].weight)
+        gone = self.edges[-1]
+        ring_j = Ring([*self.ring.edges, new])
+        ring_l = Ring([e for e in self.ring.edges if e.name != gone])
+
+        def owner_sets(ring):
+            idx = ring.owner_indices(tr.keys, self.a.replicas)
+            names = np.array([e.name for e in ring.edges], dtype=object)
+            return [set(x) for x in names[idx].tolist()]
+
+        def in_region_moves(copies, ring_after):
+            """copies: (chunk, region index), each kept on its key's first choice among the
+            region's edges; count the bytes whose in-region edge changes."""
+            moved = 0
+            for d, reg in enumerate(self.R):
+                cs = [c for c, r in copies if r == d]
+                if not cs:
+                    continue
+                before = Ring([e for e in self.ring.edges if e.region == reg])
+                after = Ring([e for e in ring_after.edges if e.region == reg])
+                ks = [tr.keys[c] for c in cs]
+                nb = np.array([e.name for e in before.edges], dtype=object)[before.owner_indices(ks)[:, 0]]
+                na = np.array([e.name for e in after.edges], dtype=object)[after.owner_indices(ks)[:, 0]]
+                moved += int((nb != na).sum()) * cb
+            return moved
+
+        if name == "e_oracle":
+            copies = sorted({(c, d) for k, d in self._oracle_seen
+                             for c in range(int(tr.kb_start[k]), int(tr.kb_start[k] + tr.kb_chunks[k]))})
+            return in_region_moves(copies, ring_j), in_region_moves(copies, ring_l)
+        before = [set(x) for x in np.array(self.edges, dtype=object)[self.owners].tolist()]
+        join = sum(len(a - b) for a, b in zip(owner_sets(ring_j), before)) * cb
+        leave = sum(len(a - b) for a, b in zip(owner_sets(ring_l), before)) * cb
+        if name == "d_ring_hot":
+            copies = [(c, d) for d, h in enumerate(self._hot) for c in sorted(h)]
+            join += in_region_moves(copies, ring_j)
+            leave += in_region_moves(copies, ring_l)
+        return join, leave
+
+
+def simulate(a) -> dict:
+    t0 = time.perf_counter()
+    tr = Trace(a)
+    sim = Sim(tr, a)
+    res = {p: sim.run(p) for p in POLICIES}
+    b, d, e = res["b_ring"], res["d_ring_hot"], res["e_oracle"]
+    targets = {"d_over_oracle_mean": d["mean_ms"] / e["mean_ms"],
+               "d_over_b_mean": d["mean_ms"] / b["mean_ms"],
+               "d_over_b_stored": d["stored_gb"] / b["stored_gb"]}
+    f = res["f_budget_oracle"]
+    targets["d_over_f_mean"] = d["mean_ms"] / f["mean_ms"]
+    targets["f_over_oracle_mean"] = f["mean_ms"] / e["mean_ms"]
+    targets["met"] = (targets["d_over_oracle_mean"] <= 1.3 and targets["d_over_b_mean"] <= 0.5
+                      and targets["d_over_b_stored"] <= 1.5)
+    params = {k: getattr(a, k) for k in ("regions", "edges_per_region", "kbs", "chunks_min", "chunks_max",
+                                         "chunk_mib", "requests", "duration", "alpha", "regional", "replicas",
+                                         "capacity_factor", "half_life", "promote_rate", "demote_rate",
+                                         "hot_budget", "decide_every", "displace_ratio", "seed", "topology")}
+    params.update(chunks=tr.n_chunks, catalog_gb=tr.catalog_bytes / 1e9, edges=len(sim.edges),
+                  edge_capacity_gb=float(sim.cap.mean()) / 1e9,
+                  main_overflow_gb=float(np.clip(sim.main_bytes - sim.cap, 0, None).sum()) / 1e9)
+    return {"params": params, "policies": res, "targets": targets,
+            "seconds": time.perf_counter() - t0}
+
+
+# --- the ring's own figures ------------------------------------------------------------
+def _vnode_primary(h: np.ndarray, names: list[str], vnodes: int) -> np.ndarray:
+    pts, own = [], []
+    for i, n in enumerate(names):
+        pts += [xxhash.xxh3_64_intdigest(f"{n}#{v}".encode()) for v in range(vnodes)]
+        own += [i] * vnodes
+    pts, own = np.array(pts, dtype=np.uint64), np.array(own)
+    o = np.argsort(pts)
+    pts, own = pts[o], own[o]
+    j = np.searchsorted(pts, h) % len(pts)
+    return own[j]
+
+
+def ring_figures(n_keys: int = 1_000_000, n_edges: int = 16, n_regions: int = 4, c: float = 1.25,
+                 alpha: float = 1.0, seed: int = 7, vnodes=(100, 1000)) -> dict:
+    rng = np.random.default_rng(seed)
+    raw = rng.bytes(16 * n_keys)
+    keys = [raw[i:i + 16] for i in range(0, 16 * n_keys, 16)]
+    edges = [Edge(f"edge-{i:02d}", f"region-{i % n_regions}") for i in range(n_edges)]
+    ring = Ring(edges)
+    out = {"keys": n_keys, "edges": n_edges, "regions": n_regions, "method": "rendezvous"}
+
+    def best(fn, reps=3):
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    out["owners_batch_us_per_key_r1"] = 1e6 * best(lambda: ring.owners_batch(keys, 1)) / n_keys
+    sub = keys[: max(1, n_keys // 4)]
+    out["owners_batch_us_per_key_r3"] = 1e6 * best(lambda: ring.owners_batch(sub, 3), 2) / len(sub)
+    few = keys[:2000]
+    out["owners_single_us_per_key"] = 1e6 * best(lambda: [ring.owners(k, 1) for k in few], 2) / len(few)
+    prim = ring.owner_indices(keys, 1)[:, 0]
+    cnt = np.bincount(prim, minlength=n_edges)
+    out["max_over_mean"] = float(cnt.max() / cnt.mean())
+    zipf = zipf_weights(n_keys, alpha) * n_keys          # key i is the (i+1)-th most requested
+    zl = np.bincount(prim, weights=zipf, minlength=n_edges)
+    out["zipf_max_over_mean_unbounded"] = float(zl.max() / zl.mean())
+    out["zipf_top_key_over_mean"] = float(zipf[0] * n_edges / zipf.sum())   # > c: no bound can hold
+    pos = {e.name: i for i, e in enumerate(ring.edges)}
+    t0 = time.perf_counter()
+    a = ring.assign_bounded(keys, c)
+    out["bounded_seconds"] = time.perf_counter() - t0
+    bl = np.bincount(np.fromiter((pos[a[k]] for k in keys), dtype=np.int64, count=n_keys), minlength=n_edges)
+    out["bounded_max_over_mean"] = float(bl.max() / bl.mean())
+    a = ring.assign_bounded(keys, c, zipf.tolist())
+    bz = np.bincount(np.fromiter((pos[a[k]] for k in keys), dtype=np.int64, count=n_keys),
+                     weights=zipf, minlength=n_edges)
+    out["bounded_zipf_max_over_mean"] = float(bz.max() / bz.mean())
+    out["c"] = c
+    # membership changes
+    joined = Ring([*edges, Edge(f"edge-{n_edges:02d}", f"region-{n_edges % n_regions}")])
+    names_j = np.array([e.name for e in joined.edges])
+    names_0 = np.array([e.name for e in ring.edges])
+    pj = names_j[joined.owner_indices(keys, 1)[:, 0]]
+    p0 = names_0[prim]
+    moved = pj != p0
+    out["join_moved_fraction"] = float(moved.mean())
+    out["join_ideal_fraction"] = 1 / (n_edges + 1)
+    out["join_moved_only_to_new"] = bool((pj[moved] == f"edge-{n_edges:02d}").all())
+    gone = edges[3].name
+    left = Ring([e for e in edges if e.name != gone])
+    names_l = np.array([e.name for e in left.edges])
+    pl = names_l[left.owner_indices(keys, 1)[:, 0]]
+    moved_l = pl != p0
+    out["leave_moved_fraction"] = float(moved_l.mean())
+    out["leave_moved_only_its_own"] = bool((p0[moved_l] == gone).all() and moved_l.sum() == (p0 == gone).sum())
+    o3 = [set(x) for x in names_0[ring.owner_indices(sub, 3)].tolist()]
+    j3 = [set(x) for x in names_j[joined.owner_indices(sub, 3)].tolist()]
+    out["join_r3_copies_moved_fraction"] = sum(len(b - a) for a, b in zip(o3, j3)) / (3 * len(sub))
+    # the alternative we did not choose: a ring of virtual nodes
+    h = key_hashes(keys)
+    vn = []
+    for v in vnodes:
+        t0 = time.perf_counter()
+        p = _vnode_primary(h, list(names_0), v)
+        dt = time.perf_counter() - t0
+        q = _vnode_primary(h, list(names_j), v)
+        cn = np.bincount(p, minlength=n_edges)
+        vn.append({"vnodes": v, "max_over_mean": float(cn.max() / cn.mean()),
+                   "join_moved_fraction": float((names_j[q] != names_0[p]).mean()),
+                   "lookup_us_per_key_after_hash": 1e6 * dt / n_keys})
+    out["vnode_ring"] = vn
+    out["targets_met"] = bool(out["max_over_mean"] <= 1.10 and out["bounded_max_over_mean"] <= c
+                              and out["bounded_zipf_max_over_mean"] <= c + 1e-9
+                              and out["join_moved_fraction"] <= 1.1 / (n_edges + 1)
+                              and out["leave_moved_only_its_own"]
+                              and out["owners_batch_us_per_key_r1"] <= 5.0)
+    return out
+
+
+# --- plot, CLI -------------------------------------------------------------------------
+def plot(result: dict, path: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    pol = result["policies"]
+    names = list(pol)
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    x = np.arange(len(names))
+    ax[0, 0].bar(x - 0.2, [pol[p]["mean_ms"] for p in names], 0.4, label="mean")
+    ax[0, 0].bar(x + 0.2, [pol[p]["p99_ms"] for p in names], 0.4, label="p99")
+    ax[0, 0].set_yscale("log")
+    ax[0, 0].set_ylabel("fetch time (ms)")
+    ax[0, 0].legend()
+    ax[0, 1].bar(x, [pol[p]["stored_gb"] for p in names], color="tab:green")
+    ax[0, 1].set_ylabel("peak stored at edges (GB)")
+    ax[1, 0].bar(x, [pol[p]["local_share"] for p in names], color="tab:purple")
+    ax[1, 0].set_ylabel("bytes served in the reader's region")
+    ax[1, 0].set_ylim(0, 1)
+    for a in (ax[0, 0], ax[0, 1], ax[1, 0]):
+        a.set_xticks(x)
+        a.set_xticklabels(names, rotation=15)
+    dur = result["params"]["duration"]
+    for p in names:
+        s = pol[p]["series_ms"]
+        ax[1, 1].plot(np.linspace(0, dur, len(s), endpoint=False), s, label=p)
+    ax[1, 1].axvline(dur / 2, color="grey", ls=":", label="popularity shift")
+    ax[1, 1].set_yscale("log")
+    ax[1, 1].set_xlabel("simulated time (s)")
+    ax[1, 1].set_ylabel("mean fetch time per window (ms)")
+    ax[1, 1].legend(fontsize=7)
+    fig.suptitle("KDN placement: %d regions, %d edges, %d KBs, Zipf %s" % (
+        result["params"]["regions"], result["params"]["edges"], result["params"]["kbs"], result["params"]["alpha"]))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kdn bench placement", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small trace and ring (tests, smoke runs)")
+    ap.add_argument("--ring", action="store_true", help="only the ring figures")
+    ap.add_argument("--sim", action="store_true", help="only the policy simulation")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--plot", default="kdn-placement.png", help="PNG path ('' for none)")
+    ap.add_argument("--topology", default=None, help="topology TOML (default: default_local)")
+    ap.add_argument("--regions", type=int, default=4)
+    ap.add_argument("--edges-per-region", type=int, default=4)
+    ap.add_argument("--capacity-factor", type=float, default=2.0,
+                    help="total edge bytes / bytes the ring stores (catalog x replicas)")
+    ap.add_argument("--kbs", type=int, default=200)
+    ap.add_argument("--chunks-min", type=int, default=4)
+    ap.add_argument("--chunks-max", type=int, default=64)
+    ap.add_argument("--chunk-mib", type=float, default=8.0)
+    ap.add_argument("--requests", type=int, default=40000)
+    ap.add_argument("--duration", type=float, default=1800.0, help="simulated seconds")
+    ap.add_argument("--alpha", default="1.0", help="Zipf exponent, one or one per region (a,b,...)")
+    ap.add_argument("--regional", type=float, default=0.5, help="share of demand on a region's own ranking")
+    ap.add_argument("--replicas", type=int, default=1, help="ring owners per chunk")
+    ap.add_argument("--half-life", type=float, default=60.0)
+    ap.add_argument("--promote-rate", type=float, default=0.01)
+    ap.add_argument("--demote-rate", type=float, default=0.002)
+    ap.add_argument("--hot-budget", type=float, default=0.25)
+    ap.add_argument("--decide-every", type=float, default=15.0)
+    ap.add_argument("--displace-ratio", type=float, default=2.0)
+    ap.add_argument("--ring-keys", type=int, default=1_000_000)
+    ap.add_argument("--seed", type=int, default=1)
+    return ap
+
+
+def main(argv=None, table=_table, emit_json=_emit_json) -> int:
+    a = build_parser().parse_args(argv)
+    if a.quick:
+        a.kbs, a.requests, a.duration, a.chunks_max, a.ring_keys = 40, 3000, 600.0, 16, 20000
+        a.decide_every = 10.0
+    do_ring, do_sim = (a.ring or not a.sim), (a.sim or not a.ring)
+    out = {}
+    if do_sim:
+        r = simulate(a)
+        out["sim"] = r
+        p = r["params"]
+        print(f"placement simulation: {p['regions']} regions x {p['edges_per_region']} edges "
+              f"({p['edge_capacity_gb']:.3g} GB each), {p['kbs']} KBs / {p['chunks']} chunks "
+              f"({p['catalog_gb']:.3g} GB), {p['requests']} requests over {p['duration']:.0f} s, "
+              f"Zipf {p['alpha']} regional {p['regional']}, r={p['replicas']}, shift at half")
+        cols = ["policy", "mean_ms", "p99_ms", "mean_ms_after_shift", "local_share", "local_fetch_share",
+                "origin_egress_gb",
+                "wan_gb", "stored_gb", "join_moved_gb", "leave_moved_gb"]
+        table([{c: v[c] for c in cols} for v in r["policies"].values()], cols)
+        t = r["targets"]
+        print(f"(d) vs oracle mean {t['d_over_oracle_mean']:.3f} (target <= 1.3), vs (b) mean "
+              f"{t['d_over_b_mean']:.3f} (<= 0.5), stored vs (b) {t['d_over_b_stored']:.3f} (<= 1.5): "
+              f"{'met' if t['met'] else 'NOT met'}; vs the budgeted oracle (f) {t['d_over_f_mean']:.3f}, "
+              f"(f) vs oracle {t['f_over_oracle_mean']:.3f}   [{r['seconds']:.1f} s]")
+        if a.plot:
+            out["plot"] = plot(r, a.plot)
+            print(f"plot: {out['plot']}")
+    if do_ring:
+        g = ring_figures(n_keys=a.ring_keys)
+        out["ring"] = g
+        print(f"\nring: {g['method']}, {g['edges']} edges in {g['regions']} regions, {g['keys']} keys")
+        rows = [
+            ("max/mean load", g["max_over_mean"], "<= 1.10"),
+            ("max/mean, Zipf(1.0) loads, unbounded", g["zipf_max_over_mean_unbounded"], "(for contrast)"),
+            (f"max/mean bounded c={g['c']}", g["bounded_max_over_mean"], f"<= {g['c']}"),
+            (f"max/mean bounded c={g['c']}, Zipf(1.0) loads", g["bounded_zipf_max_over_mean"], f"<= {g['c']}"),
+            ("heaviest Zipf key / mean edge load", g["zipf_top_key_over_mean"], "must be <= c for any bound"),
+            ("join: fraction of keys moved", g["join_moved_fraction"], f"<= {1.1 * g['join_ideal_fraction']:.4f}"),
+            ("join: moved only to the new edge", str(g["join_moved_only_to_new"]), "True"),
+            ("leave: fraction of keys moved", g["leave_moved_fraction"], "its own share"),
+            ("leave: moved only its own keys", str(g["leave_moved_only_its_own"]), "True"),
+            ("join, r=3: copies moved", g["join_r3_copies_moved_fraction"], "~1/17 per copy"),
+            ("owners_batch us/key r=1", g["owners_batch_us_per_key_r1"], "<= 5"),
+            ("owners_batch us/key r=3", g["owners_batch_us_per_key_r3"], ""),
+            ("owners() single us/key", g["owners_single_us_per_key"], ""),
+        ]
+        for v in g["vnode_ring"]:
+            rows.append((f"vnode ring {v['vnodes']}/edge: max/mean", v["max_over_mean"], "(alternative)"))
+            rows.append((f"vnode ring {v['vnodes']}/edge: join moved", v["join_moved_fraction"], "(alternative)"))
+        table([{"figure": f, "value": v, "target": t} for f, v, t in rows], ["figure", "value", "target"])
+        print(f"ring targets: {'met' if g['targets_met'] else 'NOT met'}")
+    if a.json:
+        for r in out.get("sim", {}).get("policies", {}).values():
+            r.pop("series_ms", None)
+        emit_json(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
