@@ -185,8 +185,11 @@ class EdgeNode:
     def _owners(self, keys):
         return self.ring.owners_batch(list(keys), self.replicas) if len(self.ring) else [[] for _ in keys]
 
-    async def have(self, keys) -> list:
-        return [(k in self.main) or (k in self.hot) for k in keys]
+    async def have(self, keys, ns: bytes = None) -> list:
+        """Which keys this edge holds (given ns: holds under that namespace)."""
+        if ns is None:
+            return [(k in self.main) or (k in self.hot) for k in keys]
+        return [getattr(self.main.peek(k) or self.hot.peek(k), "ns", None) == ns for k in keys]
 
     async def put_chunks(self, chunks, role: str = "main", pin: bool = False, ttl_s=None) -> int:
         """Store chunks the origin pushes (role main) or warms (role hot); returns how many fit."""
@@ -345,16 +348,20 @@ class EdgeNode:
 
     async def lookup(self, keys, ns: bytes) -> dict:
         """How long a prefix of keys the network holds, without moving any KV."""
-        here = [((k in self.main) or (k in self.hot)) for k in keys]
+        def held(k):
+            c = self.main.peek(k) or self.hot.peek(k)
+            return c is not None and c.ns == ns     # another tenant's chunk is not "held" for you
+
+        here = [held(k) for k in keys]
         n = next((i for i, h in enumerate(here) if not h), len(keys))
         if n < len(keys):
             rest = list(keys[n:])
-            got = await self._call_origin("has", rest, timeout=5.0)
+            got = await self._call_origin("has", rest, ns, timeout=5.0)
             if got is None:  # origin down: ask the owners
                 got = [False] * len(rest)
                 for i, (k, os_) in enumerate(zip(rest, self._owners(rest))):
                     for o in os_:
-                        if o != self.name and (await self._call(o, "have", [k]) or [False])[0]:
+                        if o != self.name and (await self._call(o, "have", [k], ns) or [False])[0]:
                             got[i] = True
                             break
             n += next((i for i, h in enumerate(got) if not h), len(got))

@@ -18,9 +18,164 @@ def _bench(args, rest):
     return mod.main(rest) or 0
 
 
+def _connect(args, **kw):
+    """A client for the network `kdn up` recorded (or the one at --address)."""
+    from kdn.client import connect
+    from kdn.cluster import read_state
+    address, network = getattr(args, "address", None), getattr(args, "network", None)
+    if address is None:
+        state = read_state()
+        address, network = state["address"], network or state["network"]
+    return connect(address=address, network=network or "kdn", **kw)
+
+
+def _up(args, rest):
+    from kdn.cluster import up
+    state = up(topology_file=args.topology, address=args.address, root=args.root, network=args.network)
+    where = "an embedded local cluster" if state["embedded"] else f"the cluster at {state['address']}"
+    print(f"KDN network {state['network']!r} is up on {where}; origin store in {state['root']}")
+    print("next: kdn publish KB FILE...   kdn query KB \"question\"   kdn status   kdn down")
+    return 0
+
+
+def _down(args, rest):
+    from kdn.cluster import down
+    state = down()
+    print(f"KDN network {state['network']!r} stopped" + (" and its embedded cluster shut down"
+                                                        if state.get("embedded") else ""))
+    return 0
+
+
+def _gib(n):
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def status_rows(st: dict) -> list:
+    """One row per edge: the table `kdn status` prints."""
+    rows = []
+    for e in st["edges"]:
+        if e.get("down"):
+            rows.append({"edge": e["name"], "region": e.get("region", "?"), "state": "DOWN"})
+            continue
+        c = e.get("counters", {})
+        served = max(1, c.get("chunks_served", 0))
+        rows.append({
+            "edge": e["name"], "region": e["region"], "state": "up",
+            "chunks": e["main"]["items"] + e["hot"]["items"],
+            "bytes": _gib(e["main"]["bytes"] + e["hot"]["bytes"]),
+            "hot copies": e["hot_copies"],
+            "fetches": c.get("fetches", 0),
+            "local %": f"{100 * c.get('served_local', 0) / served:.0f}",
+            "peer %": f"{100 * c.get('served_peer', 0) / served:.0f}",
+            "origin %": f"{100 * c.get('served_origin', 0) / served:.0f}",
+            "served": _gib(c.get("bytes_served", 0)),
+        })
+    return rows
+
+
+def _status(args, rest):
+    from kdn.bench import table
+    cl = _connect(args)
+    st = cl.status()
+    if args.json:
+        import json
+        print(json.dumps(st, default=str))
+        return 0
+    o = st["origin"]
+    if "down" in o:
+        print(f"origin: DOWN ({o['down']})")
+    else:
+        s = o["store"]
+        print(f"origin: up, {s['versions']} KB versions, {s['chunks']} chunks, {_gib(s['bytes'])} on disk, "
+              f"{o['members']} edges (membership v{o['membership_version']})")
+    table(status_rows(st))
+    return 0 if all(not e.get("down") for e in st["edges"]) and "down" not in o else 1
+
+
+def _publish(args, rest):
+    from kdn.model import load_model
+    from kdn.origin.publish import progress_bar, publish_documents, read_documents
+    docs = read_documents(args.paths)
+    model = load_model()
+    cl = _connect(args, tenant=args.tenant, fingerprint=model.fingerprint)
+    r = publish_documents(cl, model, args.kb, docs, progress=progress_bar())
+    state = "unchanged, no new version" if r["unchanged"] else "committed"
+    print(f"{r['tenant']}/{r['kb']} v{r['version']} {state}: {r['tokens']} tokens in {r['chunks']} chunks "
+          f"({r['bytes'] / 2**20:.1f} MiB of KV); prefilled {r['prefilled_tokens']} tokens in "
+          f"{r['prefill_s']:.1f} s, reused {r['reused_tokens']} from the network; sent {r['sent_chunks']} chunks")
+    print("placement: " + ", ".join(f"{e} {n}" for e, n in sorted(r["placement"].items())))
+    return 0
+
+
+def _query(args, rest):
+    from kdn.model import load_model
+    from kdn.worker import answer
+    model = load_model()
+    cl = _connect(args, tenant=args.tenant, fingerprint=model.fingerprint, region=args.region)
+    a = answer(cl, model, args.kb, args.question, max_new_tokens=args.max_new_tokens, check=args.check)
+    print(a.text)
+    src = ", ".join(f"{k} {v}" for k, v in sorted(a.sources.items())) or "none"
+    print(f"\n[{cl.region} via {a.edge}] {a.cached_tokens}/{a.prompt_tokens} prompt tokens from KDN "
+          f"(chunks: {src}; {a.bytes_moved / 2**20:.1f} MiB); time to first token {a.ttft_s * 1000:.0f} ms",
+          file=sys.stderr)
+    if args.check:
+        print(f"full prefill without KDN: time to first token {a.baseline_ttft_s * 1000:.0f} ms "
+              f"({a.speedup:.1f}x slower); generated tokens identical: {'yes' if a.identical else 'NO'} "
+              f"(max logit difference {a.max_logit_diff:.2e})", file=sys.stderr)
+        return 0 if a.identical else 1
+    return 0
+
+
+def _demo(args, rest):
+    from kdn.demo import run
+    run(questions_per_region=args.questions, max_new_tokens=args.max_new_tokens)
+    return 0
+
+
 def build_parser():
     ap = argparse.ArgumentParser(prog="kdn", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
+
+    u = sub.add_parser("up", help="start a network (embedded local cluster unless --address)")
+    u.add_argument("--topology", help="topology TOML (default: 3 local regions)")
+    u.add_argument("--address", help="join the Ray cluster at this address instead of starting one")
+    u.add_argument("--root", help="origin store directory (default $KDN_HOME/origin)")
+    u.add_argument("--network", default="kdn")
+    u.set_defaults(func=_up)
+
+    d = sub.add_parser("down", help="stop what `kdn up` started")
+    d.set_defaults(func=_down)
+
+    s = sub.add_parser("status", help="edges, regions, bytes, hit rates, hot copies, origin state")
+    s.add_argument("--address")
+    s.add_argument("--network")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_status)
+
+    p = sub.add_parser("publish", help="prefill text/markdown files with the model and publish them as a KB")
+    p.add_argument("kb", help="knowledge-base name")
+    p.add_argument("paths", nargs="+", help="text or markdown files, in order")
+    p.add_argument("--tenant", default="default")
+    p.add_argument("--address")
+    p.add_argument("--network")
+    p.set_defaults(func=_publish)
+
+    q = sub.add_parser("query", help="answer a question over a KB with KV from the nearest edge")
+    q.add_argument("kb")
+    q.add_argument("question")
+    q.add_argument("--region", help="the worker's region (default: its Ray node's label)")
+    q.add_argument("--tenant", default="default")
+    q.add_argument("--max-new-tokens", type=int, default=64)
+    q.add_argument("--check", action="store_true",
+                   help="also run a plain full prefill; exit 1 unless the generated tokens are identical")
+    q.add_argument("--address")
+    q.add_argument("--network")
+    q.set_defaults(func=_query)
+
+    dm = sub.add_parser("demo", help="start a local 3-region network, publish, query from every region, report")
+    dm.add_argument("--questions", type=int, default=2, help="questions per region")
+    dm.add_argument("--max-new-tokens", type=int, default=24)
+    dm.set_defaults(func=_demo)
     b = sub.add_parser("bench", help="run a benchmark (kdn bench NAME --help)", add_help=False)
     b.add_argument("name")
     b.set_defaults(func=_bench, passthrough=True)

@@ -15,7 +15,6 @@ so `kdn down` stops exactly what `up` started, and nothing else on the machine.
 """
 import json
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from kdn.env import prepare_ray_env
 from kdn.errors import KDNError, NetworkError
 
 NAMESPACE = "kdn"
+LOOPBACK = "127.0.0.1"   # every node of an embedded cluster, and every driver, binds loopback
 DEFAULT_REGIONS = ("us-east", "eu-west", "ap-south")
 
 
@@ -55,7 +55,7 @@ def init_ray(address: str, namespace: str = NAMESPACE) -> None:
     import ray
     if ray.is_initialized():
         return
-    ray.init(address=address, namespace=namespace, include_dashboard=False,
+    ray.init(address=address, namespace=namespace, include_dashboard=False, _node_ip_address=LOOPBACK,
              log_to_driver=False, configure_logging=True, logging_level="WARNING")
 
 
@@ -74,7 +74,8 @@ class LocalCluster:
         ensure_ray_token()
         from ray.cluster_utils import Cluster
         self.regions = list(regions)
-        self._opts = dict(num_cpus=cpus, object_store_memory=object_store_bytes)
+        self._opts = dict(num_cpus=cpus, object_store_memory=object_store_bytes,
+                          node_ip_address=LOOPBACK)
         self.cluster = Cluster(initialize_head=True, shutdown_at_exit=shutdown_at_exit,
                                head_node_args=dict(labels={"region": self.regions[0]},
                                                    include_dashboard=False, **self._opts))
@@ -236,6 +237,29 @@ def read_state() -> dict:
         raise NetworkError("no KDN cluster is recorded: start one with `kdn up`") from None
 
 
+def _stop_processes(pids, grace_s: float = 5.0) -> None:
+    """Terminate these processes and everything they started (agents, workers); kill stragglers."""
+    import psutil
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs += [p] + p.children(recursive=True)
+        except psutil.Error:
+            continue
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
 def down() -> dict:
     """Stop what `kdn up` started: the network's actors, then the embedded cluster's processes."""
     state = read_state()
@@ -246,10 +270,6 @@ def down() -> dict:
         ray.shutdown()
     except Exception:  # noqa: BLE001 - the cluster may already be gone; still stop processes
         pass
-    for pid in state.get("pids", []):
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
+    _stop_processes(state.get("pids", []))
     state_path().unlink(missing_ok=True)
     return state

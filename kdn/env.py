@@ -6,6 +6,7 @@ Decided once here and used by the CLI, the demo, the tests and CI alike:
 - RAY_AUTH_MODE=token: Ray's token auth on (token in ~/.ray/auth_token, made if missing).
 """
 import os
+import sys
 
 RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -19,3 +20,6 @@ def prepare_ray_env() -> None:
     """Set KDN's Ray environment in this process (and so in every process it starts)."""
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
+    if "ray" in sys.modules:  # ray was imported first: make it re-read its config (auth mode)
+        from ray._raylet import Config
+        Config.initialize("")

@@ -121,6 +121,7 @@ class Manifest:
     keys: tuple
     created: float = field(default_factory=time.time)
     meta: dict = field(default_factory=dict)
+    tokens: bytes = b""    # the KB's token ids (uint32 LE), so a worker can build the prompt; optional
 
     def __post_init__(self):
         check_name(self.name, "manifest name")
@@ -139,6 +140,28 @@ class Manifest:
         self._check_meta()
         object.__setattr__(self, "keys", self._check_keys(self.keys))
         object.__setattr__(self, "documents", self._check_documents(self.documents))
+        self._check_tokens()
+
+    def _check_tokens(self):
+        t = self.tokens
+        if not isinstance(t, (bytes, bytearray, memoryview)):
+            raise ManifestError(f"manifest tokens must be bytes (uint32 LE ids), got {type(t).__name__}")
+        t = bytes(t)
+        object.__setattr__(self, "tokens", t)
+        if not t:
+            return
+        if len(t) != 4 * self.n_tokens:
+            raise ManifestError(f"manifest tokens hold {len(t)} bytes; {self.n_tokens} tokens need {4 * self.n_tokens}")
+        ids = np.frombuffer(t, dtype="<u4")
+        for d in self.documents:
+            if token_digest(ids[d.start:d.end]) != d.digest:
+                raise ManifestError(f"manifest tokens of document {d.name!r} do not match its digest")
+
+    def token_ids(self) -> np.ndarray:
+        """The KB's token ids in publication order (ManifestError if it was published without them)."""
+        if not self.tokens:
+            raise ManifestError(f"KB {self.label()} was published without its token ids")
+        return np.frombuffer(self.tokens, dtype="<u4")
 
     def _check_meta(self):
         if not isinstance(self.meta, dict) or not all(isinstance(k, str) for k in self.meta):
@@ -279,9 +302,11 @@ class Manifest:
         if layout == "prefix":
             stream = np.concatenate([a for _, a in arrays]) if arrays else []
             keys = chunk_keys(stream, ns, chunk_tokens)
+        stream = np.concatenate([a for _, a in arrays]) if arrays else np.zeros(0, "<u4")
         return cls(name=name, version=version, tenant=tenant, fingerprint=fingerprint, layout=layout,
                    chunk_tokens=chunk_tokens, n_tokens=pos, documents=tuple(docs), keys=tuple(keys),
-                   created=time.time() if created is None else created, meta=dict(meta or {}))
+                   created=time.time() if created is None else created, meta=dict(meta or {}),
+                   tokens=stream.astype("<u4").tobytes())
 
     # --- wire / disk -------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -289,20 +314,21 @@ class Manifest:
                     fingerprint=self.fingerprint, layout=self.layout,
                     chunk_tokens=self.chunk_tokens, n_tokens=self.n_tokens,
                     documents=[d.to_dict() for d in self.documents], keys=list(self.keys),
-                    created=self.created, meta=dict(self.meta))
+                    created=self.created, meta=dict(self.meta), tokens=self.tokens)
 
     @classmethod
     def from_dict(cls, d) -> "Manifest":
         if not isinstance(d, dict):
             raise ManifestError(f"a manifest must be a dict, got {type(d).__name__}")
         fields = [f.name for f in dataclasses.fields(cls)]
-        missing = [f for f in fields if f not in d]
+        optional = {"tokens"}
+        missing = [f for f in fields if f not in d and f not in optional]
         if missing:
             raise ManifestError(f"manifest is missing field(s): {', '.join(missing)}")
         extra = sorted(str(k) for k in d if k not in fields)
         if extra:
             raise ManifestError(f"manifest has unknown field(s): {', '.join(extra)}")
-        return cls(**{f: d[f] for f in fields})
+        return cls(**{f: d[f] for f in fields if f in d})
 
     def to_bytes(self) -> bytes:
         body = msgpack.packb(self.to_dict(), use_bin_type=True)

@@ -183,9 +183,12 @@ def _convert(gguf: Path, target: Path, gguf_digest: str, log) -> None:
     log(f"converting {gguf.name} to {target} (first use only, ~20 s)")
     try:
         with _quiet_transformers():
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-            hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                      dtype=torch.float32, local_files_only=True)
+            try:
+                tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+                hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                          dtype=torch.float32, local_files_only=True)
+            except Exception as e:  # a truncated or foreign file fails deep inside gguf/transformers
+                raise ModelError(f"cannot read GGUF file {str(gguf)!r}: {type(e).__name__}: {e}") from e
             # The weights are dequantized now; drop the GGUF quantizer so they save as plain fp32.
             hf.hf_quantizer = None
             if hasattr(hf.config, "quantization_config"):
@@ -235,9 +238,12 @@ def load_model(cache_dir=None, dtype=torch.float32, gguf=None, log=None) -> "Mod
     if meta is None:
         if target.exists():  # a folder we did not finish writing cannot exist: replace it, never load it
             aside = target.parent / f".{target.name}{TMP_MARK}broken-{uuid.uuid4().hex[:8]}"
-            os.rename(target, aside)
-            shutil.rmtree(aside, ignore_errors=True)
-            stats["broken_caches_replaced"] += 1
+            try:
+                os.rename(target, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+                stats["broken_caches_replaced"] += 1
+            except FileNotFoundError:  # another process got there first
+                pass
         _convert(gguf, target, digest, log)
         converted = True
         meta = _read_meta(target, digest)
@@ -245,9 +251,13 @@ def load_model(cache_dir=None, dtype=torch.float32, gguf=None, log=None) -> "Mod
             raise ModelError(f"converted model cache {str(target)!r} failed verification after writing")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     with _quiet_transformers():
-        tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
-        hf = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, local_files_only=True,
-                                                  attn_implementation="sdpa")
+        try:
+            tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
+            hf = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, local_files_only=True,
+                                                      attn_implementation="sdpa")
+        except Exception as e:
+            raise ModelError(f"cannot load the converted model from {str(target)!r} ({type(e).__name__}: "
+                             f"{e}); delete that folder to convert again") from e
     hf.eval()
     stats["cache_loads"] += 1
     # The cached digest is of the fp32 conversion; a cast is a different model, so hash it.

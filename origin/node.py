@@ -133,8 +133,11 @@ class OriginNode:
         """Indices of `keys` the store lacks (the client sends only those chunks)."""
         return [i for i, k in enumerate(keys) if not self.store.has(k)]
 
-    async def has(self, keys) -> list:
-        return [self.store.has(k) for k in keys]
+    async def has(self, keys, ns: bytes = None) -> list:
+        """Which keys are stored (and, given ns, stored under that namespace)."""
+        if ns is None:
+            return [self.store.has(k) for k in keys]
+        return await asyncio.to_thread(lambda: [self.store.ns_of(k) == ns for k in keys])
 
     async def put_chunks(self, chunks) -> dict:
         written = await asyncio.to_thread(lambda: [self.store.put(c) for c in chunks])

@@ -29,7 +29,7 @@ import re
 import threading
 from pathlib import Path
 
-from kdn.chunk import Chunk, decode, encode_parts
+from kdn.chunk import MAX_HEADER, Chunk, decode, encode_parts, read_header
 from kdn.errors import (ChunkNotFound, CorruptChunk, FrameError, ManifestError, StoreError,
                         VersionNotFound)
 from kdn.keys import KEY_BYTES
@@ -209,6 +209,15 @@ class ChunkStore:
 
     def has(self, key: bytes) -> bool:
         return self._chunk_path(_check_key(key)).exists()
+
+    def ns_of(self, key: bytes):
+        """The namespace digest in the chunk's frame header (None when absent or unreadable)."""
+        try:
+            with open(self._chunk_path(_check_key(key)), "rb") as f:
+                head = f.read(8 + MAX_HEADER)
+            return read_header(head)[0]["ns"]
+        except (OSError, FrameError):
+            return None
 
     def size_of(self, key: bytes) -> int:
         """Bytes of the chunk's stored frame (0 when absent)."""

@@ -6,13 +6,14 @@ score owns the key, the next lowest is its second choice, and so on (highest-ran
 hashing, Thaler & Ravishankar 1998, weighted as in Schindelhauer & Schomaker 2005). Scores
 depend only on the key and the edge, so adding an edge moves exactly the keys it now wins
 (its weight share) and removing one moves exactly the keys it owned: nobody else's ranking
-changes. Everything is xxh3 and fixed integer arithmetic, never Python's `hash()`, so every
-process on every machine computes the same owners.
+changes. Hashing is xxh3, never Python's `hash()`, and with equal weights the ranking is
+pure 64-bit integer arithmetic, so every process on every machine computes the same owners
+(with unequal weights it goes through one float log per score, IEEE-exact in practice).
 
 Why rendezvous rather than a ring of virtual nodes (measured by `kdn bench placement
---ring`, 16 edges, 1M keys): rendezvous balances to max/mean ~1.01 and moves exactly 1/17
-on a join, where a virtual-node ring needs about a thousand points per edge to come under
-1.10 and still moves a few percent more than 1/17. Its cost is O(edges) per key instead of
+--ring`, 16 edges, 1M keys): rendezvous balances to max/mean 1.01 and a join moves 1/17 of
+the keys, all to the newcomer; a virtual-node ring is at 1.24 with 100 points per edge and
+1.06 with 1000 (16,000 points to keep in step). Its cost is O(edges) per key instead of
 O(log points), but the scoring is one vectorized numpy pass (well under a microsecond per
 key at tens of edges), the second, third ... choices come for free in the same ranking, and
 weights are exact shares rather than point counts. Past a few hundred edges a ring would

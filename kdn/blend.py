@@ -1,0 +1,359 @@
+"""Blended reuse: knowledge in any order, from per-document KV (segments) and a little recompute.
+
+A prefix KB helps only a prompt that starts with the whole KB in its one order. RAG prompts
+pick a few documents per question, in any order. The segments layout stores each document's
+KV computed on its own from position 0; a worker builds any prompt `header + doc_a + doc_b +
+... + question` from them (CacheBlend, EuroSys'25):
+
+1. **Re-position.** RoPE rotates each key pair (i, i + head_dim/2) by angle pos * inv_freq, so a
+   key stored at position p becomes the key at p + d by one more rotation by d * inv_freq
+   (angles computed in float64; no attention scaling, which the stored key already carries).
+   Values carry no position. Valid for RoPE types whose inv_freq does not depend on the
+   sequence length (default, linear, llama3); others are refused.
+2. **Select.** Re-positioned KV still misses attention *across* documents. Layers below
+   `select_layer` (default 1) are recomputed for every context token (cheap: one layer of
+   30); at `select_layer` the K/V of every token are recomputed and compared with the cached
+   ones; the `share` of tokens with the largest deviation (L2 of K and V differences) is
+   selected. Those layers' K/V are kept recomputed for every token.
+3. **Recompute.** Only selected tokens go through the remaining layers; at each layer their
+   fresh K/V replace the cached ones, and their queries attend to the whole blended context
+   (causally, by position). share=0 is naive concatenation; share=1 is a full prefill.
+4. The question is prefilled over the blended cache by the engine as usual, then greedy
+   generation.
+
+A segment's tokens are the document's text followed by SEPARATOR, tokenized on their own
+(segment_tokens); the prompt is the concatenation of token lists (header, segments, then the
+rest of the chat prompt), so a full prefill of the same ids is the reference. Segment KV is
+a plain prefill from position 0, so a segment key names the same KV a prefix KB of the same
+tokens would: content addressing stays consistent across layouts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kdn.chunk import Chunk
+from kdn.errors import BadRequest, ModelError, NetworkError
+from kdn.keys import chunk_keys
+
+SEPARATOR = "\n\n"          # ends every segment: documents read as paragraphs in any order
+DEFAULT_SHARE = 0.15        # CacheBlend's operating point
+SELECT_LAYER = 1
+POSITION_FREE_ROPE = {"default", "linear", "llama3"}   # inv_freq independent of the sequence
+_MARK = "\x00kdn-blend-mark\x00"
+
+stats = {"blends": 0, "blend_tokens": 0, "recomputed_tokens": 0, "blend_s": 0.0,
+         "segments_published": 0, "segments_fetched": 0, "segment_fetch_s": 0.0}
+
+
+# --- prompt pieces ---------------------------------------------------------------------------
+def _system_split(model) -> tuple:
+    """(header text, trailer text): the system turn around its content."""
+    text = model.knowledge_text(_MARK)
+    head, mark, tail = text.partition(_MARK)
+    if not mark:
+        raise ModelError(f"{model.name}'s chat template does not place the system content verbatim")
+    return head, tail
+
+
+def header_tokens(model) -> list:
+    """Tokens every blended prompt starts with: the opening of the system turn."""
+    return model._encode(_system_split(model)[0])
+
+
+def question_tokens(model, question: str) -> list:
+    """Tokens after the documents: the close of the system turn, the user turn, the reply prompt."""
+    return model._encode(_system_split(model)[1]) + model.question_tokens(question)
+
+
+def segment_tokens(model, text: str) -> list:
+    """A document's segment: its text plus SEPARATOR, tokenized on its own."""
+    if not isinstance(text, str) or not text.strip():
+        raise BadRequest(f"a segment's document text must be a non-empty str, got {text!r:.60}")
+    return model._encode(text + SEPARATOR)
+
+
+def prompt_tokens(model, segments, question: str) -> list:
+    """The full prompt a blend stands for: header + segments' tokens in order + question."""
+    out = list(header_tokens(model))
+    for toks in segments:
+        out.extend(int(t) for t in toks)
+    return out + question_tokens(model, question)
+
+
+def segment_kv(model, tokens) -> np.ndarray:
+    """KV [layers, 2, kv_heads, n, head_dim] of a segment prefilled alone from position 0."""
+    return model.prefill(tokens).kv
+
+
+# --- RoPE re-positioning ---------------------------------------------------------------------
+def _rotary(model):
+    rot = getattr(getattr(model.hf, "model", None), "rotary_emb", None)
+    if rot is None or not hasattr(rot, "inv_freq"):
+        raise ModelError(f"{model.name} has no rotary embedding KDN can re-position")
+    kind = getattr(rot, "rope_type", "default")
+    if kind not in POSITION_FREE_ROPE:
+        raise ModelError(f"RoPE type {kind!r} of {model.name} depends on the sequence length; keys "
+                         f"cannot be moved by rotation (supported: {', '.join(sorted(POSITION_FREE_ROPE))})")
+    return rot
+
+
+def rotation(model, delta: int) -> tuple:
+    """(cos, sin), each [head_dim] in the model's dtype, rotating a key by `delta` positions."""
+    inv = _rotary(model).inv_freq.detach().to("cpu", torch.float64)
+    ang = float(delta) * inv
+    emb = torch.cat((ang, ang))
+    return emb.cos().to(model.hf.dtype), emb.sin().to(model.hf.dtype)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_keys(model, keys, delta: int, out=None) -> torch.Tensor:
+    """Keys [..., tokens, head_dim] at positions p moved to p + delta (HF rotate_half layout)."""
+    keys = torch.as_tensor(keys)
+    if delta == 0:
+        return keys.clone() if out is None else out.copy_(keys)
+    cos, sin = rotation(model, delta)
+    keys = keys.to(cos.dtype)
+    if out is None:
+        return keys * cos + _rotate_half(keys) * sin
+    torch.mul(keys, cos, out=out)
+    return out.add_(_rotate_half(keys) * sin)
+
+
+# --- blending --------------------------------------------------------------------------------
+@dataclass
+class Blended:
+    cache: object               # engine cache holding the context's blended KV
+    context_tokens: int         # header + segments
+    selected: np.ndarray        # positions recomputed through every layer
+    share: float
+    seconds: dict               # place (rotate + copy), select, recompute, total
+
+    def kv(self, model) -> np.ndarray:
+        return model.kv_from_cache(self.cache)
+
+
+def _check_share(share) -> float:
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= float(share) <= 1.0:
+        raise BadRequest(f"recompute share must be a number in [0, 1], got {share!r}")
+    return float(share)
+
+
+def _kv_part(model, kv, n: int, what: str) -> torch.Tensor:
+    t = model._kv_tensor(kv, 0)
+    if t.shape[3] != n:
+        raise BadRequest(f"{what} has KV for {t.shape[3]} tokens but {n} tokens")
+    return t
+
+
+def _attend(attn, q, k, v, mask):
+    """q [1, qh, n, hd] over k, v [1, kvh, T, hd]; mask None (causal, n == T) or bool [n, T]."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                         scale=attn.scaling)
+    return attn.o_proj(out.transpose(1, 2).reshape(1, q.shape[2], -1))
+
+
+def _project(layer, x, cos, sin, hd):
+    """Queries, keys (RoPE applied) and values of hidden states x [1, n, D]."""
+    a, n = layer.self_attn, x.shape[1]
+    q = a.q_proj(x).view(1, n, -1, hd).transpose(1, 2)
+    k = a.k_proj(x).view(1, n, -1, hd).transpose(1, 2)
+    v = a.v_proj(x).view(1, n, -1, hd).transpose(1, 2)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
+
+
+def blend(model, header, segments, share: float = DEFAULT_SHARE, select_layer: int = SELECT_LAYER) -> Blended:
+    """Blend cached segments into one context cache: header + segments in the given order.
+
+    header: token ids computed fresh (they open every prompt: a few tokens). segments:
+    [(token ids, kv [layers, 2, kv_heads, n, head_dim] computed from position 0)]. share:
+    fraction of context tokens recomputed through every layer (0 = naive concatenation).
+    """
+    share = _check_share(share)
+    if not isinstance(select_layer, int) or not 0 <= select_layer < model.layers:
+        raise BadRequest(f"select_layer must be an int in [0, {model.layers}), got {select_layer!r}")
+    if not segments:
+        raise BadRequest("a blend needs at least one segment")
+    t0 = time.perf_counter()
+    head_ids = model._check_tokens(header, "header tokens")
+    seg_ids = [model._check_tokens(toks, f"segment {i} tokens") for i, (toks, _) in enumerate(segments)]
+    parts = [_kv_part(model, kv, len(ids), f"segment {i}") for i, ((_, kv), ids) in enumerate(zip(segments, seg_ids))]
+    ids = head_ids + [t for s in seg_ids for t in s]
+    total, hd, L = len(ids), model.head_dim, model.layers
+    hf = model.hf
+    inner = hf.model
+    with torch.inference_mode():
+        # Place: header fresh, segments re-positioned, all in one buffer the cache will view.
+        buf = torch.empty((L, 2, 1, model.kv_heads, total, hd), dtype=hf.dtype)
+        buf[:, :, 0, :, :len(head_ids)].copy_(model._kv_tensor(model.prefill(head_ids).kv, 0))
+        at = len(head_ids)
+        for p in parts:
+            n = p.shape[3]
+            rotate_keys(model, p[:, 0], at, out=buf[:, 0, 0, :, at:at + n])
+            buf[:, 1, 0, :, at:at + n].copy_(p[:, 1])
+            at += n
+        t_place = time.perf_counter()
+
+        # Select: exact layers below select_layer for everyone, deviation at select_layer.
+        h = inner.embed_tokens(torch.tensor([ids], dtype=torch.long))
+        cos, sin = inner.rotary_emb(h, torch.arange(total).unsqueeze(0))
+        for li in range(select_layer):
+            layer = inner.layers[li]
+            q, k, v = _project(layer, layer.input_layernorm(h), cos, sin, hd)
+            buf[li, 0, 0].copy_(k[0])
+            buf[li, 1, 0].copy_(v[0])
+            h = h + _attend(layer.self_attn, q, k, v, None)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        layer = inner.layers[select_layer]
+        x = layer.input_layernorm(h)
+        q, k, v = _project(layer, x, cos, sin, hd)
+        dev = ((k[0] - buf[select_layer, 0, 0]).pow(2).sum(dim=(0, 2))
+               + (v[0] - buf[select_layer, 1, 0]).pow(2).sum(dim=(0, 2)))
+        n_sel = min(total, math.ceil(share * total - 1e-9))
+        idx = torch.topk(dev, n_sel).indices.sort().values if n_sel else torch.empty(0, dtype=torch.long)
+        buf[select_layer, 0, 0].copy_(k[0])
+        buf[select_layer, 1, 0].copy_(v[0])
+        t_select = time.perf_counter()
+
+        # Recompute: selected tokens through the remaining layers, attending to the blend.
+        if n_sel:
+            mask = torch.arange(total).unsqueeze(0) <= idx.unsqueeze(1)      # [n_sel, total]
+            h = h[:, idx]
+            cos_s, sin_s = cos[:, idx], sin[:, idx]
+            kb, vb = buf[select_layer, 0], buf[select_layer, 1]
+            h = h + _attend(layer.self_attn, q[:, :, idx], kb, vb, mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            for li in range(select_layer + 1, L):
+                layer = inner.layers[li]
+                q, k, v = _project(layer, layer.input_layernorm(h), cos_s, sin_s, hd)
+                kb, vb = buf[li, 0], buf[li, 1]
+                kb[:, :, idx] = k
+                vb[:, :, idx] = v
+                h = h + _attend(layer.self_attn, q, kb, vb, mask)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+        cache = model.new_cache()
+        model._fill(cache, buf)
+    t_end = time.perf_counter()
+    stats["blends"] += 1
+    stats["blend_tokens"] += total
+    stats["recomputed_tokens"] += n_sel
+    stats["blend_s"] += t_end - t0
+    return Blended(cache=cache, context_tokens=total, selected=idx.numpy(), share=share,
+                   seconds={"place": t_place - t0, "select": t_select - t_place,
+                            "recompute": t_end - t_select, "total": t_end - t0})
+
+
+def generate_blended(model, segments, question: str, share: float = DEFAULT_SHARE,
+                     max_new_tokens: int = 32, select_layer: int = SELECT_LAYER):
+    """Greedy answer to `question` over blended segments [(tokens, kv)], in the given order.
+
+    Returns (Generation, Blended). The Generation's ttft_s counts the blend too: it is the
+    time from having the segments' KV to the first new token.
+    """
+    t0 = time.perf_counter()
+    blended = blend(model, header_tokens(model), segments, share=share, select_layer=select_layer)
+    tokens = prompt_tokens(model, [s for s, _ in segments], question)
+    gen = model.generate(tokens, cache=blended.cache, cached_tokens=blended.context_tokens,
+                         max_new_tokens=max_new_tokens)
+    ttft = blended.seconds["total"] + gen.ttft_s
+    return dataclasses.replace(gen, ttft_s=ttft, total_s=time.perf_counter() - t0), blended
+
+
+# --- segments on the network -----------------------------------------------------------------
+def publish_segments(client, model, kb: str, documents, meta: dict = None, progress=None) -> dict:
+    """Publish documents [(name, text)] as a segments KB: each one's KV from position 0.
+
+    Returns the origin's receipt plus "segment_tokens": {name: token count}.
+    """
+    docs = list(documents)
+    if not docs:
+        raise BadRequest(f"KB {kb!r}: no documents to publish")
+    named, kvs = [], []
+    for i, item in enumerate(docs):
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise BadRequest(f"documents[{i}] must be a (name, text) pair, got {item!r:.80}")
+        name, text = item
+        toks = segment_tokens(model, text)
+        named.append((name, toks))
+        kvs.append(segment_kv(model, toks))
+        if progress is not None:
+            progress(i + 1, len(docs))
+    info = {"segment_separator": SEPARATOR, "segment_positions": "from 0"}
+    receipt = client.publish(kb, named, kvs, layout="segments", meta={**info, **(meta or {})})
+    stats["segments_published"] += len(named)
+    receipt["segment_tokens"] = {n: len(t) for n, t in named}
+    return receipt
+
+
+@dataclass
+class SegmentFetch:
+    kv: np.ndarray      # [layers, 2, kv_heads, tokens, head_dim], positions 0..tokens-1
+    keys: list
+    sources: list
+    edge: str
+    seconds: float
+
+
+def _fetch_keys(client, keys, what: str) -> SegmentFetch:
+    t0 = time.perf_counter()
+    keys = list(keys)
+    if not keys:
+        raise BadRequest(f"{what} has no chunks")
+    reply, edge, _ = client._edge_call("fetch", keys, client.ns, client.region, timeout=30.0)
+    chunks, sources = reply["chunks"], reply["sources"]
+    if len(chunks) < len(keys):
+        raise NetworkError(f"{what}: the network holds {len(chunks)} of its {len(keys)} chunks "
+                           "(not published under this tenant and model, or lost)")
+    for k, c in zip(keys, chunks):
+        if not isinstance(c, Chunk) or c.key != k or c.ns != client.ns:
+            raise NetworkError(f"{what}: edge {edge} answered a chunk that is not the one asked for")
+    kv = chunks[0].kv if len(chunks) == 1 else np.concatenate([c.kv for c in chunks], axis=3)
+    seconds = time.perf_counter() - t0
+    stats["segments_fetched"] += 1
+    stats["segment_fetch_s"] += seconds
+    return SegmentFetch(kv=kv, keys=keys, sources=list(sources), edge=edge, seconds=seconds)
+
+
+def fetch_segment(client, tokens) -> SegmentFetch:
+    """A segment's KV by its tokens (the worker computes the keys itself, as for prefixes)."""
+    keys = chunk_keys(tokens, client.ns, client.chunk_tokens)
+    return _fetch_keys(client, keys, f"segment of {len(keys)} chunk(s)")
+
+
+def fetch_document(client, kb: str, name: str) -> SegmentFetch:
+    """One document's KV from a segments KB, by name (ManifestError if the KB lacks it)."""
+    m = client.manifest(kb)
+    if m.layout != "segments":
+        raise BadRequest(f"KB {m.label()} has the {m.layout} layout; blending needs segments")
+    return _fetch_keys(client, m.document_keys(name), f"document {name!r} of {m.label()}")
+
+
+def answer_from_network(client, model, documents, question: str, share: float = DEFAULT_SHARE,
+                        max_new_tokens: int = 32):
+    """Fetch each document (text, in prompt order) as a segment, blend, answer.
+
+    Returns (Generation, Blended, [SegmentFetch]); the Generation's ttft_s includes the fetches.
+    """
+    share = _check_share(share)
+    t0 = time.perf_counter()
+    toks = [segment_tokens(model, text) for text in documents]
+    got = [fetch_segment(client, t) for t in toks]
+    fetch_s = time.perf_counter() - t0
+    gen, blended = generate_blended(model, [(t, f.kv) for t, f in zip(toks, got)], question,
+                                    share=share, max_new_tokens=max_new_tokens)
+    return dataclasses.replace(gen, ttft_s=gen.ttft_s + fetch_s), blended, got

@@ -1,0 +1,61 @@
+"""An inference worker: answer a question over a published knowledge base, computing only the question.
+
+The worker builds the prompt a chat model would see (the KB's knowledge tokens, from its
+manifest, then the question's turn), fetches the longest cached prefix from the nearest
+edge, rebuilds the model's cache from the chunks, prefills only the rest and generates
+greedily. Time to first token is measured from the moment the worker starts to fetch; the
+baseline (`check=True`) is the same prompt prefilled from nothing, and its generated tokens
+must be identical — KDN never changes what the model says.
+"""
+import time
+from dataclasses import dataclass, field
+
+from kdn.errors import ModelError
+
+
+@dataclass
+class Answer:
+    question: str
+    text: str
+    tokens: list
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float                    # with KDN: fetch + cache rebuild + prefill of the rest
+    fetch_s: float
+    sources: dict                    # local / peer / origin -> chunk count
+    edge: str
+    bytes_moved: int
+    baseline_ttft_s: float = None    # full prefill, no KDN (check=True)
+    baseline_tokens: list = None
+    identical: bool = None
+    max_logit_diff: float = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def speedup(self):
+        return None if not self.baseline_ttft_s else self.baseline_ttft_s / self.ttft_s
+
+
+def answer(client, model, kb: str, question: str, max_new_tokens: int = 48, check: bool = False,
+           version: int = None) -> Answer:
+    """Answer `question` over KB `kb` with KV from the network; with check, also without it."""
+    if client.fingerprint != model.fingerprint:
+        raise ModelError(f"the client reads KV of model {client.fingerprint!r}, not of {model.fingerprint!r}")
+    m = client.manifest(kb, version)
+    prompt = m.token_ids().tolist() + model.question_tokens(question)
+    t0 = time.perf_counter()
+    f = client.fetch(prompt, kb=kb)
+    t1 = time.perf_counter()
+    cache = model.cache_from_kv(f.kv_parts()) if f.tokens else None
+    rebuild_s = time.perf_counter() - t1
+    gen = model.generate(prompt, cache=cache, cached_tokens=f.tokens, max_new_tokens=max_new_tokens)
+    ttft = (t1 - t0) + rebuild_s + gen.ttft_s
+    a = Answer(question=question, text=gen.text.strip(), tokens=gen.tokens, prompt_tokens=len(prompt),
+               cached_tokens=f.tokens, ttft_s=ttft, fetch_s=t1 - t0, sources=f.source_counts(),
+               edge=f.edge, bytes_moved=f.nbytes, extra={"rebuild_s": rebuild_s})
+    if check:
+        base = model.generate(prompt, max_new_tokens=max_new_tokens)
+        a.baseline_ttft_s, a.baseline_tokens = base.ttft_s, base.tokens
+        a.identical = base.tokens == gen.tokens
+        a.max_logit_diff = float((base.logits - gen.logits).abs().max())
+    return a
