@@ -293,7 +293,7 @@ class EdgeHTTP:
                                                   f"network ({', '.join(self.edge.topology.regions)}), "
                                                   f"got {region!r:.80}")
         t0 = time.perf_counter()
-        reply = await self.edge.fetch(keys, ns, region)
+        reply = await self.edge.fetch(keys, ns, region, resolve=True)
         parts, total = [], 0
         for c in reply["chunks"]:
             if c._xxh is None and not c.kv.flags.writeable:

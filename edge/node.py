@@ -15,6 +15,12 @@ tenant's key never returns another tenant's KV.
 
 Placement is computed here from the membership the origin broadcasts (and, before that, from
 the topology): no per-request call asks anyone where a key lives.
+
+Chunks live in Ray's object store, put there once when they enter a tier; the tiers hold
+references (`Held`). A fetch returns references, so a worker on the edge's node maps the KV
+with no copy at all, and one elsewhere pulls it straight from this node's store; the edge
+process never re-serializes a chunk per request. Evicting a reference frees the object once
+no reader still holds it.
 """
 import asyncio
 import collections
@@ -29,6 +35,22 @@ from kdn.manifest import Manifest
 from kdn.placement.replication import ReplicationPolicy
 from kdn.placement.ring import Edge, Ring
 from kdn.placement.topology import Topology
+
+class Held:
+    """A chunk in the object store: its reference plus what routing needs without fetching it."""
+    __slots__ = ("ref", "key", "ns", "nbytes", "own")
+
+    def __init__(self, ref, key: bytes, ns: bytes, nbytes: int, own: bool = True):
+        self.ref, self.key, self.ns, self.nbytes, self.own = ref, key, ns, nbytes, own
+
+    @classmethod
+    def of(cls, chunk) -> "Held":
+        import ray
+        return cls(ray.put(chunk), chunk.key, chunk.ns, chunk.nbytes)
+
+    def wire(self) -> tuple:
+        return (self.ref, self.key, self.ns, self.nbytes)
+
 
 PEER_TIMEOUT_S = 5.0      # a peer that does not answer in time is skipped (next owner, then origin)
 ORIGIN_TIMEOUT_S = 20.0
@@ -102,7 +124,15 @@ class EdgeNode:
         """Copy chunks the policy made hot in this region into the hot tier (from owners)."""
         got = await self.loads.do_many(keys, self._load_batch)
         for k, g in zip(keys, got):
-            if g is not None and self.hot.put(k, g[0]):
+            if g is None:
+                continue
+            held = g[0]
+            if not held.own:
+                try:
+                    held = Held.of(await asyncio.wait_for(held.ref, PEER_TIMEOUT_S))
+                except Exception:  # noqa: BLE001
+                    continue
+            if self.hot.put(k, held):
                 self.counters["hot_promoted"] += 1
 
     async def ping(self) -> dict:
@@ -198,14 +228,21 @@ class EdgeNode:
         for c in chunks:
             if c is None:
                 continue
+            if not isinstance(c, Held):
+                if c.key in tier:   # already held: keep the object we have
+                    held = tier.peek(c.key)
+                else:
+                    held = Held.of(c)
+            else:
+                held = c
             if pin:
                 try:
-                    ok = tier.put(c.key, c, pin=True)
+                    ok = tier.put(c.key, held, pin=True)
                 except PinCapacityError:  # keep it, unpinned, rather than not at all
                     self.counters["pin_refused"] += 1
-                    ok = tier.put(c.key, c)
+                    ok = tier.put(c.key, held)
             else:
-                ok = tier.put(c.key, c)
+                ok = tier.put(c.key, held)
             n += bool(ok)
             if ttl_s:
                 self.expiry[c.key] = time.monotonic() + float(ttl_s)
@@ -234,7 +271,7 @@ class EdgeNode:
         """What this edge holds of `keys` (None elsewhere); asked by other edges, never cascades."""
         out = [self._local(k) for k in keys]
         self.counters["peer_served"] += sum(c is not None for c in out)
-        return out
+        return [None if h is None else h.wire() for h in out]
 
     async def drop(self, keys) -> int:
         return sum(self.main.discard(k) | self.hot.discard(k) for k in keys)
@@ -259,8 +296,12 @@ class EdgeNode:
         return [m for (t, f, _, _), m in self.manifests.items() if t == tenant and f == fingerprint]
 
     # --- fetch --------------------------------------------------------------------------
-    async def fetch(self, keys, ns: bytes, region: str = None) -> dict:
-        """The longest prefix of `keys` that the network holds, as Chunks with their sources."""
+    async def fetch(self, keys, ns: bytes, region: str = None, resolve: bool = False) -> dict:
+        """The longest prefix of `keys` that the network holds, with where each chunk came from.
+
+        Returns object references ("refs"; ray.get them: zero-copy on this node), or with
+        resolve=True the Chunks themselves ("chunks", for the HTTP server in this process).
+        """
         self._start_background()
         t0 = time.perf_counter()
         region = region or self.region
@@ -285,29 +326,49 @@ class EdgeNode:
                 m = i
                 break
         nbytes = 0
+        keep = []
         for i in range(m):
             nbytes += chunks[i].nbytes
             self.demand.record(keys[i], region, chunks[i].nbytes)
             if sources[i] != "local":
-                self._maybe_keep(keys[i], chunks[i], region)
+                keep.append((keys[i], chunks[i], region))
+        if keep:
+            await self._keep(keep)
         self.counters["fetches"] += 1
         self.counters["chunks_served"] += m
         self.counters["bytes_served"] += nbytes
         for s in sources[:m]:
             self.counters["served_" + s.split(":")[0]] += 1
         self.counters["fetch_us"] += int((time.perf_counter() - t0) * 1e6)
-        return {"chunks": chunks[:m], "sources": sources[:m], "edge": self.name,
-                "region": self.region, "ring": self.members_version}
+        reply = {"sources": sources[:m], "edge": self.name, "region": self.region,
+                 "ring": self.members_version}
+        if resolve:
+            reply["chunks"] = list(await asyncio.gather(*(h.ref for h in chunks[:m])))
+        else:
+            reply["refs"] = [h.ref for h in chunks[:m]]
+        return reply
 
-    def _maybe_keep(self, key, chunk, region):
-        """Keep a chunk that came from elsewhere if this edge owns it or its region reads it hot."""
-        owners = self._owners([key])[0]
-        if self.name in owners:
-            if self.main.put(key, chunk):
-                self.counters["refilled"] += 1
-        elif region == self.region and key in self.demand.hot(region):
-            if self.hot.put(key, chunk):
-                self.counters["hot_promoted"] += 1
+    async def _keep(self, items):
+        """Keep chunks that came from elsewhere if this edge owns them or its region reads them hot.
+
+        A peer's object belongs to the peer (it vanishes with it), so a kept copy is put into
+        this node's store as our own object.
+        """
+        owners = self._owners([k for k, _, _ in items])
+        for (key, held, region), os_ in zip(items, owners):
+            if self.name in os_:
+                tier, counter = self.main, "refilled"
+            elif region == self.region and key in self.demand.hot(region):
+                tier, counter = self.hot, "hot_promoted"
+            else:
+                continue
+            if not held.own:
+                try:
+                    held = Held.of(await asyncio.wait_for(held.ref, PEER_TIMEOUT_S))
+                except Exception:  # noqa: BLE001 - the peer went away: keep nothing
+                    continue
+            if tier.put(key, held):
+                self.counters[counter] += 1
 
     async def _load_batch(self, keys) -> dict:
         """Load keys from owners nearest first, then the origin: one call per source per round."""
@@ -327,23 +388,25 @@ class EdgeNode:
                     groups[ranked[k][rnd]].append(k)
             replies = await asyncio.gather(*(self._call(e, "peer_get", ks) for e, ks in groups.items()))
             for (e, ks), got in zip(groups.items(), replies):
-                for k, c in zip(ks, got or [None] * len(ks)):
-                    if c is not None and c.key == k:
-                        result[k] = (c, f"peer:{e}")
+                for k, w in zip(ks, got or [None] * len(ks)):
+                    if w is not None and w[1] == k:
+                        result[k] = (Held(w[0], w[1], w[2], w[3], own=False), f"peer:{e}")
                     elif got is not None:
                         lacking[e].append(k)
             pending = [k for k in pending if k not in result]
             rnd += 1
         if pending:
             got = await self._call_origin("get_chunks", pending)
+            origin_chunks = {}
             for k, c in zip(pending, got or [None] * len(pending)):
                 if c is not None and c.key == k:
-                    result[k] = (c, "origin")
-        for e, ks in lacking.items():          # read repair, after the reply is on its way
-            repair = [result[k][0] for k in ks if k in result]
-            if repair:
-                self.counters["repairs_sent"] += len(repair)
-                asyncio.get_running_loop().create_task(self._call(e, "put_chunks", repair))
+                    result[k] = (Held.of(c), "origin")
+                    origin_chunks[k] = c
+            for e, ks in lacking.items():      # read repair, after the reply is on its way
+                repair = [origin_chunks[k] for k in ks if k in origin_chunks]
+                if repair:
+                    self.counters["repairs_sent"] += len(repair)
+                    asyncio.get_running_loop().create_task(self._call(e, "put_chunks", repair))
         return result
 
     async def lookup(self, keys, ns: bytes) -> dict:

@@ -22,7 +22,8 @@ subclass naming what is wrong — never a crash, never a silently wrong tensor. 
 zero-copy: the chunk's kv is a view of the caller's buffer (read-only when the buffer is
 bytes), and verifying costs one xxh3 pass, faster than a memory copy.
 
-Codecs are pluggable (register_codec); only "raw" — the kv bytes themselves — exists here.
+Codecs are pluggable (register_codec); "raw" — the kv bytes themselves — is defined here,
+the compressed ones in kdn.codecs, imported at the end of this module so every reader knows them.
 """
 import struct
 import warnings
@@ -511,3 +512,8 @@ def decode(buf, *, verify: bool = True, max_payload: int = MAX_PAYLOAD) -> Chunk
     stats["decoded"] += 1
     stats["decoded_bytes"] += end
     return chunk
+
+
+# Every decoder must know every codec: kdn.codecs registers its codecs here. Imported last,
+# as kdn.codecs imports this module.
+import kdn.codecs  # noqa: E402,F401

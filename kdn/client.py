@@ -147,13 +147,22 @@ class Client:
         ranked = self.topology.rank_sources(self.region, cands, 1 << 20)
         return sorted(ranked, key=lambda n: self._suspect.get(n, 0) > now)
 
-    def _edge_call(self, method, *args, timeout=CALL_TIMEOUT_S, **kw):
-        """Call the nearest live edge; fail over to the next on error or timeout."""
+    def _edge_call(self, method, *args, timeout=CALL_TIMEOUT_S, resolve_refs=False, **kw):
+        """Call the nearest live edge; fail over to the next on error or timeout.
+
+        With resolve_refs, the reply's object references ("refs") are fetched too, inside the
+        same failover: an edge that dies between answering and the transfer costs a retry.
+        """
         failed = []
         for edge in self.ranked_edges():
             try:
                 ref = getattr(self._actor(edge), method).remote(*args, **kw)
-                return self.ray.get(ref, timeout=timeout), edge, failed
+                t0 = time.monotonic()
+                reply = self.ray.get(ref, timeout=timeout)
+                if resolve_refs:
+                    left = max(0.5, timeout - (time.monotonic() - t0))
+                    reply["chunks"] = self.ray.get(reply.pop("refs"), timeout=left) if reply["refs"] else []
+                return reply, edge, failed
             except self.ray.exceptions.RayTaskError as e:
                 cause = e.as_instanceof_cause()
                 if isinstance(cause, KDNError):
@@ -234,7 +243,8 @@ class Client:
         if timeout_s is None:
             per_chunk = self._chunk_bytes_estimate()
             timeout_s = FETCH_TIMEOUT_S + FETCH_TIMEOUT_PER_MB_S * len(keys) * per_chunk / 1e6
-        reply, edge, failed = self._edge_call("fetch", keys, self.ns, self.region, timeout=timeout_s)
+        reply, edge, failed = self._edge_call("fetch", keys, self.ns, self.region, timeout=timeout_s,
+                                              resolve_refs=True)
         chunks, sources = reply["chunks"], reply["sources"]
         for k, c in zip(keys, chunks):
             if not isinstance(c, Chunk) or c.key != k or c.ns != self.ns:

@@ -167,9 +167,13 @@ def start_network(topology, root, network: str = "kdn", detached: bool = False,
     import ray
     root = str(Path(root).absolute())
     ocls = ray.remote(_origin_class())
+    # The origin's store is on one node's disk: where a node is labelled kdn-role=origin (see
+    # ray_cluster.yaml), pin the origin (and its restarts) there, not just to its region.
+    selector = {"region": topology.origin_region}
+    if any(n.get("Alive") and (n.get("Labels") or {}).get("kdn-role") == "origin" for n in ray.nodes()):
+        selector["kdn-role"] = "origin"
     opts = dict(name=origin_name(network), namespace=NAMESPACE, num_cpus=0, max_restarts=-1,
-                max_task_retries=0, max_concurrency=1000,
-                label_selector={"region": topology.origin_region})
+                max_task_retries=0, max_concurrency=1000, label_selector=selector)
     if detached:
         opts["lifetime"] = "detached"
     origin = ocls.options(**opts).remote(network=network, root=root, topology=topology.to_dict(),

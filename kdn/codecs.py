@@ -363,3 +363,95 @@ for _bits in (8, 4):
     for _entropy in (False, True):
         register_codec(f"q{_bits}{'z' if _entropy else ''}", _quant_encoder(_bits, _entropy),
                        _quant_decoder(_bits, _entropy))
+
+
+# --- choosing a codec per link ------------------------------------------------------------
+# Measured with `kdn bench codecs` on this machine (one core, SmolLM2-135M KV, 256-token
+# chunks): size ratio against the raw bytes per KV dtype, encode and decode GB/s of raw bytes.
+# Lossy ratios are fixed by the format (bits per element plus fp16 scales); "zstd"'s
+# depends on the data. A deployment can pass its own measurements (measure_profile()).
+PROFILE = {
+    "raw": {"ratio": {"float32": 1.0, "float16": 1.0, "bfloat16": 1.0},
+            "encode_gbps": float("inf"), "decode_gbps": float("inf")},
+    "zstd": {"ratio": {"float32": 1.18, "float16": 1.16, "bfloat16": 1.16},
+             "encode_gbps": 0.7, "decode_gbps": 2.0},
+    "q8": {"ratio": {"float32": 3.76, "float16": 1.88, "bfloat16": 1.88},
+           "encode_gbps": 0.2, "decode_gbps": 5.0},
+    "q8z": {"ratio": {"float32": 3.9, "float16": 1.95, "bfloat16": 1.95},
+            "encode_gbps": 0.2, "decode_gbps": 3.0},
+    "q4": {"ratio": {"float32": 7.1, "float16": 3.55, "bfloat16": 3.55},
+           "encode_gbps": 0.2, "decode_gbps": 5.0},
+    "q4z": {"ratio": {"float32": 7.55, "float16": 3.78, "bfloat16": 3.78},
+            "encode_gbps": 0.2, "decode_gbps": 3.5},
+}
+
+
+def transfer_seconds(codec: str, nbytes: int, bandwidth_gbps: float, dtype: str = "float32",
+                     stored: str = "raw", profile: dict = None) -> float:
+    """Estimated seconds to move nbytes of KV (raw size) as codec over the link.
+
+    stored: the codec the sender already holds the chunk in (its encode is then free; any
+    other codec costs decoding the stored form first).
+    """
+    profile = profile or PROFILE
+    for name in (codec, stored):
+        if name not in profile:
+            raise BadRequest(f"codec {name!r} has no profile; known: {', '.join(sorted(profile))}")
+    if dtype not in DTYPES:
+        raise BadRequest(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if not bandwidth_gbps > 0:
+        raise BadRequest(f"bandwidth_gbps must be > 0, got {bandwidth_gbps!r}")
+    p = profile[codec]
+    seconds = nbytes / p["ratio"][dtype] / (bandwidth_gbps * 1e9) + nbytes / (p["decode_gbps"] * 1e9)
+    if codec != stored:
+        seconds += nbytes / (p["encode_gbps"] * 1e9)
+        if stored != "raw":
+            seconds += nbytes / (profile[stored]["decode_gbps"] * 1e9)
+    return seconds
+
+
+def choose_codec(nbytes: int, bandwidth_gbps: float, same_node: bool, dtype: str = "float32",
+                 allowed=LOSSLESS, stored: str = "raw", profile: dict = None) -> str:
+    """The codec that moves nbytes of KV over this link soonest: "raw" unless compressing pays.
+
+    Raw on the same node (the object store shares memory: nothing to save). Otherwise each
+    allowed codec's estimated encode + transfer + decode time (transfer_seconds) is compared
+    with sending the bytes as they are. allowed defaults to the lossless codecs: a lossy
+    codec changes the model's output slightly and must be opted into (e.g. allowed=("q8z",)).
+    """
+    if same_node or nbytes <= 0:
+        return "raw"
+    best, best_s = "raw", transfer_seconds("raw", nbytes, bandwidth_gbps, dtype, stored, profile)
+    for name in allowed:
+        s = transfer_seconds(name, nbytes, bandwidth_gbps, dtype, stored, profile)
+        if s < best_s:
+            best, best_s = name, s
+    return best
+
+
+def measure_profile(kv: np.ndarray, dtype: str, codecs=LOSSLESS + LOSSY, reps: int = 3) -> dict:
+    """PROFILE entries measured on this machine for kv (one chunk): ratio, encode/decode GB/s.
+
+    The ratio is measured for dtype and assumed to scale by itemsize for the other dtypes.
+    """
+    import time
+    from kdn.chunk import _CODECS
+    header = {"layers": kv.shape[0], "heads": kv.shape[2], "tokens": kv.shape[3],
+              "head_dim": kv.shape[4], "dtype": dtype, "raw": kv.nbytes}
+    out = {"raw": PROFILE["raw"]}
+    for name in codecs:
+        enc, dec = _CODECS[name]
+        best_e = best_d = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            payload = memoryview(enc(kv, dtype)).cast("B")
+            t1 = time.perf_counter()
+            dec(payload, dict(header, nbytes=payload.nbytes))
+            t2 = time.perf_counter()
+            best_e, best_d = min(best_e, t1 - t0), min(best_d, t2 - t1)
+        ratio = kv.nbytes / payload.nbytes
+        size = DTYPES[dtype][2]
+        by_dtype = {d: (ratio * DTYPES[d][2] / size if name in LOSSY else ratio) for d in DTYPES}
+        out[name] = {"ratio": by_dtype, "encode_gbps": kv.nbytes / best_e / 1e9,
+                     "decode_gbps": kv.nbytes / best_d / 1e9}
+    return out

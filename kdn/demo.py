@@ -46,7 +46,7 @@ def run(questions_per_region: int = 2, max_new_tokens: int = 24, out=None) -> di
     from kdn.bench import table
     from kdn.client import Client
     from kdn.cluster import LocalCluster, init_ray, start_network, stop_network
-    from kdn.knowledge import bundled_documents, bundled_questions, bundled_sources
+    from kdn.knowledge import bundled_documents, bundled_questions
     from kdn.model import load_model
     from kdn.origin.publish import progress_bar, publish_documents
     from kdn.placement.topology import Topology
@@ -77,7 +77,8 @@ def run(questions_per_region: int = 2, max_new_tokens: int = 24, out=None) -> di
         say(f"      {len(docs)} documents, {receipt['tokens']} tokens -> {receipt['chunks']} chunks, "
             f"{receipt['bytes'] / 2**20:.1f} MiB of KV; prefill {receipt['prefill_s']:.1f} s (paid once); "
             f"placed on {len(receipt['placement'])} edges x {max(1, sum(receipt['placement'].values()) // max(1, receipt['chunks']))} replicas")
-        say("      source: " + bundled_sources().splitlines()[2].strip() + " (kdn/data/SOURCES.md)")
+        say("      text: U.S. National Archives and Library of Congress transcriptions, public domain "
+            "(kdn/data/SOURCES.md)")
 
         say("[3/5] a worker in each region answers questions from its nearest edge ...")
         qs = bundled_questions()

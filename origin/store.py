@@ -5,6 +5,8 @@ KV bytes) under its key: root/chunks/<2 hex>/<32 hex>.kdnc. Storing the frame, n
 means a read can be pushed to an edge or an HTTP client as is, and every read re-verifies
 the checksum, so a rotted file raises CorruptChunk and is never served. Because the name is
 the content's key, a chunk shared by two KB versions is written once (dedup for free).
+With codec= set (kdn.codecs: "zstd" lossless, "q8z"/"q4z" quantized) put() stores frames
+compressed, so the disk holds more chunks; every read decodes whatever codec a frame names.
 
 Every file is written the diskcache way: to a temp file in the same directory (suffix
 .kdntmp), flushed and fsynced, renamed over its final name, and the directory fsynced. A
@@ -29,7 +31,7 @@ import re
 import threading
 from pathlib import Path
 
-from kdn.chunk import MAX_HEADER, Chunk, decode, encode_parts, read_header
+from kdn.chunk import MAX_HEADER, Chunk, codecs, decode, encode_parts, read_header
 from kdn.errors import (ChunkNotFound, CorruptChunk, FrameError, ManifestError, StoreError,
                         VersionNotFound)
 from kdn.keys import KEY_BYTES
@@ -67,9 +69,12 @@ def _check_ns(ns) -> bytes:
 class ChunkStore:
     """Chunks (as verified frames) and KB manifests under one root directory."""
 
-    def __init__(self, root, fsync: bool = True):
+    def __init__(self, root, fsync: bool = True, codec: str = "raw"):
+        if codec not in codecs():
+            raise StoreError(f"codec {codec!r} is not registered; known: {', '.join(codecs())}")
         self.root = Path(root)
         self.fsync = fsync
+        self.codec = codec        # how put() encodes chunks (kdn.codecs); reads decode any codec
         self._chunks_dir = self.root / "chunks"
         self._manifests_dir = self.root / "manifests"
         self._chunks_dir.mkdir(parents=True, exist_ok=True)
@@ -143,7 +148,7 @@ class ChunkStore:
         """Store chunk durably; False (and no write) when its key is already stored."""
         if not isinstance(chunk, Chunk):
             raise StoreError(f"put() takes a Chunk, got {type(chunk).__name__}")
-        return self._store(_check_key(chunk.key), lambda: encode_parts(chunk))
+        return self._store(_check_key(chunk.key), lambda: encode_parts(chunk, self.codec))
 
     def put_frame(self, frame) -> tuple:
         """Verify an encoded frame (checksum included) and store it as is; return (key, written)."""
@@ -383,7 +388,7 @@ class ChunkStore:
         versions = sum(1 for d, _, fs in os.walk(self._manifests_dir)
                        for f in fs if _VERSION_NAME.fullmatch(f) and f.endswith(MANIFEST_SUFFIX))
         with self._lock:
-            return dict(chunks=self._count, bytes=self._bytes, versions=versions,
+            return dict(chunks=self._count, bytes=self._bytes, versions=versions, codec=self.codec,
                         corrupt_detected=self._corrupt, cleaned_partials=self._cleaned,
                         reads=self._reads, writes=self._writes, deduplicated=self._dedup,
                         pending=len(self._pending))

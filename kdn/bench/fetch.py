@@ -11,7 +11,8 @@ measures, in one run and interleaved rep by rep so machine noise hits both sides
   near-0 its nearest edge — against ray.get of a trivial actor on the near node that holds
   the same chunk arrays and returns them;
 - cross node: Client(region="far").fetch(tokens) from the same near-node worker — the client
-  ranks far-0 first, so the chunks cross from the far node's object store — against the same
+  ranks far-0 first, so the chunks cross from the far node's object store (the far edge gets
+  fresh objects before every rep, untimed, so no copy from an earlier rep is reused) — against the same
   trivial actor placed on the far node;
 - one-chunk latency: Client.fetch of the first 256 tokens from near-0, p50/p99 over many
   calls, next to ray.get of one chunk array from the near trivial actor; and the same for a
@@ -105,8 +106,15 @@ class FetchWorker:
         }
         times = {k: [] for k in paths}
         nbytes = {}
+        far_edge = ray.get_actor(f"{self.far.network}:edge:far-0", namespace="kdn")
+        keys = list(self.far.manifest(KB).keys)
         for rep in range(reps + 1):
             for name, fn in paths.items():
+                if name == "cross_node_fetch":
+                    # Fresh objects on the far node each rep (untimed): otherwise Ray serves the
+                    # copy the previous rep left on this node, and nothing crosses nodes.
+                    ray.get(far_edge.drop.remote(keys))
+                    self.far.warm(KB, "far")
                 t0 = time.perf_counter()
                 nbytes[name] = fn()
                 dt = time.perf_counter() - t0
