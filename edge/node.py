@@ -27,10 +27,13 @@ import collections
 import os
 import time
 
+import numpy as np
+
 from kdn.cluster import NAMESPACE, edge_actor_name, origin_name
 from kdn.edge.cache import ChunkCache
 from kdn.edge.singleflight import Group
-from kdn.errors import PinCapacityError
+from kdn.chunk import Chunk
+from kdn.errors import AccessDenied, PinCapacityError
 from kdn.manifest import Manifest
 from kdn.placement.replication import ReplicationPolicy
 from kdn.placement.ring import Edge, Ring
@@ -61,7 +64,8 @@ POLICY_TICK_S = 1.0
 class EdgeNode:
     def __init__(self, network: str, name: str, region: str, capacity_bytes: int, topology: dict,
                  policy: str = "s3fifo", hot_fraction: float = 0.25, replicas: int = 2,
-                 http_port=None, http_host: str = "127.0.0.1", replication: dict = None):
+                 http_port=None, http_host: str = "127.0.0.1", replication: dict = None,
+                 fault_injection: bool = False):
         self.network, self.name, self.region = network, name, region
         self.capacity = int(capacity_bytes)
         hot_bytes = max(1, int(self.capacity * hot_fraction))
@@ -75,7 +79,9 @@ class EdgeNode:
         self.demand = ReplicationPolicy(**{"hot_budget_fraction": hot_fraction, **(replication or {})})
         self.loads = Group()
         self.expiry = {}           # key -> monotonic deadline (KB TTL set by an operator)
-        self.manifests = {}        # (ns, name, version) -> manifest dict, as the origin broadcast it
+        self.manifests = {}        # (tenant, fingerprint, name, version) -> manifest dict, as broadcast
+        self.sums = {}             # key -> xxh3_64 of its KV bytes, from those manifests
+        self.fault_injection = bool(fault_injection)
         self.handles = {}
         self.counters = collections.Counter()
         self.started = time.time()
@@ -129,9 +135,12 @@ class EdgeNode:
             held = g[0]
             if not held.own:
                 try:
-                    held = Held.of(await asyncio.wait_for(held.ref, PEER_TIMEOUT_S))
+                    chunk = await asyncio.wait_for(held.ref, PEER_TIMEOUT_S)
                 except Exception:  # noqa: BLE001
                     continue
+                if not self._verified(chunk):
+                    continue
+                held = Held.of(chunk)
             if self.hot.put(k, held):
                 self.counters["hot_promoted"] += 1
 
@@ -231,6 +240,8 @@ class EdgeNode:
             if not isinstance(c, Held):
                 if c.key in tier:   # already held: keep the object we have
                     held = tier.peek(c.key)
+                elif not self._verified(c):
+                    continue
                 else:
                     held = Held.of(c)
             else:
@@ -279,6 +290,35 @@ class EdgeNode:
     # --- manifests (broadcast by the origin, so reads survive an origin outage) -----------
     async def add_manifest(self, m: dict) -> None:
         self.manifests[(m["tenant"], m["fingerprint"], m["name"], m["version"])] = m
+        for k, v in zip(m.get("keys", ()), m.get("sums", ()) or ()):
+            self.sums[k] = v
+
+    def _verified(self, chunk) -> bool:
+        """False when the chunk's bytes differ from the checksum its manifest recorded."""
+        want = self.sums.get(chunk.key)
+        if want is None or chunk.digest() == want:
+            return True
+        self.counters["corrupt_detected"] += 1
+        return False
+
+    async def drop_corrupt(self, keys) -> int:
+        """A reader found these copies corrupt: drop them (they are fetched again elsewhere)."""
+        self.counters["corrupt_reported"] += len(keys)
+        return sum(self.main.discard(k) | self.hot.discard(k) for k in keys)
+
+    async def inject_corruption(self, key) -> bool:
+        """Tests only (edge option fault_injection=True): replace a held copy with a corrupt one."""
+        if not self.fault_injection:
+            raise AccessDenied("fault injection is disabled on this edge")
+        for tier in (self.main, self.hot):
+            held = tier.peek(key)
+            if held is not None:
+                c = await held.ref
+                kv = np.array(c.kv, copy=True)
+                kv.reshape(-1).view(np.uint8)[kv.nbytes // 2] ^= 0xFF
+                tier.put(key, Held.of(Chunk(c.key, c.ns, kv, c.dtype)))
+                return True
+        return False
 
     async def drop_manifest(self, ns, name, version) -> None:
         for k in [k for k, m in self.manifests.items()
@@ -364,9 +404,12 @@ class EdgeNode:
                 continue
             if not held.own:
                 try:
-                    held = Held.of(await asyncio.wait_for(held.ref, PEER_TIMEOUT_S))
+                    chunk = await asyncio.wait_for(held.ref, PEER_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 - the peer went away: keep nothing
                     continue
+                if not self._verified(chunk):
+                    continue
+                held = Held.of(chunk)
             if tier.put(key, held):
                 self.counters[counter] += 1
 
@@ -399,7 +442,7 @@ class EdgeNode:
             got = await self._call_origin("get_chunks", pending)
             origin_chunks = {}
             for k, c in zip(pending, got or [None] * len(pending)):
-                if c is not None and c.key == k:
+                if c is not None and c.key == k and self._verified(c):
                     result[k] = (Held.of(c), "origin")
                     origin_chunks[k] = c
             for e, ks in lacking.items():      # read repair, after the reply is on its way

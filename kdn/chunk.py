@@ -196,6 +196,11 @@ class Chunk:
                 out[i, j].copy_(t.reshape(shape))
         return cls.from_torch(key, ns, out)
 
+    def digest(self) -> int:
+        """xxh3_64 of the KV bytes, computed now (the raw frame's payload checksum, and the one
+        a manifest records per chunk): what end-to-end verification compares."""
+        return xxhash.xxh3_64_intdigest(memoryview(self.kv.reshape(-1).view(np.uint8)))
+
     def equal(self, other) -> bool:
         """Same key, namespace, dtype, shape and identical bytes (NaNs compare by bits)."""
         if not isinstance(other, Chunk):

@@ -9,6 +9,8 @@ timeout, never Ray's ~15 s node-death detection. Edges that failed are skipped f
 
 Operator controls (pin, replicas, TTL, warm, add/remove edge) go to the origin.
 """
+import collections
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +28,7 @@ CALL_TIMEOUT_S = 5.0          # a control call
 FETCH_TIMEOUT_S = 4.0         # a fetch: base ...
 FETCH_TIMEOUT_PER_MB_S = 0.02  # ... plus this per expected MB (slow WAN links)
 SUSPECT_S = 10.0              # a failed edge is tried last for this long
+MAX_CORRUPT_RETRIES = 2       # fetches repeated after dropping corrupt copies
 MANIFEST_TTL_S = 5.0
 
 
@@ -84,6 +87,7 @@ class Client:
         self._suspect = {}           # edge -> monotonic time until which it is tried last
         self._manifests = (0.0, [])  # (fetched at, [Manifest])
         self.membership = None
+        self.stats = collections.Counter()
         self.refresh()
         if self.region is None:
             self.region = self.topology.origin_region
@@ -243,12 +247,26 @@ class Client:
         if timeout_s is None:
             per_chunk = self._chunk_bytes_estimate()
             timeout_s = FETCH_TIMEOUT_S + FETCH_TIMEOUT_PER_MB_S * len(keys) * per_chunk / 1e6
-        reply, edge, failed = self._edge_call("fetch", keys, self.ns, self.region, timeout=timeout_s,
-                                              resolve_refs=True)
-        chunks, sources = reply["chunks"], reply["sources"]
-        for k, c in zip(keys, chunks):
-            if not isinstance(c, Chunk) or c.key != k or c.ns != self.ns:
-                raise NetworkError(f"edge {edge} answered a chunk that is not the one asked for")
+        expected = self._expected_sums(keys, m)
+        failed = []
+        for attempt in range(MAX_CORRUPT_RETRIES + 1):
+            reply, edge, more = self._edge_call("fetch", keys, self.ns, self.region, timeout=timeout_s,
+                                                resolve_refs=True)
+            failed += more
+            chunks, sources = reply["chunks"], reply["sources"]
+            for k, c in zip(keys, chunks):
+                if not isinstance(c, Chunk) or c.key != k or c.ns != self.ns:
+                    raise NetworkError(f"edge {edge} answered a chunk that is not the one asked for")
+            bad = [i for i, (k, c) in enumerate(zip(keys, chunks))
+                   if k in expected and c.digest() != expected[k]]
+            if not bad:
+                break
+            # A corrupt copy is dropped where it lives and fetched again (another replica or the
+            # origin); a client never returns wrong KV.
+            self.stats["corrupt_chunks"] += len(bad)
+            self._drop_corrupt(edge, [(keys[i], sources[i]) for i in bad])
+            if attempt == MAX_CORRUPT_RETRIES:
+                chunks, sources = chunks[:bad[0]], sources[:bad[0]]
         if reply.get("ring", 0) > self.membership.get("version", 0):
             try:
                 self.refresh()
@@ -259,6 +277,29 @@ class Client:
                        tokens=self._tokens_of(n, len(as_token_array(tokens)), m),
                        nbytes=sum(c.nbytes for c in chunks), edge=edge,
                        seconds=time.perf_counter() - t0, failovers=failed, kb=m)
+
+    def _expected_sums(self, keys, m) -> dict:
+        """key -> checksum from the manifests that name these keys (the KB matched, else all known)."""
+        if m is not None and m.sums:
+            return m.sum_of()
+        out = {}
+        try:
+            for man in self.manifests():
+                out.update(man.sum_of())
+        except KDNError:
+            pass
+        return out
+
+    def _drop_corrupt(self, edge, bad):
+        by_edge = {}
+        for key, source in bad:
+            holder = source.split(":", 1)[1] if source.startswith("peer:") else edge
+            by_edge.setdefault(holder, []).append(key)
+        for holder, ks in by_edge.items():
+            try:
+                self.ray.get(self._actor(holder).drop_corrupt.remote(ks), timeout=CALL_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a dead holder holds nothing
+                pass
 
     def _chunk_bytes_estimate(self):
         return 64 << 20  # generous: the timeout must not cut a slow but healthy transfer
@@ -276,6 +317,9 @@ class Client:
         m = Manifest.build(kb, self.tenant, self.fingerprint, documents, layout=layout,
                            chunk_tokens=self.chunk_tokens, meta=meta)
         chunks = self._split(m, kv, dtype)
+        # Per-chunk checksums travel in the manifest: every reader verifies what it got
+        # against the publisher's bytes, whatever hops (disk, peers, object store) it crossed.
+        m = dataclasses.replace(m, sums=tuple(c.digest() for c in chunks))
         missing = self._origin_call("missing", list(m.keys), timeout=timeout_s)
         sent = sent_bytes = 0
         batch, size = [], 0

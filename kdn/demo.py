@@ -29,6 +29,7 @@ def _region_worker(network, kb, questions, max_new_tokens):
     from kdn.worker import answer
     torch.set_num_threads(2)
     model = load_model()
+    model.generate(model.question_tokens("Hello"), max_new_tokens=1)   # warm up: time answers, not first-call setup
     client = Client(network=network, fingerprint=model.fingerprint)
     out = []
     for i, q in enumerate(questions):

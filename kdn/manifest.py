@@ -122,6 +122,7 @@ class Manifest:
     created: float = field(default_factory=time.time)
     meta: dict = field(default_factory=dict)
     tokens: bytes = b""    # the KB's token ids (uint32 LE), so a worker can build the prompt; optional
+    sums: tuple = ()       # xxh3_64 of each chunk's KV bytes, in key order: end-to-end integrity; optional
 
     def __post_init__(self):
         check_name(self.name, "manifest name")
@@ -141,6 +142,22 @@ class Manifest:
         object.__setattr__(self, "keys", self._check_keys(self.keys))
         object.__setattr__(self, "documents", self._check_documents(self.documents))
         self._check_tokens()
+        self._check_sums()
+
+    def _check_sums(self):
+        sums = self.sums
+        if isinstance(sums, (str, bytes)) or not isinstance(sums, (list, tuple)):
+            raise ManifestError(f"manifest sums must be a list of ints, got {type(sums).__name__}")
+        if sums and len(sums) != len(self.keys):
+            raise ManifestError(f"manifest has {len(sums)} sums for {len(self.keys)} keys")
+        for i, v in enumerate(sums):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**64:
+                raise ManifestError(f"manifest sums[{i}] must be a uint64, got {v!r}")
+        object.__setattr__(self, "sums", tuple(sums))
+
+    def sum_of(self) -> dict:
+        """key -> expected xxh3_64 of its KV bytes (empty when published without sums)."""
+        return dict(zip(self.keys, self.sums)) if self.sums else {}
 
     def _check_tokens(self):
         t = self.tokens
@@ -314,14 +331,15 @@ class Manifest:
                     fingerprint=self.fingerprint, layout=self.layout,
                     chunk_tokens=self.chunk_tokens, n_tokens=self.n_tokens,
                     documents=[d.to_dict() for d in self.documents], keys=list(self.keys),
-                    created=self.created, meta=dict(self.meta), tokens=self.tokens)
+                    created=self.created, meta=dict(self.meta), tokens=self.tokens,
+                    sums=list(self.sums))
 
     @classmethod
     def from_dict(cls, d) -> "Manifest":
         if not isinstance(d, dict):
             raise ManifestError(f"a manifest must be a dict, got {type(d).__name__}")
         fields = [f.name for f in dataclasses.fields(cls)]
-        optional = {"tokens"}
+        optional = {"tokens", "sums"}
         missing = [f for f in fields if f not in d and f not in optional]
         if missing:
             raise ManifestError(f"manifest is missing field(s): {', '.join(missing)}")
