@@ -17,6 +17,11 @@ bytes and a memoryview of the chunk's KV (encode_parts): uvloop sends what the s
 and keeps a reference to the rest, so payloads are never copied in user space. Where each
 chunk came from travels in X-KDN-Sources (comma list: local, peer:<edge>, origin).
 
+A fetch may ask for a codec (field "codec": a kdn.codecs name, or "auto": the lossless
+codec that pays on the link from this edge to the request's region, raw when none does
+or no region is named); frames say their codec and the client decodes them, checksums
+verified as always. X-KDN-Codec names the codec used.
+
 Input is untrusted: bodies over max_body_bytes are refused before they are read (413),
 requests over max_keys keys are refused (413), anything malformed is a 400; every error is
 JSON {"error", "message"}; only a fault of the edge itself is a 500. The server binds
@@ -36,7 +41,8 @@ import msgpack
 import xxhash
 from aiohttp import web
 
-from kdn.chunk import encode_parts
+from kdn.chunk import codecs, encode_parts
+from kdn.codecs import choose_codec
 from kdn.errors import BadRequest, BadTokens
 from kdn.keys import KEY_BYTES, namespace_digest
 
@@ -128,6 +134,7 @@ class EdgeHTTP:
         self.requests = {}            # (endpoint, status) -> count
         self.bytes_sent = 0           # frame bytes written to fetch answers
         self.frames_sent = 0
+        self.frames_by_codec = {}     # codec -> frames sent encoded with it
         self.aborted = 0              # fetch answers cut short (the client went away)
         self.fetch_latency = Histogram()
         self._runner = None
@@ -284,7 +291,7 @@ class EdgeHTTP:
                       "edge": self.edge.name})
 
     async def _fetch(self, request):
-        body = await self._body(request, {"ns", "keys", "region"})
+        body = await self._body(request, {"ns", "keys", "region", "codec"})
         ns, keys = self._keys(body)
         region = body.get("region")
         if region is not None and (not isinstance(region, str)
@@ -292,20 +299,30 @@ class EdgeHTTP:
             raise RequestError(400, "bad_region", f"field 'region' must name a region of the "
                                                   f"network ({', '.join(self.edge.topology.regions)}), "
                                                   f"got {region!r:.80}")
+        codec = body.get("codec", "raw")
+        if not isinstance(codec, str) or (codec != "auto" and codec not in codecs()):
+            raise RequestError(400, "bad_codec", f"field 'codec' must be 'auto' or one of "
+                                                 f"{', '.join(codecs())}, got {codec!r:.80}")
         t0 = time.perf_counter()
         reply = await self.edge.fetch(keys, ns, region, resolve=True)
-        parts, total = [], 0
-        for c in reply["chunks"]:
-            if c._xxh is None and not c.kv.flags.writeable:
-                # The KV is immutable (a view of Ray's object store): hash it once, not per fetch.
-                object.__setattr__(c, "_xxh", xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")))
-            prefix, payload = encode_parts(c)
-            parts.append((prefix, payload))
-            total += len(prefix) + payload.nbytes
+        chunks = reply["chunks"]
+        if codec == "auto":
+            codec = self._link_codec(chunks, region)
+        if codec == "raw":
+            parts = []
+            for c in chunks:
+                if c._xxh is None and not c.kv.flags.writeable:
+                    # The KV is immutable (a view of Ray's object store): hash it once, not per fetch.
+                    object.__setattr__(c, "_xxh", xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")))
+                parts.append(encode_parts(c))
+        else:   # compressing is CPU work: off the event loop, so other requests keep moving
+            parts = await asyncio.to_thread(lambda: [encode_parts(c, codec) for c in chunks])
+        total = sum(len(prefix) + payload.nbytes for prefix, payload in parts)
+        self.frames_by_codec[codec] = self.frames_by_codec.get(codec, 0) + len(parts)
         resp = web.StreamResponse(status=200, headers={
             "X-KDN-Edge": self.edge.name, "X-KDN-Region": self.edge.region,
             "X-KDN-Chunks": str(len(parts)), "X-KDN-Ring": str(reply.get("ring", 0)),
-            "X-KDN-Sources": ",".join(reply["sources"])})
+            "X-KDN-Sources": ",".join(reply["sources"]), "X-KDN-Codec": codec})
         resp.content_type = FRAMES_TYPE
         resp.content_length = total
         await resp.prepare(request)
@@ -317,6 +334,17 @@ class EdgeHTTP:
         self.frames_sent += len(parts)
         self.fetch_latency.observe(time.perf_counter() - t0)
         return resp
+
+    def _link_codec(self, chunks, region) -> str:
+        """The lossless codec that delivers these chunks to `region` soonest (kdn.codecs).
+
+        A client that names no region is taken to be beside the edge: raw.
+        """
+        if not chunks or region is None:
+            return "raw"
+        bandwidth = self.edge.topology.bandwidth_gbps(self.edge.region, region)
+        return choose_codec(sum(c.nbytes for c in chunks), bandwidth, same_node=False,
+                            dtype=chunks[0].dtype)
 
     async def _metrics(self, request):
         return web.Response(text=self.exposition(), content_type="text/plain",
@@ -362,6 +390,9 @@ class EdgeHTTP:
                [({}, self.bytes_sent)])
         family("kdn_edge_http_frames_sent_total", "counter", "Frames sent in HTTP fetch answers.",
                [({}, self.frames_sent)])
+        family("kdn_edge_http_frames_by_codec_total", "counter",
+               "Frames sent in HTTP fetch answers, by codec.",
+               [({"codec": k}, n) for k, n in sorted(self.frames_by_codec.items())])
         family("kdn_edge_http_fetch_aborted_total", "counter", "HTTP answers cut short by the client.",
                [({}, self.aborted)])
         out.append("# HELP kdn_edge_http_fetch_seconds HTTP fetch latency: edge fetch plus sending the body.")

@@ -109,17 +109,29 @@ class Client:
         return h
 
     def _origin_call(self, method, *args, timeout=CALL_TIMEOUT_S, **kw):
-        try:
-            return self.ray.get(getattr(self._actor(None), method).remote(*args, **kw), timeout=timeout)
-        except self.ray.exceptions.RayTaskError as e:
-            cause = e.as_instanceof_cause()
-            if isinstance(cause, KDNError):
-                raise cause from None
-            raise
-        except (self.ray.exceptions.GetTimeoutError, self.ray.exceptions.RayActorError) as e:
+        """Call the origin. While it restarts (Ray brings it back from disk) the call is retried
+        until `timeout`; every origin method is idempotent (content-addressed puts, commits of
+        identical content return the version that exists)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                left = max(0.1, deadline - time.monotonic())
+                return self.ray.get(getattr(self._actor(None), method).remote(*args, **kw), timeout=left)
+            except self.ray.exceptions.RayTaskError as e:
+                cause = e.as_instanceof_cause()
+                if isinstance(cause, KDNError):
+                    raise cause from None
+                raise
+            except self.ray.exceptions.ActorUnavailableError as e:
+                err = e                      # restarting: try again until the deadline
+            except (self.ray.exceptions.GetTimeoutError, self.ray.exceptions.RayActorError) as e:
+                err = e
+                deadline = 0
             self._handles.pop(None, None)
-            raise NetworkError(f"the origin of network {self.network!r} did not answer {method} "
-                               f"within {timeout:.0f} s: {type(e).__name__}") from None
+            if time.monotonic() >= deadline:
+                raise NetworkError(f"the origin of network {self.network!r} did not answer {method} "
+                                   f"within {timeout:.0f} s: {type(err).__name__}") from None
+            time.sleep(0.2)
 
     def refresh(self) -> None:
         """Re-read membership and topology (from the origin, else from any edge)."""

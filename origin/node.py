@@ -29,6 +29,9 @@ from kdn.placement.topology import Topology
 PUSH_BATCH_BYTES = 64 << 20      # one put_chunks call carries at most this much
 PUSH_CONCURRENCY = 4             # batches in flight at once, across all edges
 CALL_TIMEOUT_S = 30.0            # an edge that does not answer a push in time is skipped
+HEALTH_PERIOD_S = 1.0            # every edge is pinged this often ...
+HEALTH_TIMEOUT_S = 1.0           # ... and must answer within this
+DOWN_AFTER = 5                   # consecutive misses before its keys are re-homed (a restart takes ~2 s)
 
 
 class OriginNode:
@@ -44,6 +47,9 @@ class OriginNode:
         self.handles = {}
         self.counters = collections.Counter()
         self.started = time.time()
+        self.down = {}                   # name -> (region, weight): members out for failing health checks
+        self.misses = collections.Counter()
+        self._bg = None
 
     # --- membership ---------------------------------------------------------------------
     def _load_members(self):
@@ -65,17 +71,62 @@ class OriginNode:
 
     def membership(self) -> dict:
         """What clients and edges compute placement from (they never ask per request)."""
+        if self._bg is None:
+            try:
+                self._start_background()
+            except RuntimeError:   # called outside the event loop (from __init__ paths)
+                pass
         return {"version": self.version, "members": [list(m) for m in self.members],
                 "replicas": self.replicas, "topology": self.topology.to_dict(),
                 "overrides": self.overrides}
 
     async def ping(self) -> dict:
+        self._start_background()
         return {"role": "origin", "network": self.network, "members": self.version,
                 "pid": os.getpid()}
 
-    async def set_members(self, members) -> dict:
+    def _start_background(self):
+        if self._bg is None:
+            self._bg = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def _health_loop(self):
+        """Ping every edge; one that misses DOWN_AFTER in a row leaves the ring (its keys are
+        re-homed to the next owners), and rejoins when it answers again. A crashed Ray node
+        takes ~15 s to be declared dead; this takes ~DOWN_AFTER seconds and needs no Ray state."""
+        while True:
+            await asyncio.sleep(HEALTH_PERIOD_S)
+            try:
+                await self._health_round()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                self.counters["health_errors"] += 1
+
+    async def _health_round(self):
+        names = [m[0] for m in self.members] + list(self.down)
+        replies = await asyncio.gather(*(self._call(n, "ping", timeout=HEALTH_TIMEOUT_S) for n in names))
+        alive = {n for n, r in zip(names, replies) if r is not None}
+        for n in names:
+            self.misses[n] = 0 if n in alive else self.misses[n] + 1
+        gone = [m for m in self.members if self.misses[m[0]] >= DOWN_AFTER]
+        back = [(n, *self.down[n]) for n in self.down if n in alive]
+        if not gone and not back:
+            return
+        for n, r, w in gone:
+            self.down[n] = (r, w)
+            self.counters["edges_marked_down"] += 1
+        for n, _, _ in back:
+            del self.down[n]
+            self.counters["edges_back"] += 1
+        keep = [m for m in self.members if m not in gone] + back
+        if keep:
+            await self.set_members(keep, _health=True)
+
+    async def set_members(self, members, _health: bool = False) -> dict:
         """Replace the membership (list of (name, region, weight)); re-home keys that moved."""
+        self._start_background()
         members = [(str(n), str(r), float(w)) for n, r, w in members]
+        if not _health:   # an operator's membership: forget health-check removals of other edges
+            self.down = {n: v for n, v in self.down.items() if n in {m[0] for m in members}}
+            members = [m for m in members if m[0] not in self.down]
         if len({m[0] for m in members}) != len(members):
             raise KDNError(f"edge names must be unique, got {[m[0] for m in members]}")
         old = Ring([Edge(*m) for m in self.members])
@@ -101,6 +152,9 @@ class OriginNode:
         return await self.set_members(self.members + [(name, region, float(weight))])
 
     async def remove_edge(self, name: str) -> dict:
+        if name in self.down:
+            del self.down[name]
+            return self.membership()
         if not any(m[0] == name for m in self.members):
             raise KDNError(f"edge {name!r} is not a member (members: {[m[0] for m in self.members]})")
         self.handles.pop(name, None)
@@ -344,5 +398,6 @@ class OriginNode:
     async def stats(self) -> dict:
         s = self.store.stats()
         return {"role": "origin", "network": self.network, "members": len(self.members),
+                "down": sorted(self.down),
                 "membership_version": self.version, "uptime_s": time.time() - self.started,
                 "store": s, "counters": dict(self.counters), "overrides": self.overrides}

@@ -34,6 +34,7 @@ from kdn.chunk import _CODECS
 from kdn.codecs import LOSSLESS, LOSSY
 
 CHUNK = 256
+PACK_TOKENS = 512           # prompt tokens per packed forward pass
 TARGET_RATIO_FP16 = 4.0
 TARGET_AGREE = 0.99
 TARGET_DECODE_GBPS = 1.0
@@ -91,11 +92,37 @@ class Scorer:
             return self.m.hf(input_ids=torch.tensor([ids], dtype=torch.long), **kwargs).logits[0]
 
     def next_tokens(self, kv) -> list:
+        """The next token after each prompt, prompts packed PACK_TOKENS to a forward pass.
+
+        A pack is the prompts' tokens back to back after the cached knowledge, with a
+        block-diagonal causal mask (each prompt sees the knowledge and itself) and positions
+        restarting after the knowledge for each: the same logits as one prompt at a time
+        (to ~4e-5, the chunked-prefill noise), at a fraction of the cost.
+        """
         cache = self.m.cache_from_kv([kv])
         n = self.m.cache_tokens(cache)
-        out = []
-        for q in self.prompts:
-            out.append(int(torch.argmax(self._forward(q, cache)[-1])))
+        out, i = [], 0
+        while i < len(self.prompts):
+            pack = [self.prompts[i]]
+            while i + len(pack) < len(self.prompts) and \
+                    sum(map(len, pack)) + len(self.prompts[i + len(pack)]) <= PACK_TOKENS:
+                pack.append(self.prompts[i + len(pack)])
+            i += len(pack)
+            total = sum(map(len, pack))
+            mask = torch.zeros((1, 1, total, n + total), dtype=torch.bool)
+            mask[..., :n] = True
+            positions, ends, at = [], [], 0
+            for q in pack:
+                k = len(q)
+                mask[0, 0, at:at + k, n + at:n + at + k] = torch.ones(k, k, dtype=torch.bool).tril()
+                positions += range(n, n + k)
+                at += k
+                ends.append(at - 1)
+            with torch.inference_mode():
+                logits = self.m.hf(input_ids=torch.tensor([sum(pack, [])], dtype=torch.long),
+                                   attention_mask=mask, position_ids=torch.tensor([positions]),
+                                   use_cache=True, **{self.m._cache_arg: cache}).logits[0]
+            out += [int(torch.argmax(logits[e])) for e in ends]
             self.m._crop(cache, n)
         return out
 

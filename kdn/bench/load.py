@@ -401,7 +401,7 @@ def summarize(r: dict, workers: int) -> dict:
             "served_by": dict(sorted(edges.items())),
             "error_samples": [s for t in ts for s in t["error_samples"]][:MAX_ERROR_SAMPLES],
         }
-    out["transports"] = {k: out[k] for k in ("ray", "http")}
+    out["transports"] = ["ray", "http"]
     for k in ("requests", "errors", "failovers", "bytes_verified", "chunks_verified"):
         out[k] = out["ray"][k] + out["http"][k]
     return out
