@@ -43,7 +43,7 @@ from aiohttp import web
 
 from kdn.chunk import codecs, encode_parts
 from kdn.codecs import choose_codec
-from kdn.errors import BadRequest, BadTokens
+from kdn.errors import AccessDenied, BadRequest, BadTokens
 from kdn.keys import KEY_BYTES, namespace_digest
 
 log = logging.getLogger("kdn.edge.http")
@@ -115,6 +115,12 @@ def _json_default(value):
 def _json(data, status: int = 200) -> web.Response:
     return web.Response(status=status, content_type="application/json",
                         body=json.dumps(data, default=_json_default).encode())
+
+
+def _bearer(request):
+    """The token of an `Authorization: Bearer <token>` header (None without one)."""
+    h = request.headers.get("Authorization", "")
+    return h[7:].strip() if h[:7].lower() == "bearer " else None
 
 
 def _error(status: int, error: str, message: str) -> web.Response:
@@ -203,6 +209,8 @@ class EdgeHTTP:
             if e.status < 400:
                 raise
             resp = _error(e.status, e.reason.lower().replace(" ", "_"), e.text or e.reason)
+        except AccessDenied as e:
+            resp = _error(403, "forbidden", str(e))
         except (BadRequest, BadTokens) as e:
             resp = _error(400, "bad_request", str(e))
         except (ConnectionResetError, asyncio.CancelledError):
@@ -280,13 +288,13 @@ class EdgeHTTP:
             raise RequestError(400, "bad_request", "tenant and fingerprint are at most 1024 "
                                                    "characters each")
         ns = namespace_digest(tenant, fingerprint)        # BadRequest (400) for a bad name
-        manifests = await self.edge.list_manifests(tenant, fingerprint)
+        manifests = await self.edge.list_manifests(tenant, fingerprint, token=_bearer(request))
         return _json({"tenant": tenant, "fingerprint": fingerprint, "ns": ns.hex(),
                       "manifests": manifests})
 
     async def _lookup(self, request):
         ns, keys = self._keys(await self._body(request, {"ns", "keys"}))
-        got = await self.edge.lookup(keys, ns)
+        got = await self.edge.lookup(keys, ns, token=_bearer(request))
         return _json({"chunks": got["chunks"], "local": got.get("local"), "keys": len(keys),
                       "edge": self.edge.name})
 
@@ -304,7 +312,7 @@ class EdgeHTTP:
             raise RequestError(400, "bad_codec", f"field 'codec' must be 'auto' or one of "
                                                  f"{', '.join(codecs())}, got {codec!r:.80}")
         t0 = time.perf_counter()
-        reply = await self.edge.fetch(keys, ns, region, resolve=True)
+        reply = await self.edge.fetch(keys, ns, region, resolve=True, token=_bearer(request))
         chunks = reply["chunks"]
         if codec == "auto":
             codec = self._link_codec(chunks, region)

@@ -32,8 +32,10 @@ import numpy as np
 from kdn.cluster import NAMESPACE, edge_actor_name, origin_name
 from kdn.edge.cache import ChunkCache
 from kdn.edge.singleflight import Group
+from kdn.auth import Tokens
 from kdn.chunk import Chunk
 from kdn.errors import AccessDenied, PinCapacityError
+from kdn.keys import namespace_digest
 from kdn.manifest import Manifest
 from kdn.placement.replication import ReplicationPolicy
 from kdn.placement.ring import Edge, Ring
@@ -65,8 +67,10 @@ class EdgeNode:
     def __init__(self, network: str, name: str, region: str, capacity_bytes: int, topology: dict,
                  policy: str = "s3fifo", hot_fraction: float = 0.25, replicas: int = 2,
                  http_port=None, http_host: str = "127.0.0.1", replication: dict = None,
-                 fault_injection: bool = False):
+                 fault_injection: bool = False, auth: dict = None):
         self.network, self.name, self.region = network, name, region
+        self.tokens = Tokens.from_dict(auth)
+        self.ns_tenant = {}        # namespace digest -> tenant, from manifests (read-token checks)
         self.capacity = int(capacity_bytes)
         hot_bytes = max(1, int(self.capacity * hot_fraction))
         self.main = ChunkCache(self.capacity - hot_bytes, policy)
@@ -144,7 +148,7 @@ class EdgeNode:
             if self.hot.put(k, held):
                 self.counters["hot_promoted"] += 1
 
-    async def ping(self) -> dict:
+    async def ping(self, token=None) -> dict:
         self._start_background()
         if self.http_port_wanted is not None and self.http is None:
             await self.start_http(self.http_port_wanted, self.http_host)
@@ -164,7 +168,8 @@ class EdgeNode:
         return self.http_address()
 
     # --- membership ---------------------------------------------------------------------
-    async def set_membership(self, m: dict) -> int:
+    async def set_membership(self, m: dict, token=None) -> int:
+        self.tokens.check_admin(token, "set_membership")
         if m["version"] >= self.members_version:
             self.members_version = m["version"]
             self.ring = Ring([Edge(*e) for e in m["members"]])
@@ -184,7 +189,7 @@ class EdgeNode:
         self._last_refresh = time.monotonic()
         m = await self._call_origin("membership", timeout=5.0)
         if m is not None:
-            await self.set_membership(m)
+            await self.set_membership(m, token=self.tokens.admin)
 
     def _handle(self, edge: str):
         import ray
@@ -198,7 +203,7 @@ class EdgeNode:
     async def _call(self, edge, method, *args, timeout=PEER_TIMEOUT_S, **kw):
         """Call a peer (edge name) or the origin (None); None when it is gone or too slow."""
         try:
-            ref = getattr(self._handle(edge), method).remote(*args, **kw)
+            ref = getattr(self._handle(edge), method).remote(*args, token=self.tokens.admin, **kw)
             return await asyncio.wait_for(ref, timeout)
         except Exception:  # noqa: BLE001 - failover: the caller tries the next source
             self.handles.pop(edge, None)
@@ -224,14 +229,16 @@ class EdgeNode:
     def _owners(self, keys):
         return self.ring.owners_batch(list(keys), self.replicas) if len(self.ring) else [[] for _ in keys]
 
-    async def have(self, keys, ns: bytes = None) -> list:
+    async def have(self, keys, ns: bytes = None, token=None) -> list:
         """Which keys this edge holds (given ns: holds under that namespace)."""
+        self.tokens.check_admin(token, "have")
         if ns is None:
             return [(k in self.main) or (k in self.hot) for k in keys]
         return [getattr(self.main.peek(k) or self.hot.peek(k), "ns", None) == ns for k in keys]
 
-    async def put_chunks(self, chunks, role: str = "main", pin: bool = False, ttl_s=None) -> int:
+    async def put_chunks(self, chunks, role: str = "main", pin: bool = False, ttl_s=None, token=None) -> int:
         """Store chunks the origin pushes (role main) or warms (role hot); returns how many fit."""
+        self.tokens.check_admin(token, "put_chunks")
         tier = self.hot if role == "hot" else self.main
         n = 0
         for c in chunks:
@@ -260,8 +267,9 @@ class EdgeNode:
         self.counters[f"received_{role}"] += n
         return n
 
-    async def pin_keys(self, keys) -> int:
+    async def pin_keys(self, keys, token=None) -> int:
         """Pin chunks this edge holds (an operator pinned their KB to this region)."""
+        self.tokens.check_admin(token, "pin_keys")
         n = 0
         for k in keys:
             c = self.main.peek(k) or self.hot.peek(k)
@@ -278,20 +286,37 @@ class EdgeNode:
                 self.counters["pin_refused"] += 1
         return n
 
-    async def peer_get(self, keys) -> list:
+    async def peer_get(self, keys, token=None) -> list:
         """What this edge holds of `keys` (None elsewhere); asked by other edges, never cascades."""
+        self.tokens.check_admin(token, "peer_get")
         out = [self._local(k) for k in keys]
         self.counters["peer_served"] += sum(c is not None for c in out)
         return [None if h is None else h.wire() for h in out]
 
-    async def drop(self, keys) -> int:
+    async def drop(self, keys, token=None) -> int:
+        self.tokens.check_admin(token, "drop")
         return sum(self.main.discard(k) | self.hot.discard(k) for k in keys)
 
     # --- manifests (broadcast by the origin, so reads survive an origin outage) -----------
-    async def add_manifest(self, m: dict) -> None:
+    async def add_manifest(self, m: dict, token=None) -> None:
+        self.tokens.check_admin(token, "add_manifest")
         self.manifests[(m["tenant"], m["fingerprint"], m["name"], m["version"])] = m
+        self.ns_tenant[namespace_digest(m["tenant"], m["fingerprint"])] = m["tenant"]
         for k, v in zip(m.get("keys", ()), m.get("sums", ()) or ()):
             self.sums[k] = v
+
+    async def _check_read(self, ns, token, what):
+        """Reads of a tenant with a read token need it; the tenant is found from the namespace."""
+        if not self.tokens.readers:
+            return
+        tenant = self.ns_tenant.get(ns)
+        if tenant is None:
+            for m in await self._call_origin("manifests", timeout=5.0) or []:
+                await self.add_manifest(m, token=self.tokens.admin)
+            tenant = self.ns_tenant.get(ns)
+        if tenant is None:
+            raise AccessDenied(f"{what}: no knowledge base is published under this namespace")
+        self.tokens.check_read(tenant, token, what)
 
     def _verified(self, chunk) -> bool:
         """False when the chunk's bytes differ from the checksum its manifest recorded."""
@@ -301,13 +326,20 @@ class EdgeNode:
         self.counters["corrupt_detected"] += 1
         return False
 
-    async def drop_corrupt(self, keys) -> int:
+    async def drop_corrupt(self, keys, token=None) -> int:
         """A reader found these copies corrupt: drop them (they are fetched again elsewhere)."""
         self.counters["corrupt_reported"] += len(keys)
-        return sum(self.main.discard(k) | self.hot.discard(k) for k in keys)
+        dropped = 0
+        for k in keys:   # a reader's claim is checked: only a copy that really fails is dropped
+            for tier in (self.main, self.hot):
+                held = tier.peek(k)
+                if held is not None and not self._verified(await held.ref):
+                    dropped += tier.discard(k)
+        return dropped
 
-    async def inject_corruption(self, key) -> bool:
+    async def inject_corruption(self, key, token=None) -> bool:
         """Tests only (edge option fault_injection=True): replace a held copy with a corrupt one."""
+        self.tokens.check_admin(token, "inject_corruption")
         if not self.fault_injection:
             raise AccessDenied("fault injection is disabled on this edge")
         for tier in (self.main, self.hot):
@@ -320,28 +352,31 @@ class EdgeNode:
                 return True
         return False
 
-    async def drop_manifest(self, ns, name, version) -> None:
+    async def drop_manifest(self, ns, name, version, token=None) -> None:
+        self.tokens.check_admin(token, "drop_manifest")
         for k in [k for k, m in self.manifests.items()
                   if k[2] == name and k[3] == version and Manifest.from_dict(m).ns == ns]:
             del self.manifests[k]
 
-    async def list_manifests(self, tenant: str, fingerprint: str) -> list:
+    async def list_manifests(self, tenant: str, fingerprint: str, token=None) -> list:
         """Manifests of one namespace: from the origin when it answers, else the broadcast copy."""
+        self.tokens.check_read(tenant, token, "listing knowledge bases")
         from kdn.keys import namespace_digest
         got = await self._call_origin("manifests", namespace_digest(tenant, fingerprint), timeout=5.0)
         if got is not None:
             for m in got:
-                await self.add_manifest(m)
+                await self.add_manifest(m, token=self.tokens.admin)
             return got
         return [m for (t, f, _, _), m in self.manifests.items() if t == tenant and f == fingerprint]
 
     # --- fetch --------------------------------------------------------------------------
-    async def fetch(self, keys, ns: bytes, region: str = None, resolve: bool = False) -> dict:
+    async def fetch(self, keys, ns: bytes, region: str = None, resolve: bool = False, token=None) -> dict:
         """The longest prefix of `keys` that the network holds, with where each chunk came from.
 
         Returns object references ("refs"; ray.get them: zero-copy on this node), or with
         resolve=True the Chunks themselves ("chunks", for the HTTP server in this process).
         """
+        await self._check_read(ns, token, "fetch")
         self._start_background()
         t0 = time.perf_counter()
         region = region or self.region
@@ -452,8 +487,9 @@ class EdgeNode:
                     asyncio.get_running_loop().create_task(self._call(e, "put_chunks", repair))
         return result
 
-    async def lookup(self, keys, ns: bytes) -> dict:
+    async def lookup(self, keys, ns: bytes, token=None) -> dict:
         """How long a prefix of keys the network holds, without moving any KV."""
+        await self._check_read(ns, token, "lookup")
         def held(k):
             c = self.main.peek(k) or self.hot.peek(k)
             return c is not None and c.ns == ns     # another tenant's chunk is not "held" for you

@@ -140,7 +140,8 @@ class Blended:
     seconds: dict               # place (rotate + copy), select, recompute, total
 
     def kv(self, model) -> np.ndarray:
-        return model.kv_from_cache(self.cache)
+        """The blended context KV (the cache may have grown past it since: generate extends it)."""
+        return model.kv_from_cache(self.cache, 0, self.context_tokens)
 
 
 def _check_share(share) -> float:

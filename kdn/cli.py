@@ -20,13 +20,16 @@ def _bench(args, rest):
 
 def _connect(args, **kw):
     """A client for the network `kdn up` recorded (or the one at --address)."""
+    import os
+    from kdn.auth import load_admin_token
     from kdn.client import connect
-    from kdn.cluster import read_state
+    from kdn.cluster import kdn_home, read_state
     address, network = getattr(args, "address", None), getattr(args, "network", None)
     if address is None:
         state = read_state()
         address, network = state["address"], network or state["network"]
-    return connect(address=address, network=network or "kdn", **kw)
+    return connect(address=address, network=network or "kdn", admin_token=load_admin_token(kdn_home()),
+                   token=os.environ.get("KDN_TOKEN"), **kw)
 
 
 def _up(args, rest):

@@ -29,6 +29,7 @@ FETCH_TIMEOUT_S = 4.0         # a fetch: base ...
 FETCH_TIMEOUT_PER_MB_S = 0.02  # ... plus this per expected MB (slow WAN links)
 SUSPECT_S = 10.0              # a failed edge is tried last for this long
 MAX_CORRUPT_RETRIES = 2       # fetches repeated after dropping corrupt copies
+OPEN_METHODS = {"membership", "stats", "ping"}   # calls that carry no token
 MANIFEST_TTL_S = 5.0
 
 
@@ -65,19 +66,27 @@ def node_region() -> "str | None":
 
 
 def connect(region: str = None, address: str = None, network: str = "kdn", tenant: str = "default",
-            fingerprint: str = "unspecified") -> "Client":
-    """Connect to a running KDN network (joining Ray at `address`, default 'auto', if needed)."""
+            fingerprint: str = "unspecified", token: str = None, admin_token: str = None) -> "Client":
+    """Connect to a running KDN network (joining Ray at `address`, default 'auto', if needed).
+
+    token: the tenant's read token (when the network requires one for it); admin_token: the
+    network's admin token, for publishing and operator controls.
+    """
     import ray
     if not ray.is_initialized():
         init_ray(address or "auto")
-    return Client(network=network, region=region, tenant=tenant, fingerprint=fingerprint)
+    return Client(network=network, region=region, tenant=tenant, fingerprint=fingerprint,
+                  token=token, admin_token=admin_token)
 
 
 class Client:
     def __init__(self, network: str = "kdn", region: str = None, tenant: str = "default",
-                 fingerprint: str = "unspecified", chunk_tokens: int = CHUNK_TOKENS):
+                 fingerprint: str = "unspecified", chunk_tokens: int = CHUNK_TOKENS,
+                 token: str = None, admin_token: str = None):
         import ray
         self.ray = ray
+        self.admin_token = admin_token
+        self.token = token or admin_token
         self.network = network
         self.tenant, self.fingerprint = tenant, fingerprint
         self.ns = namespace_digest(tenant, fingerprint)
@@ -116,6 +125,8 @@ class Client:
         while True:
             try:
                 left = max(0.1, deadline - time.monotonic())
+                if method not in OPEN_METHODS:
+                    kw["token"] = self.admin_token
                 return self.ray.get(getattr(self._actor(None), method).remote(*args, **kw), timeout=left)
             except self.ray.exceptions.RayTaskError as e:
                 cause = e.as_instanceof_cause()
@@ -170,6 +181,8 @@ class Client:
         same failover: an edge that dies between answering and the transfer costs a retry.
         """
         failed = []
+        if method not in OPEN_METHODS:
+            kw["token"] = self.token
         for edge in self.ranked_edges():
             try:
                 ref = getattr(self._actor(edge), method).remote(*args, **kw)
@@ -309,7 +322,8 @@ class Client:
             by_edge.setdefault(holder, []).append(key)
         for holder, ks in by_edge.items():
             try:
-                self.ray.get(self._actor(holder).drop_corrupt.remote(ks), timeout=CALL_TIMEOUT_S)
+                self.ray.get(self._actor(holder).drop_corrupt.remote(ks, token=self.token),
+                             timeout=CALL_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - a dead holder holds nothing
                 pass
 
@@ -411,7 +425,8 @@ class Client:
         topo = Topology.from_dict(self.membership["topology"])
         edge = topo.add_edge(name, region, int(capacity_bytes))
         # detached: the edge belongs to the network, not to this client (stop_network kills it)
-        h = start_edge(self.network, edge, topo, capacity_bytes=capacity_bytes, detached=True,
+        auth = self._origin_call("auth_config")
+        h = start_edge(self.network, edge, topo, capacity_bytes=capacity_bytes, detached=True, auth=auth,
                        replicas=self.membership.get("replicas", 2), **edge_options)
         self.ray.get(h.ping.remote(), timeout=60)
         m = self._origin_call("add_edge", name, region, edge.weight, timeout=300)

@@ -140,7 +140,7 @@ def _origin_class():
 
 
 def start_edge(network: str, edge, topology, detached: bool = False, capacity_bytes=None,
-               http_port=None, replicas: int = 2, **edge_options):
+               http_port=None, replicas: int = 2, auth=None, **edge_options):
     """Start one edge actor on a node of its region; returns the handle."""
     import ray
     cls = ray.remote(_edge_class())
@@ -152,12 +152,20 @@ def start_edge(network: str, edge, topology, detached: bool = False, capacity_by
     cap = capacity_bytes or topology.capacity_bytes(edge.name)
     return cls.options(**opts).remote(network=network, name=edge.name, region=edge.region,
                                       capacity_bytes=cap, topology=topology.to_dict(),
-                                      http_port=http_port, replicas=replicas, **edge_options)
+                                      http_port=http_port, replicas=replicas,
+                                      auth=_auth_dict(auth), **edge_options)
+
+
+def _auth_dict(auth):
+    from kdn.auth import Tokens
+    if auth is None or isinstance(auth, dict):
+        return Tokens.from_dict(auth).to_dict()
+    return auth.to_dict()
 
 
 def start_network(topology, root, network: str = "kdn", detached: bool = False,
                   replicas: int = 2, http: bool = False, timeout_s: float = 60.0,
-                  edge_options: dict = None) -> Network:
+                  edge_options: dict = None, auth=None) -> Network:
     """Start the origin and every edge of `topology` on the connected Ray cluster.
 
     The origin keeps its durable store under `root`; every chunk goes to `replicas` ring
@@ -176,15 +184,16 @@ def start_network(topology, root, network: str = "kdn", detached: bool = False,
                 max_task_retries=0, max_concurrency=1000, label_selector=selector)
     if detached:
         opts["lifetime"] = "detached"
+    auth = _auth_dict(auth)
     origin = ocls.options(**opts).remote(network=network, root=root, topology=topology.to_dict(),
-                                         replicas=replicas)
+                                         replicas=replicas, auth=auth)
     edges = {e.name: start_edge(network, e, topology, detached=detached, http_port=0 if http else None,
-                                replicas=replicas, **(edge_options or {}))
+                                replicas=replicas, auth=auth, **(edge_options or {}))
              for e in topology.edges}
     try:
         ray.get([origin.ping.remote()] + [h.ping.remote() for h in edges.values()], timeout=timeout_s)
-        ray.get(origin.set_members.remote([(e.name, e.region, e.weight) for e in topology.edges]),
-                timeout=timeout_s)
+        ray.get(origin.set_members.remote([(e.name, e.region, e.weight) for e in topology.edges],
+                                          token=auth["admin"]), timeout=timeout_s)
     except Exception as e:
         raise NetworkError(f"network {network!r} did not start within {timeout_s:.0f} s: {e}") from e
     return Network(network, topology, origin, edges)
@@ -227,8 +236,10 @@ def up(topology_file=None, address=None, root=None, network: str = "kdn", http: 
     else:
         state.update(address=address, pids=[], embedded=False)
     import ray
+    from kdn.auth import ensure_admin_token, read_tokens_from_env
+    auth = {"admin": ensure_admin_token(kdn_home()), "readers": read_tokens_from_env()}
     init_ray(state["address"])
-    start_network(topo, root, network=network, detached=True, http=http)
+    start_network(topo, root, network=network, detached=True, http=http, auth=auth)
     state_path().parent.mkdir(parents=True, exist_ok=True)
     state_path().write_text(json.dumps(state, indent=1))
     return state

@@ -23,6 +23,7 @@ and bytes (from /health) must be what they were before.
 tests/edge/test_fuzz_http.py runs a bounded number of cases in its test suite.
 """
 import json
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -34,7 +35,6 @@ import xxhash
 
 from kdn.chunk import decode, frame_size, read_header
 from kdn.errors import KDNError
-from kdn.keys import KEY_BYTES
 
 KINDS = ("valid", "truncated_msgpack", "bad_msgpack", "huge_lengths", "wrong_types",
          "wrong_sizes", "path_tricks", "auth_tokens", "content_types", "oversized",
@@ -58,6 +58,7 @@ class Case:
     ok_statuses: tuple = ()          # statuses this case may get besides a 4xx
     trickle: bytes = b""             # slowloris: sent one byte per step after raw
     head: bool = False               # a HEAD request: no body in the answer
+    parser: bool = False             # malformed HTTP syntax: the parser refuses it (see PROTOCOL_KINDS)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Report:
     statuses: dict = field(default_factory=dict)     # status (or "closed") -> count
     problems: list = field(default_factory=list)     # (kind, what, problem)
     health_ms_max: float = 0.0                       # slowest /health during slowloris
+    parser_refusals: int = 0                         # 4xx from the HTTP parser, not the API
     seconds: float = 0.0
 
     def add(self, kind, status):
@@ -82,7 +84,8 @@ class Report:
     def to_dict(self) -> dict:
         return {"cases": dict(self.cases), "total": sum(self.cases.values()),
                 "statuses": dict(sorted(self.statuses.items())), "problems": list(self.problems),
-                "health_ms_max": self.health_ms_max, "seconds": self.seconds}
+                "health_ms_max": self.health_ms_max, "parser_refusals": self.parser_refusals,
+                "seconds": self.seconds}
 
 
 def _request(method: str, path: str, host: str, body: bytes = None, headers: dict = None,
@@ -98,6 +101,12 @@ def _request(method: str, path: str, host: str, body: bytes = None, headers: dic
     elif content_length not in (True, None, False):
         lines.append(b"Content-Length: " + str(content_length).encode())
     return b"\r\n".join(lines) + b"\r\n\r\n" + (body or b"")
+
+
+def _malformed_header(headers: dict) -> bool:
+    """A header value with a control byte (NUL, DEL) or a byte over 0x7e: llhttp refuses the request."""
+    return any(b < 0x20 and b != 0x09 or b >= 0x7f
+               for v in headers.values() for b in (v if isinstance(v, bytes) else v.encode("latin-1")))
 
 
 def parse_reply(data: bytes, head: bool = False):
@@ -153,17 +162,29 @@ class Fuzzer:
     def _connect(self):
         return socket.create_connection((self.host, self.port), timeout=self.timeout_s)
 
-    def _read_all(self, s) -> bytes:
-        chunks = []
+    def _read_all(self, s, head: bool = False) -> bytes:
+        """Bytes of one answer: up to its Content-Length when it has one, else up to the close.
+
+        A server may keep the connection open after answering (aiohttp lingers to drain a
+        body it refused), so waiting for the close alone would miss answers.
+        """
+        data = bytearray()
         try:
             while True:
+                end = data.find(b"\r\n\r\n")
+                if end >= 0:
+                    if head:
+                        break
+                    m = re.search(rb"(?im)^content-length:\s*(\d+)\s*$", bytes(data[:end]))
+                    if m and len(data) >= end + 4 + int(m.group(1)):
+                        break
                 b = s.recv(1 << 16)
                 if not b:
                     break
-                chunks.append(b)
+                data += b
         except ConnectionResetError:
             pass
-        return b"".join(chunks)
+        return bytes(data)
 
     def send(self, case: Case):
         """The server's Reply to a case (None: it closed without answering)."""
@@ -174,7 +195,7 @@ class Fuzzer:
                     return self._trickle(s, case)
             except (BrokenPipeError, ConnectionResetError):
                 pass        # the server answered (and closed) before taking the whole body
-            return parse_reply(self._read_all(s), case.head)
+            return parse_reply(self._read_all(s, case.head), case.head)
 
     def _trickle(self, s, case: Case):
         """Slowloris: one byte per step for slow_s seconds while /health must stay prompt."""
@@ -222,7 +243,7 @@ class Fuzzer:
         hdrs.update(headers or {})
         hdrs = {k: v for k, v in hdrs.items() if v is not None}
         return Case(kind, what, _request("POST", path, self.hostport, body, hdrs, content_length),
-                    path=path, keys=keys, ok_statuses=ok)
+                    path=path, keys=keys, ok_statuses=ok, parser=_malformed_header(hdrs))
 
     def case(self, kind: str) -> Case:
         return getattr(self, "_case_" + kind)()
@@ -353,15 +374,19 @@ class Fuzzer:
         hdrs = {"Authorization": token}
         if self.rng.random() < 0.3:
             hdrs["X-KDN-Token"] = self._pick((b"wrong", b"", b"\x00"))
+        parser = _malformed_header(hdrs)
         if path in ("/v1/fetch", "/v1/lookup"):
             body, keys = self._valid_body()
-            return self._post("auth_tokens", f"{path} Authorization {token[:30]!r}", path, body, hdrs,
+            case = self._post("auth_tokens", f"{path} Authorization {token[:30]!r}", path, body, hdrs,
                               keys=keys, ok=(200, 401, 403))
-        if path == "/v1/kbs":
-            path = f"/v1/kbs?tenant={quote(self.tenant)}&fingerprint={quote(self.fingerprint)}"
-        return Case("auth_tokens", f"GET {path} Authorization {token[:30]!r}",
-                    _request("GET", path, self.hostport, headers=hdrs), path=path,
-                    ok_statuses=(200, 401, 403))
+        else:
+            if path == "/v1/kbs":
+                path = f"/v1/kbs?tenant={quote(self.tenant)}&fingerprint={quote(self.fingerprint)}"
+            case = Case("auth_tokens", f"GET {path} Authorization {token[:30]!r}",
+                        _request("GET", path, self.hostport, headers=hdrs), path=path,
+                        ok_statuses=(200, 401, 403))
+        case.parser = parser
+        return case
 
     def _case_content_types(self):
         ctype = self._pick(("application/json", "text/plain", "multipart/form-data; boundary=x",
@@ -425,7 +450,9 @@ class Fuzzer:
         head = method == "HEAD"
         ok = (200,) if head and path in ("/health", "/metrics") else ()
         raw = _request(method, path, self.hostport, b"x" if method in ("PUT", "PATCH", "POST") else None)
-        return Case("methods", f"{method} {path}", raw, path=path, ok_statuses=ok, head=head)
+        # llhttp knows the registered methods only, in upper case: others are a parse error
+        return Case("methods", f"{method} {path}", raw, path=path, ok_statuses=ok, head=head,
+                    parser=method in ("FOO", "get"))
 
     def _case_mutations(self):
         body, keys = self._valid_body(region=False)
@@ -458,13 +485,14 @@ class Fuzzer:
             ("raw non-ASCII path", b"GET /\xff\xfe/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
         ]
         what, raw = self._pick(choices)
-        return Case("protocol", what, raw, ok_statuses=(200,) if what == "HTTP/9.9" else ())
+        # An HTTP/0.9-style line (no version) is a plain GET to llhttp: /health answers it.
+        return Case("protocol", what, raw, ok_statuses=(200,) if what in ("HTTP/9.9", "no HTTP version") else ())
 
     # --- judging ----------------------------------------------------------------------------
     def judge(self, case: Case, reply) -> str:
         """'' when the answer is acceptable, else what is wrong with it."""
         if reply is None:
-            if case.trickle or case.kind in PROTOCOL_KINDS:
+            if case.trickle or case.kind in PROTOCOL_KINDS or case.parser:
                 return ""
             return "the server closed the connection without an answer"
         st = reply.status
@@ -476,7 +504,9 @@ class Fuzzer:
             return self._judge_ok(case, reply)
         if not 400 <= st < 500:
             return f"status {st} is neither 200 nor a 4xx"
-        if case.kind in PROTOCOL_KINDS or case.head:
+        if case.kind in PROTOCOL_KINDS or case.parser or case.head:
+            if not reply.headers.get("content-type", "").startswith("application/json"):
+                self.report.parser_refusals += 1
             return ""               # the HTTP parser's own refusal, or an answer with no body
         ctype = reply.headers.get("content-type", "")
         if not ctype.startswith("application/json"):
@@ -605,12 +635,12 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
 
+    from kdn.env import prepare_ray_env
+    prepare_ray_env()                   # before Ray is imported: loopback, token auth
     import ray
     from kdn.client import Client
     from kdn.cluster import LocalCluster, init_ray, start_network, stop_network
-    from kdn.env import prepare_ray_env
     from kdn.placement.topology import Topology
-    prepare_ray_env()
     regions = ("us-east", "eu-west")
     root = tempfile.mkdtemp(prefix="kdn-bench-fuzz-")
     cluster = net = None
@@ -651,6 +681,7 @@ def main(argv=None) -> int:
     print()
     table([{"status": s, "answers": n} for s, n in d["statuses"].items()])
     print(f"{d['total']} cases in {d['seconds']:.1f} s; {len(d['problems'])} problems; "
+          f"{d['parser_refusals']} refused by the HTTP parser (plain text); "
           f"slowest /health during slowloris {d['health_ms_max']:.1f} ms; stored state "
           f"{'unchanged' if before == after else f'CHANGED {before} -> {after}'}; "
           f"after: {final or 'healthy, right bytes'}")

@@ -24,9 +24,9 @@ from urllib.parse import urlencode, urlsplit
 import msgpack
 import numpy as np
 
-from kdn.chunk import decode, frame_size, read_header
+from kdn.chunk import codecs, decode, frame_size, read_header
 from kdn.client import Fetched
-from kdn.errors import BadRequest, ManifestError, NetworkError
+from kdn.errors import AccessDenied, BadRequest, ManifestError, NetworkError
 from kdn.keys import KEY_BYTES, as_token_array, namespace_digest, prompt_keys
 from kdn.manifest import Manifest
 
@@ -70,7 +70,8 @@ class EdgeHTTPClient:
     """lookup / fetch / kbs / health against one edge's HTTP server."""
 
     def __init__(self, base_url: str, timeout_s: float = 30.0, allow_remote: bool = False,
-                 max_response_bytes: int = MAX_RESPONSE_BYTES, reuse_buffer: bool = True):
+                 max_response_bytes: int = MAX_RESPONSE_BYTES, reuse_buffer: bool = True,
+                 token: str = None):
         u = urlsplit(base_url)
         if u.scheme != "http" or not u.hostname or u.port is None:
             raise BadRequest(f"an edge URL is http://HOST:PORT, got {base_url!r}")
@@ -78,6 +79,7 @@ class EdgeHTTPClient:
             raise BadRequest(f"edge URL {base_url!r} is not on loopback; pass allow_remote=True "
                              f"to read an edge on another machine")
         self.url = base_url.rstrip("/")
+        self.token = token          # sent as `Authorization: Bearer` (a tenant's read token)
         self.host, self.port = u.hostname, u.port
         self.timeout_s = float(timeout_s)
         self.max_response_bytes = int(max_response_bytes)
@@ -86,7 +88,7 @@ class EdgeHTTPClient:
         self._buffer = None         # the last receive buffer, reused once nothing views it
         self._manifests = {}        # (tenant, fingerprint) -> (fetched at, [Manifest])
         self.stats = {"requests": 0, "reconnects": 0, "fetches": 0, "chunks": 0, "bytes": 0,
-                      "buffers_reused": 0}
+                      "buffers_reused": 0, "kv_bytes": 0, "codecs": {}}
 
     # --- plumbing -----------------------------------------------------------------------
     def close(self) -> None:
@@ -103,6 +105,8 @@ class EdgeHTTPClient:
     def _request(self, method: str, path: str, body: bytes = None, content_type: str = None):
         """(response, connection) with the status line and headers read, the body not yet."""
         headers = {"Content-Type": content_type} if content_type else {}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
         for attempt in (0, 1):
             if self._conn is None:
                 self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
@@ -128,6 +132,8 @@ class EdgeHTTPClient:
             message = json.loads(raw)["message"]
         except (ValueError, KeyError, TypeError):
             message = raw[:200].decode("utf-8", "replace")
+        if resp.status in (401, 403):
+            raise AccessDenied(f"edge {self.url} refused {method} {path}: {resp.status} {message}")
         if 400 <= resp.status < 500:
             raise BadRequest(f"edge {self.url} refused {method} {path}: {resp.status} {message}")
         raise NetworkError(f"edge {self.url} failed {method} {path}: {resp.status} {message}")
@@ -142,7 +148,7 @@ class EdgeHTTPClient:
             raise NetworkError(f"edge {self.url} answered {path} with invalid JSON: {e}") from None
 
     @staticmethod
-    def _keys_body(keys, ns, region=None) -> bytes:
+    def _keys_body(keys, ns, region=None, codec=None) -> bytes:
         ks = [bytes(k) for k in keys]
         if not isinstance(ns, (bytes, bytearray)) or len(ns) != KEY_BYTES \
                 or any(len(k) != KEY_BYTES for k in ks):
@@ -150,6 +156,10 @@ class EdgeHTTPClient:
         body = {"ns": bytes(ns), "keys": ks}
         if region is not None:
             body["region"] = region
+        if codec is not None:
+            if codec != "auto" and codec not in codecs():
+                raise BadRequest(f"codec {codec!r} is not 'auto' or one of {', '.join(codecs())}")
+            body["codec"] = codec
         return msgpack.packb(body, use_bin_type=True)
 
     # --- endpoints ----------------------------------------------------------------------
@@ -180,11 +190,16 @@ class EdgeHTTPClient:
         """{"chunks": n, ...}: how long a prefix of keys the network holds; no KV moves."""
         return self._json("POST", "/v1/lookup", self._keys_body(keys, ns), "application/msgpack")
 
-    def fetch(self, keys, ns: bytes, region: str = None) -> Fetched:
-        """The longest held prefix of keys as verified Chunks (views of one received buffer)."""
+    def fetch(self, keys, ns: bytes, region: str = None, codec: str = None) -> Fetched:
+        """The longest held prefix of keys as verified Chunks (views of one received buffer).
+
+        codec: how the edge should encode the frames (a kdn.codecs name, or "auto": what
+        pays on the link to `region`); None asks for raw. Compressed frames decode into
+        fresh arrays; raw ones stay views of the receive buffer.
+        """
         t0 = time.perf_counter()
         keys = [bytes(k) for k in keys]
-        resp = self._request("POST", "/v1/fetch", self._keys_body(keys, ns, region),
+        resp = self._request("POST", "/v1/fetch", self._keys_body(keys, ns, region, codec),
                              "application/msgpack")
         if resp.status != 200:
             self._refuse(resp, "POST", "/v1/fetch")
@@ -223,6 +238,9 @@ class EdgeHTTPClient:
         self.stats["fetches"] += 1
         self.stats["chunks"] += len(chunks)
         self.stats["bytes"] += n
+        self.stats["kv_bytes"] += nbytes
+        used = resp.getheader("X-KDN-Codec") or "raw"
+        self.stats["codecs"][used] = self.stats["codecs"].get(used, 0) + len(chunks)
         return Fetched(keys=keys[:len(chunks)], chunks=chunks, sources=sources,
                        tokens=sum(c.tokens for c in chunks), nbytes=nbytes,
                        edge=resp.getheader("X-KDN-Edge"), seconds=time.perf_counter() - t0)
@@ -263,7 +281,7 @@ class EdgeHTTPClient:
         return chunks
 
     def fetch_tokens(self, tokens, tenant: str, fingerprint: str, kb: str = None,
-                     region: str = None) -> Fetched:
+                     region: str = None, codec: str = None) -> Fetched:
         """The longest cached prefix of a prompt's tokens (keys computed here, as a Ray client does).
 
         The prompt is keyed with the chunking of the KB it starts with (its n_tokens boundary
@@ -279,7 +297,7 @@ class EdgeHTTPClient:
                 raise ManifestError(f"no knowledge base {kb!r} for tenant {tenant!r} and "
                                     f"fingerprint {fingerprint!r} at edge {self.url}")
             keys, m = best_prefix(tokens, ns, manifests, kb)
-        f = self.fetch(keys, ns, region) if keys else \
+        f = self.fetch(keys, ns, region, codec) if keys else \
             Fetched([], [], [], 0, 0, None, 0.0)
         n = len(f.chunks)
         total = len(as_token_array(tokens))

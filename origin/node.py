@@ -19,6 +19,7 @@ from pathlib import Path
 import msgpack
 
 from kdn.cluster import NAMESPACE, edge_actor_name
+from kdn.auth import Tokens
 from kdn.errors import KDNError, ManifestError, StoreError, VersionNotFound
 from kdn.keys import namespace_digest
 from kdn.manifest import Manifest
@@ -35,8 +36,9 @@ DOWN_AFTER = 5                   # consecutive misses before its keys are re-hom
 
 
 class OriginNode:
-    def __init__(self, network: str, root: str, topology: dict, replicas: int = 2):
+    def __init__(self, network: str, root: str, topology: dict, replicas: int = 2, auth: dict = None):
         self.network = network
+        self.tokens = Tokens.from_dict(auth)
         self.root = Path(root)
         self.store = ChunkStore(self.root / "store")
         self.topology = Topology.from_dict(topology)
@@ -118,10 +120,11 @@ class OriginNode:
             self.counters["edges_back"] += 1
         keep = [m for m in self.members if m not in gone] + back
         if keep:
-            await self.set_members(keep, _health=True)
+            await self.set_members(keep, _health=True, token=self.tokens.admin)
 
-    async def set_members(self, members, _health: bool = False) -> dict:
+    async def set_members(self, members, _health: bool = False, token=None) -> dict:
         """Replace the membership (list of (name, region, weight)); re-home keys that moved."""
+        self.tokens.check_admin(token, "set_members")
         self._start_background()
         members = [(str(n), str(r), float(w)) for n, r, w in members]
         if not _health:   # an operator's membership: forget health-check removals of other edges
@@ -146,19 +149,21 @@ class OriginNode:
         self.counters["rehomed_chunks"] += moved
         return self.membership()
 
-    async def add_edge(self, name: str, region: str, weight: float = 1.0) -> dict:
+    async def add_edge(self, name: str, region: str, weight: float = 1.0, token=None) -> dict:
+        self.tokens.check_admin(token, "add_edge")
         if any(m[0] == name for m in self.members):
             raise KDNError(f"edge {name!r} is already a member")
-        return await self.set_members(self.members + [(name, region, float(weight))])
+        return await self.set_members(self.members + [(name, region, float(weight))], token=token)
 
-    async def remove_edge(self, name: str) -> dict:
+    async def remove_edge(self, name: str, token=None) -> dict:
+        self.tokens.check_admin(token, "remove_edge")
         if name in self.down:
             del self.down[name]
             return self.membership()
         if not any(m[0] == name for m in self.members):
             raise KDNError(f"edge {name!r} is not a member (members: {[m[0] for m in self.members]})")
         self.handles.pop(name, None)
-        return await self.set_members([m for m in self.members if m[0] != name])
+        return await self.set_members([m for m in self.members if m[0] != name], token=token)
 
     def _handle(self, name):
         import ray
@@ -171,7 +176,7 @@ class OriginNode:
     async def _call(self, name, method, *args, timeout=CALL_TIMEOUT_S, **kw):
         """Call an edge; None when it is gone or too slow (it refills by pull-through later)."""
         try:
-            ref = getattr(self._handle(name), method).remote(*args, **kw)
+            ref = getattr(self._handle(name), method).remote(*args, token=self.tokens.admin, **kw)
             return await asyncio.wait_for(ref, timeout)
         except Exception:  # noqa: BLE001 - a dead or slow edge must not fail a publish
             self.handles.pop(name, None)
@@ -183,25 +188,29 @@ class OriginNode:
         await asyncio.gather(*(self._call(n, "set_membership", m, timeout=10) for n, _, _ in self.members))
 
     # --- publish ------------------------------------------------------------------------
-    async def missing(self, keys) -> list:
+    async def missing(self, keys, token=None) -> list:
         """Indices of `keys` the store lacks (the client sends only those chunks)."""
+        self.tokens.check_admin(token, "publish (missing)")
         return [i for i, k in enumerate(keys) if not self.store.has(k)]
 
-    async def has(self, keys, ns: bytes = None) -> list:
+    async def has(self, keys, ns: bytes = None, token=None) -> list:
         """Which keys are stored (and, given ns, stored under that namespace)."""
+        self.tokens.check_admin(token, "has")
         if ns is None:
             return [self.store.has(k) for k in keys]
         return await asyncio.to_thread(lambda: [self.store.ns_of(k) == ns for k in keys])
 
-    async def put_chunks(self, chunks) -> dict:
+    async def put_chunks(self, chunks, token=None) -> dict:
+        self.tokens.check_admin(token, "publish (put_chunks)")
         written = await asyncio.to_thread(lambda: [self.store.put(c) for c in chunks])
         n = sum(written)
         self.counters["chunks_received"] += len(chunks)
         self.counters["chunks_written"] += n
         return {"received": len(chunks), "written": n}
 
-    async def commit(self, manifest: dict, push: bool = True) -> dict:
+    async def commit(self, manifest: dict, push: bool = True, token=None) -> dict:
         """Commit a manifest (all its chunks must be stored), push to owners, return a receipt."""
+        self.tokens.check_admin(token, "publish (commit)")
         m = Manifest.from_dict(manifest) if isinstance(manifest, dict) else manifest
         t0 = time.perf_counter()
         latest = await asyncio.to_thread(self._latest, m.tenant, m.fingerprint, m.name)
@@ -314,8 +323,9 @@ class OriginNode:
         return moved
 
     # --- reads (edges' pull-through, operators) ------------------------------------------
-    async def get_chunks(self, keys) -> list:
+    async def get_chunks(self, keys, token=None) -> list:
         """Chunks for `keys` (None where absent or found corrupt: a corrupt copy is never served)."""
+        self.tokens.check_admin(token, "get_chunks")
         def read():
             out = []
             for k in keys:
@@ -328,19 +338,23 @@ class OriginNode:
         self.counters["chunks_served"] += sum(c is not None for c in chunks)
         return chunks
 
-    async def manifests(self, ns: bytes = None) -> list:
+    async def manifests(self, ns: bytes = None, token=None) -> list:
+        self.tokens.check_admin(token, "manifests")
         return [m.to_dict() for m in self.store.manifests(ns)]
 
-    async def manifest(self, ns: bytes, name: str, version: int = None) -> dict:
+    async def manifest(self, ns: bytes, name: str, version: int = None, token=None) -> dict:
+        self.tokens.check_admin(token, "manifest")
         return self.store.manifest(ns, name, version).to_dict()
 
-    async def delete_version(self, ns: bytes, name: str, version: int) -> dict:
+    async def delete_version(self, ns: bytes, name: str, version: int, token=None) -> dict:
+        self.tokens.check_admin(token, "delete_version")
         await asyncio.to_thread(self.store.delete_version, ns, name, version)
         await asyncio.gather(*(self._call(n, "drop_manifest", ns, name, version, timeout=10)
                                for n, _, _ in self.members))
         return {"deleted": f"{name}@v{version}"}
 
-    async def collect(self) -> dict:
+    async def collect(self, token=None) -> dict:
+        self.tokens.check_admin(token, "collect")
         return await asyncio.to_thread(self.store.collect)
 
     # --- operator controls ---------------------------------------------------------------
@@ -349,8 +363,9 @@ class OriginNode:
         return f"{tenant}/{name}"
 
     async def set_override(self, tenant: str, kb: str, pin_regions=None, replicas=None, ttl_s=None,
-                           prefetch=None) -> dict:
+                           prefetch=None, token=None) -> dict:
         """Per-KB operator settings; applied to the latest version at once (pushes, pins)."""
+        self.tokens.check_admin(token, "operator control (set_override)")
         latest = [m for m in self.store.manifests() if m.tenant == tenant and m.name == kb]
         if not latest:
             raise ManifestError(f"no committed knowledge base {tenant}/{kb}")
@@ -377,8 +392,9 @@ class OriginNode:
         placement, pushed = await self._push(m)
         return {"kb": kb, "override": ov, "placement": placement, "pushed": pushed}
 
-    async def warm(self, tenant: str, kb: str, region: str, version: int = None) -> dict:
+    async def warm(self, tenant: str, kb: str, region: str, version: int = None, token=None) -> dict:
         """Copy a KB's chunks into every edge of `region` now, as hot copies (prefetch)."""
+        self.tokens.check_admin(token, "operator control (warm)")
         ms = [m for m in self.store.manifests() if m.tenant == tenant and m.name == kb
               and (version is None or m.version == version)]
         if not ms:
@@ -394,6 +410,11 @@ class OriginNode:
             have = await self._call(e, "have", list(m.keys), timeout=10) or [False] * len(m.keys)
             sent[e] = await self._send(e, [k for k, h in zip(m.keys, have) if not h], sem, role="hot")
         return {"kb": kb, "version": m.version, "region": region, "sent": sent}
+
+    async def auth_config(self, token=None) -> dict:
+        """The token configuration, for an edge an operator adds (admin only)."""
+        self.tokens.check_admin(token, "auth_config")
+        return self.tokens.to_dict()
 
     async def stats(self) -> dict:
         s = self.store.stats()

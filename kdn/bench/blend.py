@@ -157,7 +157,7 @@ def main(argv=None):
     from kdn.knowledge import bundled_documents, bundled_questions
     from kdn.model import load_model
 
-    log = print if args.verbose else (lambda *a: None)
+    log = (lambda *a: print(*a, flush=True)) if args.verbose else (lambda *a: None)
     n_prompts = args.prompts or (12 if args.quick else 50)
     shares = ([float(x) for x in args.shares.split(",")] if args.shares
               else (QUICK_SHARES if args.quick else SHARES))

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -33,13 +34,16 @@ class Runner:
     def __init__(self, home: Path, logs: Path):
         self.env = dict(os.environ, KDN_HOME=str(home))
         self.logs, self.n = logs, 0
+        self.seconds = []                      # (command, wall seconds): where the time went
 
     def __call__(self, *args, timeout=180):
         self.n += 1
         out, err = self.logs / f"{self.n}.out", self.logs / f"{self.n}.err"
+        t0 = time.perf_counter()
         with open(out, "w") as fo, open(err, "w") as fe:
             rc = subprocess.run(_kdn_command() + list(args), stdout=fo, stderr=fe, env=self.env,
                                 stdin=subprocess.DEVNULL, timeout=timeout).returncode
+        self.seconds.append((args[0], round(time.perf_counter() - t0, 1)))
         return rc, out.read_text(), err.read_text()
 
 
@@ -133,3 +137,4 @@ def test_up_status_publish_query_errors_down(tmp_path):
     assert tree and not _still_running(tree), f"left running after `kdn down`: {_still_running(tree)}"
     rc, out, err = kdn("status")
     assert rc == 2 and "kdn up" in err
+    print("seconds per command:", kdn.seconds)
