@@ -20,7 +20,8 @@ import msgpack
 
 from kdn.cluster import NAMESPACE, edge_actor_name
 from kdn.auth import Tokens
-from kdn.errors import KDNError, ManifestError, StoreError, VersionNotFound
+from kdn.chunk import Chunk
+from kdn.errors import BadRequest, KDNError, ManifestError, StoreError, VersionNotFound
 from kdn.keys import namespace_digest
 from kdn.manifest import Manifest
 from kdn.origin.store import ChunkStore
@@ -28,6 +29,9 @@ from kdn.placement.ring import Edge, Ring
 from kdn.placement.topology import Topology
 
 PUSH_BATCH_BYTES = 64 << 20      # one put_chunks call carries at most this much
+MAX_CHUNKS_PER_CALL = 4096       # limits on what one publish call may carry
+MAX_BYTES_PER_CALL = 2 << 30
+MAX_TOKENS_PER_KB = 1 << 24
 PUSH_CONCURRENCY = 4             # batches in flight at once, across all edges
 CALL_TIMEOUT_S = 30.0            # an edge that does not answer a push in time is skipped
 HEALTH_PERIOD_S = 1.0            # every edge is pinged this often ...
@@ -202,6 +206,14 @@ class OriginNode:
 
     async def put_chunks(self, chunks, token=None) -> dict:
         self.tokens.check_admin(token, "publish (put_chunks)")
+        if not isinstance(chunks, (list, tuple)) or len(chunks) > MAX_CHUNKS_PER_CALL:
+            raise BadRequest(f"put_chunks takes a list of at most {MAX_CHUNKS_PER_CALL} chunks, got "
+                             f"{len(chunks) if isinstance(chunks, (list, tuple)) else type(chunks).__name__}")
+        bad = next((i for i, c in enumerate(chunks) if not isinstance(c, Chunk)), None)
+        if bad is not None:
+            raise BadRequest(f"put_chunks: item {bad} is a {type(chunks[bad]).__name__}, not a Chunk")
+        if sum(c.nbytes for c in chunks) > MAX_BYTES_PER_CALL:
+            raise BadRequest(f"put_chunks carries more than {MAX_BYTES_PER_CALL} bytes: split it")
         written = await asyncio.to_thread(lambda: [self.store.put(c) for c in chunks])
         n = sum(written)
         self.counters["chunks_received"] += len(chunks)
@@ -212,6 +224,10 @@ class OriginNode:
         """Commit a manifest (all its chunks must be stored), push to owners, return a receipt."""
         self.tokens.check_admin(token, "publish (commit)")
         m = Manifest.from_dict(manifest) if isinstance(manifest, dict) else manifest
+        if not isinstance(m, Manifest):
+            raise BadRequest(f"commit takes a manifest, got {type(manifest).__name__}")
+        if m.n_tokens > MAX_TOKENS_PER_KB:
+            raise BadRequest(f"KB {m.name!r} has {m.n_tokens} tokens; the limit is {MAX_TOKENS_PER_KB}")
         t0 = time.perf_counter()
         latest = await asyncio.to_thread(self._latest, m.tenant, m.fingerprint, m.name)
         if latest is not None and self._same_content(latest, m):

@@ -130,6 +130,10 @@ class ChunkStore:
                 f.flush()
                 if self.fsync:
                     os.fsync(f.fileno())
+        except OSError as e:     # disk full, quota, I/O error: fail cleanly, leave nothing behind
+            tmp.unlink(missing_ok=True)
+            raise StoreError(f"cannot write {path.name} under {self.root}: {e.strerror or e} "
+                             f"(errno {e.errno}); nothing was stored") from None
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

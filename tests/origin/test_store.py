@@ -288,3 +288,40 @@ def test_crash_mid_publish_leaves_previous_versions_whole(tmp_path, point):
     assert set(s.keys()) == set(only.keys)
     assert publish(s, v2).version == 2                       # a retried publish succeeds
     assert s.verify() == [] and len(s.manifests()) == 2
+
+
+def test_a_full_disk_fails_the_write_cleanly_and_harms_nothing(tmp_path, monkeypatch):
+    """ENOSPC in the middle of a publish: a clear StoreError, no temp file, old versions intact."""
+    import errno
+    import numpy as np
+    from kdn import keys as K
+    from kdn.chunk import Chunk
+    from kdn.errors import StoreError
+    from kdn.manifest import Manifest
+    import kdn.origin.store as store_mod
+
+    store = store_mod.ChunkStore(tmp_path)
+    toks = list(range(300))
+    m = Manifest.build("kb", "t", "fp", [("d", toks)])
+    rng = np.random.default_rng(0)
+    chunks = [Chunk(k, m.ns, rng.standard_normal((2, 2, 2, n, 8)).astype(np.float32), "float32")
+              for k, n in zip(m.keys, (256, 44))]
+    for c in chunks:
+        store.put(c)
+    v1 = store.commit(m)
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_mod.os, "fsync", no_space)
+    m2 = Manifest.build("kb", "t", "fp", [("d", list(range(1000, 1300)))])
+    c2 = Chunk(m2.keys[0], m2.ns, np.ones((2, 2, 2, 256, 8), np.float32), "float32")
+    with pytest.raises(StoreError, match="No space left on device"):
+        store.put(c2)
+    monkeypatch.undo()
+    assert not store.has(c2.key)
+    assert not list(tmp_path.rglob("*.kdntmp")), "no temp file may be left behind"
+    reopened = store_mod.ChunkStore(tmp_path)
+    assert reopened.manifest(m.ns, "kb").version == v1.version
+    assert all(reopened.get(c.key).equal(c) for c in chunks) and reopened.verify() == []
+    assert reopened.put(c2)                       # with space again, the retry stores it
