@@ -19,8 +19,8 @@ import numpy as np
 from kdn.chunk import Chunk
 from kdn.cluster import NAMESPACE, edge_actor_name, init_ray, origin_name
 from kdn.errors import BadRequest, KDNError, ManifestError, NetworkError, NoLiveEdge
-from kdn.keys import CHUNK_TOKENS, as_token_array, chunk_keys, namespace_digest, prompt_keys
-from kdn.manifest import Manifest
+from kdn.keys import CHUNK_TOKENS, as_token_array, namespace_digest
+from kdn.manifest import Manifest, best_prefix
 from kdn.placement.ring import Edge, Ring
 from kdn.placement.topology import Topology
 
@@ -230,24 +230,8 @@ class Client:
         key covers exactly the KB's tokens, so the prompt is cut at the KB's length there.
         Without `kb`, every KB of the namespace is a candidate and the longest match wins.
         """
-        toks = as_token_array(tokens)
-        cands = [self.manifest(kb)] if kb else [m for m in self.manifests() if m.layout == "prefix"]
-        best, best_keys, best_n = None, prompt_keys(toks, self.ns, self.chunk_tokens), 0
-        full_keys = best_keys
-        for m in cands:
-            if m.layout != "prefix" or m.chunk_tokens != self.chunk_tokens:
-                continue
-            keys = prompt_keys(toks, self.ns, m.chunk_tokens, boundary=min(m.n_tokens, len(toks)))
-            n = 0
-            for a, b in zip(keys, m.keys):
-                if a != b:
-                    break
-                n += 1
-            if n > best_n:
-                best, best_keys, best_n = m, keys[:n], n
-        if best is None:
-            return full_keys, None
-        return best_keys, best
+        cands = [self.manifest(kb)] if kb else self.manifests()
+        return best_prefix(tokens, self.ns, cands, kb, self.chunk_tokens)
 
     # --- reads --------------------------------------------------------------------------
     def lookup(self, tokens, kb: str = None) -> dict:

@@ -374,3 +374,29 @@ class Manifest:
             raise ManifestError(f"manifest body is not valid msgpack: {e}") from None
         return cls.from_dict(d)
 
+
+
+def best_prefix(tokens, ns: bytes, manifests, kb: str = None, chunk_tokens: int = CHUNK_TOKENS) -> tuple:
+    """(keys, manifest) of the prefix-layout KB the prompt starts with, matched longest.
+
+    A KB of L tokens was published with the chunking of its own L tokens, so the prompt is
+    keyed with boundary=L (kdn.keys.prompt_keys): its trailing partial chunk then matches
+    even though the prompt goes on with a question. No match: the prompt's own keys, None.
+    """
+    from kdn.keys import prompt_keys
+    toks = as_token_array(tokens)
+    cands = [m for m in manifests if m.layout == "prefix" and m.chunk_tokens == chunk_tokens
+             and (kb is None or m.name == kb)]
+    best, best_keys, best_n = None, None, 0
+    for m in sorted(cands, key=lambda m: -(m.version or 0)):
+        keys = prompt_keys(toks, ns, m.chunk_tokens, boundary=min(m.n_tokens, len(toks)))
+        n = 0
+        for a, b in zip(keys, m.keys):
+            if a != b:
+                break
+            n += 1
+        if n > best_n:
+            best, best_keys, best_n = m, keys[:n], n
+    if best is None:
+        return prompt_keys(toks, ns, chunk_tokens), None
+    return best_keys, best

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 from kdn.knowledge import bundled_documents
 
