@@ -57,6 +57,8 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 ENDPOINTS = ("GET /health", "GET /v1/kbs", "POST /v1/lookup", "POST /v1/fetch", "GET /metrics")
 
 
+BODY_TIMEOUT_S = 10.0        # longest wait for a request body once its headers arrived
+
 class RequestError(Exception):
     """A client's mistake: answered with this status and a JSON message."""
 
@@ -229,7 +231,11 @@ class EdgeHTTP:
         if declared is not None and declared > self.max_body_bytes:
             raise RequestError(413, "body_too_large", f"request body of {declared} bytes is over the "
                                                       f"limit of {self.max_body_bytes} bytes")
-        raw = await request.read()
+        try:   # a body that trickles in (slowloris) is cut off, not waited for forever
+            raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise RequestError(408, "body_timeout", f"the request body did not arrive within "
+                                                    f"{BODY_TIMEOUT_S:.0f} s") from None
         if not raw:
             raise RequestError(400, "bad_request", "request body is empty; send a msgpack map "
                                                    "{\"ns\": 16 bytes, \"keys\": [16-byte keys]}")

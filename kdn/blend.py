@@ -45,6 +45,7 @@ from kdn.keys import chunk_keys
 SEPARATOR = "\n\n"          # ends every segment: documents read as paragraphs in any order
 DEFAULT_SHARE = 0.15        # CacheBlend's operating point
 SELECT_LAYER = 1
+FETCH_TIMEOUT_S = 30.0
 POSITION_FREE_ROPE = {"default", "linear", "llama3"}   # inv_freq independent of the sequence
 _MARK = "\x00kdn-blend-mark\x00"
 
@@ -310,12 +311,14 @@ class SegmentFetch:
     seconds: float
 
 
-def _fetch_keys(client, keys, what: str) -> SegmentFetch:
+def _fetch_keys(client, keys, what: str, manifest=None) -> SegmentFetch:
+    """All of `keys` from the nearest live edge (a segment is useful only whole), verified."""
     t0 = time.perf_counter()
     keys = list(keys)
     if not keys:
         raise BadRequest(f"{what} has no chunks")
-    reply, edge, _ = client._edge_call("fetch", keys, client.ns, client.region, timeout=30.0)
+    reply, edge, _ = client._edge_call("fetch", keys, client.ns, client.region, timeout=FETCH_TIMEOUT_S,
+                                       resolve_refs=True)
     chunks, sources = reply["chunks"], reply["sources"]
     if len(chunks) < len(keys):
         raise NetworkError(f"{what}: the network holds {len(chunks)} of its {len(keys)} chunks "
@@ -323,6 +326,10 @@ def _fetch_keys(client, keys, what: str) -> SegmentFetch:
     for k, c in zip(keys, chunks):
         if not isinstance(c, Chunk) or c.key != k or c.ns != client.ns:
             raise NetworkError(f"{what}: edge {edge} answered a chunk that is not the one asked for")
+    sums = manifest.sum_of() if manifest is not None and getattr(manifest, "sums", None) else {}
+    bad = [i for i, (k, c) in enumerate(zip(keys, chunks)) if k in sums and c.digest() != sums[k]]
+    if bad:
+        raise NetworkError(f"{what}: chunk {bad[0]} from edge {edge} fails its manifest checksum")
     kv = chunks[0].kv if len(chunks) == 1 else np.concatenate([c.kv for c in chunks], axis=3)
     seconds = time.perf_counter() - t0
     stats["segments_fetched"] += 1
@@ -341,7 +348,7 @@ def fetch_document(client, kb: str, name: str) -> SegmentFetch:
     m = client.manifest(kb)
     if m.layout != "segments":
         raise BadRequest(f"KB {m.label()} has the {m.layout} layout; blending needs segments")
-    return _fetch_keys(client, m.document_keys(name), f"document {name!r} of {m.label()}")
+    return _fetch_keys(client, m.document_keys(name), f"document {name!r} of {m.label()}", m)
 
 
 def answer_from_network(client, model, documents, question: str, share: float = DEFAULT_SHARE,

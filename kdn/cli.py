@@ -85,14 +85,14 @@ def _status(args, rest):
         print(json.dumps(st, default=str))
         return 0
     o = st["origin"]
-    if "down" in o:
-        print(f"origin: DOWN ({o['down']})")
+    if "unreachable" in o:
+        print(f"origin: DOWN ({o['unreachable']})")
     else:
         s = o["store"]
         print(f"origin: up, {s['versions']} KB versions, {s['chunks']} chunks, {_gib(s['bytes'])} on disk, "
               f"{o['members']} edges (membership v{o['membership_version']})")
     table(status_rows(st))
-    return 0 if all(not e.get("down") for e in st["edges"]) and "down" not in o else 1
+    return 0 if all(not e.get("down") for e in st["edges"]) and "unreachable" not in o else 1
 
 
 def _publish(args, rest):

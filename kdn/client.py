@@ -223,14 +223,14 @@ class Client:
         raise ManifestError(f"no knowledge base {kb!r}" + (f" version {version}" if version else "")
                             + f" for tenant {self.tenant!r} and this model")
 
-    def keys_for(self, tokens, kb: str = None) -> tuple:
+    def keys_for(self, tokens, kb: str = None, version: int = None) -> tuple:
         """(keys, manifest) for a prompt: the chunking of the KB the prompt starts with.
 
         A KB whose length is not a multiple of the chunk size ends in a partial chunk; its
         key covers exactly the KB's tokens, so the prompt is cut at the KB's length there.
         Without `kb`, every KB of the namespace is a candidate and the longest match wins.
         """
-        cands = [self.manifest(kb)] if kb else self.manifests()
+        cands = [self.manifest(kb, version)] if kb else self.manifests()
         return best_prefix(tokens, self.ns, cands, kb, self.chunk_tokens)
 
     # --- reads --------------------------------------------------------------------------
@@ -247,10 +247,10 @@ class Client:
             return m.n_tokens
         return min(n_chunks * self.chunk_tokens, n_tokens)
 
-    def fetch(self, tokens, kb: str = None, timeout_s: float = None) -> Fetched:
+    def fetch(self, tokens, kb: str = None, timeout_s: float = None, version: int = None) -> Fetched:
         """The longest cached prefix of `tokens`, as chunks from the nearest live edge."""
         t0 = time.perf_counter()
-        keys, m = self.keys_for(tokens, kb)
+        keys, m = self.keys_for(tokens, kb, version)
         if not keys:
             return Fetched([], [], [], 0, 0, None, 0.0, kb=m)
         if timeout_s is None:
@@ -310,6 +310,25 @@ class Client:
                              timeout=CALL_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - a dead holder holds nothing
                 pass
+
+    def fetch_keys(self, keys, timeout_s: float = None) -> Fetched:
+        """The longest held prefix of explicit chunk keys (e.g. one document of a segments KB)."""
+        t0 = time.perf_counter()
+        keys = list(keys)
+        if not keys:
+            return Fetched([], [], [], 0, 0, None, 0.0)
+        reply, edge, failed = self._edge_call("fetch", keys, self.ns, self.region, resolve_refs=True,
+                                              timeout=timeout_s or FETCH_TIMEOUT_S + 0.1 * len(keys))
+        chunks = reply["chunks"]
+        expected = self._expected_sums(keys, None)
+        for k, c in zip(keys, chunks):
+            if c.key != k or c.ns != self.ns or (k in expected and c.digest() != expected[k]):
+                self._drop_corrupt(edge, [(k, reply["sources"][keys.index(k)])])
+                raise NetworkError(f"edge {edge} answered a wrong or corrupt chunk for key {k.hex()}; "
+                                   "it was dropped there: fetch again")
+        return Fetched(keys=keys[:len(chunks)], chunks=chunks, sources=reply["sources"],
+                       tokens=sum(c.tokens for c in chunks), nbytes=sum(c.nbytes for c in chunks),
+                       edge=edge, seconds=time.perf_counter() - t0, failovers=failed)
 
     def _chunk_bytes_estimate(self):
         return 64 << 20  # generous: the timeout must not cut a slow but healthy transfer
@@ -435,7 +454,7 @@ class Client:
         try:
             out["origin"] = self._origin_call("stats", timeout=timeout_s)
         except NetworkError as e:
-            out["origin"] = {"down": str(e)}
+            out["origin"] = {"unreachable": str(e)}
         refs = {}
         for e in self.ring.edges:
             try:

@@ -235,11 +235,15 @@ def up(topology_file=None, address=None, root=None, network: str = "kdn", http: 
         state.update(address=cluster.address, pids=cluster.pids(), embedded=True)
     else:
         state.update(address=address, pids=[], embedded=False)
-    import ray
     from kdn.auth import ensure_admin_token, read_tokens_from_env
     auth = {"admin": ensure_admin_token(kdn_home()), "readers": read_tokens_from_env()}
-    init_ray(state["address"])
-    start_network(topo, root, network=network, detached=True, http=http, auth=auth)
+    try:
+        init_ray(state["address"])
+        start_network(topo, root, network=network, detached=True, http=http, auth=auth)
+    except BaseException:
+        if state["embedded"]:        # nothing recorded yet: stop what this call started
+            _stop_processes(state["pids"])
+        raise
     state_path().parent.mkdir(parents=True, exist_ok=True)
     state_path().write_text(json.dumps(state, indent=1))
     return state

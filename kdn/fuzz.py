@@ -14,7 +14,8 @@ Every answer is judged (judge()): never a 5xx; a 4xx is JSON with a non-empty "m
 request the HTTP parser itself refuses before the application sees it is "protocol" and may
 answer plain text, see PROTOCOL_KINDS); a 200 to a fetch must be frames of exactly the keys
 asked for, each verified and, for a published key, equal to the published bytes; a 200 to
-/v1/kbs must list no other tenant's knowledge. A slowloris connection is held open for a
+/v1/kbs must list no other tenant's knowledge; with a read token configured (token=), no
+wrong or absent token may get a 200 from /v1/kbs, /v1/lookup or /v1/fetch. A slowloris connection is held open for a
 bounded time while /health must still answer promptly. After a run, check() asks /health
 and fetches the KB: the server must still serve the right bytes, and the edge's chunk count
 and bytes (from /health) must be what they were before.
@@ -146,7 +147,7 @@ class Fuzzer:
 
     def __init__(self, url: str, ns: bytes, keys: list, digests: dict, tenant: str,
                  fingerprint: str, seed: int = 0, timeout_s: float = 10.0,
-                 slow_s: float = 1.0, regions: tuple = ()):
+                 slow_s: float = 1.0, regions: tuple = (), token: str = None):
         u = urlsplit(url)
         self.host, self.port = u.hostname, u.port
         self.hostport = f"{self.host}:{self.port}"
@@ -156,6 +157,9 @@ class Fuzzer:
         self.rng = np.random.default_rng(seed)
         self.timeout_s, self.slow_s = timeout_s, slow_s
         self.regions = tuple(regions)
+        # The tenant's read token, when the network requires one: sent with every case except
+        # auth_tokens (whose wrong tokens must then be refused, never answered 200).
+        self.token = token
         self.report = Report()
 
     # --- transport --------------------------------------------------------------------------
@@ -240,6 +244,7 @@ class Fuzzer:
 
     def _post(self, kind, what, path, body, headers=None, keys=None, ok=(), content_length=True):
         hdrs = {"Content-Type": "application/msgpack"}
+        hdrs.update(self._auth())
         hdrs.update(headers or {})
         hdrs = {k: v for k, v in hdrs.items() if v is not None}
         return Case(kind, what, _request("POST", path, self.hostport, body, hdrs, content_length),
@@ -353,7 +358,8 @@ class Fuzzer:
             if self.rng.random() < 0.2:
                 path += f"&tenant={quote(self.tenant)}"
             return Case("path_tricks", f"kbs tenant={tenant!r:.40} fp={fp!r:.40}",
-                        _request("GET", path, self.hostport), path=path, ok_statuses=(200,))
+                        _request("GET", path, self.hostport, headers=self._auth()), path=path,
+                        ok_statuses=(200,))
         paths = ["/v1/../health", "/v1/%2e%2e/health", "/%2e%2e/%2e%2e/etc/passwd", "/../../etc/passwd",
                  "/v1/kbs/../fetch", "//v1//fetch", "/v1/fetch%00", "/v1/fetch/", "/v1/fetch/..",
                  "/v1/./fetch", "/V1/FETCH", "/v1/fetch;x=1", "/v1/fetch%2f..", "/health/..%2f..%2f",
@@ -363,30 +369,40 @@ class Fuzzer:
         if path.startswith(("/v1/fetch", "//v1//fetch", "/v1/./fetch", "/v1/kbs/../fetch")):
             body, keys = self._valid_body()
             return self._post("path_tricks", f"POST {path:.60}", path, body, keys=keys, ok=(200,))
-        return Case("path_tricks", f"GET {path:.60}", _request("GET", path, self.hostport),
+        return Case("path_tricks", f"GET {path:.60}", _request("GET", path, self.hostport,
+                                                               headers=self._auth()),
                     path=path, ok_statuses=(200,))
 
     def _case_auth_tokens(self):
-        token = self._pick((b"Bearer wrong", b"Bearer ", b"", b"Basic Zm9vOmJhcg==", b"Bearer " + b"A" * 4000,
-                            b"Bearer \xff\xfe\x00bad", b"bearer " + self.rng.bytes(16).hex().encode(),
-                            b"Token " + b"x" * 64, b"Bearer a, Bearer b"))
+        right = (self.token or "right-token-never-configured").encode()
+        token = self._pick((None, b"Bearer wrong", b"Bearer ", b"", b"Basic Zm9vOmJhcg==",
+                            b"Bearer " + b"A" * 4000, b"Bearer \xff\xfe\x00bad",
+                            b"bearer " + self.rng.bytes(16).hex().encode(), b"Token " + b"x" * 64,
+                            b"Bearer a, Bearer b", b"Bearer " + right[:-1], b"Bearer " + right + b"x",
+                            b"Basic " + right, right, b"Bearer " + right.upper()))
         path = self._pick(("/health", "/v1/kbs", "/v1/fetch", "/v1/lookup", "/metrics"))
-        hdrs = {"Authorization": token}
+        hdrs = {} if token is None else {"Authorization": token}
         if self.rng.random() < 0.3:
-            hdrs["X-KDN-Token"] = self._pick((b"wrong", b"", b"\x00"))
-        parser = _malformed_header(hdrs)
+            hdrs["X-KDN-Token"] = self._pick((b"wrong", b"", b"\x00", right))
+        # With a read token configured, no wrong token may read the tenant's knowledge.
+        guarded = self.token is not None and path not in ("/health", "/metrics")
+        ok = (401, 403) if guarded else (200, 401, 403)
+        what = f"{path} Authorization {(token or b'(none)')[:30]!r}"
         if path in ("/v1/fetch", "/v1/lookup"):
             body, keys = self._valid_body()
-            case = self._post("auth_tokens", f"{path} Authorization {token[:30]!r}", path, body, hdrs,
-                              keys=keys, ok=(200, 401, 403))
+            case = self._post("auth_tokens", what, path, body, keys=keys, ok=ok)
+            case.raw = _request("POST", path, self.hostport, body,
+                                dict(hdrs, **{"Content-Type": "application/msgpack"}))
         else:
             if path == "/v1/kbs":
                 path = f"/v1/kbs?tenant={quote(self.tenant)}&fingerprint={quote(self.fingerprint)}"
-            case = Case("auth_tokens", f"GET {path} Authorization {token[:30]!r}",
-                        _request("GET", path, self.hostport, headers=hdrs), path=path,
-                        ok_statuses=(200, 401, 403))
-        case.parser = parser
+            case = Case("auth_tokens", "GET " + what, _request("GET", path, self.hostport, headers=hdrs),
+                        path=path, ok_statuses=ok)
+        case.parser = _malformed_header(hdrs)
         return case
+
+    def _auth(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def _case_content_types(self):
         ctype = self._pick(("application/json", "text/plain", "multipart/form-data; boundary=x",
@@ -614,8 +630,13 @@ class Fuzzer:
 
 
 def main(argv=None) -> int:
-    """`kdn bench fuzz`: start a network of its own, publish one KB, fuzz one edge for --seconds."""
+    """`kdn bench fuzz`: start a network of its own, publish one KB, fuzz one edge for --seconds.
+
+    The network requires an admin token and a read token for the fuzzed tenant, so wrong and
+    absent tokens are really refused (403), not merely ignored.
+    """
     import argparse
+    import secrets
     import shutil
     import sys
     import tempfile
@@ -648,20 +669,22 @@ def main(argv=None) -> int:
         cluster = LocalCluster(regions, cpus=1, object_store_bytes=256 << 20)
         init_ray(cluster.address)
         topo = Topology.default_local(list(regions), capacity_bytes=256 << 20)
-        net = start_network(topo, root, network=f"fuzz-{uuid.uuid4().hex[:6]}", http=True,
-                            replicas=len(regions))
         tenant, fp = "fuzz", "fuzz-synthetic"
+        admin, read = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+        net = start_network(topo, root, network=f"fuzz-{uuid.uuid4().hex[:6]}", http=True,
+                            replicas=len(regions), auth={"admin": admin, "readers": {tenant: read}})
         rng = np.random.default_rng(args.seed)
         tokens = rng.integers(0, 49152, 1000).tolist()
         kv = rng.standard_normal((2, 2, 2, 1000, 16), dtype=np.float32)
-        cl = Client(network=net.name, region=regions[0], tenant=tenant, fingerprint=fp)
+        cl = Client(network=net.name, region=regions[0], tenant=tenant, fingerprint=fp, token=read,
+                    admin_token=admin)
         cl.publish("fuzzed", [("doc", tokens)], kv)
         keys = list(cl.manifest("fuzzed").keys)
         digests = {k: xxhash.xxh3_64_intdigest(np.ascontiguousarray(kv[:, :, :, s:s + 256]).tobytes())
                    for k, s in zip(keys, range(0, 1000, 256))}
         url = ray.get(net.edge(f"{regions[0]}-0").ping.remote(), timeout=30)["http"]
         fz = Fuzzer(url, cl.ns, keys, digests, tenant, fp, seed=args.seed, slow_s=args.slow_s,
-                    regions=regions)
+                    regions=regions, token=read)
         fz.check()                          # one valid fetch first: every chunk local
         before = fz.state()
         log(f"fuzzing {url} for {args.seconds:.0f} s")

@@ -44,7 +44,7 @@ def answer(client, model, kb: str, question: str, max_new_tokens: int = 48, chec
     m = client.manifest(kb, version)
     prompt = m.token_ids().tolist() + model.question_tokens(question)
     t0 = time.perf_counter()
-    f = client.fetch(prompt, kb=kb)
+    f = client.fetch(prompt, kb=kb, version=m.version)
     t1 = time.perf_counter()
     cache = model.cache_from_kv(f.kv_parts()) if f.tokens else None
     rebuild_s = time.perf_counter() - t1

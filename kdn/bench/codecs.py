@@ -18,7 +18,8 @@ KV as the cached prefix. Against the exact cache, per codec:
 
 Codecs whose decoded KV is bit-identical to another's are scored once (lossless ones equal
 the exact KV; "q4z" decodes to exactly "q4"'s tensor). The plot (--plot PATH) shows size
-against fp16 versus top-1 agreement, with the targets (4x, 99%) drawn in.
+against fp16 versus top-1 agreement (filled: the prompts; hollow: pos_agree), with the
+targets (4x, 99%) drawn in.
 """
 import argparse
 import math
@@ -80,7 +81,8 @@ def speed(name: str, kv: np.ndarray, chunks: int, reps: int) -> tuple:
     """(encode GB/s, decode GB/s) of fp32 KV bytes: best of reps over `chunks` full chunks."""
     enc, dec = _CODECS[name]
     picked = [np.ascontiguousarray(kv[:, :, :, s:s + CHUNK])
-              for s in range(CHUNK, kv.shape[3] - CHUNK + 1, CHUNK)][:chunks]
+              for s in range(CHUNK, kv.shape[3] - CHUNK + 1, CHUNK)][:chunks] \
+        or [np.ascontiguousarray(kv[:, :, :, :CHUNK])]
     nbytes = sum(c.nbytes for c in picked)
     best_e = best_d = float("inf")
     for _ in range(reps):
@@ -173,10 +175,15 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for r in rows:
-        ax.scatter(r["x_fp16"], 100 * r["top1"], color="tab:green" if r["lossless"] else "tab:blue")
-        ax.annotate(r["codec"], (r["x_fp16"], 100 * r["top1"]), textcoords="offset points",
-                    xytext=(4, 4), fontsize=8)
+    for i, r in enumerate(rows):
+        color = "tab:green" if r["lossless"] else "tab:blue"
+        ax.scatter(r["x_fp16"], 100 * r["top1"], color=color,
+                   label="prompts: next token after the question" if i == 0 else None)
+        ax.scatter(r["x_fp16"], 100 * r["pos_agree"], facecolors="none", edgecolors=color,
+                   label="knowledge text: every position (teacher-forced)" if i == 0 else None)
+        ax.annotate(r["codec"], (r["x_fp16"], 100 * r["pos_agree"]), textcoords="offset points",
+                    xytext=(4, -10), fontsize=8)
+    ax.legend(loc="lower left", fontsize=8)
     ax.axvline(TARGET_RATIO_FP16, color="grey", ls="--", lw=0.8)
     ax.axhline(100 * TARGET_AGREE, color="grey", ls="--", lw=0.8)
     ax.set_xlabel("size ratio vs fp16 KV (x smaller)")

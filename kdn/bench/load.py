@@ -9,7 +9,7 @@ keeping the KV itself in the workers.
 Then --workers worker processes per transport fetch for --seconds: Ray workers are actors
 placed on the nodes of the regions in turn (their Client takes its region from the node's
 label), HTTP workers are plain processes outside Ray that read the edges' HTTP URLs with
-EdgeHTTPClient. Each worker picks KB i with probability proportional to 1/(i+1)^zipf and asks
+EdgeHTTPClient. Access control is on: the tenant has a read token every worker presents. Each worker picks KB i with probability proportional to 1/(i+1)^zipf and asks
 for that KB followed by a short question. Halfway, the bench SIGKILLs one edge's process (a
 crash, not a stop). Ray restarts the actor empty, on a new HTTP port.
 
@@ -25,6 +25,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -135,9 +136,9 @@ class Tally:
 class RayLoadWorker:
     """A worker inside Ray: Client.fetch of the Zipf mix from the edge nearest its node."""
 
-    def __init__(self, network: str, wants: list):
+    def __init__(self, network: str, wants: list, token: str):
         from kdn.client import Client
-        self.client = Client(network=network, tenant=TENANT, fingerprint=FINGERPRINT)
+        self.client = Client(network=network, tenant=TENANT, fingerprint=FINGERPRINT, token=token)
         self.wants = wants
         self.client.manifests(refresh=True)
 
@@ -194,7 +195,7 @@ class EdgeURLs:
         self.suspect[url] = time.monotonic() + SUSPECT_S
 
 
-def http_fetch(urls: EdgeURLs, clients: dict, want: dict) -> tuple:
+def http_fetch(urls: EdgeURLs, clients: dict, want: dict, token: str) -> tuple:
     """(Fetched, failovers): the first edge URL that answers; connection faults move on."""
     from kdn.errors import NetworkError, NoLiveEdge
     from kdn.http_client import EdgeHTTPClient
@@ -202,7 +203,7 @@ def http_fetch(urls: EdgeURLs, clients: dict, want: dict) -> tuple:
     for url in urls.ranked():
         client = clients.get(url)
         if client is None:
-            client = clients[url] = EdgeHTTPClient(url, timeout_s=HTTP_TIMEOUT_S)
+            client = clients[url] = EdgeHTTPClient(url, timeout_s=HTTP_TIMEOUT_S, token=token)
         try:
             return client.fetch_tokens(want["prompt"], TENANT, FINGERPRINT, kb=want["kb"]), failovers
         except NetworkError as e:
@@ -217,14 +218,14 @@ def http_fetch(urls: EdgeURLs, clients: dict, want: dict) -> tuple:
 
 
 def http_worker(worker: int, region: str, registry: str, wants: list, weights, seed: int,
-                start_at, seconds: float, kill_at, ready, out) -> None:
+                start_at, seconds: float, kill_at, ready, out, token: str) -> None:
     """A worker outside Ray (its own process): the Zipf mix over the edges' HTTP URLs."""
     rng = np.random.default_rng(seed)
     urls = EdgeURLs(registry, region)
     clients = {}
     tally = Tally("http", worker, region)
     try:
-        http_fetch(urls, clients, wants[0])           # warm: a connection and the KB list
+        http_fetch(urls, clients, wants[0], token)    # warm: a connection and the KB list
         ready.put(worker)
         while start_at.value == 0:
             time.sleep(0.005)
@@ -236,7 +237,7 @@ def http_worker(worker: int, region: str, registry: str, wants: list, weights, s
             t0 = time.perf_counter()
             failovers = 0
             try:
-                f, failovers = http_fetch(urls, clients, want)
+                f, failovers = http_fetch(urls, clients, want, token)
                 n = verify(f, want)
                 tally.ok(time.perf_counter() - t0, n, len(f.chunks), failovers, f.edge,
                          bool(kill_at.value) and time.time() >= kill_at.value)
@@ -302,10 +303,15 @@ def run(args, log) -> dict:
         init_ray(cluster.address)
         topo = Topology.default_local(list(REGIONS), capacity_bytes=1 << 30)
         name = f"bench-load-{uuid.uuid4().hex[:6]}"
-        net = start_network(topo, os.path.join(root, "origin"), network=name, http=True)
+        # Access control on, as `kdn up` runs it: an admin token to publish, a read token for
+        # the tenant that every worker (Ray and HTTP) presents.
+        admin, read = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+        net = start_network(topo, os.path.join(root, "origin"), network=name, http=True,
+                            auth={"admin": admin, "readers": {TENANT: read}})
         log(f"cluster + network up in {time.perf_counter() - t0:.1f} s")
         t0 = time.perf_counter()
-        publisher = Client(network=name, region=REGIONS[0], tenant=TENANT, fingerprint=FINGERPRINT)
+        publisher = Client(network=name, region=REGIONS[0], tenant=TENANT, fingerprint=FINGERPRINT,
+                           token=read, admin_token=admin)
         for kb, tokens, kv in kbs:
             publisher.publish(kb, [(kb, tokens)], kv)
         del kbs
@@ -321,7 +327,7 @@ def run(args, log) -> dict:
         wants_ref = ray.put(wants)
         for i in range(args.workers):
             actors.append(worker_cls.options(num_cpus=0, label_selector={"region": REGIONS[i % 3]})
-                          .remote(name, wants_ref))
+                          .remote(name, wants_ref, read))
         regions = ray.get([a.region.remote() for a in actors], timeout=120)
         ctx = mp.get_context("spawn")
         start_at, kill_at = ctx.Value("d", 0.0), ctx.Value("d", 0.0)
@@ -329,7 +335,7 @@ def run(args, log) -> dict:
         for i in range(args.workers):
             pr = ctx.Process(target=http_worker, daemon=True,
                              args=(i, REGIONS[i % 3], registry, wants, weights, args.seed + 100 + i,
-                                   start_at, args.seconds, kill_at, ready, out))
+                                   start_at, args.seconds, kill_at, ready, out, read))
             pr.start()
             procs.append(pr)
         for _ in procs:

@@ -14,12 +14,16 @@ built cache plus one memory copy of the KV bytes, so
     limit = full prefill TTFT / (question-only prefill over a built cache + memcpy of the KV)
 
 and KDN's TTFT (fetch + cache rebuild + question prefill until the first token) is good
-when its speedup is close to that limit. Each rep runs KDN then the plain prefill of the same
-prompt back to back (worker.answer with check=True), so machine noise hits both alike, and
-the first generated token of both is compared. Knowledge is the bundled public-domain
-documents (kdn/data), repeated as needed and cut to exactly N tokens of system turn; the
-question is cut to exactly 32 tokens of user turn. Knowledge bases are published longest
-prefix first reused, so the whole run prefills about 8k tokens once to publish.
+when its speedup is close to that limit. Each rep runs KDN, the plain prefill of the same
+prompt (worker.answer with check=True) and the question alone over a built cache back to
+back, so machine noise hits all three alike; the first generated token of KDN and of the
+plain prefill is compared. On a busy machine, --threads 1 gives steadier figures: two
+OpenMP threads that must share their cores with other processes stall each other.
+
+Knowledge is the bundled public-domain documents (kdn/data), repeated as needed and cut to
+exactly N tokens of system turn; the question is cut to exactly 32 tokens of user turn.
+Each length is a prefix of the next and they are published shortest first, each reusing
+the cached prefix of the one before, so publishing prefills about 8k tokens in all.
 """
 import argparse
 import shutil
@@ -103,23 +107,22 @@ def measure(client, model, kb: str, question: str, reps: int, log) -> dict:
     prompt = m.token_ids().tolist() + model.question_tokens(question)
     warm = client.fetch(prompt, kb=kb)         # untimed: pages and object-store paths warm
     model.cache_from_kv(warm.kv_parts())
-    kdn, full, fetch, rebuild, same = [], [], [], [], []
+    kdn, full, fetch, rebuild, same, question_only = [], [], [], [], [], []
     for i in range(reps):
         a = answer(client, model, kb, question, max_new_tokens=1, check=True)
         if a.cached_tokens != m.n_tokens:
             raise BadRequest(f"{kb}: fetched {a.cached_tokens} of {m.n_tokens} knowledge tokens")
+        cache = model.cache_from_kv(warm.kv_parts())        # the question over a cache already built
+        g = model.generate(prompt, cache=cache, cached_tokens=warm.tokens, max_new_tokens=1)
         kdn.append(a.ttft_s)
         full.append(a.baseline_ttft_s)
         fetch.append(a.fetch_s)
         rebuild.append(a.extra["rebuild_s"])
         same.append(bool(a.identical))
-        log(f"  {kb} rep {i + 1}/{reps}: KDN {a.ttft_s * 1000:.0f} ms (fetch {a.fetch_s * 1000:.0f}, "
-            f"rebuild {a.extra['rebuild_s'] * 1000:.0f}), full prefill {a.baseline_ttft_s:.2f} s")
-    question_only = []
-    for _ in range(reps):                      # the question over a cache already built
-        cache = model.cache_from_kv(warm.kv_parts())
-        g = model.generate(prompt, cache=cache, cached_tokens=warm.tokens, max_new_tokens=1)
         question_only.append(g.ttft_s)
+        log(f"  {kb} rep {i + 1}/{reps}: KDN {a.ttft_s * 1000:.0f} ms (fetch {a.fetch_s * 1000:.0f}, "
+            f"rebuild {a.extra['rebuild_s'] * 1000:.0f}), question only {g.ttft_s * 1000:.0f} ms, "
+            f"full prefill {a.baseline_ttft_s:.2f} s")
     copy_s = memcpy_s(warm.nbytes)
     full_s, kdn_s, q_s = median(full), median(kdn), median(question_only)
     return {
@@ -145,7 +148,8 @@ def plot(rows, path: str) -> None:
     ax.plot(xs, [r["question_prefill_s"] + r["memcpy_s"] for r in rows], "k:",
             label="floor: question prefill + KV memcpy")
     for r in rows:
-        ax.annotate(f"{r['speedup']:.0f}x (limit {r['limit']:.0f}x)", (r["knowledge_tokens"], r["kdn_ttft_s"]),
+        ax.annotate(f"{r['speedup']:.0f}x (limit {r['limit']:.0f}x)",
+                    (r["knowledge_tokens"], r["kdn_ttft_s"]),
                     textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -213,7 +217,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")],
                     help="comma-separated knowledge lengths in tokens (default 1024,2048,4096,8192)")
     ap.add_argument("--reps", type=int, default=3, help="timed reps per length (median reported)")
-    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--threads", type=int,
+                    help="torch intra-op threads (default: torch's; 1 is steadier on a busy machine)")
     ap.add_argument("--plot", default="kdn-ttft.png", help="PNG path for TTFT vs context length")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)

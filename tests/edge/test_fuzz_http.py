@@ -5,7 +5,8 @@ replicas=3, so every edge owns every chunk of the one published KB: a fetch of i
 nothing an edge stores (no pull-through, no hot copy), and any change after fuzzing is a bug.
 The seeded driver (kdn.fuzz.Fuzzer) sends every kind of case over raw sockets; hypothesis
 adds arbitrary msgpack bodies; a table pins the exact status and message of the sharpest
-cases; slowloris connections must not stall anyone else.
+cases; slowloris connections must not stall anyone else. The tenant has a read token, so
+wrong and absent tokens must be refused (403), never answered.
 """
 import http.client
 import json
@@ -30,6 +31,8 @@ from kdn.placement.topology import Topology
 
 REGIONS = ("us-east", "eu-west", "ap-south")
 TENANT, FP = "fuzz", "synthetic-fuzz"
+ADMIN = "fuzz-admin-token-0123456789abcdef"
+READ = "fuzz-read-token-0123456789abcdef"
 N_TOKENS = 1000
 EDGE = "eu-west-0"
 
@@ -39,11 +42,12 @@ def net(ray_cluster, tmp_path_factory):
     name = f"fuzz{uuid.uuid4().hex[:8]}"
     topo = Topology.default_local(list(REGIONS), edges_per_region=1, capacity_bytes=64 << 20)
     n = start_network(topo, tmp_path_factory.mktemp("origin"), network=name, http=True,
-                      replicas=len(REGIONS))
+                      replicas=len(REGIONS), auth={"admin": ADMIN, "readers": {TENANT: READ}})
     rng = np.random.default_rng(5)
     toks = rng.integers(0, 49152, N_TOKENS).tolist()
     kv = rng.standard_normal((2, 2, 2, N_TOKENS, 8), dtype=np.float32)
-    cl = Client(network=name, region="us-east", tenant=TENANT, fingerprint=FP)
+    cl = Client(network=name, region="us-east", tenant=TENANT, fingerprint=FP, token=READ,
+                admin_token=ADMIN)
     cl.publish("target", [("doc", toks)], kv)
     keys = list(cl.manifest("target").keys)
     digests = {k: xxhash.xxh3_64_intdigest(np.ascontiguousarray(kv[:, :, :, s:s + 256]).tobytes())
@@ -57,7 +61,7 @@ def net(ray_cluster, tmp_path_factory):
 def _fuzzer(net, seed=0, slow_s=0.3):
     f = net.fuzz
     return Fuzzer(f["url"], f["ns"], f["keys"], f["digests"], TENANT, FP, seed=seed,
-                  slow_s=slow_s, regions=REGIONS)
+                  slow_s=slow_s, regions=REGIONS, token=READ)
 
 
 def _stored(net):
@@ -65,11 +69,14 @@ def _stored(net):
     return {t: (st_[t]["items"], st_[t]["bytes"]) for t in ("main", "hot")}
 
 
-def _raw(url, method, path, body=None, headers=None):
+def _raw(url, method, path, body=None, headers=None, token=READ):
     u = urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=15)
+    headers = dict(headers or {})
+    if token:
+        headers.setdefault("Authorization", f"Bearer {token}")
     try:
-        conn.request(method, path, body=body, headers=headers or {})
+        conn.request(method, path, body=body, headers=headers)
         r = conn.getresponse()
         return r.status, r.getheader("Content-Type", ""), r.read()
     finally:
@@ -86,6 +93,7 @@ def test_seeded_fuzz_of_every_kind_is_refused_cleanly_and_changes_nothing(net):
     assert rep["problems"] == [], "\n".join(map(str, rep["problems"]))
     assert set(rep["cases"]) == set(KINDS) and rep["total"] == 12 * len(KINDS)
     assert not any(s.startswith("5") for s in rep["statuses"]), rep["statuses"]
+    assert rep["statuses"].get("403", 0) >= 3, "wrong read tokens must have been refused"
     refused = sum(n for s, n in rep["statuses"].items() if s.startswith("4"))
     assert refused >= 8 * len(KINDS) and rep["statuses"].get("400", 0) > 50, rep["statuses"]
     assert rep["health_ms_max"] < 2000, "a slowloris connection must not stall /health"
@@ -147,19 +155,29 @@ def test_sharp_cases_get_their_exact_status_and_message(net):
     assert _stored(net) == stored
 
 
-def test_path_tricks_in_names_list_nothing_and_wrong_tokens_read_the_right_bytes(net):
+def test_path_tricks_in_names_list_nothing_and_only_the_read_token_reads(net):
     f = net.fuzz
-    for tenant in ("..%2F..%2Fetc%2Fpasswd", "%2e%2e", "fuzz%2F..%2Ffuzz", "fuzz%20"):
+    for tenant in ("..%2F..%2Fetc%2Fpasswd", "%2e%2e", "fuzz%2F..%2Ffuzz", "fuzz%20", "FUZZ"):
         got, _, raw = _raw(f["url"], "GET", f"/v1/kbs?tenant={tenant}&fingerprint={FP}")
         assert got == 200 and json.loads(raw)["manifests"] == [], tenant
     got, _, raw = _raw(f["url"], "GET", f"/v1/kbs?tenant={TENANT}&fingerprint={FP}")
     assert [m["name"] for m in json.loads(raw)["manifests"]] == ["target"]
-    # No read token is configured here: a wrong one changes nothing, and the bytes are right.
+    body = msgpack.packb({"ns": f["ns"], "keys": f["keys"]})
+    wrong = (None, "Bearer wrong", "Bearer ", "Basic Zm9vOmJhcg==", READ, "Bearer " + READ[:-1],
+             "Bearer " + READ.upper(), "Bearer " + "A" * 4000)
+    for token in wrong:
+        headers = {"Authorization": token} if token is not None else {"X-KDN-Token": READ}
+        for method, path, b in (("POST", "/v1/fetch", body), ("POST", "/v1/lookup", body),
+                                ("GET", f"/v1/kbs?tenant={TENANT}&fingerprint={FP}", None)):
+            got, ctype, raw = _raw(f["url"], method, path, b, headers, token=None)
+            assert got == 403 and ctype.startswith("application/json"), (token, path, got, raw[:200])
+            assert "needs that tenant's read token" in json.loads(raw)["message"], (token, path)
+    # the read token (and the admin token) read exactly the published bytes
     fz = _fuzzer(net)
-    for token in ("Bearer wrong", "Basic Zm9vOmJhcg==", "Bearer " + "A" * 4000):
-        body = msgpack.packb({"ns": f["ns"], "keys": f["keys"]})
-        case = Case("auth_tokens", token[:20], _request("POST", "/v1/fetch", fz.hostport, body,
-                    {"Authorization": token}), path="/v1/fetch", keys=f["keys"], ok_statuses=(200,))
+    for token in (READ, ADMIN):
+        case = Case("auth_tokens", token[:8], _request("POST", "/v1/fetch", fz.hostport, body,
+                    {"Authorization": f"Bearer {token}"}), path="/v1/fetch", keys=f["keys"],
+                    ok_statuses=(200,))
         reply = fz.send(case)
         assert reply.status == 200 and reply.headers["x-kdn-chunks"] == "4"
         assert fz.judge(case, reply) == ""

@@ -163,9 +163,6 @@ def test_appending_a_document_reuses_the_prefix_and_stays_exact(model, net, publ
     _check_answer(model, a, "eu-west", v2["tokens"], v2["chunks"], question)
 
 
-@pytest.mark.xfail(strict=True, reason="Client.fetch(kb=...) cuts the prompt at the KB's LATEST "
-                   "version, so answer(version=1) after v2 gets only v1's full chunks (512 of 644 "
-                   "tokens); fix: pass the version (or manifest) from answer() through fetch/keys_for")
 def test_an_older_version_is_still_served_whole(model, net, published, republished):
     first = published["rights"]
     question = "What does the Second Amendment protect?"
