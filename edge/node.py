@@ -43,15 +43,25 @@ from kdn.placement.topology import Topology
 
 class Held:
     """A chunk in the object store: its reference plus what routing needs without fetching it."""
-    __slots__ = ("ref", "key", "ns", "nbytes", "own")
+    __slots__ = ("ref", "key", "ns", "nbytes", "own", "chunk")
 
-    def __init__(self, ref, key: bytes, ns: bytes, nbytes: int, own: bool = True):
+    def __init__(self, ref, key: bytes, ns: bytes, nbytes: int, own: bool = True, chunk=None):
         self.ref, self.key, self.ns, self.nbytes, self.own = ref, key, ns, nbytes, own
+        self.chunk = chunk      # a view of the object, once this process has read it (HTTP)
 
     @classmethod
     def of(cls, chunk) -> "Held":
         import ray
         return cls(ray.put(chunk), chunk.key, chunk.ns, chunk.nbytes)
+
+    async def resolve(self):
+        """The chunk itself; our own objects are read once (a zero-copy view) and kept."""
+        if self.chunk is not None:
+            return self.chunk
+        chunk = await self.ref
+        if self.own:
+            self.chunk = chunk
+        return chunk
 
     def wire(self) -> tuple:
         return (self.ref, self.key, self.ns, self.nbytes)
@@ -418,7 +428,7 @@ class EdgeNode:
         reply = {"sources": sources[:m], "edge": self.name, "region": self.region,
                  "ring": self.members_version}
         if resolve:
-            reply["chunks"] = list(await asyncio.gather(*(h.ref for h in chunks[:m])))
+            reply["chunks"] = list(await asyncio.gather(*(h.resolve() for h in chunks[:m])))
         else:
             reply["refs"] = [h.ref for h in chunks[:m]]
         return reply

@@ -80,7 +80,9 @@ def quality(model, seg_tokens, seg_kv, prompts, shares, new_tokens, log):
             r["match"].append(m)
             r["full"] += m == len(agree)
             r["ttft"].append(b.seconds["total"])  # question pass: see the speed table
-        log(f"  prompt {i + 1}/{len(prompts)}: {len(prompt)} tokens, docs {'+'.join(names)}")
+        so_far = ", ".join(f"{s:.0%}: top1 {per[s]['top1']}/{i + 1} match {sum(per[s]['match']) / (i + 1):.1f}"
+                           for s in shares)
+        log(f"  prompt {i + 1}/{len(prompts)}: {len(prompt)} tokens, docs {'+'.join(names)}; {so_far}")
     rows = []
     n = len(prompts)
     for s in shares:
@@ -149,6 +151,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="speed repetitions (default 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", type=str, default=None, help="write quality vs share PNG here")
+    ap.add_argument("--part", choices=("all", "speed", "quality"), default="all")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -173,34 +176,39 @@ def main(argv=None):
     seg_tokens = {n: B.segment_tokens(model, t) for n, t in docs}
     seg_kv = {n: B.segment_kv(model, t) for n, t in seg_tokens.items()}
     publish_s = time.perf_counter() - t0
-    prompts = build_prompts([n for n, _ in docs], questions, n_prompts, args.seed)
-    rows, full_s = quality(model, seg_tokens, seg_kv, prompts, shares, args.new_tokens, log)
-    print(f"quality: {n_prompts} prompts (2-3 of {len(docs)} bundled documents, random order), "
-          f"{args.new_tokens}-token reference continuations; segment prefill {publish_s:.1f} s")
-    table(rows, ["label", "top1_next", "top1_all", "match_len", "full_match", "blend_s"])
-    print(f"(full prefill TTFT median on these prompts: {full_s:.3f} s)")
+    speed_out = quality_out = None
+    if args.part in ("all", "speed"):
+        stream = [t for _, toks in seg_tokens.items() for t in toks]
+        pieces = [stream[i * DOC_TOKENS:(i + 1) * DOC_TOKENS] for i in range(4)]
+        if len(pieces[-1]) < DOC_TOKENS:
+            raise SystemExit(f"the bundled documents hold {len(stream)} tokens; 4 x {DOC_TOKENS} needed")
+        sp, parts, n_tok = speed(model, pieces, questions, share, reps, log)
+        full, bl, nv = median(sp["full"]), median(sp["blend"]), median(sp["naive"])
+        srows = [{"method": "full prefill", "ttft_s": full, "speedup": 1.0, "top1": 1.0},
+                 {"method": f"blend {share:.0%}", "ttft_s": bl, "speedup": full / bl, "top1": sp["top1"] / sp["n"]},
+                 {"method": "naive concat", "ttft_s": nv, "speedup": full / nv, "top1": sp["top1_naive"] / sp["n"]}]
+        print(f"speed: 4 documents x {DOC_TOKENS} tokens ({n_tok}-token prompts), KV at the worker, "
+              f"median of {reps}")
+        table(srows, ["method", "ttft_s", "speedup", "top1"])
+        print("blend breakdown (s): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
+        speed_out = {"doc_tokens": DOC_TOKENS, "documents": 4, "prompt_tokens": n_tok, "share": share,
+                     "full_s": full, "blend_s": bl, "naive_s": nv, "speedup": full / bl,
+                     "speedup_naive": full / nv, "top1": sp["top1"] / sp["n"],
+                     "top1_naive": sp["top1_naive"] / sp["n"], "breakdown": parts, "reps": reps}
 
-    stream = [t for _, toks in seg_tokens.items() for t in toks]
-    pieces = [stream[i * DOC_TOKENS:(i + 1) * DOC_TOKENS] for i in range(4)]
-    if len(pieces[-1]) < DOC_TOKENS:
-        raise SystemExit(f"the bundled documents hold {len(stream)} tokens; 4 x {DOC_TOKENS} needed")
-    sp, parts, n_tok = speed(model, pieces, questions, share, reps, log)
-    full, bl, nv = median(sp["full"]), median(sp["blend"]), median(sp["naive"])
-    srows = [{"method": "full prefill", "ttft_s": full, "speedup": 1.0, "top1": 1.0},
-             {"method": f"blend {share:.0%}", "ttft_s": bl, "speedup": full / bl, "top1": sp["top1"] / sp["n"]},
-             {"method": "naive concat", "ttft_s": nv, "speedup": full / nv, "top1": sp["top1_naive"] / sp["n"]}]
-    print(f"\nspeed: 4 documents x {DOC_TOKENS} tokens ({n_tok}-token prompts), KV at the worker, "
-          f"median of {reps}")
-    table(srows, ["method", "ttft_s", "speedup", "top1"])
-    print("blend breakdown (s): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
-    if args.plot:
-        plot(rows, args.plot)
-        print(f"plot written to {args.plot}")
+    if args.part in ("all", "quality"):
+        prompts = build_prompts([n for n, _ in docs], questions, n_prompts, args.seed)
+        rows, full_s = quality(model, seg_tokens, seg_kv, prompts, shares, args.new_tokens, log)
+        print(f"\nquality: {n_prompts} prompts (2-3 of {len(docs)} bundled documents, random order), "
+              f"{args.new_tokens}-token reference continuations; segment prefill {publish_s:.1f} s")
+        table(rows, ["label", "top1_next", "top1_all", "match_len", "full_match", "blend_s"])
+        print(f"(full prefill TTFT median on these prompts: {full_s:.3f} s)")
+        quality_out = {"prompts": n_prompts, "new_tokens": args.new_tokens, "rows": rows,
+                       "full_prefill_s": full_s}
+        if args.plot:
+            plot(rows, args.plot)
+            print(f"plot written to {args.plot}")
+
     if args.json:
-        emit_json({"bench": "blend", "prompts": n_prompts, "new_tokens": args.new_tokens,
-                   "quality": rows, "full_prefill_s": full_s,
-                   "speed": {"doc_tokens": DOC_TOKENS, "documents": 4, "prompt_tokens": n_tok,
-                             "share": share, "full_s": full, "blend_s": bl, "naive_s": nv,
-                             "speedup": full / bl, "speedup_naive": full / nv,
-                             "breakdown": parts, "reps": reps}})
+        emit_json({"bench": "blend", "speed": speed_out, "quality": quality_out})
     return 0

@@ -355,19 +355,13 @@ def main(argv=None):
         shutil.rmtree(tmp, ignore_errors=True)
 
     table(rows, ["transport", "client", "GB/s", "median_ms", "min_ms", "max_ms", "note"])
-    peers = {k: v for k, v in res.items() if k in ("ray", "redis", "redis-py")}
-    fastest = max(peers, key=peers.get)
     out = {"bench": "transport", "chunks": args.chunks, "chunk_bytes": total // args.chunks,
            "bytes": total, "reps": args.reps, "ray_gbps": res["ray"], "http_gbps": res["http"],
            "redis_gbps": res.get("redis"), "copy_gbps": res["copy"],
            "http_over_ray": res["http"] / res["ray"],
-           "http_over_redis": res["http"] / res["redis"] if "redis" in res else None,
-           "fastest_peer": fastest, "http_over_fastest_peer": res["http"] / peers[fastest]}
+           "http_over_redis": res["http"] / res["redis"] if "redis" in res else None}
     if "redis-py" in res:
         out["redis_py_gbps"] = res["redis-py"]
-    print(f"\nHTTP vs the fastest peer measured in this run ({fastest}): "
-          f"{out['http_over_fastest_peer']:.2f}x; vs Ray {out['http_over_ray']:.2f}x"
-          + (f", vs Redis {out['http_over_redis']:.2f}x" if out["http_over_redis"] else ""))
 
     anchors = Path(args.anchors)
     venvs = Path(os.environ["ANCHORS"]) if os.environ.get("ANCHORS") else None
@@ -379,6 +373,16 @@ def main(argv=None):
     elif args.run_anchors:
         print("\n--run-anchors: set ANCHORS to the folder holding the anchor venvs "
               "(see the anchors README); nothing run", file=sys.stderr)
+    # Peers are other systems measured in this run: Redis, and the anchors when they ran.
+    peers = {k: v for k, v in res.items() if k in ("redis", "redis-py")}
+    peers.update({k: v for k, v in ran.items() if v})
+    if peers:
+        fastest = max(peers, key=peers.get)
+        out.update(fastest_peer=fastest, fastest_peer_gbps=peers[fastest],
+                   http_over_fastest_peer=res["http"] / peers[fastest],
+                   ray_over_fastest_peer=res["ray"] / peers[fastest])
+        print(f"\nfastest peer measured in this run: {fastest} {peers[fastest]:.2f} GB/s; "
+              f"KDN HTTP {out['http_over_fastest_peer']:.2f}x of it, KDN Ray {out['ray_over_fastest_peer']:.2f}x")
     recorded = recorded_anchors(anchors)
     if recorded:
         print("\nPeers recorded earlier on this machine, not this run (anchors/results_here.jsonl, "
