@@ -31,7 +31,6 @@ Metrics (GET /metrics, Prometheus text format 0.0.4) are written by hand from th
 own counters: one edge, one registry, nothing shared between edges of one process.
 """
 import asyncio
-import ipaddress
 import json
 import logging
 import socket
@@ -43,6 +42,7 @@ from aiohttp import web
 
 from kdn.chunk import codecs, encode_parts
 from kdn.codecs import choose_codec
+from kdn.env import is_loopback
 from kdn.errors import AccessDenied, BadRequest, BadTokens
 from kdn.keys import KEY_BYTES, namespace_digest
 
@@ -65,15 +65,6 @@ class RequestError(Exception):
     def __init__(self, status: int, error: str, message: str):
         super().__init__(message)
         self.status, self.error, self.message = status, error, message
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Histogram:

@@ -211,6 +211,27 @@ def stop_network(net_or_name) -> None:
                 pass
 
 
+def teardown(net=None, cluster=None, root=None) -> None:
+    """Stop a network, then its cluster, then remove a scratch directory; never raises.
+
+    For benchmarks and demos that build everything themselves: whatever failed half-way,
+    nothing they started is left running.
+    """
+    import shutil
+    if net is not None:
+        try:
+            stop_network(net)
+        except Exception:  # noqa: BLE001 - the cluster goes next anyway
+            pass
+    if cluster is not None:
+        try:
+            cluster.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 # --- kdn up / kdn down ---------------------------------------------------------------------
 def state_path() -> Path:
     return kdn_home() / "cluster.json"

@@ -5,6 +5,7 @@ Decided once here and used by the CLI, the demo, the tests and CI alike:
 - RAY_USAGE_STATS_ENABLED=0: nothing is reported anywhere;
 - RAY_AUTH_MODE=token: Ray's token auth on (token in ~/.ray/auth_token, made if missing).
 """
+import ipaddress
 import os
 import sys
 
@@ -23,3 +24,13 @@ def prepare_ray_env() -> None:
     if "ray" in sys.modules:  # ray was imported first: make it re-read its config (auth mode)
         from ray._raylet import Config
         Config.initialize("")
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and 127.0.0.0/8 / ::1: where KDN serves and connects by default."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -637,7 +637,6 @@ def main(argv=None) -> int:
     """
     import argparse
     import secrets
-    import shutil
     import sys
     import tempfile
     import uuid
@@ -660,7 +659,7 @@ def main(argv=None) -> int:
     prepare_ray_env()                   # before Ray is imported: loopback, token auth
     import ray
     from kdn.client import Client
-    from kdn.cluster import LocalCluster, init_ray, start_network, stop_network
+    from kdn.cluster import LocalCluster, init_ray, start_network, teardown
     from kdn.placement.topology import Topology
     regions = ("us-east", "eu-west")
     root = tempfile.mkdtemp(prefix="kdn-bench-fuzz-")
@@ -691,14 +690,7 @@ def main(argv=None) -> int:
         rep = fz.run(seconds=args.seconds)
         after, final = fz.state(), fz.check()
     finally:
-        if net is not None:
-            try:
-                stop_network(net)
-            except Exception:  # noqa: BLE001 - the cluster goes next anyway
-                pass
-        if cluster is not None:
-            cluster.shutdown()
-        shutil.rmtree(root, ignore_errors=True)
+        teardown(net, cluster, root)
     d = rep.to_dict()
     table([{"kind": k, "cases": n} for k, n in d["cases"].items()])
     print()

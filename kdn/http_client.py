@@ -15,7 +15,6 @@ by the next fetch only once nothing views it any more (no live Chunk of the last
 set, mirroring the server, which binds 127.0.0.1 unless told otherwise.
 """
 import http.client
-import ipaddress
 import json
 import sys
 import time
@@ -27,43 +26,12 @@ import numpy as np
 from kdn.chunk import codecs, decode, frame_size, read_header
 from kdn.client import Fetched
 from kdn.errors import AccessDenied, BadRequest, ManifestError, NetworkError
-from kdn.keys import KEY_BYTES, as_token_array, namespace_digest, prompt_keys
-from kdn.manifest import Manifest
+from kdn.keys import KEY_BYTES, as_token_array, namespace_digest
+from kdn.env import is_loopback
+from kdn.manifest import Manifest, best_prefix
 
 MANIFEST_TTL_S = 5.0
 MAX_RESPONSE_BYTES = 64 << 30
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def best_prefix(tokens, ns: bytes, manifests, kb: str = None) -> tuple:
-    """(keys, manifest) of the prefix-layout KB the prompt starts with, matched longest.
-
-    A KB of L tokens was published with the chunking of its own L tokens, so the prompt is
-    keyed with boundary=L (kdn.keys.prompt_keys). No match: all of the prompt's keys, None.
-    """
-    toks = as_token_array(tokens)
-    cands = [m for m in manifests if m.layout == "prefix" and (kb is None or m.name == kb)]
-    best, best_keys, best_n = None, None, 0
-    for m in sorted(cands, key=lambda m: -(m.version or 0)):
-        keys = prompt_keys(toks, ns, m.chunk_tokens, boundary=min(m.n_tokens, len(toks)))
-        n = 0
-        for a, b in zip(keys, m.keys):
-            if a != b:
-                break
-            n += 1
-        if n > best_n:
-            best, best_keys, best_n = m, keys[:n], n
-    if best is None:
-        return prompt_keys(toks, ns), None
-    return best_keys, best
 
 
 class EdgeHTTPClient:
@@ -75,7 +43,7 @@ class EdgeHTTPClient:
         u = urlsplit(base_url)
         if u.scheme != "http" or not u.hostname or u.port is None:
             raise BadRequest(f"an edge URL is http://HOST:PORT, got {base_url!r}")
-        if not allow_remote and not _loopback(u.hostname):
+        if not allow_remote and not is_loopback(u.hostname):
             raise BadRequest(f"edge URL {base_url!r} is not on loopback; pass allow_remote=True "
                              f"to read an edge on another machine")
         self.url = base_url.rstrip("/")

@@ -25,7 +25,6 @@ copy once. The default KV shape is SmolLM2-135M's (30 layers, 3 KV heads, head_d
 45 KiB per token), so 64 MiB is 1456 tokens in six chunks of 256 (the last 176).
 """
 import argparse
-import shutil
 import sys
 import tempfile
 import time
@@ -188,7 +187,7 @@ def ensure_everywhere(client, net, kb, keys, log) -> dict:
 def run(args, log) -> dict:
     import ray
     from kdn.client import Client
-    from kdn.cluster import LocalCluster, init_ray, start_network, stop_network
+    from kdn.cluster import LocalCluster, init_ray, start_network, teardown
     from kdn.placement.topology import Topology
 
     tokens, kv = synthetic(args.mib, args.layers, args.heads, args.head_dim, args.dtype)
@@ -254,14 +253,7 @@ def run(args, log) -> dict:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone with its node
                 pass
-        if net is not None:
-            try:
-                stop_network(net)
-            except Exception:  # noqa: BLE001 - the cluster goes next anyway
-                pass
-        if cluster is not None:
-            cluster.shutdown()
-        shutil.rmtree(root, ignore_errors=True)
+        teardown(net, cluster, root)
 
 
 def summarize(r: dict, args) -> dict:

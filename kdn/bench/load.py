@@ -26,7 +26,6 @@ import multiprocessing as mp
 import os
 import re
 import secrets
-import shutil
 import signal
 import sys
 import tempfile
@@ -283,7 +282,7 @@ def watch_restart(handle, old_pid: int, edge: str, urls: dict, order: dict, regi
 def run(args, log) -> dict:
     import ray
     from kdn.client import Client
-    from kdn.cluster import LocalCluster, init_ray, start_network, stop_network
+    from kdn.cluster import LocalCluster, init_ray, start_network, teardown
     from kdn.placement.topology import Topology
 
     kbs = synthetic_kbs(args.kbs, args.max_chunks, args.layers, args.heads, args.head_dim, args.dtype,
@@ -375,14 +374,7 @@ def run(args, log) -> dict:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        if net is not None:
-            try:
-                stop_network(net)
-            except Exception:  # noqa: BLE001 - the cluster goes next anyway
-                pass
-        if cluster is not None:
-            cluster.shutdown()
-        shutil.rmtree(root, ignore_errors=True)
+        teardown(net, cluster, root)
 
 
 def summarize(r: dict, workers: int) -> dict:

@@ -26,7 +26,6 @@ Each length is a prefix of the next and they are published shortest first, each 
 the cached prefix of the one before, so publishing prefills about 8k tokens in all.
 """
 import argparse
-import shutil
 import sys
 import tempfile
 import time
@@ -169,7 +168,7 @@ def plot(rows, path: str) -> None:
 def run(lengths, reps: int, threads, log) -> tuple:
     import torch
     from kdn.client import Client
-    from kdn.cluster import LocalCluster, init_ray, start_network, stop_network
+    from kdn.cluster import LocalCluster, init_ray, start_network, teardown
     from kdn.model import load_model
     from kdn.origin.publish import publish_documents
     from kdn.placement.topology import Topology
@@ -201,14 +200,7 @@ def run(lengths, reps: int, threads, log) -> tuple:
         return rows, {"threads": torch.get_num_threads(), "model": model.name,
                       "fingerprint": model.fingerprint}
     finally:
-        if net is not None:
-            try:
-                stop_network(net)
-            except Exception:  # noqa: BLE001 - the cluster goes next anyway
-                pass
-        if cluster is not None:
-            cluster.shutdown()
-        shutil.rmtree(root, ignore_errors=True)
+        teardown(net, cluster, root)
 
 
 def main(argv=None) -> int:

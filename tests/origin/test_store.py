@@ -294,7 +294,6 @@ def test_a_full_disk_fails_the_write_cleanly_and_harms_nothing(tmp_path, monkeyp
     """ENOSPC in the middle of a publish: a clear StoreError, no temp file, old versions intact."""
     import errno
     import numpy as np
-    from kdn import keys as K
     from kdn.chunk import Chunk
     from kdn.errors import StoreError
     from kdn.manifest import Manifest
