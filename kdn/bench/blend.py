@@ -202,7 +202,8 @@ def main(argv=None):
         print(f"\nquality: {n_prompts} prompts (2-3 of {len(docs)} bundled documents, random order), "
               f"{args.new_tokens}-token reference continuations; segment prefill {publish_s:.1f} s")
         table(rows, ["label", "top1_next", "top1_all", "match_len", "full_match", "blend_s"])
-        print(f"(full prefill TTFT median on these prompts: {full_s:.3f} s)")
+        print(f"(blend_s: re-position + select + recompute, median; full prefill TTFT median on "
+              f"these prompts: {full_s:.3f} s)")
         quality_out = {"prompts": n_prompts, "new_tokens": args.new_tokens, "rows": rows,
                        "full_prefill_s": full_s}
         if args.plot:
