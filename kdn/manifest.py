@@ -254,7 +254,8 @@ class Manifest:
         return tuple(out)
 
     def __hash__(self):  # in-memory only (sets, dict keys); meta, a dict, is left out
-        return hash((self.tenant, self.fingerprint, self.name, self.version, self.keys))
+        ident = f"{self.tenant}\0{self.fingerprint}\0{self.name}\0{self.version}\0".encode()
+        return xxhash.xxh3_64_intdigest(ident + b"".join(self.keys))
 
     # --- derived -----------------------------------------------------------------------
     @property

@@ -6,7 +6,7 @@ score owns the key, the next lowest is its second choice, and so on (highest-ran
 hashing, Thaler & Ravishankar 1998, weighted as in Schindelhauer & Schomaker 2005). Scores
 depend only on the key and the edge, so adding an edge moves exactly the keys it now wins
 (its weight share) and removing one moves exactly the keys it owned: nobody else's ranking
-changes. Hashing is xxh3, never Python's `hash()`, and with equal weights the ranking is
+changes. Hashing is xxh3, never Python's `hash` builtin, and with equal weights the ranking is
 pure 64-bit integer arithmetic, so every process on every machine computes the same owners
 (with unequal weights it goes through one float log per score, IEEE-exact in practice).
 
