@@ -7,7 +7,7 @@ a hit on key i means the first i+1 chunks match exactly, and because the chain s
 namespace, one tenant can neither name nor read another's chunks, nor one model another's.
 
 Keys must be the same in every process, machine and Python version — a worker computes the
-keys of its own prompt and expects the edge, filled by the origin, to know them. So: no
+keys of its own prompt and expects the edge, filled by the origin, to know them. So: never
 the hash builtin, a fixed byte encoding of the tokens (uint32 LE, whatever the input type), and
 a fixed encoding of the namespace. Tokens are converted to one uint32 array once and hashed
 slice by slice; there is no per-token Python work (1M tokens hash in about a millisecond).
