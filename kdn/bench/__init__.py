@@ -62,3 +62,13 @@ def p(xs, q):
         return float("nan")
     k = max(0, min(len(s) - 1, int(round(q / 100 * (len(s) - 1)))))
     return s[k]
+
+
+def matching_prefix(a, b) -> int:
+    """How many leading items two sequences share (matching continuation length, key prefixes)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from kdn.bench import emit_json, median, table
+from kdn.bench import emit_json, matching_prefix, median, table
 
 SHARES = [0.0, 0.05, 0.1, 0.15, 0.3]
 QUICK_SHARES = [0.0, 0.15, 0.3]
@@ -47,15 +47,6 @@ def teacher_forced(model, cache, cached_tokens, prompt, targets):
     return logits[first:first + len(targets)].argmax(-1).tolist()
 
 
-def _match(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def quality(model, seg_tokens, seg_kv, prompts, shares, new_tokens, log):
     from kdn import blend as B
     per = {s: {"top1": 0, "pos_agree": 0, "positions": 0, "match": [], "ttft": [], "full": 0}
@@ -76,7 +67,7 @@ def quality(model, seg_tokens, seg_kv, prompts, shares, new_tokens, log):
             r["top1"] += agree[0]
             r["pos_agree"] += sum(agree)
             r["positions"] += len(agree)
-            m = _match(agree, [True] * len(agree))
+            m = matching_prefix(agree, [True] * len(agree))
             r["match"].append(m)
             r["full"] += m == len(agree)
             r["ttft"].append(b.seconds["total"])  # question pass: see the speed table

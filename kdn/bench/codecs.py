@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kdn.bench import emit_json, table
+from kdn.bench import emit_json, matching_prefix, table
 from kdn.chunk import _CODECS
 from kdn.codecs import LOSSLESS, LOSSY
 
@@ -161,15 +161,6 @@ class Scorer:
         return math.exp(nll.item()), logits.argmax(-1)
 
 
-def lead(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -253,7 +244,7 @@ def main(argv=None):
             ppl, pos = scorer.perplexity(decoded)
             scored[digest] = {
                 "top1": sum(a == b for a, b in zip(nxt, ref_next)) / len(ref_next),
-                "cont": (sum(lead(a, b) for a, b in zip(cont, ref_cont)) / n_cont) if n_cont else 0.0,
+                "cont": (sum(matching_prefix(a, b) for a, b in zip(cont, ref_cont)) / n_cont) if n_cont else 0.0,
                 "ppl": ppl, "pos_agree": (pos == ref_pos).float().mean().item()}
             print(f"{name}: scored in {time.perf_counter() - t0:.1f} s", flush=True)
         q = scored[digest]
