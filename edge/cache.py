@@ -73,6 +73,11 @@ class ChunkCache:
         with self._lock:
             return len(self._entries)
 
+    def values(self) -> list:
+        """The values held (a snapshot)."""
+        with self._lock:
+            return [v for v, _ in self._entries.values()]
+
     def keys(self) -> list:
         with self._lock:
             return list(self._entries)

@@ -20,7 +20,9 @@ chunk came from travels in X-KDN-Sources (comma list: local, peer:<edge>, origin
 A fetch may ask for a codec (field "codec": a kdn.codecs name, or "auto": the lossless
 codec that pays on the link from this edge to the request's region, raw when none does
 or no region is named); frames say their codec and the client decodes them, checksums
-verified as always. X-KDN-Codec names the codec used.
+verified as always. X-KDN-Codec names the codec used (a comma list when chunks differ).
+An edge that stores chunks compressed (store_codec) sends a stored frame as it is when its
+codec is the one wanted, with no re-encoding; a lossy stored frame always goes as it is.
 
 Input is untrusted: bodies over max_body_bytes are refused before they are read (413),
 requests over max_keys keys are refused (413), anything malformed is a 400; every error is
@@ -40,8 +42,8 @@ import msgpack
 import xxhash
 from aiohttp import web
 
-from kdn.chunk import codecs, encode_parts
-from kdn.codecs import choose_codec
+from kdn.chunk import Chunk, Encoded, as_chunk, codecs, encode_parts
+from kdn.codecs import LOSSLESS, choose_codec
 from kdn.env import is_loopback
 from kdn.errors import AccessDenied, BadRequest, BadTokens
 from kdn.keys import KEY_BYTES, namespace_digest
@@ -310,20 +312,35 @@ class EdgeHTTP:
                                                  f"{', '.join(codecs())}, got {codec!r:.80}")
         t0 = time.perf_counter()
         reply = await self.edge.fetch(keys, ns, region, resolve=True, token=_bearer(request))
-        chunks = reply["chunks"]
-        if codec == "auto":
-            codec = self._link_codec(chunks, region)
-        if codec == "raw":
+        objs = reply["chunks"]
+        asked = codec
+        # Each chunk's form: a frame the edge stores compressed goes out as it is when that is
+        # the codec wanted, and always when it is lossy (expanding it would restore nothing).
+        want = [self._link_codec(o, region) if asked == "auto" else asked for o in objs]
+        want = [o.codec if isinstance(o, Encoded) and (not o.exact or w == o.codec) else w
+                for o, w in zip(objs, want)]
+        if all(w == "raw" and isinstance(o, Chunk) for o, w in zip(objs, want)):
             parts = []
-            for c in chunks:
+            for c in objs:
                 if c._xxh is None and not c.kv.flags.writeable:
                     # The KV is immutable (a view of Ray's object store): hash it once, not per fetch.
                     object.__setattr__(c, "_xxh", xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")))
                 parts.append(encode_parts(c))
-        else:   # compressing is CPU work: off the event loop, so other requests keep moving
-            parts = await asyncio.to_thread(lambda: [encode_parts(c, codec) for c in chunks])
+        else:   # decoding and compressing are CPU work: off the event loop
+            def build():
+                out = []
+                for o, w in zip(objs, want):
+                    if isinstance(o, Encoded) and o.codec == w:
+                        out.append([b"", memoryview(o.frame).cast("B")])   # the stored frame itself
+                    else:
+                        out.append(encode_parts(as_chunk(o), w))
+                return out
+            parts = await asyncio.to_thread(build)
         total = sum(len(prefix) + payload.nbytes for prefix, payload in parts)
-        self.frames_by_codec[codec] = self.frames_by_codec.get(codec, 0) + len(parts)
+        for w in want:
+            self.frames_by_codec[w] = self.frames_by_codec.get(w, 0) + 1
+        used = sorted(set(want))
+        codec = used[0] if len(used) == 1 else ",".join(used) if used else asked
         resp = web.StreamResponse(status=200, headers={
             "X-KDN-Edge": self.edge.name, "X-KDN-Region": self.edge.region,
             "X-KDN-Chunks": str(len(parts)), "X-KDN-Ring": str(reply.get("ring", 0)),
@@ -332,7 +349,8 @@ class EdgeHTTP:
         resp.content_length = total
         await resp.prepare(request)
         for prefix, payload in parts:
-            await resp.write(prefix)
+            if prefix:
+                await resp.write(prefix)
             await resp.write(payload)
         await resp.write_eof()
         self.bytes_sent += total
@@ -340,16 +358,21 @@ class EdgeHTTP:
         self.fetch_latency.observe(time.perf_counter() - t0)
         return resp
 
-    def _link_codec(self, chunks, region) -> str:
-        """The lossless codec that delivers these chunks to `region` soonest (kdn.codecs).
-
-        A client that names no region is taken to be beside the edge: raw.
-        """
-        if not chunks or region is None:
-            return "raw"
+    def _link_codec(self, obj, region) -> str:
+        """The form (raw, or a lossless codec, or the stored one) that delivers one chunk to
+        `region` soonest (kdn.codecs). A client that names no region is taken to be beside
+        the edge: the stored form."""
+        stored = obj.codec if isinstance(obj, Encoded) else "raw"
+        if region is None:
+            return stored
+        raw = obj.raw if isinstance(obj, Encoded) else obj.nbytes
         bandwidth = self.edge.topology.bandwidth_gbps(self.edge.region, region)
-        return choose_codec(sum(c.nbytes for c in chunks), bandwidth, same_node=False,
-                            dtype=chunks[0].dtype)
+        allowed = LOSSLESS + ((stored,) if stored != "raw" else ())
+        try:
+            return choose_codec(raw, bandwidth, same_node=False, dtype=obj.dtype, allowed=allowed,
+                                stored=stored)
+        except BadRequest:       # a codec with no speed profile: as stored
+            return stored
 
     async def _metrics(self, request):
         return web.Response(text=self.exposition(), content_type="text/plain",

@@ -38,7 +38,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kdn.chunk import Chunk
 from kdn.errors import BadRequest, ModelError, NetworkError
 from kdn.keys import chunk_keys
 
@@ -330,19 +329,15 @@ def _fetch_keys(client, keys, what: str, manifest=None) -> SegmentFetch:
     keys = list(keys)
     if not keys:
         raise BadRequest(f"{what} has no chunks")
-    reply, edge, _ = client._edge_call("fetch", keys, client.ns, client.region, timeout=FETCH_TIMEOUT_S,
-                                       resolve_refs=True)
-    chunks, sources = reply["chunks"], reply["sources"]
-    if len(chunks) < len(keys):
-        raise NetworkError(f"{what}: the network holds {len(chunks)} of its {len(keys)} chunks "
-                           "(not published under this tenant and model, or lost)")
-    for k, c in zip(keys, chunks):
-        if not isinstance(c, Chunk) or c.key != k or c.ns != client.ns:
-            raise NetworkError(f"{what}: edge {edge} answered a chunk that is not the one asked for")
+    reply, edge, _ = client._fetch_call(keys, FETCH_TIMEOUT_S)
+    sources = reply["sources"]
+    if len(reply["chunks"]) < len(keys):
+        raise NetworkError(f"{what}: the network holds {len(reply['chunks'])} of its {len(keys)} "
+                           "chunks (not published under this tenant and model, or lost)")
     sums = manifest.sum_of() if manifest is not None and getattr(manifest, "sums", None) else {}
-    bad = [i for i, (k, c) in enumerate(zip(keys, chunks)) if k in sums and c.digest() != sums[k]]
+    chunks, _, bad = client._resolve(keys, reply["chunks"], edge, sums)
     if bad:
-        raise NetworkError(f"{what}: chunk {bad[0]} from edge {edge} fails its manifest checksum")
+        raise NetworkError(f"{what}: chunk {bad[0]} from edge {edge} fails its checksum")
     kv = chunks[0].kv if len(chunks) == 1 else np.concatenate([c.kv for c in chunks], axis=3)
     seconds = time.perf_counter() - t0
     stats["segments_fetched"] += 1

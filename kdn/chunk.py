@@ -519,6 +519,65 @@ def decode(buf, *, verify: bool = True, max_payload: int = MAX_PAYLOAD) -> Chunk
     return chunk
 
 
+class Encoded:
+    """A chunk kept as one compressed frame: an edge storing KV compressed, or a chunk sent
+    compressed over a slow link. Its key, ns, codec and sizes are known without decoding;
+    the frame is a uint8 numpy array, so it rides Ray's object store zero-copy like a Chunk.
+
+    `exact` is False when the codec is lossy: the decoded KV then differs (slightly) from
+    the KV that was published, and a manifest's per-chunk checksum cannot verify it (the
+    frame's own payload checksum still does: nothing corrupt is ever decoded).
+    """
+    __slots__ = ("key", "ns", "codec", "dtype", "raw", "exact", "frame")
+
+    def __init__(self, key: bytes, ns: bytes, codec: str, dtype: str, raw: int, exact: bool,
+                 frame: np.ndarray):
+        self.key, self.ns, self.codec, self.dtype = key, ns, codec, dtype
+        self.raw, self.exact, self.frame = raw, exact, frame
+
+    def __reduce__(self):
+        return (Encoded, (self.key, self.ns, self.codec, self.dtype, self.raw, self.exact,
+                          self.frame))
+
+    nbytes = property(lambda self: self.frame.nbytes)    # what it costs to hold or send
+
+    def __repr__(self):
+        return (f"Encoded(key={self.key.hex()}, codec={self.codec}, "
+                f"{self.nbytes} of {self.raw} bytes)")
+
+    @classmethod
+    def of(cls, chunk: Chunk, codec: str) -> "Encoded":
+        """chunk as one frame in codec (kdn.codecs; "raw" is allowed: a frame of the raw KV)."""
+        from kdn.codecs import LOSSY
+        frame = np.frombuffer(encode(chunk, codec), dtype=np.uint8)
+        return cls(chunk.key, chunk.ns, codec, chunk.dtype, chunk.nbytes, codec not in LOSSY, frame)
+
+    @classmethod
+    def from_frame(cls, buf) -> "Encoded":
+        """An Encoded around one frame (its header checked, its payload not yet)."""
+        from kdn.codecs import LOSSY
+        header, off = read_header(buf)
+        frame = np.frombuffer(buf, dtype=np.uint8)
+        if frame.nbytes != frame_size(header, off):
+            raise _reject(BadLength, f"buffer of {frame.nbytes} bytes is not one frame of "
+                                     f"{frame_size(header, off)}")
+        return cls(header["key"], header["ns"], header["codec"], header["dtype"], header["raw"],
+                   header["codec"] not in LOSSY, frame)
+
+    def decode(self) -> Chunk:
+        """The chunk, its frame fully verified (header and payload checksums, codec format)."""
+        chunk = decode(self.frame)
+        if chunk.key != self.key or chunk.ns != self.ns:
+            raise _reject(BadHeader, f"frame holds chunk {chunk.key.hex()}, "
+                                     f"not {self.key.hex()} it was kept as")
+        return chunk
+
+
+def as_chunk(obj) -> Chunk:
+    """A Chunk from a Chunk or an Encoded (decoded and verified)."""
+    return obj.decode() if isinstance(obj, Encoded) else obj
+
+
 # Every decoder must know every codec: kdn.codecs registers its codecs here. Imported last,
 # as kdn.codecs imports this module.
 import kdn.codecs  # noqa: E402,F401

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kdn.chunk import Chunk
+from kdn.chunk import Chunk, Encoded
 from kdn.cluster import NAMESPACE, edge_actor_name, init_ray, origin_name
-from kdn.errors import BadRequest, KDNError, ManifestError, NetworkError, NoLiveEdge
+from kdn.errors import BadRequest, FrameError, KDNError, ManifestError, NetworkError, NoLiveEdge
 from kdn.keys import CHUNK_TOKENS, as_token_array, namespace_digest
 from kdn.manifest import Manifest, best_prefix
 from kdn.placement.ring import Edge, Ring
@@ -45,6 +45,9 @@ class Fetched:
     seconds: float
     failovers: list = field(default_factory=list)   # edges that failed before one answered
     kb: object = None           # the manifest matched, if any
+    exact: bool = True          # False when some chunk came through a lossy codec (kdn.codecs)
+    wire_bytes: int = 0         # bytes that crossed the link (compressed where a codec was used)
+    codecs: dict = field(default_factory=dict)      # codec -> chunks that arrived in it
 
     def kv_parts(self) -> list:
         """Per-chunk KV arrays [layers, 2, heads, tokens, head_dim], in prompt order."""
@@ -66,25 +69,31 @@ def node_region() -> "str | None":
 
 
 def connect(region: str = None, address: str = None, network: str = "kdn", tenant: str = "default",
-            fingerprint: str = "unspecified", token: str = None, admin_token: str = None) -> "Client":
+            fingerprint: str = "unspecified", token: str = None, admin_token: str = None,
+            accept=None) -> "Client":
     """Connect to a running KDN network (joining Ray at `address`, default 'auto', if needed).
 
     token: the tenant's read token (when the network requires one for it); admin_token: the
-    network's admin token, for publishing and operator controls.
+    network's admin token, for publishing and operator controls. accept: the codecs this
+    reader takes over a slow link (default the lossless ones; name a lossy one, e.g.
+    ("zstd", "q8z"), to trade exactness for bytes).
     """
     import ray
     if not ray.is_initialized():
         init_ray(address or "auto")
     return Client(network=network, region=region, tenant=tenant, fingerprint=fingerprint,
-                  token=token, admin_token=admin_token)
+                  token=token, admin_token=admin_token, accept=accept)
 
 
 class Client:
     def __init__(self, network: str = "kdn", region: str = None, tenant: str = "default",
                  fingerprint: str = "unspecified", chunk_tokens: int = CHUNK_TOKENS,
-                 token: str = None, admin_token: str = None):
+                 token: str = None, admin_token: str = None, accept=None):
         import ray
+        from kdn.edge.node import check_accept
         self.ray = ray
+        self.accept = list(check_accept(accept))
+        self.node_id = ray.get_runtime_context().get_node_id()
         self.admin_token = admin_token
         self.token = token or admin_token
         self.network = network
@@ -259,15 +268,10 @@ class Client:
         expected = self._expected_sums(keys, m)
         failed = []
         for attempt in range(MAX_CORRUPT_RETRIES + 1):
-            reply, edge, more = self._edge_call("fetch", keys, self.ns, self.region, timeout=timeout_s,
-                                                resolve_refs=True)
+            reply, edge, more = self._fetch_call(keys, timeout_s)
             failed += more
-            chunks, sources = reply["chunks"], reply["sources"]
-            for k, c in zip(keys, chunks):
-                if not isinstance(c, Chunk) or c.key != k or c.ns != self.ns:
-                    raise NetworkError(f"edge {edge} answered a chunk that is not the one asked for")
-            bad = [i for i, (k, c) in enumerate(zip(keys, chunks))
-                   if k in expected and c.digest() != expected[k]]
+            chunks, exact, bad = self._resolve(keys, reply["chunks"], edge, expected)
+            sources = reply["sources"]
             if not bad:
                 break
             # A corrupt copy is dropped where it lives and fetched again (another replica or the
@@ -285,7 +289,43 @@ class Client:
         return Fetched(keys=keys[:n], chunks=chunks, sources=sources,
                        tokens=self._tokens_of(n, len(as_token_array(tokens)), m),
                        nbytes=sum(c.nbytes for c in chunks), edge=edge,
-                       seconds=time.perf_counter() - t0, failovers=failed, kb=m)
+                       seconds=time.perf_counter() - t0, failovers=failed, kb=m,
+                       **self._wire(reply, n, exact))
+
+    def _fetch_call(self, keys, timeout_s):
+        """The edge's fetch, asking for each chunk in the form that suits this reader's link."""
+        return self._edge_call("fetch", keys, self.ns, self.region, timeout=timeout_s,
+                               resolve_refs=True, node=self.node_id, accept=self.accept)
+
+    def _resolve(self, keys, objs, edge, expected) -> tuple:
+        """(chunks, exact flags, indices of bad ones) from what an edge sent (Chunks, Encoded).
+
+        Encoded frames are decoded here, every checksum verified; a frame that fails, or an
+        exact chunk whose bytes differ from its manifest checksum, is "bad". A lossy chunk
+        has its frame's checksum only (its KV is not the published KV, by design).
+        """
+        chunks, exact, bad = [], [], []
+        for i, (k, o) in enumerate(zip(keys, objs)):
+            is_exact = not isinstance(o, Encoded) or o.exact
+            try:
+                c = o.decode() if isinstance(o, Encoded) else o
+            except FrameError:
+                c = None
+            if c is not None and (not isinstance(c, Chunk) or c.key != k or c.ns != self.ns):
+                raise NetworkError(f"edge {edge} answered a chunk that is not the one asked for")
+            if c is None or (is_exact and k in expected and c.digest() != expected[k]):
+                bad.append(i)
+            chunks.append(c)
+            exact.append(is_exact)
+        return chunks, exact, bad
+
+    @staticmethod
+    def _wire(reply, n, exact) -> dict:
+        """Fetched's exact, codecs and wire_bytes for the first n chunks of an edge's reply."""
+        counts = {}
+        for c in reply["codecs"][:n]:
+            counts[c] = counts.get(c, 0) + 1
+        return {"exact": all(exact[:n]), "codecs": counts, "wire_bytes": sum(reply["wire"][:n])}
 
     def _expected_sums(self, keys, m) -> dict:
         """key -> checksum from the manifests that name these keys (the KB matched, else all known)."""
@@ -317,18 +357,18 @@ class Client:
         keys = list(keys)
         if not keys:
             return Fetched([], [], [], 0, 0, None, 0.0)
-        reply, edge, failed = self._edge_call("fetch", keys, self.ns, self.region, resolve_refs=True,
-                                              timeout=timeout_s or FETCH_TIMEOUT_S + 0.1 * len(keys))
-        chunks = reply["chunks"]
+        reply, edge, failed = self._fetch_call(keys, timeout_s or FETCH_TIMEOUT_S + 0.1 * len(keys))
         expected = self._expected_sums(keys, None)
-        for k, c in zip(keys, chunks):
-            if c.key != k or c.ns != self.ns or (k in expected and c.digest() != expected[k]):
-                self._drop_corrupt(edge, [(k, reply["sources"][keys.index(k)])])
-                raise NetworkError(f"edge {edge} answered a wrong or corrupt chunk for key {k.hex()}; "
-                                   "it was dropped there: fetch again")
+        chunks, exact, bad = self._resolve(keys, reply["chunks"], edge, expected)
+        if bad:
+            i = bad[0]
+            self._drop_corrupt(edge, [(keys[i], reply["sources"][i])])
+            raise NetworkError(f"edge {edge} answered a corrupt chunk for key {keys[i].hex()}; "
+                               "it was dropped there: fetch again")
         return Fetched(keys=keys[:len(chunks)], chunks=chunks, sources=reply["sources"],
                        tokens=sum(c.tokens for c in chunks), nbytes=sum(c.nbytes for c in chunks),
-                       edge=edge, seconds=time.perf_counter() - t0, failovers=failed)
+                       edge=edge, seconds=time.perf_counter() - t0, failovers=failed,
+                       **self._wire(reply, len(chunks), exact))
 
     def _chunk_bytes_estimate(self):
         return 64 << 20  # generous: the timeout must not cut a slow but healthy transfer

@@ -143,6 +143,8 @@ def start_edge(network: str, edge, topology, detached: bool = False, capacity_by
                http_port=None, replicas: int = 2, auth=None, **edge_options):
     """Start one edge actor on a node of its region; returns the handle."""
     import ray
+    from kdn.edge.node import check_store_codec
+    check_store_codec(edge_options.get("store_codec", "raw"))
     cls = ray.remote(_edge_class())
     opts = dict(name=edge_actor_name(network, edge.name), namespace=NAMESPACE, num_cpus=0,
                 max_restarts=-1, max_task_retries=0, max_concurrency=1000,
@@ -165,14 +167,19 @@ def _auth_dict(auth):
 
 def start_network(topology, root, network: str = "kdn", detached: bool = False,
                   replicas: int = 2, http: bool = False, timeout_s: float = 60.0,
-                  edge_options: dict = None, auth=None) -> Network:
+                  edge_options: dict = None, auth=None, origin_options: dict = None) -> Network:
     """Start the origin and every edge of `topology` on the connected Ray cluster.
 
     The origin keeps its durable store under `root`; every chunk goes to `replicas` ring
-    owners. edge_options go to each EdgeNode (policy, hot_fraction, replication settings).
+    owners. edge_options go to each EdgeNode (policy, hot_fraction, replication settings,
+    store_codec), origin_options to the OriginNode (store_codec: "raw" or a lossless codec).
     Returns when every actor answers.
     """
     import ray
+    from kdn.edge.node import check_store_codec as check_edge_codec
+    from kdn.origin.node import check_store_codec as check_origin_codec
+    check_origin_codec((origin_options or {}).get("store_codec", "raw"))   # before anything starts
+    check_edge_codec((edge_options or {}).get("store_codec", "raw"))
     root = str(Path(root).absolute())
     ocls = ray.remote(_origin_class())
     # The origin's store is on one node's disk: where a node is labelled kdn-role=origin (see
@@ -186,7 +193,7 @@ def start_network(topology, root, network: str = "kdn", detached: bool = False,
         opts["lifetime"] = "detached"
     auth = _auth_dict(auth)
     origin = ocls.options(**opts).remote(network=network, root=root, topology=topology.to_dict(),
-                                         replicas=replicas, auth=auth)
+                                         replicas=replicas, auth=auth, **(origin_options or {}))
     edges = {e.name: start_edge(network, e, topology, detached=detached, http_port=0 if http else None,
                                 replicas=replicas, auth=auth, **(edge_options or {}))
              for e in topology.edges}

@@ -24,6 +24,7 @@ import msgpack
 import numpy as np
 
 from kdn.chunk import codecs, decode, frame_size, read_header
+from kdn.codecs import LOSSY
 from kdn.client import Fetched
 from kdn.errors import AccessDenied, BadRequest, ManifestError, NetworkError
 from kdn.keys import KEY_BYTES, as_token_array, namespace_digest
@@ -197,7 +198,7 @@ class EdgeHTTPClient:
             self.close()
             raise NetworkError(f"edge {self.url}: fetch body ended after {got} of {n} bytes")
         buf.flags.writeable = False
-        chunks = self._frames(memoryview(buf), keys, ns)
+        chunks, used = self._frames(memoryview(buf), keys, ns)
         sources = [s for s in (resp.getheader("X-KDN-Sources") or "").split(",") if s]
         if len(sources) != len(chunks) or resp.getheader("X-KDN-Chunks") != str(len(chunks)):
             raise NetworkError(f"edge {self.url} sent {len(chunks)} frames but headers say "
@@ -207,11 +208,14 @@ class EdgeHTTPClient:
         self.stats["chunks"] += len(chunks)
         self.stats["bytes"] += n
         self.stats["kv_bytes"] += nbytes
-        used = resp.getheader("X-KDN-Codec") or "raw"
-        self.stats["codecs"][used] = self.stats["codecs"].get(used, 0) + len(chunks)
+        counts = {}
+        for c in used:
+            counts[c] = counts.get(c, 0) + 1
+            self.stats["codecs"][c] = self.stats["codecs"].get(c, 0) + 1
         return Fetched(keys=keys[:len(chunks)], chunks=chunks, sources=sources,
                        tokens=sum(c.tokens for c in chunks), nbytes=nbytes,
-                       edge=resp.getheader("X-KDN-Edge"), seconds=time.perf_counter() - t0)
+                       edge=resp.getheader("X-KDN-Edge"), seconds=time.perf_counter() - t0,
+                       exact=not any(c in LOSSY for c in used), wire_bytes=n, codecs=counts)
 
     def _receive_buffer(self, n: int) -> np.ndarray:
         """A writable n-byte buffer: the previous one if no chunk (or anything) still views it.
@@ -231,8 +235,9 @@ class EdgeHTTPClient:
             self._buffer = b
         return b[:n]
 
-    def _frames(self, mv: memoryview, keys, ns) -> list:
-        chunks, off = [], 0
+    def _frames(self, mv: memoryview, keys, ns) -> tuple:
+        """(verified chunks, the codec of each frame)."""
+        chunks, used, off = [], [], 0
         while off < len(mv):
             header, poff = read_header(mv[off:])
             end = off + frame_size(header, poff)
@@ -245,8 +250,9 @@ class EdgeHTTPClient:
                 raise NetworkError(f"edge {self.url} sent frame {i} for key {chunk.key.hex()}, "
                                    f"not the key asked for")
             chunks.append(chunk)
+            used.append(header["codec"])
             off = end
-        return chunks
+        return chunks, used
 
     def fetch_tokens(self, tokens, tenant: str, fingerprint: str, kb: str = None,
                      region: str = None, codec: str = None) -> Fetched:

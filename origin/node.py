@@ -9,6 +9,8 @@ concurrency, asking each owner first which chunks it already holds.
 
 Disk work runs in threads so a slow fsync never stalls the event loop that serves edges'
 pull-through reads. A restarted origin reopens its store and its membership from disk.
+With store_codec="zstd" its disk holds chunks losslessly compressed (reads decode them);
+lossy codecs are refused here: the origin keeps the exact KV that every copy is checked against.
 """
 import asyncio
 import collections
@@ -39,12 +41,28 @@ HEALTH_TIMEOUT_S = 1.0           # ... and must answer within this
 DOWN_AFTER = 5                   # consecutive misses before its keys are re-homed (a restart takes ~2 s)
 
 
+def check_store_codec(codec: str) -> str:
+    """The origin is the source of truth: it may store chunks compressed, but only losslessly."""
+    from kdn.chunk import codecs as registered
+    from kdn.codecs import LOSSLESS, LOSSY
+    if codec in LOSSY:
+        raise BadRequest(f"the origin cannot store chunks with lossy codec {codec!r}: it holds the "
+                         f"exact KV every copy is checked against; use one of raw, "
+                         f"{', '.join(LOSSLESS)} (lossy codecs are for edges: edge store_codec)")
+    if codec != "raw" and codec not in LOSSLESS:
+        raise BadRequest(f"origin store_codec {codec!r} is not one of raw, {', '.join(LOSSLESS)} "
+                         f"(registered codecs: {', '.join(registered())})")
+    return codec
+
+
 class OriginNode:
-    def __init__(self, network: str, root: str, topology: dict, replicas: int = 2, auth: dict = None):
+    def __init__(self, network: str, root: str, topology: dict, replicas: int = 2, auth: dict = None,
+                 store_codec: str = "raw"):
         self.network = network
         self.tokens = Tokens.from_dict(auth)
         self.root = Path(root)
-        self.store = ChunkStore(self.root / "store")
+        check_store_codec(store_codec)
+        self.store = ChunkStore(self.root / "store", codec=store_codec)
         self.topology = Topology.from_dict(topology)
         self.replicas = max(1, int(replicas))
         self.members_file = self.root / "membership.msgpack"
