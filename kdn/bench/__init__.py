@@ -10,7 +10,7 @@ import sys
 import time
 
 NAMES = ["keys", "codec", "store", "cache", "placement", "fetch", "ttft", "transport",
-         "load", "codecs", "blend", "fuzz"]
+         "load", "codecs", "blend", "fuzz", "links"]
 
 
 def table(rows, columns=None, file=None):

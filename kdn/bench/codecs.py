@@ -9,7 +9,10 @@ KV as the cached prefix. Against the exact cache, per codec:
   single-threaded here), best of --speed-reps passes over --speed-chunks full chunks;
 - top-1 agreement: for --prompts questions about the knowledge (the bundled questions, then
   questions quoting its sentences), each a prompt knowledge + question, the share whose next
-  token (the answer's first) is the one the exact cache gives;
+  token (the answer's first) is the one the exact cache gives. The first answer token is
+  nearly always predictable (every codec scores ~100% here), so answer_top1 also scores
+  every position of each prompt's exact greedy answer (--answer-tokens, teacher-forced):
+  the share where the codec's top-1 is the exact cache's token;
 - continuation: the greedy continuation of the first --continuations prompts, --cont-tokens
   tokens each; the mean number of leading tokens equal to the exact cache's continuation;
 - perplexity change: the knowledge's last --ppl-tokens tokens are scored (teacher-forced)
@@ -18,7 +21,8 @@ KV as the cached prefix. Against the exact cache, per codec:
 
 Codecs whose decoded KV is bit-identical to another's are scored once (lossless ones equal
 the exact KV; "q4z" decodes to exactly "q4"'s tensor). The plot (--plot PATH) shows size
-against fp16 versus top-1 agreement (filled: the prompts; hollow: pos_agree), with the
+against fp16 versus top-1 agreement (filled: the answers' first tokens; crosses:
+answer_top1; hollow: pos_agree), with the
 targets (4x, 99%) drawn in.
 """
 import argparse
@@ -112,21 +116,50 @@ class Scorer:
             return self.m.hf(input_ids=torch.tensor([ids], dtype=torch.long), **kwargs).logits[0]
 
     def next_tokens(self, kv) -> list:
-        """The next token after each prompt, prompts packed PACK_TOKENS to a forward pass.
+        """The next token after each prompt (the answer's first token)."""
+        return [a[0] for a in self.argmax_tails(kv, self.prompts, [1] * len(self.prompts))]
 
-        A pack is the prompts' tokens back to back after the cached knowledge, with a
-        block-diagonal causal mask (each prompt sees the knowledge and itself) and positions
-        restarting after the knowledge for each: the same logits as one prompt at a time
+    def answer_agreement(self, kv, answers) -> float:
+        """Share of answer positions where kv's top-1 is the exact cache's greedy token.
+
+        Each prompt is followed by its exact answer (teacher forcing), so every answer
+        position is scored, not just the first (which is nearly always predictable).
+        """
+        pairs = [(q, a) for q, a in zip(self.prompts, answers) if a]
+        answers = [a for _, a in pairs]
+        got = self.argmax_tails(kv, [q + a[:-1] for q, a in pairs], [len(a) for a in answers])
+        hits = sum(int(x == y) for g, a in zip(got, answers) for x, y in zip(g, a))
+        return hits / max(1, sum(map(len, answers)))
+
+    def answers(self, kv, tokens: int) -> list:
+        """The exact cache's greedy answer to each prompt (up to `tokens` tokens, before EOS)."""
+        cache = self.m.cache_from_kv([kv])
+        n = self.m.cache_tokens(cache)
+        out = []
+        for q in self.prompts:
+            g = self.m.generate(self.knowledge + q, cache=cache, cached_tokens=n, max_new_tokens=tokens)
+            out.append(list(g.tokens))
+            self.m._crop(cache, n)
+        return out
+
+    def argmax_tails(self, kv, seqs, tails) -> list:
+        """For each sequence after the cached knowledge, the top-1 token at its last `tail`
+        positions; sequences packed PACK_TOKENS to a forward pass.
+
+        A pack is the sequences back to back after the cached knowledge, with a
+        block-diagonal causal mask (each sees the knowledge and itself) and positions
+        restarting after the knowledge for each: the same logits as one sequence at a time
         (to ~4e-5, the chunked-prefill noise), at a fraction of the cost.
         """
         cache = self.m.cache_from_kv([kv])
         n = self.m.cache_tokens(cache)
         out, i = [], 0
-        while i < len(self.prompts):
-            pack = [self.prompts[i]]
-            while i + len(pack) < len(self.prompts) and \
-                    sum(map(len, pack)) + len(self.prompts[i + len(pack)]) <= PACK_TOKENS:
-                pack.append(self.prompts[i + len(pack)])
+        while i < len(seqs):
+            pack = [seqs[i]]
+            while i + len(pack) < len(seqs) and \
+                    sum(map(len, pack)) + len(seqs[i + len(pack)]) <= PACK_TOKENS:
+                pack.append(seqs[i + len(pack)])
+            first = i
             i += len(pack)
             total = sum(map(len, pack))
             mask = torch.zeros((1, 1, total, n + total), dtype=torch.bool)
@@ -142,7 +175,9 @@ class Scorer:
                 logits = self.m.hf(input_ids=torch.tensor([sum(pack, [])], dtype=torch.long),
                                    attention_mask=mask, position_ids=torch.tensor([positions]),
                                    use_cache=True, **{self.m._cache_arg: cache}).logits[0]
-            out += [int(torch.argmax(logits[e])) for e in ends]
+            for j, e in enumerate(ends):
+                t = tails[first + j]
+                out.append(logits[e - t + 1:e + 1].argmax(-1).tolist())
             self.m._crop(cache, n)
         return out
 
@@ -170,6 +205,8 @@ def plot(rows, path):
         color = "tab:green" if r["lossless"] else "tab:blue"
         ax.scatter(r["x_fp16"], 100 * r["top1"], color=color,
                    label="prompts: next token after the question" if i == 0 else None)
+        ax.scatter(r["x_fp16"], 100 * r["answer_top1"], color=color, marker="x",
+                   label="prompts: every answer token (teacher-forced)" if i == 0 else None)
         ax.scatter(r["x_fp16"], 100 * r["pos_agree"], facecolors="none", edgecolors=color,
                    label="knowledge text: every position (teacher-forced)" if i == 0 else None)
         ax.annotate(r["codec"], (r["x_fp16"], 100 * r["pos_agree"]), textcoords="offset points",
@@ -193,6 +230,8 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=None, help="questions scored (default 200)")
     ap.add_argument("--continuations", type=int, default=None, help="greedy continuations (5)")
     ap.add_argument("--cont-tokens", type=int, default=16)
+    ap.add_argument("--answer-tokens", type=int, default=16,
+                    help="tokens of each prompt's exact answer scored teacher-forced (answer_top1)")
     ap.add_argument("--ppl-tokens", type=int, default=None, help="tokens scored for perplexity (512)")
     ap.add_argument("--speed-chunks", type=int, default=4, help="full chunks timed per codec")
     ap.add_argument("--speed-reps", type=int, default=3, help="timing repetitions (best kept)")
@@ -224,13 +263,14 @@ def main(argv=None):
     scorer = Scorer(model, knowledge, prompts, ppl_start)
     t0 = time.perf_counter()
     ref_next = scorer.next_tokens(exact)
+    ref_answers = scorer.answers(exact, args.answer_tokens)
     ref_cont = scorer.continuations(exact, n_cont, args.cont_tokens)
     ref_ppl, ref_pos = scorer.perplexity(exact)
     print(f"exact KV scored in {time.perf_counter() - t0:.1f} s", flush=True)
 
     exact_digest = xxhash.xxh3_128_hexdigest(memoryview(exact).cast("B"))
     scored = {exact_digest: {"top1": 1.0, "cont": float(args.cont_tokens) if n_cont else 0.0,
-                             "ppl": ref_ppl, "pos_agree": 1.0}}
+                             "ppl": ref_ppl, "pos_agree": 1.0, "answer_top1": 1.0}}
     fp32, fp16 = exact.nbytes, exact.nbytes // 2
     rows = []
     for name in names:
@@ -245,18 +285,20 @@ def main(argv=None):
             scored[digest] = {
                 "top1": sum(a == b for a, b in zip(nxt, ref_next)) / len(ref_next),
                 "cont": (sum(matching_prefix(a, b) for a, b in zip(cont, ref_cont)) / n_cont) if n_cont else 0.0,
-                "ppl": ppl, "pos_agree": (pos == ref_pos).float().mean().item()}
+                "ppl": ppl, "pos_agree": (pos == ref_pos).float().mean().item(),
+                "answer_top1": scorer.answer_agreement(decoded, ref_answers)}
             print(f"{name}: scored in {time.perf_counter() - t0:.1f} s", flush=True)
         q = scored[digest]
         err = float(np.abs(decoded - exact).max())
         rows.append({"codec": name, "lossless": digest == exact_digest, "bytes": size,
                      "x_fp32": fp32 / size, "x_fp16": fp16 / size,
                      "enc_GBps": enc_gbps, "dec_GBps": dec_gbps,
-                     "top1": q["top1"], "cont_match": q["cont"], "ppl": q["ppl"],
+                     "top1": q["top1"], "answer_top1": q["answer_top1"],
+                     "cont_match": q["cont"], "ppl": q["ppl"],
                      "ppl_change_pct": 100 * (q["ppl"] / ref_ppl - 1), "pos_agree": q["pos_agree"],
                      "max_abs_err": err})
     table(rows, ["codec", "lossless", "bytes", "x_fp32", "x_fp16", "enc_GBps", "dec_GBps", "top1",
-                 "cont_match", "ppl", "ppl_change_pct", "pos_agree", "max_abs_err"])
+                 "answer_top1", "cont_match", "ppl", "ppl_change_pct", "pos_agree", "max_abs_err"])
     meets = [r["codec"] for r in rows if not r["lossless"] and r["x_fp16"] >= TARGET_RATIO_FP16
              and r["top1"] >= TARGET_AGREE and r["dec_GBps"] >= TARGET_DECODE_GBPS]
     lossless_ok = all(r["bytes"] <= fp32 for r in rows if r["codec"] in LOSSLESS)

@@ -128,11 +128,14 @@ def framed(chunk, codec, payload):
     ("q4", lambda p: p[:-1], "needs"),
     ("q8", lambda p: p[:2] + b"\x07" + p[3:], "expected b'KQ' v1"),
     ("q4", lambda p: p[:3] + b"\x08" + p[4:], "declares 8-bit keys"),
-    ("q4z", lambda p: p[:10] + bytes(len(p) - 10), "zstd data"),
-    # scales for 2 layers x 2 heads (1 key group of 128 tokens x 64 channels, 64 value tokens)
-    # then every level 15: fine for 4-bit keys, not for 3-bit values
-    ("k4v3z", lambda p: p[:10] + __import__("zstandard").compress(
-        bytes(4 * 256 + 4 * 256) + b"\x0f" * (2 * 2 * 2 * 64 * 64)),
+    ("q4z", lambda p: p[:12] + bytes(len(p) - 12), "zstd data"),
+    ("q4", lambda p: p[:10] + b"\x40\x00" + p[12:], "declares 64 exact tokens in a 64-token chunk"),
+    ("q4", lambda p: p[:11], "shorter than its 12-byte v2 header"),
+    # scales for 2 layers x 2 heads (1 key group of 128 tokens x 64 channels, 64 value tokens),
+    # one exact token (2 x 2 x 2 x 64 fp16), then every level 15: fine for 4-bit keys, not
+    # for 3-bit values
+    ("k4v3z", lambda p: p[:12] + __import__("zstandard").compress(
+        bytes(4 * 256 + 4 * 256 + 2 * 512) + b"\x0f" * (2 * 2 * 2 * 64 * 64)),
      "level 15 in its values, over the 3-bit maximum 7"),
 ])
 def test_malformed_payload_with_valid_checksum_is_refused(codec, mangle, message):
@@ -264,3 +267,32 @@ def test_http_fetch_refuses_an_unknown_codec(http_edge):
     resp = conn.getresponse()
     assert resp.status == 400 and b"bad_codec" in resp.read()
     conn.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("codec", ["q8", "q4z", "k4v3z"])
+def test_each_chunks_first_token_is_kept_exact(codec, dtype):
+    """The attention sink (a sequence's first token) must not be quantized: see kdn.codecs."""
+    chunk = Chunk(KEY, NS, kv_like((2, 2, 2, 64, 64), dtype, seed=6), dtype)
+    got = decode(encode(chunk, codec)).kv
+    want = chunk.kv[:, :, :, :1]
+    if dtype == "float32":
+        want = want.astype(np.float16).astype(np.float32)
+    assert np.array_equal(got[:, :, :, :1], want)
+    assert not np.array_equal(got[:, :, :, 1:], chunk.kv[:, :, :, 1:])     # the rest is quantized
+
+
+def test_version_1_quantized_payloads_still_decode():
+    """Frames written before exact tokens existed (format v1) keep decoding."""
+    chunk = Chunk(KEY, NS, kv_like((2, 2, 2, 64, 64), "float32", seed=7), "float32")
+    x = chunk.kv
+    kq, kmin, ks = kc._quantize(np.ascontiguousarray(x[:, 0]), 2, 64, 15)
+    vq, vmin, vs = kc._quantize(np.ascontiguousarray(x[:, 1]), 3, 64, 15)
+    body = b"".join([kmin.tobytes(), ks.tobytes(), vmin.tobytes(), vs.tobytes(),
+                     kc._pack4(np.stack([kq, vq], 1)).tobytes()])
+    payload = kc._QUANT_HEAD_V1.pack(b"KQ", 1, 4, 4, 0, 64, 64) + body
+    got = decode(framed(chunk, "q4", payload)).kv
+    want = np.empty(x.shape, np.float32)
+    kc._dequantize(kq, kmin, ks, 2, 64, want[:, 0])
+    kc._dequantize(vq, vmin, vs, 3, 64, want[:, 1])
+    assert np.array_equal(got, want)
