@@ -28,6 +28,7 @@ choose_codec() picks a codec per link: compressing pays only when the transfer t
 at the link's bandwidth beats the encode plus decode time; on the same node it never does.
 """
 import struct
+import threading
 
 import numpy as np
 import zstandard
@@ -52,8 +53,23 @@ FP16_MAX = 65504.0
 stats = {"encoded": 0, "encoded_raw_fallback": 0, "decoded": 0, "decoded_bytes": 0,
          "rejected": 0}
 
-_ZC = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-_ZD = zstandard.ZstdDecompressor()
+_local = threading.local()
+
+
+def _zc() -> zstandard.ZstdCompressor:
+    """This thread's compressor: zstandard's (de)compressor objects must not be shared by
+    threads running at once (the origin, edges and HTTP server code in worker threads)."""
+    z = getattr(_local, "zc", None)
+    if z is None:
+        z = _local.zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    return z
+
+
+def _zd() -> zstandard.ZstdDecompressor:
+    z = getattr(_local, "zd", None)
+    if z is None:
+        z = _local.zd = zstandard.ZstdDecompressor()
+    return z
 
 
 def _bad(message: str) -> BadPayload:
@@ -72,7 +88,7 @@ def _stored(payload, header) -> np.ndarray:
 
 def _unzstd(data, size: int, what: str) -> bytes:
     try:
-        out = _ZD.decompress(data, max_output_size=size)
+        out = _zd().decompress(data, max_output_size=size)
     except zstandard.ZstdError as e:
         raise _bad(f"{what}: zstd data is corrupt: {e}") from None
     if len(out) != size:
@@ -97,8 +113,8 @@ def _zstd_encode(kv: np.ndarray, dtype: str):
         plane = np.ascontiguousarray(planes[i])
         sample = plane[:PLANE_SAMPLE]
         method, blob = _STORE, plane
-        if len(_ZC.compress(sample)) < PLANE_GAIN * sample.nbytes:
-            z = _ZC.compress(plane)
+        if len(_zc().compress(sample)) < PLANE_GAIN * sample.nbytes:
+            z = _zc().compress(plane)
             if len(z) < PLANE_GAIN * plane.nbytes:
                 method, blob = _ZSTD, z
         entries.append(_PLANE_ENTRY.pack(method, len(blob) if method else plane.nbytes))
@@ -315,7 +331,7 @@ def _quant_encoder(kbits: int, vbits: int, entropy: bool, kg: int, vg: int):
         body = b"".join([kmin.tobytes(), kscale.tobytes(), vmin.tobytes(), vscale.tobytes(),
                          head.tobytes(), stream.tobytes()])
         if entropy:
-            body = _ZC.compress(body)
+            body = _zc().compress(body)
         payload = _QUANT_HEAD.pack(b"KQ", QUANT_VERSION, kbits, vbits, int(entropy), kg, vg,
                                    exact) + body
         if len(payload) >= raw.nbytes:

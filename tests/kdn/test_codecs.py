@@ -296,3 +296,21 @@ def test_version_1_quantized_payloads_still_decode():
     kc._dequantize(kq, kmin, ks, 2, 64, want[:, 0])
     kc._dequantize(vq, vmin, vs, 3, 64, want[:, 1])
     assert np.array_equal(got, want)
+
+
+def test_codecs_are_safe_from_many_threads_at_once():
+    """The origin, edges and HTTP server encode and decode in worker threads concurrently
+    (zstandard's compressor objects must not be shared: this once corrupted origin reads)."""
+    from concurrent.futures import ThreadPoolExecutor
+    chunks = [Chunk(KEY, NS, kv_like((4, 2, 2, 256, 64), "float32", seed=s), "float32")
+              for s in range(4)]
+
+    def work(i):
+        c = chunks[i % len(chunks)]
+        codec = ("zstd", "q4z", "k4v3z")[i % 3]
+        frame = encode(c, codec)
+        return bool(np.array_equal(decode(frame).kv, decode(encode(c, codec)).kv)) and \
+            (codec != "zstd" or decode(frame).equal(c))
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(work, range(96)))
