@@ -34,7 +34,8 @@ def _connect(args, **kw):
 
 def _up(args, rest):
     from kdn.cluster import up
-    state = up(topology_file=args.topology, address=args.address, root=args.root, network=args.network)
+    state = up(topology_file=args.topology, address=args.address, root=args.root, network=args.network,
+               edge_codec=args.edge_codec, origin_codec=args.origin_codec)
     where = "an embedded local cluster" if state["embedded"] else f"the cluster at {state['address']}"
     print(f"KDN network {state['network']!r} is up on {where}; origin store in {state['root']}")
     print("next: kdn publish KB FILE...   kdn query KB \"question\"   kdn status   kdn down")
@@ -64,14 +65,17 @@ def status_rows(st: dict) -> list:
         served = max(1, c.get("chunks_served", 0))
         rows.append({
             "edge": e["name"], "region": e["region"], "state": "up",
+            "codec": e.get("store_codec", "raw"),
             "chunks": e["main"]["items"] + e["hot"]["items"],
             "bytes": _gib(e["main"]["bytes"] + e["hot"]["bytes"]),
+            "KV held": _gib(e.get("held_raw_bytes", e["main"]["bytes"] + e["hot"]["bytes"])),
             "hot copies": e["hot_copies"],
             "fetches": c.get("fetches", 0),
             "local %": f"{100 * c.get('served_local', 0) / served:.0f}",
             "peer %": f"{100 * c.get('served_peer', 0) / served:.0f}",
             "origin %": f"{100 * c.get('served_origin', 0) / served:.0f}",
             "served": _gib(c.get("bytes_served", 0)),
+            "sent": _gib(c.get("wire_bytes", 0)),
         })
     return rows
 
@@ -114,12 +118,15 @@ def _query(args, rest):
     from kdn.model import load_model
     from kdn.worker import answer
     model = load_model()
-    cl = _connect(args, tenant=args.tenant, fingerprint=model.fingerprint, region=args.region)
+    accept = [c for c in (args.accept or "").split(",") if c] or None
+    cl = _connect(args, tenant=args.tenant, fingerprint=model.fingerprint, region=args.region,
+                  accept=accept)
     a = answer(cl, model, args.kb, args.question, max_new_tokens=args.max_new_tokens, check=args.check)
     print(a.text)
     src = ", ".join(f"{k} {v}" for k, v in sorted(a.sources.items())) or "none"
     print(f"\n[{cl.region} via {a.edge}] {a.cached_tokens}/{a.prompt_tokens} prompt tokens from KDN "
-          f"(chunks: {src}; {a.bytes_moved / 2**20:.1f} MiB); time to first token {a.ttft_s * 1000:.0f} ms",
+          f"(chunks: {src}; {a.bytes_moved / 2**20:.1f} MiB of KV, {a.wire_bytes / 2**20:.1f} MiB moved"
+          f"{'' if a.exact else ', LOSSY codec accepted'}); time to first token {a.ttft_s * 1000:.0f} ms",
           file=sys.stderr)
     if args.check:
         print(f"full prefill without KDN: time to first token {a.baseline_ttft_s * 1000:.0f} ms "
@@ -144,6 +151,10 @@ def build_parser():
     u.add_argument("--address", help="join the Ray cluster at this address instead of starting one")
     u.add_argument("--root", help="origin store directory (default $KDN_HOME/origin)")
     u.add_argument("--network", default="kdn")
+    u.add_argument("--edge-codec", default="raw",
+                   help="how edges store chunks: raw, zstd (lossless, ~1.2x), or a lossy codec "
+                        "(q8z ~3.9x, k4v3z ~8x of fp32; see kdn bench codecs)")
+    u.add_argument("--origin-codec", default="raw", help="how the origin stores chunks: raw or zstd")
     u.set_defaults(func=_up)
 
     d = sub.add_parser("down", help="stop what `kdn up` started")
@@ -168,6 +179,8 @@ def build_parser():
     q.add_argument("question")
     q.add_argument("--region", help="the worker's region (default: its Ray node's label)")
     q.add_argument("--tenant", default="default")
+    q.add_argument("--accept", help="codecs this worker takes over a slow link, comma-separated "
+                                    "(default: the lossless ones; e.g. zstd,q8z to allow lossy q8z)")
     q.add_argument("--max-new-tokens", type=int, default=64)
     q.add_argument("--check", action="store_true",
                    help="also run a plain full prefill; exit 1 unless the generated tokens are identical")

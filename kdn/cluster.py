@@ -244,13 +244,21 @@ def state_path() -> Path:
     return kdn_home() / "cluster.json"
 
 
-def up(topology_file=None, address=None, root=None, network: str = "kdn", http: bool = True):
+def up(topology_file=None, address=None, root=None, network: str = "kdn", http: bool = True,
+       edge_codec: str = "raw", origin_codec: str = "raw"):
     """Start a network: on an embedded local cluster (no address) or on the cluster at address.
+
+    edge_codec / origin_codec: how edges and the origin store chunks (kdn.codecs; the origin
+    only losslessly). Checked before anything starts.
 
     Returns the state written for `kdn down` and `kdn status`.
     """
     from kdn.placement.topology import Topology
     prepare_ray_env()
+    from kdn.edge.node import check_store_codec as check_edge_codec
+    from kdn.origin.node import check_store_codec as check_origin_codec
+    check_edge_codec(edge_codec)
+    check_origin_codec(origin_codec)
     topo = Topology.from_toml(topology_file) if topology_file else Topology.default_local(list(DEFAULT_REGIONS))
     root = Path(root) if root else kdn_home() / "origin"
     state = {"network": network, "root": str(root.absolute()), "started": time.time()}
@@ -267,7 +275,9 @@ def up(topology_file=None, address=None, root=None, network: str = "kdn", http: 
     auth = {"admin": ensure_admin_token(kdn_home()), "readers": read_tokens_from_env()}
     try:
         init_ray(state["address"])
-        start_network(topo, root, network=network, detached=True, http=http, auth=auth)
+        start_network(topo, root, network=network, detached=True, http=http, auth=auth,
+                      edge_options={"store_codec": edge_codec},
+                      origin_options={"store_codec": origin_codec})
     except BaseException:
         if state["embedded"]:        # nothing recorded yet: stop what this call started
             _stop_processes(state["pids"])

@@ -5,7 +5,8 @@ manifest, then the question's turn), fetches the longest cached prefix from the 
 edge, rebuilds the model's cache from the chunks, prefills only the rest and generates
 greedily. Time to first token is measured from the moment the worker starts to fetch; the
 baseline (`check=True`) is the same prompt prefilled from nothing, and its generated tokens
-must be identical — KDN never changes what the model says.
+must be identical — KDN never changes what the model says (unless the client accepted a
+lossy codec, kdn.codecs; the answer then says exact=False).
 """
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ class Answer:
     sources: dict                    # local / peer / origin -> chunk count
     edge: str
     bytes_moved: int
+    exact: bool = True               # False when the KV came through a lossy codec the client accepted
+    wire_bytes: int = 0              # bytes of KV that crossed the link (compressed where a codec was used)
     baseline_ttft_s: float = None    # full prefill, no KDN (check=True)
     baseline_tokens: list = None
     identical: bool = None
@@ -52,7 +55,8 @@ def answer(client, model, kb: str, question: str, max_new_tokens: int = 48, chec
     ttft = (t1 - t0) + rebuild_s + gen.ttft_s
     a = Answer(question=question, text=gen.text.strip(), tokens=gen.tokens, prompt_tokens=len(prompt),
                cached_tokens=f.tokens, ttft_s=ttft, fetch_s=t1 - t0, sources=f.source_counts(),
-               edge=f.edge, bytes_moved=f.nbytes, extra={"rebuild_s": rebuild_s})
+               edge=f.edge, bytes_moved=f.nbytes, exact=f.exact, wire_bytes=f.wire_bytes,
+               extra={"rebuild_s": rebuild_s, "codecs": f.codecs})
     if check:
         base = model.generate(prompt, max_new_tokens=max_new_tokens)
         a.baseline_ttft_s, a.baseline_tokens = base.ttft_s, base.tokens

@@ -8,8 +8,9 @@ The edge's capacity holds --capacity-chunks raw chunks (main tier), fewer than t
 For each edge store codec (raw, zstd, and the lossy q8z and k4v3z), one network is started,
 the KB published (the origin stores it zstd), and:
 
-- held: chunks the edge's main tier holds, and how much KV (raw bytes) that is against its
-  capacity;
+- held: chunks the edge's main tier holds, how much KV (raw bytes) that is against its
+  capacity, and holds_x: KV bytes per byte of memory (how many times more KV a full tier
+  holds than a raw one);
 - readers: a reader beside the edge (same node: the stored form, raw stays zero-copy) and
   readers in eu-west accepting the lossless codecs only, or lossy ones too
   (--lossy, default q8z,k4v3z). For each: the codec mix the edge chose, the bytes that
@@ -59,7 +60,7 @@ class Reader:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="kdn bench links", description=__doc__.splitlines()[0])
-    ap.add_argument("--docs", type=int, default=2, help="bundled documents in the KB (1-5)")
+    ap.add_argument("--docs", type=int, default=5, help="bundled documents in the KB (1-5)")
     ap.add_argument("--link-gbps", type=float, default=0.1, help="declared us-east <-> eu-west GB/s")
     ap.add_argument("--capacity-chunks", type=int, default=6,
                     help="raw 256-token chunks the edge's main tier holds")
@@ -119,6 +120,7 @@ def main(argv=None):
                               "of": n_chunks, "kv_held_MB": st["held_raw_bytes"] / 1e6,
                               "capacity_MB": st["main"]["capacity"] / 1e6,
                               "kv_per_capacity": st["held_raw_bytes"] / st["main"]["capacity"],
+                              "holds_x": st["held_raw_bytes"] / max(1, st["main"]["bytes"]),
                               "origin_disk_MB": ost["store"]["bytes"] / 1e6})
             readers = [("beside the edge", "us-east", None), ("eu-west, lossless", "eu-west", None),
                        ("eu-west, lossy ok", "eu-west", lossy)]

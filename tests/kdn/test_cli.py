@@ -2,7 +2,8 @@
 
 `kdn up` starts a 3-region cluster whose processes outlive it; every later command is a new
 process that finds the network through $KDN_HOME/cluster.json (a temporary KDN_HOME here, so
-nothing touches the user's own state). The test publishes a small markdown file, publishes
+nothing touches the user's own state), with edges and the origin storing chunks zstd-compressed
+(after two bad codec settings are refused). The test publishes a small markdown file, publishes
 it again (no prefill), queries it with --check, checks the errors a user meets (unknown KB,
 missing file: exit status 2 and one line naming the culprit), and ends with `kdn down`,
 after which no process of that cluster may remain. `kdn down` runs in a finally block.
@@ -86,7 +87,15 @@ def test_up_status_publish_query_errors_down(tmp_path):
     state_file = home / "cluster.json"
     tree = {}
     try:
-        rc, out, err = kdn("up", timeout=240)
+        rc, out, err = kdn("up", "--edge-codec", "gz")
+        assert rc == 2 and not state_file.exists(), "a bad codec is refused before anything starts"
+        lines = _error_lines(err)
+        assert len(lines) == 1 and "edge store_codec must be one of" in lines[0] and "'gz'" in lines[0]
+        rc, out, err = kdn("up", "--origin-codec", "q8z")
+        assert rc == 2 and not state_file.exists() and "lossy codec 'q8z'" in err
+
+        # edges and the origin store chunks zstd-compressed (lossless: answers stay identical)
+        rc, out, err = kdn("up", "--edge-codec", "zstd", "--origin-codec", "zstd", timeout=240)
         assert rc == 0, err
         assert "is up on an embedded local cluster" in out
         state = json.loads(state_file.read_text())
@@ -99,8 +108,8 @@ def test_up_status_publish_query_errors_down(tmp_path):
         assert rc == 0 and "origin: up" in out, out + err
         edge_rows = [line.split() for line in out.splitlines() if line.split()[:1]
                      and line.split()[0] in {f"{r}-0" for r in REGIONS}]
-        assert sorted((row[0], row[1], row[2]) for row in edge_rows) == sorted(
-            (f"{r}-0", r, "up") for r in REGIONS), out
+        assert sorted((row[0], row[1], row[2], row[3]) for row in edge_rows) == sorted(
+            (f"{r}-0", r, "up", "zstd") for r in REGIONS), out
 
         rc, out, err = kdn("publish", "rights", str(doc))
         assert rc == 0, err
