@@ -163,6 +163,19 @@ def test_choose_codec_by_link():
         kc.choose_codec(n, 1.0, False, allowed=("nope",))
 
 
+def test_choose_codec_re_encodes_only_for_a_clear_gain():
+    n = 10 << 20
+    # at 0.1 GB/s zstd from raw is estimated ~1% faster than raw: not worth re-encoding
+    raw_s = kc.transfer_seconds("raw", n, 0.1)
+    assert kc.transfer_seconds("zstd", n, 0.1) < raw_s
+    assert kc.transfer_seconds("zstd", n, 0.1) > kc.MIN_GAIN * raw_s
+    assert kc.choose_codec(n, 0.1, same_node=False) == "raw"
+    # stored zstd already: sending it as it is costs no encode, and wins
+    assert kc.choose_codec(n, 0.1, same_node=False, allowed=("zstd",), stored="zstd") == "zstd"
+    # stored lossy q8z, reader accepts it: kept even where raw would be as fast
+    assert kc.choose_codec(n, 50.0, same_node=False, allowed=("q8z",), stored="q8z") == "q8z"
+
+
 def test_measured_profile_drives_the_choice():
     kv = kv_like((2, 2, 2, 64, 64), "float32")
     prof = kc.measure_profile(kv, "float32", codecs=("zstd", "q4"), reps=2)
