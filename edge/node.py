@@ -30,7 +30,8 @@ on the reader's own node the stored form as it is (raw stays zero-copy; a compre
 decoded by the reader, which costs no more than decoding it here); across a link the form
 that arrives soonest, counting encode and decode time against the bytes saved at the
 topology's bandwidth. Lossy codecs are sent only to readers that accept them (or when the
-edge already stores lossy KV: re-expanding it restores nothing).
+edge already stores lossy KV: re-expanding it restores nothing). A copy that must be
+encoded to be kept (a refill, a hot copy) is encoded in the background, after the reply.
 """
 import asyncio
 import collections
@@ -147,6 +148,7 @@ class EdgeNode:
         self.counters = collections.Counter()
         self.started = time.time()
         self._bg = None
+        self._tasks = set()        # background work (keeping encoded copies), referenced till done
         self._last_refresh = 0.0
         self.http_port_wanted, self.http_host = http_port, http_host
         self.http = None
@@ -593,6 +595,7 @@ class EdgeNode:
         this node's store as our own object.
         """
         owners = self._owners([k for k, _, _ in items])
+        later = []
         for (key, held, region), os_ in zip(items, owners):
             if self.name in os_:
                 tier, counter = self.main, "refilled"
@@ -600,7 +603,24 @@ class EdgeNode:
                 tier, counter = self.hot, "hot_promoted"
             else:
                 continue
+            if self.store_codec != "raw" or held.codec != "raw":
+                later.append((key, held, tier, counter))   # encoding: not on the reader's time
+                continue
             held = await self._own_copy(held)
+            if held is not None and tier.put(key, held):
+                self.counters[counter] += 1
+        if later:
+            task = asyncio.get_running_loop().create_task(self._keep_copies(later))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _keep_copies(self, items):
+        for key, held, tier, counter in items:
+            try:
+                held = await self._own_copy(held)
+            except Exception:  # noqa: BLE001 - a copy not kept is fetched again next time
+                self.counters["keep_errors"] += 1
+                continue
             if held is not None and tier.put(key, held):
                 self.counters[counter] += 1
 

@@ -5,6 +5,7 @@ The KV is synthetic but shaped like a model's: float32 values with fp16 precisio
 byte planes that carry no information compress (real SmolLM2 fp32 KV: 1.19x; this: ~2x).
 """
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -156,7 +157,12 @@ def test_a_corrupt_compressed_copy_is_dropped_and_refetched(ray_cluster, tmp_pat
             assert not f.exact and np.abs(_kv(f) - kv).max() < 0.05 * np.abs(kv).max()
         st = ray.get(edge.stats.remote(), timeout=30)
         assert st["counters"]["corrupt_reported"] == 1 and st["counters"]["corrupt_detected"] >= 1
-        f2 = cl.fetch(toks)    # the edge refilled a good copy from the origin
+        deadline = time.time() + 30     # the edge refills a good copy from the origin (encoding
+        while True:                     # it in the background, off the reader's time)
+            f2 = cl.fetch(toks)
+            if f2.codecs == {codec: 3} or time.time() > deadline:
+                break
+            time.sleep(0.1)
         assert cl.stats["corrupt_chunks"] == 1 and f2.codecs == {codec: 3}
     finally:
         stop_network(net)
