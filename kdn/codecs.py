@@ -7,7 +7,8 @@ its payload decodes and any reader decodes any frame (kdn.chunk imports this mod
   together: a float's exponent byte is highly repetitive, its mantissa bytes are noise),
   and each plane is zstd-compressed only where that pays (measured on SmolLM2's KV: the
   exponent plane shrinks 2.6x, the mantissa planes not at all, so they are stored as they
-  are and cost no decompression). lz4 was measured too: it saves less than half as many bytes.
+  are and cost no decompression). lz4 on the same planes, and zstd on the bytes as they are,
+  were measured too (`kdn bench codecs` prints both): neither pays as well.
 - "q8", "q4": lossy, KIVI-style asymmetric integer quantization (min and scale per group,
   fp16). Keys are quantized per channel (a group is one channel over `KEY_GROUP` tokens),
   because keys have outlier channels; values per token (one token's `VALUE_GROUP`
