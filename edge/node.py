@@ -45,7 +45,7 @@ from kdn.edge.cache import ChunkCache
 from kdn.edge.singleflight import Group
 from kdn.auth import Tokens
 from kdn.chunk import Chunk, Encoded, codecs as registered_codecs
-from kdn.codecs import LOSSLESS, LOSSY, choose_codec
+from kdn.codecs import LOSSLESS, check_accept, choose_codec
 from kdn.errors import AccessDenied, BadRequest, FrameError, PinCapacityError
 from kdn.keys import namespace_digest
 from kdn.manifest import Manifest
@@ -99,17 +99,6 @@ def check_store_codec(codec: str) -> str:
     return codec
 
 
-def check_accept(accept) -> tuple:
-    """The codecs a reader takes besides raw (None: the lossless ones)."""
-    if accept is None:
-        return LOSSLESS
-    if isinstance(accept, str) or not all(isinstance(c, str) for c in accept):
-        raise BadRequest(f"accept must be a list of codec names, got {accept!r:.80}")
-    unknown = [c for c in accept if c not in registered_codecs()]
-    if unknown:
-        raise BadRequest(f"accept names unknown codec(s) {', '.join(map(repr, unknown))}; "
-                         f"known: {', '.join(registered_codecs())}")
-    return tuple(c for c in accept if c != "raw")
 
 
 PEER_TIMEOUT_S = 5.0      # a peer that does not answer in time is skipped (next owner, then origin)

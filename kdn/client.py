@@ -90,7 +90,7 @@ class Client:
                  fingerprint: str = "unspecified", chunk_tokens: int = CHUNK_TOKENS,
                  token: str = None, admin_token: str = None, accept=None):
         import ray
-        from kdn.edge.node import check_accept
+        from kdn.codecs import check_accept
         self.ray = ray
         self.accept = list(check_accept(accept))
         self.node_id = ray.get_runtime_context().get_node_id()

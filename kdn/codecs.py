@@ -510,6 +510,20 @@ def choose_codec(nbytes: int, bandwidth_gbps: float, same_node: bool, dtype: str
     return best
 
 
+def check_accept(accept) -> tuple:
+    """The codecs a reader takes besides raw (None: the lossless ones), checked."""
+    from kdn.chunk import codecs as registered
+    if accept is None:
+        return LOSSLESS
+    if isinstance(accept, str) or not all(isinstance(c, str) for c in accept):
+        raise BadRequest(f"accept must be a list of codec names, got {accept!r:.80}")
+    unknown = [c for c in accept if c not in registered()]
+    if unknown:
+        raise BadRequest(f"accept names unknown codec(s) {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(registered())}")
+    return tuple(c for c in accept if c != "raw")
+
+
 def measure_profile(kv: np.ndarray, dtype: str, codecs=LOSSLESS + LOSSY, reps: int = 3) -> dict:
     """PROFILE entries measured on this machine for kv (one chunk): ratio, encode/decode GB/s.
 

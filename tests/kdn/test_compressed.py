@@ -14,9 +14,9 @@ import ray
 from kdn.chunk import Chunk, Encoded, as_chunk, encode
 from kdn.client import Client
 from kdn.cluster import start_network, stop_network
-from kdn.edge.http import EdgeHTTP  # noqa: F401 - the HTTP server must import with the edge
-from kdn.edge.node import check_accept, check_store_codec
-from kdn.errors import BadRequest, ChecksumMismatch, NetworkError
+from kdn.codecs import check_accept
+from kdn.edge.node import check_store_codec
+from kdn.errors import BadRequest, ChecksumMismatch
 from kdn.http_client import EdgeHTTPClient
 from kdn.keys import namespace_digest
 from kdn.origin.node import check_store_codec as check_origin_codec
