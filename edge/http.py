@@ -45,7 +45,7 @@ from aiohttp import web
 from kdn.chunk import Chunk, Encoded, as_chunk, codecs, encode_parts
 from kdn.codecs import LOSSLESS, choose_codec
 from kdn.env import is_loopback
-from kdn.errors import AccessDenied, BadRequest, BadTokens
+from kdn.errors import AccessDenied, BadRequest, BadTokens, FrameError
 from kdn.keys import KEY_BYTES, namespace_digest
 
 log = logging.getLogger("kdn.edge.http")
@@ -311,31 +311,12 @@ class EdgeHTTP:
             raise RequestError(400, "bad_codec", f"field 'codec' must be 'auto' or one of "
                                                  f"{', '.join(codecs())}, got {codec!r:.80}")
         t0 = time.perf_counter()
-        reply = await self.edge.fetch(keys, ns, region, resolve=True, token=_bearer(request))
-        objs = reply["chunks"]
+        for attempt in (1, 2):
+            reply, parts, want = await self._frames_for(keys, ns, region, codec, _bearer(request))
+            if len(parts) == len(reply["chunks"]) or attempt == 2:
+                break
+            # a corrupt stored copy was found and dropped: once more, from a replica or the origin
         asked = codec
-        # Each chunk's form: a frame the edge stores compressed goes out as it is when that is
-        # the codec wanted, and always when it is lossy (expanding it would restore nothing).
-        want = [self._link_codec(o, region) if asked == "auto" else asked for o in objs]
-        want = [o.codec if isinstance(o, Encoded) and (not o.exact or w == o.codec) else w
-                for o, w in zip(objs, want)]
-        if all(w == "raw" and isinstance(o, Chunk) for o, w in zip(objs, want)):
-            parts = []
-            for c in objs:
-                if c._xxh is None and not c.kv.flags.writeable:
-                    # The KV is immutable (a view of Ray's object store): hash it once, not per fetch.
-                    object.__setattr__(c, "_xxh", xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")))
-                parts.append(encode_parts(c))
-        else:   # decoding and compressing are CPU work: off the event loop
-            def build():
-                out = []
-                for o, w in zip(objs, want):
-                    if isinstance(o, Encoded) and o.codec == w:
-                        out.append([b"", memoryview(o.frame).cast("B")])   # the stored frame itself
-                    else:
-                        out.append(encode_parts(as_chunk(o), w))
-                return out
-            parts = await asyncio.to_thread(build)
         total = sum(len(prefix) + payload.nbytes for prefix, payload in parts)
         for w in want:
             self.frames_by_codec[w] = self.frames_by_codec.get(w, 0) + 1
@@ -357,6 +338,48 @@ class EdgeHTTP:
         self.frames_sent += len(parts)
         self.fetch_latency.observe(time.perf_counter() - t0)
         return resp
+
+    async def _frames_for(self, keys, ns, region, asked, token) -> tuple:
+        """(the edge's reply, [prefix, payload] per frame, codec per frame) for a fetch.
+
+        Each chunk's form: a frame the edge stores compressed goes out as it is when that is
+        the codec wanted, and always when it is lossy (expanding it would restore nothing).
+        A stored frame that fails its checksum is dropped from the tiers and ends the frames.
+        """
+        reply = await self.edge.fetch(keys, ns, region, resolve=True, token=token)
+        objs = reply["chunks"]
+        want = [self._link_codec(o, region) if asked == "auto" else asked for o in objs]
+        want = [o.codec if isinstance(o, Encoded) and (not o.exact or w == o.codec) else w
+                for o, w in zip(objs, want)]
+        if all(w == "raw" and isinstance(o, Chunk) for o, w in zip(objs, want)):
+            parts = []
+            for c in objs:
+                if c._xxh is None and not c.kv.flags.writeable:
+                    # The KV is immutable (a view of Ray's object store): hash it once, not per fetch.
+                    object.__setattr__(c, "_xxh", xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")))
+                parts.append(encode_parts(c))
+            return reply, parts, want
+
+        def build():   # decoding and compressing are CPU work: off the event loop
+            out = []
+            for o, w in zip(objs, want):
+                try:
+                    if isinstance(o, Encoded) and o.codec == w:
+                        o.verify()     # one hash pass: a corrupt stored frame never leaves
+                        out.append([b"", memoryview(o.frame).cast("B")])
+                    else:
+                        out.append(encode_parts(as_chunk(o), w))
+                except FrameError:
+                    break
+            return out
+        parts = await asyncio.to_thread(build)
+        if len(parts) < len(objs):
+            bad = objs[len(parts)].key
+            self.edge.main.discard(bad)
+            self.edge.hot.discard(bad)
+            self.edge.counters["corrupt_dropped"] += 1
+            reply["sources"] = reply["sources"][:len(parts)]
+        return reply, parts, want[:len(parts)]
 
     def _link_codec(self, obj, region) -> str:
         """The form (raw, or a lossless codec, or the stored one) that delivers one chunk to

@@ -45,7 +45,7 @@ from kdn.edge.cache import ChunkCache
 from kdn.edge.singleflight import Group
 from kdn.auth import Tokens
 from kdn.chunk import Chunk, Encoded, codecs as registered_codecs
-from kdn.codecs import LOSSLESS, check_accept, choose_codec
+from kdn.codecs import LOSSLESS, LOSSY, PROFILE, check_accept, choose_codec
 from kdn.errors import AccessDenied, BadRequest, FrameError, PinCapacityError
 from kdn.keys import namespace_digest
 from kdn.manifest import Manifest
@@ -138,6 +138,7 @@ class EdgeNode:
         self.started = time.time()
         self._bg = None
         self._tasks = set()        # background work (keeping encoded copies), referenced till done
+        self._keeping = set()      # keys being encoded to be kept
         self._last_refresh = 0.0
         self.http_port_wanted, self.http_host = http_port, http_host
         self.http = None
@@ -287,11 +288,12 @@ class EdgeNode:
             if c is None:
                 continue
             if not isinstance(c, Held):
-                if c.key in tier:   # already held: keep the object we have
-                    held = tier.peek(c.key)
-                elif stored.get(c.key) is None:
-                    continue        # failed verification
-                else:
+                held = tier.peek(c.key)      # already held: keep the object we have
+                if held is None:
+                    if c.key not in stored:  # held above, evicted while others were encoded
+                        stored[c.key] = (await self._store_forms([c]))[0]
+                    if stored[c.key] is None:
+                        continue             # failed verification
                     held = Held.of(stored[c.key])
             else:
                 held = c
@@ -339,7 +341,8 @@ class EdgeNode:
         self.counters["peer_served"] += sum(c is not None for c in out)
         if region is not None and region != self.region:
             held = [h for h in out if h is not None]
-            forms = iter(await self._link_forms(held, region, False, LOSSLESS))
+            forms, n = await self._link_forms(held, region, False, LOSSLESS, budget_s=PEER_TIMEOUT_S / 3)
+            forms = iter(forms[:n] + [None] * (len(held) - n))     # a corrupt copy: not sent
             out = [None if h is None else next(forms) for h in out]
         return [None if h is None else h.wire() for h in out]
 
@@ -388,12 +391,19 @@ class EdgeNode:
     def _store_form(self, obj):
         """obj (Chunk or Encoded) verified and in the form this edge keeps; None if corrupt.
         CPU work: call it from a thread (_store_forms)."""
-        if not self._verified(obj):
-            return None
         if isinstance(obj, Encoded):
+            try:
+                chunk = obj.decode()
+            except FrameError:
+                self.counters["corrupt_detected"] += 1
+                return None
+            if obj.exact and not self._verified(chunk):
+                return None
             if obj.codec == self.store_codec or not obj.exact:
                 return obj          # lossy KV stays as it is: expanding it restores nothing
-            obj = obj.decode()
+            obj = chunk
+        elif not self._verified(obj):
+            return None
         if self.store_codec == "raw":
             return obj
         self.counters["stored_encoded"] += 1
@@ -467,7 +477,7 @@ class EdgeNode:
 
     # --- fetch --------------------------------------------------------------------------
     async def fetch(self, keys, ns: bytes, region: str = None, resolve: bool = False, token=None,
-                    node: str = None, accept=None) -> dict:
+                    node: str = None, accept=None, _again: bool = False) -> dict:
         """The longest prefix of `keys` that the network holds, with where each chunk came from.
 
         Returns object references ("refs"; ray.get them: zero-copy on this node), each to a
@@ -523,7 +533,13 @@ class EdgeNode:
             reply["chunks"] = list(await asyncio.gather(*(h.resolve() for h in chunks[:m])))
             return reply
         if node is not None:
-            chunks[:m] = await self._link_forms(chunks[:m], region, node == self.node_id, accept)
+            forms, sendable = await self._link_forms(chunks[:m], region, node == self.node_id, accept)
+            if sendable < m and not _again:
+                # a corrupt copy was found (and dropped) while re-encoding: fetch once more,
+                # from another replica or the origin, rather than answer a shorter prefix
+                return await self.fetch(keys, ns, region, resolve, token, node, accept, _again=True)
+            chunks[:m], m = forms, sendable
+            reply["sources"] = reply["sources"][:m]
         reply["refs"] = [h.ref for h in chunks[:m]]
         reply["codecs"] = [h.codec for h in chunks[:m]]
         reply["wire"] = [h.nbytes for h in chunks[:m]]      # bytes of each object sent
@@ -534,8 +550,10 @@ class EdgeNode:
 
     def _link_codec(self, held, region: str, same_node: bool, accept: tuple) -> str:
         """The form of one chunk that reaches a reader in `region` soonest (kdn.codecs)."""
-        if same_node:
-            return held.codec      # raw stays zero-copy; a compressed form is decoded by the reader
+        if same_node or held.codec in LOSSY:
+            # raw stays zero-copy; a compressed form is decoded by the reader; lossy KV goes
+            # as it is (expanding it restores nothing, and it must stay marked lossy)
+            return held.codec
         allowed = accept + ((held.codec,) if held.codec != "raw" else ())
         try:
             bandwidth = self.topology.bandwidth_gbps(self.region, region)
@@ -544,38 +562,57 @@ class EdgeNode:
         except Exception:  # noqa: BLE001 - a codec with no profile, an unknown region: as stored
             return held.codec
 
-    async def _link_forms(self, helds, region, same_node: bool, accept: tuple) -> list:
-        """helds, each re-encoded where the link to the reader wants another form than stored.
+    async def _link_forms(self, helds, region, same_node: bool, accept: tuple,
+                          budget_s: float = None) -> tuple:
+        """(helds, n): helds re-encoded where the link to the reader wants another form than
+        stored, and n, the length of the prefix that may be sent (a copy found corrupt while
+        re-encoding is dropped here and ends the prefix: a reader cannot check lossy KV
+        against its manifest, so it must never be encoded from wrong bytes).
 
         A peer's object is left as the peer sent it: the peer chose its form for the link
         from its region to this one (peer_get), which is the reader's (readers use the edge
         of their own region), and re-encoding it here would first pull it over that link.
+        budget_s bounds the estimated encode time (a peer answering within a timeout);
+        chunks past it go as stored.
         """
         want = [self._link_codec(h, region, same_node, accept) if h.own else h.codec for h in helds]
         todo = [i for i, (h, c) in enumerate(zip(helds, want)) if c != h.codec]
+        if budget_s is not None:
+            spent, fits = 0.0, []
+            for i in todo:
+                spent += helds[i].raw / (PROFILE.get(want[i], PROFILE["zstd"])["encode_gbps"] * 1e9)
+                if spent <= budget_s:
+                    fits.append(i)
+            todo = fits
         if not todo:
-            return helds
+            return helds, len(helds)
         try:
             objs = await asyncio.wait_for(asyncio.gather(*(helds[i].ref for i in todo)), PEER_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a peer's object went away: send the forms we have
-            return helds
+            return helds, len(helds)
 
         def transcode():
             out = []
             for obj, i in zip(objs, todo):
-                chunk = obj.decode() if isinstance(obj, Encoded) else obj
+                try:
+                    chunk = obj.decode() if isinstance(obj, Encoded) else obj
+                except FrameError:
+                    return out, i
+                if (not isinstance(obj, Encoded) or obj.exact) and not self._verified(chunk):
+                    return out, i
                 out.append(chunk if want[i] == "raw" else Encoded.of(chunk, want[i]))
-            return out
-        try:
-            made = await asyncio.to_thread(transcode)
-        except FrameError:
-            self.counters["corrupt_detected"] += 1
-            return helds           # the reader verifies and reports; nothing wrong is decoded
+            return out, None
+        made, bad = await asyncio.to_thread(transcode)
         out = list(helds)
         for i, obj in zip(todo, made):
             out[i] = Held.of(obj)
-        self.counters["transcoded"] += len(todo)
-        return out
+        self.counters["transcoded"] += len(made)
+        if bad is None:
+            return out, len(out)
+        self.counters["corrupt_dropped"] += 1
+        self.main.discard(helds[bad].key)
+        self.hot.discard(helds[bad].key)
+        return out, bad
 
     async def _keep(self, items):
         """Keep chunks that came from elsewhere if this edge owns them or its region reads them hot.
@@ -593,7 +630,9 @@ class EdgeNode:
             else:
                 continue
             if self.store_codec != "raw" or held.codec != "raw":
-                later.append((key, held, tier, counter))   # encoding: not on the reader's time
+                if key not in self._keeping and key not in tier:
+                    self._keeping.add(key)                 # one encode per key at a time
+                    later.append((key, held, tier, counter))   # encoding: not on the reader's time
                 continue
             held = await self._own_copy(held)
             if held is not None and tier.put(key, held):
@@ -607,11 +646,12 @@ class EdgeNode:
         for key, held, tier, counter in items:
             try:
                 held = await self._own_copy(held)
+                if held is not None and tier.put(key, held):
+                    self.counters[counter] += 1
             except Exception:  # noqa: BLE001 - a copy not kept is fetched again next time
                 self.counters["keep_errors"] += 1
-                continue
-            if held is not None and tier.put(key, held):
-                self.counters[counter] += 1
+            finally:
+                self._keeping.discard(key)
 
     async def _load_batch(self, keys) -> dict:
         """Load keys from owners nearest first, then the origin: one call per source per round."""

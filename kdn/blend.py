@@ -321,6 +321,7 @@ class SegmentFetch:
     sources: list
     edge: str
     seconds: float
+    exact: bool = True  # False when some chunk came through a lossy codec (kdn.codecs)
 
 
 def _fetch_keys(client, keys, what: str, manifest=None) -> SegmentFetch:
@@ -335,14 +336,15 @@ def _fetch_keys(client, keys, what: str, manifest=None) -> SegmentFetch:
         raise NetworkError(f"{what}: the network holds {len(reply['chunks'])} of its {len(keys)} "
                            "chunks (not published under this tenant and model, or lost)")
     sums = manifest.sum_of() if manifest is not None and getattr(manifest, "sums", None) else {}
-    chunks, _, bad = client._resolve(keys, reply["chunks"], edge, sums)
+    chunks, exact, bad = client._resolve(keys, reply["chunks"], edge, sums)
     if bad:
-        raise NetworkError(f"{what}: chunk {bad[0]} from edge {edge} fails its checksum")
+        raise NetworkError(f"{what}: chunk {keys[bad[0]].hex()} from edge {edge} fails its checksum")
     kv = chunks[0].kv if len(chunks) == 1 else np.concatenate([c.kv for c in chunks], axis=3)
     seconds = time.perf_counter() - t0
     stats["segments_fetched"] += 1
     stats["segment_fetch_s"] += seconds
-    return SegmentFetch(kv=kv, keys=keys, sources=list(sources), edge=edge, seconds=seconds)
+    return SegmentFetch(kv=kv, keys=keys, sources=list(sources), edge=edge, seconds=seconds,
+                        exact=all(exact))
 
 
 def fetch_segment(client, tokens) -> SegmentFetch:

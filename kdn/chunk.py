@@ -545,32 +545,47 @@ class Encoded:
         return (f"Encoded(key={self.key.hex()}, codec={self.codec}, "
                 f"{self.nbytes} of {self.raw} bytes)")
 
+    @staticmethod
+    def _exact(header) -> bool:
+        """Lossless codec, or a lossy one that kept the raw bytes (payload as long as the KV)."""
+        from kdn.codecs import LOSSY
+        return header["codec"] not in LOSSY or header["nbytes"] == header["raw"]
+
     @classmethod
     def of(cls, chunk: Chunk, codec: str) -> "Encoded":
         """chunk as one frame in codec (kdn.codecs; "raw" is allowed: a frame of the raw KV)."""
-        from kdn.codecs import LOSSY
-        frame = np.frombuffer(encode(chunk, codec), dtype=np.uint8)
-        return cls(chunk.key, chunk.ns, codec, chunk.dtype, chunk.nbytes, codec not in LOSSY, frame)
+        return cls.from_frame(encode(chunk, codec))
 
     @classmethod
     def from_frame(cls, buf) -> "Encoded":
         """An Encoded around one frame (its header checked, its payload not yet)."""
-        from kdn.codecs import LOSSY
         header, off = read_header(buf)
         frame = np.frombuffer(buf, dtype=np.uint8)
         if frame.nbytes != frame_size(header, off):
             raise _reject(BadLength, f"buffer of {frame.nbytes} bytes is not one frame of "
                                      f"{frame_size(header, off)}")
         return cls(header["key"], header["ns"], header["codec"], header["dtype"], header["raw"],
-                   header["codec"] not in LOSSY, frame)
+                   cls._exact(header), frame)
+
+    def verify(self) -> None:
+        """Check the frame's header and payload checksums without decoding (FrameError if not)."""
+        header, off = read_header(self.frame)
+        payload = memoryview(self.frame)[off:frame_size(header, off)]
+        if xxhash.xxh3_64_intdigest(payload) != header["xxh"]:
+            raise _reject(ChecksumMismatch, f"payload checksum mismatch for chunk {self.key.hex()}")
 
     def decode(self) -> Chunk:
-        """The chunk, its frame fully verified (header and payload checksums, codec format)."""
-        chunk = decode(self.frame)
-        if chunk.key != self.key or chunk.ns != self.ns:
-            raise _reject(BadHeader, f"frame holds chunk {chunk.key.hex()}, "
-                                     f"not {self.key.hex()} it was kept as")
-        return chunk
+        """The chunk, its frame fully verified (header and payload checksums, codec format)
+        and consistent with what this object says it is."""
+        header, _ = read_header(self.frame)
+        said = (self.key, self.ns, self.codec, self.dtype, self.raw, self.exact)
+        found = (header["key"], header["ns"], header["codec"], header["dtype"], header["raw"],
+                 self._exact(header))
+        if said != found:
+            raise _reject(BadHeader, f"frame of chunk {header['key'].hex()} ({header['codec']}, "
+                                     f"{header['dtype']}) is not the one it was kept as "
+                                     f"({self.key.hex()}, {self.codec}, {self.dtype})")
+        return decode(self.frame)
 
 
 def as_chunk(obj) -> Chunk:

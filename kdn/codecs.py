@@ -399,6 +399,12 @@ def _quant_decoder(name: str, kbits: int, vbits: int, entropy: bool, kg: int, vg
         dtype = header["dtype"]
         head = take(nexact, np.float16 if dtype == "float32" else DTYPES[dtype][0], (L, 2, H, exact, D))
         stream = take(nlev, np.uint8, (nlev,))
+        for what, arr in (("key mins", kmin), ("key scales", kscale), ("value mins", vmin),
+                          ("value scales", vscale)):
+            if not np.isfinite(arr).all():
+                raise _bad(f"{name} payload holds non-finite {what}")
+        if exact and dtype != "bfloat16" and not np.isfinite(head).all():
+            raise _bad(f"{name} payload holds non-finite exact-token values")
         n = L * 2 * H * T * D
         q = (_unpack4(stream, n) if packed else stream).reshape(L, 2, H, T, D)
         if packed and nlev * 2 > n and stream[-1] >> 4:
@@ -515,7 +521,8 @@ def check_accept(accept) -> tuple:
     from kdn.chunk import codecs as registered
     if accept is None:
         return LOSSLESS
-    if isinstance(accept, str) or not all(isinstance(c, str) for c in accept):
+    if not isinstance(accept, (list, tuple, set, frozenset)) or \
+            not all(isinstance(c, str) for c in accept):
         raise BadRequest(f"accept must be a list of codec names, got {accept!r:.80}")
     unknown = [c for c in accept if c not in registered()]
     if unknown:

@@ -198,7 +198,7 @@ class EdgeHTTPClient:
             self.close()
             raise NetworkError(f"edge {self.url}: fetch body ended after {got} of {n} bytes")
         buf.flags.writeable = False
-        chunks, used = self._frames(memoryview(buf), keys, ns)
+        chunks, used, exact = self._frames(memoryview(buf), keys, ns)
         sources = [s for s in (resp.getheader("X-KDN-Sources") or "").split(",") if s]
         if len(sources) != len(chunks) or resp.getheader("X-KDN-Chunks") != str(len(chunks)):
             raise NetworkError(f"edge {self.url} sent {len(chunks)} frames but headers say "
@@ -215,7 +215,7 @@ class EdgeHTTPClient:
         return Fetched(keys=keys[:len(chunks)], chunks=chunks, sources=sources,
                        tokens=sum(c.tokens for c in chunks), nbytes=nbytes,
                        edge=resp.getheader("X-KDN-Edge"), seconds=time.perf_counter() - t0,
-                       exact=not any(c in LOSSY for c in used), wire_bytes=n, codecs=counts)
+                       exact=all(exact), wire_bytes=n, codecs=counts)
 
     def _receive_buffer(self, n: int) -> np.ndarray:
         """A writable n-byte buffer: the previous one if no chunk (or anything) still views it.
@@ -236,8 +236,8 @@ class EdgeHTTPClient:
         return b[:n]
 
     def _frames(self, mv: memoryview, keys, ns) -> tuple:
-        """(verified chunks, the codec of each frame)."""
-        chunks, used, off = [], [], 0
+        """(verified chunks, the codec of each frame, whether each holds the exact KV)."""
+        chunks, used, exact, off = [], [], [], 0
         while off < len(mv):
             header, poff = read_header(mv[off:])
             end = off + frame_size(header, poff)
@@ -251,8 +251,9 @@ class EdgeHTTPClient:
                                    f"not the key asked for")
             chunks.append(chunk)
             used.append(header["codec"])
+            exact.append(header["codec"] not in LOSSY or header["nbytes"] == header["raw"])
             off = end
-        return chunks, used
+        return chunks, used, exact
 
     def fetch_tokens(self, tokens, tenant: str, fingerprint: str, kb: str = None,
                      region: str = None, codec: str = None) -> Fetched:

@@ -246,3 +246,59 @@ def test_http_sends_a_stored_frame_as_it_is(ray_cluster, tmp_path, synth, networ
         assert as_stored.wire_bytes < 0.6 * raw.wire_bytes
     finally:
         stop_network(net)
+
+
+def test_a_corrupt_copy_is_never_encoded_lossy_for_a_reader(ray_cluster, tmp_path, synth, network_name):
+    """A lossy frame cannot be checked against the manifest: the edge checks before encoding."""
+    toks, kv = synth.tokens(1024, seed=6), model_like_kv(synth, 1024, seed=6)
+    net = start_network(_thin_link_topology(("us-east",)), tmp_path / "o", network=network_name,
+                        replicas=1, edge_options={"fault_injection": True})
+    try:
+        cl = _client(net)
+        cl.publish("kb", [("d", toks)], kv)
+        keys, _ = cl.keys_for(toks, "kb")
+        edge = net.edge("us-east-0")
+        assert ray.get(edge.inject_corruption.remote(keys[1]), timeout=30)
+        got = ray.get(_worker_fetch.options(label_selector={"region": "eu-west"})
+                      .remote(net.name, toks, ["q8z"]), timeout=120)
+        assert got["codecs"] == {"q8z": 4} and got["sources"][1] == "origin", got["sources"]
+        assert np.abs(got["kv"] - kv).max() < 0.05 * np.abs(kv).max()
+        st = ray.get(edge.stats.remote(), timeout=30)["counters"]
+        assert st["corrupt_dropped"] == 1 and st["corrupt_detected"] >= 1
+    finally:
+        stop_network(net)
+
+
+def test_http_never_sends_a_corrupt_stored_frame(ray_cluster, tmp_path, synth, network_name):
+    toks, kv = synth.tokens(512, seed=7), model_like_kv(synth, 512, seed=7)
+    topo = Topology.default_local(["us-east"], edges_per_region=1, capacity_bytes=64 * CHUNK_BYTES)
+    net = start_network(topo, tmp_path / "o", network=network_name, replicas=1, http=True,
+                        edge_options={"store_codec": "zstd", "fault_injection": True})
+    try:
+        cl = _client(net)
+        cl.publish("kb", [("d", toks)], kv)
+        keys, _ = cl.keys_for(toks, "kb")
+        edge = net.edge("us-east-0")
+        url = ray.get(edge.ping.remote(), timeout=30)["http"]
+        assert ray.get(edge.inject_corruption.remote(keys[1]), timeout=30)
+        ns = namespace_digest("default", FP)
+        with EdgeHTTPClient(url) as h:
+            got = h.fetch(keys, ns, codec="zstd")      # the bad copy dropped, refetched
+        assert len(got.chunks) == 2 and got.exact and np.array_equal(_kv(got), kv)
+        assert got.sources == ["local", "origin"]
+        assert ray.get(edge.stats.remote(), timeout=30)["counters"]["corrupt_dropped"] == 1
+    finally:
+        stop_network(net)
+
+
+def test_a_lossy_codec_that_kept_the_raw_bytes_is_exact():
+    kv = np.full((2, 2, 2, 256, 8), np.inf, np.float32)      # not quantizable: stored raw
+    e = Encoded.of(Chunk(b"k" * 16, b"n" * 16, kv, "float32"), "q8z")
+    assert e.codec == "q8z" and e.exact and e.nbytes > kv.nbytes
+    assert np.array_equal(e.decode().kv, kv)
+
+
+def test_accept_must_be_a_list_of_names():
+    for bad in (5, "q8z", (c for c in ["q8z"]), [1]):
+        with pytest.raises(BadRequest, match="accept must be a list of codec names"):
+            check_accept(bad)
