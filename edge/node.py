@@ -680,10 +680,14 @@ class EdgeNode:
             pending = [k for k in pending if k not in result]
             rnd += 1
         if pending:
-            got = await self._call_origin("get_chunks", pending)
+            got = await self._call_origin("get_chunks", pending) or [None] * len(pending)
+            if any(isinstance(c, Encoded) for c in got):   # decoding to verify: off the loop
+                ok = await asyncio.to_thread(lambda: [c is not None and self._verified(c) for c in got])
+            else:
+                ok = [c is not None and self._verified(c) for c in got]
             origin_chunks = {}
-            for k, c in zip(pending, got or [None] * len(pending)):
-                if c is not None and c.key == k and self._verified(c):
+            for k, c, good in zip(pending, got, ok):
+                if good and c.key == k:
                     result[k] = (Held.of(c), "origin")
                     origin_chunks[k] = c
             for e, ks in lacking.items():      # read repair, after the reply is on its way

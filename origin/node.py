@@ -324,7 +324,7 @@ class OriginNode:
 
         async def flush(batch):
             async with sem:
-                chunks = await asyncio.to_thread(lambda: [self.store.get(k) for k in batch])
+                chunks = await asyncio.to_thread(self._outgoing, batch)
                 ok = await self._call(edge, "put_chunks", chunks, role=role, pin=pin, ttl_s=ttl_s)
                 return len(batch) if ok is not None else 0
 
@@ -357,18 +357,28 @@ class OriginNode:
         return moved
 
     # --- reads (edges' pull-through, operators) ------------------------------------------
-    async def get_chunks(self, keys, token=None) -> list:
-        """Chunks for `keys` (None where absent or found corrupt: a corrupt copy is never served)."""
-        self.tokens.check_admin(token, "get_chunks")
-        def read():
-            out = []
-            for k in keys:
-                try:
+    def _outgoing(self, keys) -> list:
+        """What goes to edges for keys: Chunks from a raw store; from a compressed one the
+        stored frames as they are (kdn.chunk.Encoded: fewer bytes on the wire, no decoding
+        here, and an edge storing the same codec keeps them without re-encoding). None where
+        absent or corrupt (never sent). Disk work: call it in a thread."""
+        out = []
+        for k in keys:
+            try:
+                if self.store.codec == "raw":
                     out.append(self.store.get(k))
-                except StoreError:
-                    out.append(None)
-            return out
-        chunks = await asyncio.to_thread(read)
+                else:
+                    e = self.store.get_encoded(k)
+                    out.append(e.decode() if e.codec == "raw" else e)
+            except StoreError:
+                out.append(None)
+        return out
+
+    async def get_chunks(self, keys, token=None) -> list:
+        """Chunks for `keys` (None where absent or found corrupt: a corrupt copy is never served);
+        Encoded frames where the store is compressed."""
+        self.tokens.check_admin(token, "get_chunks")
+        chunks = await asyncio.to_thread(self._outgoing, keys)
         self.counters["chunks_served"] += sum(c is not None for c in chunks)
         return chunks
 

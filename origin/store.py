@@ -31,7 +31,7 @@ import re
 import threading
 from pathlib import Path
 
-from kdn.chunk import MAX_HEADER, Chunk, codecs, decode, encode_parts, read_header
+from kdn.chunk import MAX_HEADER, Chunk, Encoded, codecs, decode, encode_parts, read_header
 from kdn.errors import (ChunkNotFound, CorruptChunk, FrameError, ManifestError, StoreError,
                         VersionNotFound)
 from kdn.keys import KEY_BYTES
@@ -211,6 +211,29 @@ class ChunkStore:
     def get(self, key: bytes) -> Chunk:
         """The chunk, checksum verified; ChunkNotFound if absent, CorruptChunk if it fails."""
         return self._read(key)[1]
+
+    def get_encoded(self, key: bytes) -> Encoded:
+        """The chunk as its stored frame (kdn.chunk.Encoded), to send on in the codec it is
+        stored in: header and payload checksums verified, the payload not decoded."""
+        key = _check_key(key)
+        path = self._chunk_path(key)
+        try:
+            with open(path, "rb") as f:
+                buf = f.read()
+        except FileNotFoundError:
+            raise ChunkNotFound(f"chunk {key.hex()} is not stored") from None
+        try:
+            e = Encoded.from_frame(buf)
+            e.verify()
+        except FrameError as ex:
+            self._note_corrupt()
+            raise CorruptChunk(f"chunk {key.hex()} is corrupt in {path}: {ex}") from None
+        if e.key != key:
+            self._note_corrupt()
+            raise CorruptChunk(f"chunk {key.hex()} is corrupt in {path}: the file holds key {e.key.hex()}")
+        with self._lock:
+            self._reads += 1
+        return e
 
     def get_frame(self, key: bytes) -> bytes:
         """The chunk's verified frame bytes, to send on without re-encoding."""

@@ -302,3 +302,26 @@ def test_accept_must_be_a_list_of_names():
     for bad in (5, "q8z", (c for c in ["q8z"]), [1]):
         with pytest.raises(BadRequest, match="accept must be a list of codec names"):
             check_accept(bad)
+
+
+def test_a_compressed_origin_sends_its_stored_frames(ray_cluster, tmp_path, synth, network_name):
+    """Origin zstd, edges zstd: frames go out as stored and are kept without re-encoding;
+    an edge storing raw decodes them; readers get the exact KV either way."""
+    toks, kv = synth.tokens(1024, seed=8), model_like_kv(synth, 1024, seed=8)
+    for store in ("zstd", "raw"):
+        net = _one_edge_net(tmp_path, f"{network_name}{store}", store, origin_codec="zstd")
+        try:
+            cl = _client(net)
+            cl.publish("kb", [("d", toks)], kv)
+            st = ray.get(net.edge("us-east-0").stats.remote(), timeout=30)
+            assert st["counters"].get("stored_encoded", 0) == 0, "nothing re-encoded at the edge"
+            f = cl.fetch(toks)
+            assert f.exact and np.array_equal(_kv(f), kv)
+            if store == "zstd":     # all 4 fit compressed; they arrived and stay as stored
+                assert st["main"]["items"] == 4 and f.codecs == {"zstd": 4}
+                assert f.sources == ["local"] * 4
+            else:                   # 3 fit raw; the 4th comes from the origin as its frame
+                assert st["main"]["items"] == 3 and f.codecs == {"raw": 3, "zstd": 1}
+                assert f.sources.count("origin") == 1
+        finally:
+            stop_network(net)

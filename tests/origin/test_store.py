@@ -178,12 +178,14 @@ def test_corrupt_chunk_is_never_served(tmp_path):
         s.get(victim)
     with pytest.raises(CorruptChunk):
         s.get_frame(victim)
+    with pytest.raises(CorruptChunk, match="payload checksum mismatch"):
+        s.get_encoded(victim)                        # checked without decoding, still caught
     assert s.verify() == [victim]
     # A whole, valid frame of another key under this name is corrupt too.
     path.write_bytes(encode(chunks_of(v1)[6]))
     with pytest.raises(CorruptChunk, match=f"the file holds key {v1.keys[6].hex()}"):
         s.get(victim)
-    assert s.stats()["corrupt_detected"] == 4
+    assert s.stats()["corrupt_detected"] == 5
     assert s.get(v1.keys[4]).equal(chunks_of(v1)[4])
 
 
@@ -324,3 +326,13 @@ def test_a_full_disk_fails_the_write_cleanly_and_harms_nothing(tmp_path, monkeyp
     assert reopened.manifest(m.ns, "kb").version == v1.version
     assert all(reopened.get(c.key).equal(c) for c in chunks) and reopened.verify() == []
     assert reopened.put(c2)                       # with space again, the retry stores it
+
+
+def test_a_compressed_store_hands_out_its_frames_as_stored(tmp_path):
+    s = ChunkStore(tmp_path, codec="zstd")
+    v1 = publish(s, kb())
+    e = s.get_encoded(v1.keys[0])
+    assert e.codec == "zstd" and e.exact and e.key == v1.keys[0]
+    assert e.decode().equal(s.get(v1.keys[0]))
+    with pytest.raises(ChunkNotFound):
+        s.get_encoded(b"\x01" * 16)
