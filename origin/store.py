@@ -184,14 +184,18 @@ class ChunkStore:
             _fsync_dir(path.parent)
         return True
 
-    def _read(self, key: bytes):
+    def _file(self, key: bytes) -> tuple:
+        """(key, path, the file's bytes); ChunkNotFound if absent."""
         key = _check_key(key)
         path = self._chunk_path(key)
         try:
             with open(path, "rb") as f:
-                buf = f.read()
+                return key, path, f.read()
         except FileNotFoundError:
             raise ChunkNotFound(f"chunk {key.hex()} is not stored") from None
+
+    def _read(self, key: bytes):
+        key, path, buf = self._file(key)
         try:
             chunk = decode(buf, verify=True)
         except FrameError as e:
@@ -215,13 +219,7 @@ class ChunkStore:
     def get_encoded(self, key: bytes) -> Encoded:
         """The chunk as its stored frame (kdn.chunk.Encoded), to send on in the codec it is
         stored in: header and payload checksums verified, the payload not decoded."""
-        key = _check_key(key)
-        path = self._chunk_path(key)
-        try:
-            with open(path, "rb") as f:
-                buf = f.read()
-        except FileNotFoundError:
-            raise ChunkNotFound(f"chunk {key.hex()} is not stored") from None
+        key, path, buf = self._file(key)
         try:
             e = Encoded.from_frame(buf)
             e.verify()
