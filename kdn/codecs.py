@@ -178,13 +178,14 @@ def _zstd_decode(payload, header) -> np.ndarray:
 # value_group u16 | exact tokens u16 | body. The body (zstd-compressed when entropy): key mins,
 # key scales [L, H, key groups, D] fp16, value mins, value scales [L, H, T, value groups] fp16,
 # the first `exact` tokens' KV [L, 2, H, exact, D] in fp16 (bf16 chunks: bf16), then the
-# levels in [L, 2, H, T, D] order: two per byte when keys and values are both 4 bits (the
-# low nibbles hold the first half of the levels, the high nibbles the second half, so
-# unpacking is two contiguous passes instead of an interleave), else one byte each (8 bits,
-# or narrower levels under entropy coding: zstd's Huffman stage then spends about their
-# entropy on each, so no bit packing is needed).
-# v1 (written before the exact tokens existed) is the same without the exact-tokens field
-# and section; it still decodes.
+# levels: every key level [L, H, T, D], then every value level [L, H, T, D] (apart, zstd's
+# Huffman tables fit each kind: k4v3z 7.8% smaller than interleaved), two per byte when keys
+# and values are both 4 bits (the low nibbles hold the first half of the levels, the high
+# nibbles the second half, so unpacking is two contiguous passes instead of an interleave),
+# else one byte each (8 bits, or narrower levels under entropy coding: zstd's Huffman stage
+# then spends about their entropy on each, so no bit packing is needed).
+# v1 (written before the exact tokens existed) has no exact-tokens field or section, and its
+# levels interleave keys and values in [L, 2, H, T, D] order; it still decodes.
 #
 # Why exact tokens: a chunk's first token may be its sequence's first, the attention sink
 # (StreamingLLM; IntactKV keeps such "pivot" tokens intact for the same reason) that every
@@ -326,8 +327,8 @@ def _quant_encoder(kbits: int, vbits: int, entropy: bool, kg: int, vg: int):
             keys[:, :, :exact] = keys[:, :, exact:exact + 1]
         kq, kmin, kscale = _quantize(keys, 2, kg, (1 << kbits) - 1)
         vq, vmin, vscale = _quantize(x[:, 1], 3, vg, (1 << vbits) - 1)
-        q = np.stack([kq, vq], axis=1)
-        stream = _pack4(q) if packed else q.reshape(-1)
+        q = np.concatenate([kq.reshape(-1), vq.reshape(-1)])   # v2: all keys, then all values
+        stream = _pack4(q) if packed else q
         head = kv[:, :, :, :exact]
         head = head.astype(np.float16) if dtype == "float32" else np.ascontiguousarray(head)
         body = b"".join([kmin.tobytes(), kscale.tobytes(), vmin.tobytes(), vscale.tobytes(),
@@ -406,20 +407,25 @@ def _quant_decoder(name: str, kbits: int, vbits: int, entropy: bool, kg: int, vg
         if exact and dtype != "bfloat16" and not np.isfinite(head).all():
             raise _bad(f"{name} payload holds non-finite exact-token values")
         n = L * 2 * H * T * D
-        q = (_unpack4(stream, n) if packed else stream).reshape(L, 2, H, T, D)
+        flat = _unpack4(stream, n) if packed else stream
+        if version == 1:      # levels in [L, 2, H, T, D] order
+            q = flat.reshape(L, 2, H, T, D)
+            kq, vq = q[:, 0], q[:, 1]
+        else:                 # all key levels, then all value levels
+            kq, vq = flat[:n // 2].reshape(L, H, T, D), flat[n // 2:].reshape(L, H, T, D)
         if packed and nlev * 2 > n and stream[-1] >> 4:
             raise _bad(f"{name} payload's padding nibble is {stream[-1] >> 4}, not 0")
         if not packed:
             for kind, bits in ((0, kbits), (1, vbits)):
-                top = int(q[:, kind].max()) if bits < 8 else 0
+                top = int((vq if kind else kq).max()) if bits < 8 else 0
                 if top >= 1 << bits:
                     raise _bad(f"{name} payload holds level {top} in its "
                                f"{'values' if kind else 'keys'}, over the {bits}-bit maximum "
                                f"{(1 << bits) - 1}")
         out = np.empty(_shape(header), DTYPES[dtype][0])
         work = out if dtype == "float32" else np.empty(out.shape, np.float32)
-        _dequantize(q[:, 0], kmin, kscale, 2, kg, work[:, 0])
-        _dequantize(q[:, 1], vmin, vscale, 3, vg, work[:, 1])
+        _dequantize(kq, kmin, kscale, 2, kg, work[:, 0])
+        _dequantize(vq, vmin, vscale, 3, vg, work[:, 1])
         _to_storage(work, dtype, out)
         if exact:
             out[:, :, :, :exact] = head     # fp16 -> fp32, or the bf16/fp16 bits as they were
