@@ -10,6 +10,7 @@ zstd-compressed levels plus side information, against fp16. Variants:
   token over 64 channels), with and without each chunk's first token exact (format v2);
 - value codebooks: normal-float (NF, levels at normal quantiles) instead of uniform;
 - rotation: a random-sign 64x64 Hadamard applied to values (and keys) before quantizing;
+- per-layer bits: 4-bit values in the first third of the layers, 3-bit after;
 - --layers: per-layer sensitivity, one layer's K or V quantized (k4v3) at a time.
 
 The findings are in the closing note of issue 7 and in kdn/codecs.py's comments.
@@ -52,6 +53,16 @@ def _nf(axis, bits):
         half[half == 0] = 1
         idx = np.abs(((a - mid) / half)[..., None] - cb).argmin(-1).astype(np.uint8)
         return cb[idx] * half + mid, [idx, mid.astype(np.float16), half.astype(np.float16)]
+    return f
+
+
+def _by_layer_third(first, rest):
+    """Values of the first third of the layers quantized by `first`, the others by `rest`."""
+    def f(a):
+        cut = a.shape[0] // 3
+        d1, p1 = first(a[:cut])
+        d2, p2 = rest(a[cut:])
+        return np.concatenate([d1, d2]), p1 + p2
     return f
 
 
@@ -142,6 +153,7 @@ def main(argv=None):
                 ("k4v3 + first token exact (k4v3z)", k128, v3, True),
                 ("k4v4 (q4z v1: no exact token)", k64, v4, False),
                 ("k4v4 + first token exact (q4z)", k64, v4, True),
+                ("k4v3, 4-bit values in the first third of layers", k128, _by_layer_third(v4, v3), True),
                 ("k4v3, NF values", k128, _nf(3, 3), True),
                 ("k4v4, NF values", k128, _nf(3, 4), True)]
     if r is not None:
