@@ -43,7 +43,8 @@ import xxhash
 from aiohttp import web
 
 from kdn.chunk import Chunk, Encoded, as_chunk, codecs, encode_parts
-from kdn.codecs import LOSSLESS, choose_codec
+from kdn.codecs import LOSSLESS
+from kdn.transfer import choose_codec
 from kdn.env import is_loopback
 from kdn.errors import AccessDenied, BadRequest, BadTokens, FrameError
 from kdn.keys import KEY_BYTES, namespace_digest

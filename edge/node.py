@@ -40,12 +40,13 @@ import time
 
 import numpy as np
 
-from kdn.cluster import NAMESPACE, edge_actor_name, origin_name
+from kdn.names import NAMESPACE, edge_actor_name, origin_name
 from kdn.edge.cache import ChunkCache
 from kdn.edge.singleflight import Group
 from kdn.auth import Tokens
 from kdn.chunk import Chunk, Encoded, codecs as registered_codecs
-from kdn.codecs import LOSSLESS, LOSSY, PROFILE, check_accept, choose_codec
+from kdn.codecs import LOSSLESS, LOSSY
+from kdn.transfer import PROFILE, check_accept, check_store_codec as _check_codec, choose_codec
 from kdn.errors import AccessDenied, BadRequest, FrameError, PinCapacityError
 from kdn.keys import namespace_digest
 from kdn.manifest import Manifest
@@ -92,11 +93,7 @@ class Held:
 
 
 def check_store_codec(codec: str) -> str:
-    """An edge's store_codec: "raw" or a registered codec (lossless or, deliberately, lossy)."""
-    if not isinstance(codec, str) or codec not in registered_codecs():
-        raise BadRequest(f"edge store_codec must be one of {', '.join(registered_codecs())}, "
-                         f"got {codec!r:.60}")
-    return codec
+    return _check_codec(codec, "edge")
 
 
 

@@ -22,8 +22,13 @@ subclass naming what is wrong — never a crash, never a silently wrong tensor. 
 zero-copy: the chunk's kv is a view of the caller's buffer (read-only when the buffer is
 bytes), and verifying costs one xxh3 pass, faster than a memory copy.
 
-Codecs are pluggable (register_codec); "raw" — the kv bytes themselves — is defined here,
-the compressed ones in kdn.codecs, imported at the end of this module so every reader knows them.
+Codecs are pluggable (kdn.codecs is the table; "raw" is the kv bytes themselves).
+
+Chunk and Encoded (a chunk kept as one compressed frame) answer the same questions, so
+tiers, links and readers never ask which one they hold: key, ns, dtype, codec, exact,
+nbytes (what holding or sending it costs), raw (the size of its KV), decode() (the Chunk)
+and verify(expected) (the one place a copy is checked: FrameError unless its bytes are the
+ones named).
 """
 import struct
 import warnings
@@ -34,18 +39,14 @@ import numpy as np
 import torch
 import xxhash
 
+from kdn.codecs import _CODECS, LOSSY, codecs, register_codec  # noqa: F401 - re-exported
+from kdn.dtypes import DTYPES, TORCH_NAMES
 from kdn.errors import (BadHeader, BadLength, BadRequest, ChecksumMismatch, FrameError,
                         SizeLimitExceeded, TruncatedFrame, UnknownCodec, UnknownDtype,
                         UnknownVersion)
-from kdn.keys import KEY_BYTES
+from kdn.keys import KEY_BYTES, check_key
 
-# name -> (numpy storage dtype, torch dtype, itemsize). Storage is little-endian, as frames are.
-DTYPES = {
-    "float32": (np.dtype("<f4"), torch.float32, 4),
-    "float16": (np.dtype("<f2"), torch.float16, 2),
-    "bfloat16": (np.dtype("<u2"), torch.bfloat16, 2),
-}
-_TORCH_NAMES = {tdt: name for name, (_, tdt, _) in DTYPES.items()}
+_TORCH_NAMES = TORCH_NAMES
 
 MAGIC = b"KDNC"
 VERSION = 1
@@ -99,10 +100,7 @@ class Chunk:
 
     def __post_init__(self):
         for name in ("key", "ns"):
-            value = getattr(self, name)
-            if not isinstance(value, (bytes, bytearray, memoryview)) or len(value) != KEY_BYTES:
-                raise BadRequest(f"chunk {name} must be {KEY_BYTES} bytes, got {value!r:.60}")
-            object.__setattr__(self, name, bytes(value))
+            object.__setattr__(self, name, check_key(getattr(self, name), f"chunk {name}"))
         if self.dtype not in DTYPES:
             raise BadRequest(f"chunk dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         kv = self.kv
@@ -121,7 +119,10 @@ class Chunk:
     kv_heads = property(lambda self: self.kv.shape[2])
     tokens = property(lambda self: self.kv.shape[3])
     head_dim = property(lambda self: self.kv.shape[4])
-    nbytes = property(lambda self: self.kv.nbytes)
+    nbytes = property(lambda self: self.kv.nbytes)     # what holding or sending it costs
+    raw = nbytes                                       # the size of its KV
+    codec = "raw"
+    exact = True
 
     def __repr__(self):
         return (f"Chunk(key={self.key.hex()}, layers={self.layers}, kv_heads={self.kv_heads}, "
@@ -196,6 +197,20 @@ class Chunk:
                 out[i, j].copy_(t.reshape(shape))
         return cls.from_torch(key, ns, out)
 
+    def decode(self) -> "Chunk":
+        """The chunk itself (an Encoded decodes its frame)."""
+        return self
+
+    def verify(self, expected: "int | None" = None) -> None:
+        """ChecksumMismatch unless the KV hashes to `expected` (a manifest's per-chunk
+        checksum); with expected None there is nothing to check a bare array against."""
+        if expected is None:
+            return
+        got = self._xxh if self._xxh is not None else self.digest()
+        if got != expected:
+            raise _reject(ChecksumMismatch, f"chunk {self.key.hex()}: its KV hashes to "
+                                            f"{got:016x}, its manifest says {expected:016x}")
+
     def digest(self) -> int:
         """xxh3_64 of the KV bytes, computed now (the raw frame's payload checksum, and the one
         a manifest records per chunk): what end-to-end verification compares."""
@@ -211,45 +226,6 @@ class Chunk:
         a, b = self.kv.reshape(-1).view(np.uint8), other.kv.reshape(-1).view(np.uint8)
         step = 1 << 22
         return all(np.array_equal(a[s:s + step], b[s:s + step]) for s in range(0, a.size, step))
-
-
-# --- codecs ----------------------------------------------------------------------------
-_CODECS = {}
-
-
-def register_codec(name: str, encode_fn, decode_fn):
-    """Make a payload codec available to encode()/decode() by name.
-
-    encode_fn(kv: np.ndarray, dtype: str) -> bytes-like payload (C-contiguous buffer).
-    decode_fn(payload: memoryview, header: dict) -> np.ndarray of shape
-        (layers, 2, heads, tokens, head_dim) and DTYPES[header["dtype"]][0] storage dtype.
-    The header dict holds the fields read_header() returns. Registering a name again with
-    other functions is refused: frames written under a name must keep decoding.
-    """
-    if not isinstance(name, str) or not 0 < len(name) <= 32:
-        raise BadRequest(f"codec name must be a str of 1..32 characters, got {name!r}")
-    if not callable(encode_fn) or not callable(decode_fn):
-        raise BadRequest(f"codec {name!r}: encode_fn and decode_fn must be callable")
-    if name in _CODECS and _CODECS[name] != (encode_fn, decode_fn):
-        raise BadRequest(f"codec {name!r} is already registered with other functions")
-    _CODECS[name] = (encode_fn, decode_fn)
-
-
-def codecs() -> list:
-    """Names of the registered codecs."""
-    return sorted(_CODECS)
-
-
-def _raw_encode(kv, dtype):
-    return memoryview(kv).cast("B")
-
-
-def _raw_decode(payload, header):
-    shape = (header["layers"], 2, header["heads"], header["tokens"], header["head_dim"])
-    return np.frombuffer(payload, dtype=DTYPES[header["dtype"]][0]).reshape(shape)
-
-
-register_codec("raw", _raw_encode, _raw_decode)
 
 
 # --- frames ----------------------------------------------------------------------------
@@ -548,7 +524,6 @@ class Encoded:
     @staticmethod
     def _exact(header) -> bool:
         """Lossless codec, or a lossy one that kept the raw bytes (payload as long as the KV)."""
-        from kdn.codecs import LOSSY
         return header["codec"] not in LOSSY or header["nbytes"] == header["raw"]
 
     @classmethod
@@ -567,7 +542,16 @@ class Encoded:
         return cls(header["key"], header["ns"], header["codec"], header["dtype"], header["raw"],
                    cls._exact(header), frame)
 
-    def verify(self) -> None:
+    def verify(self, expected: "int | None" = None) -> None:
+        """FrameError unless the frame is intact and, for exact KV with an `expected` manifest
+        checksum, decodes to exactly the published KV. Lossy KV is not the published KV by
+        design: only its frame's own checksums (and its format, on decode) can vouch for it."""
+        if expected is not None and self.exact:
+            self.decode().verify(expected)
+        else:
+            self.check_frame()
+
+    def check_frame(self) -> None:
         """Check the frame's header and payload checksums without decoding (FrameError if not)."""
         header, off = read_header(self.frame)
         payload = memoryview(self.frame)[off:frame_size(header, off)]
@@ -590,9 +574,6 @@ class Encoded:
 
 def as_chunk(obj) -> Chunk:
     """A Chunk from a Chunk or an Encoded (decoded and verified)."""
-    return obj.decode() if isinstance(obj, Encoded) else obj
+    return obj.decode()
 
 
-# Every decoder must know every codec: kdn.codecs registers its codecs here. Imported last,
-# as kdn.codecs imports this module.
-import kdn.codecs  # noqa: E402,F401

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kdn.chunk import Chunk, Encoded
-from kdn.cluster import NAMESPACE, edge_actor_name, init_ray, origin_name
+from kdn.cluster import init_ray
+from kdn.names import NAMESPACE, edge_actor_name, origin_name
 from kdn.errors import BadRequest, FrameError, KDNError, ManifestError, NetworkError, NoLiveEdge
 from kdn.keys import CHUNK_TOKENS, as_token_array, namespace_digest
 from kdn.manifest import Manifest, best_prefix
@@ -90,7 +91,7 @@ class Client:
                  fingerprint: str = "unspecified", chunk_tokens: int = CHUNK_TOKENS,
                  token: str = None, admin_token: str = None, accept=None):
         import ray
-        from kdn.codecs import check_accept
+        from kdn.transfer import check_accept
         self.ray = ray
         self.accept = list(check_accept(accept))
         self.node_id = ray.get_runtime_context().get_node_id()

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from kdn.env import prepare_ray_env
 from kdn.errors import KDNError, NetworkError
+from kdn.names import NAMESPACE, edge_actor_name, origin_name
 
-NAMESPACE = "kdn"
 LOOPBACK = "127.0.0.1"   # every node of an embedded cluster, and every driver, binds loopback
 DEFAULT_REGIONS = ("us-east", "eu-west", "ap-south")
 
@@ -30,14 +30,6 @@ DEFAULT_REGIONS = ("us-east", "eu-west", "ap-south")
 def kdn_home() -> Path:
     """Where KDN keeps state by default: $KDN_HOME, else ~/.cache/kdn."""
     return Path(os.environ.get("KDN_HOME") or Path.home() / ".cache" / "kdn")
-
-
-def origin_name(network: str) -> str:
-    return f"{network}:origin"
-
-
-def edge_actor_name(network: str, edge: str) -> str:
-    return f"{network}:edge:{edge}"
 
 
 def ensure_ray_token() -> None:

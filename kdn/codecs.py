@@ -1,7 +1,9 @@
-"""KV codecs: fewer bytes per chunk on the wire and in caches, lossless or quantized.
+"""KV payload codecs: fewer bytes per chunk on the wire and in caches, lossless or quantized.
 
-Each codec is registered into kdn.chunk under its name, so a frame's `codec` field says how
-its payload decodes and any reader decodes any frame (kdn.chunk imports this module last).
+This module is the codec table: a frame's `codec` field names an entry, so any reader
+decodes any frame (kdn.chunk reads the table; "raw", the KV bytes themselves, is one entry).
+Which codec to send over a link, and which ones a reader or a store accepts, is policy:
+kdn.transfer.
 
 - "zstd": lossless. The KV's bytes are split into byte planes (byte i of every element
   together: a float's exponent byte is highly repetitive, its mantissa bytes are noise),
@@ -25,10 +27,6 @@ cannot represent the KV (non-finite values, values beyond fp16 scales) it stores
 bytes themselves; a payload exactly as long as the raw KV is therefore the raw KV, and
 anything shorter is the codec's format, which starts with its own magic and version and
 is checked field by field (a malformed payload raises BadPayload naming the problem).
-
-choose_codec() picks a codec per link: compressing pays only when the transfer time saved
-at the link's bandwidth beats the encode plus decode time by a clear margin (MIN_GAIN); on
-the same node it never does.
 """
 import struct
 import threading
@@ -36,7 +34,7 @@ import threading
 import numpy as np
 import zstandard
 
-from kdn.chunk import DTYPES, register_codec
+from kdn.dtypes import DTYPES
 from kdn.errors import BadRequest, FrameError
 
 
@@ -78,6 +76,45 @@ def _zd() -> zstandard.ZstdDecompressor:
 def _bad(message: str) -> BadPayload:
     stats["rejected"] += 1
     return BadPayload(message)
+
+
+# --- the codec table ----------------------------------------------------------------------------
+_CODECS = {}
+
+
+def register_codec(name: str, encode_fn, decode_fn):
+    """Make a payload codec available to encode()/decode() by name.
+
+    encode_fn(kv: np.ndarray, dtype: str) -> bytes-like payload (C-contiguous buffer).
+    decode_fn(payload: memoryview, header: dict) -> np.ndarray of shape
+        (layers, 2, heads, tokens, head_dim) and DTYPES[header["dtype"]][0] storage dtype.
+    The header dict holds the fields read_header() returns. Registering a name again with
+    other functions is refused: frames written under a name must keep decoding.
+    """
+    if not isinstance(name, str) or not 0 < len(name) <= 32:
+        raise BadRequest(f"codec name must be a str of 1..32 characters, got {name!r}")
+    if not callable(encode_fn) or not callable(decode_fn):
+        raise BadRequest(f"codec {name!r}: encode_fn and decode_fn must be callable")
+    if name in _CODECS and _CODECS[name] != (encode_fn, decode_fn):
+        raise BadRequest(f"codec {name!r} is already registered with other functions")
+    _CODECS[name] = (encode_fn, decode_fn)
+
+
+def codecs() -> list:
+    """Names of the registered codecs."""
+    return sorted(_CODECS)
+
+
+def _raw_encode(kv, dtype):
+    return memoryview(kv).cast("B")
+
+
+def _raw_decode(payload, header):
+    shape = (header["layers"], 2, header["heads"], header["tokens"], header["head_dim"])
+    return np.frombuffer(payload, dtype=DTYPES[header["dtype"]][0]).reshape(shape)
+
+
+register_codec("raw", _raw_encode, _raw_decode)
 
 
 def _shape(header) -> tuple:
@@ -447,120 +484,3 @@ QUANTIZED = {"q8": (8, 8, False, KEY_GROUP, VALUE_GROUP), "q4": (4, 4, False, KE
 register_codec("zstd", _zstd_encode, _zstd_decode)
 for _name, _spec in QUANTIZED.items():
     register_codec(_name, _quant_encoder(*_spec), _quant_decoder(_name, *_spec))
-
-
-# --- choosing a codec per link ------------------------------------------------------------
-# Measured with `kdn bench codecs` on this machine (one core, SmolLM2-135M KV, 256-token
-# chunks): size ratio against the raw bytes per KV dtype, encode and decode GB/s of raw bytes.
-# Lossy ratios are fixed by the format (bits per element plus fp16 scales); "zstd"'s
-# depends on the data. A deployment can pass its own measurements (measure_profile()).
-PROFILE = {
-    "raw": {"ratio": {"float32": 1.0, "float16": 1.0, "bfloat16": 1.0},
-            "encode_gbps": float("inf"), "decode_gbps": float("inf")},
-    "zstd": {"ratio": {"float32": 1.18, "float16": 1.16, "bfloat16": 1.16},
-             "encode_gbps": 1.0, "decode_gbps": 2.4},
-    "q8": {"ratio": {"float32": 3.73, "float16": 1.86, "bfloat16": 1.86},
-           "encode_gbps": 0.8, "decode_gbps": 6.0},
-    "q8z": {"ratio": {"float32": 3.88, "float16": 1.94, "bfloat16": 1.94},
-            "encode_gbps": 0.7, "decode_gbps": 3.0},
-    "q4": {"ratio": {"float32": 7.0, "float16": 3.5, "bfloat16": 3.5},
-           "encode_gbps": 0.9, "decode_gbps": 6.0},
-    "q4z": {"ratio": {"float32": 7.47, "float16": 3.73, "bfloat16": 3.73},
-            "encode_gbps": 0.7, "decode_gbps": 3.7},
-    "k4v3z": {"ratio": {"float32": 8.73, "float16": 4.36, "bfloat16": 4.36},
-              "encode_gbps": 0.6, "decode_gbps": 3.2},
-}
-
-
-MIN_GAIN = 0.9   # re-encoding for a link must be estimated to take <= 90% of sending raw
-
-
-def transfer_seconds(codec: str, nbytes: int, bandwidth_gbps: float, dtype: str = "float32",
-                     stored: str = "raw", profile: dict = None) -> float:
-    """Estimated seconds to move nbytes of KV (raw size) as codec over the link.
-
-    stored: the codec the sender already holds the chunk in (its encode is then free; any
-    other codec costs decoding the stored form first).
-    """
-    profile = profile or PROFILE
-    for name in (codec, stored):
-        if name not in profile:
-            raise BadRequest(f"codec {name!r} has no profile; known: {', '.join(sorted(profile))}")
-    if dtype not in DTYPES:
-        raise BadRequest(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if not bandwidth_gbps > 0:
-        raise BadRequest(f"bandwidth_gbps must be > 0, got {bandwidth_gbps!r}")
-    p = profile[codec]
-    seconds = nbytes / p["ratio"][dtype] / (bandwidth_gbps * 1e9) + nbytes / (p["decode_gbps"] * 1e9)
-    if codec != stored:
-        seconds += nbytes / (p["encode_gbps"] * 1e9)
-        if stored != "raw":
-            seconds += nbytes / (profile[stored]["decode_gbps"] * 1e9)
-    return seconds
-
-
-def choose_codec(nbytes: int, bandwidth_gbps: float, same_node: bool, dtype: str = "float32",
-                 allowed=LOSSLESS, stored: str = "raw", profile: dict = None) -> str:
-    """The codec that moves nbytes of KV over this link soonest: "raw" unless compressing pays.
-
-    Raw on the same node (the object store shares memory: nothing to save). Otherwise each
-    allowed codec's estimated encode + transfer + decode time (transfer_seconds) is compared
-    with sending the bytes as they are. allowed defaults to the lossless codecs: a lossy
-    codec changes the model's output slightly and must be opted into (e.g. allowed=("q8z",)).
-    """
-    if same_node or nbytes <= 0:
-        return "raw"
-    seconds = {name: transfer_seconds(name, nbytes, bandwidth_gbps, dtype, stored, profile)
-               for name in ("raw",) + tuple(allowed)}
-    best = min(seconds, key=seconds.get)
-    # The form needing the least work: the stored one, if allowed (raw always is).
-    keep = stored if stored in seconds else "raw"
-    if best != keep and seconds[best] > MIN_GAIN * seconds[keep]:
-        # A marginal estimated gain is no gain: the profile is measured on a quiet core, and
-        # an edge encoding under load is slower (kdn bench links measured 0.9 s, not 0.2 s,
-        # for 208 MB at a modeled 1% gain). Re-encoding must promise a clear win.
-        return keep
-    return best
-
-
-def check_accept(accept) -> tuple:
-    """The codecs a reader takes besides raw (None: the lossless ones), checked."""
-    from kdn.chunk import codecs as registered
-    if accept is None:
-        return LOSSLESS
-    if not isinstance(accept, (list, tuple, set, frozenset)) or \
-            not all(isinstance(c, str) for c in accept):
-        raise BadRequest(f"accept must be a list of codec names, got {accept!r:.80}")
-    unknown = [c for c in accept if c not in registered()]
-    if unknown:
-        raise BadRequest(f"accept names unknown codec(s) {', '.join(map(repr, unknown))}; "
-                         f"known: {', '.join(registered())}")
-    return tuple(c for c in accept if c != "raw")
-
-
-def measure_profile(kv: np.ndarray, dtype: str, codecs=LOSSLESS + LOSSY, reps: int = 3) -> dict:
-    """PROFILE entries measured on this machine for kv (one chunk): ratio, encode/decode GB/s.
-
-    The ratio is measured for dtype and assumed to scale by itemsize for the other dtypes.
-    """
-    import time
-    from kdn.chunk import _CODECS
-    header = {"layers": kv.shape[0], "heads": kv.shape[2], "tokens": kv.shape[3],
-              "head_dim": kv.shape[4], "dtype": dtype, "raw": kv.nbytes}
-    out = {"raw": PROFILE["raw"]}
-    for name in codecs:
-        enc, dec = _CODECS[name]
-        best_e = best_d = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            payload = memoryview(enc(kv, dtype)).cast("B")
-            t1 = time.perf_counter()
-            dec(payload, dict(header, nbytes=payload.nbytes))
-            t2 = time.perf_counter()
-            best_e, best_d = min(best_e, t1 - t0), min(best_d, t2 - t1)
-        ratio = kv.nbytes / payload.nbytes
-        size = DTYPES[dtype][2]
-        by_dtype = {d: (ratio * DTYPES[d][2] / size if name in LOSSY else ratio) for d in DTYPES}
-        out[name] = {"ratio": by_dtype, "encode_gbps": kv.nbytes / best_e / 1e9,
-                     "decode_gbps": kv.nbytes / best_d / 1e9}
-    return out

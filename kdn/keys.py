@@ -105,16 +105,19 @@ def chunk_spans(n_tokens: int, chunk_tokens: int = CHUNK_TOKENS) -> list:
     return [(s, min(s + c, n)) for s in range(0, n, c)]
 
 
-def _check_key(key, what="key") -> bytes:
+def check_key(key, what: str = "key", error=BadRequest) -> bytes:
+    """key as bytes, or `error` naming what is wrong: every key and namespace digest is
+    KEY_BYTES bytes (chunks, manifests, stores and requests all check with this)."""
     if not isinstance(key, (bytes, bytearray, memoryview)) or len(key) != KEY_BYTES:
-        shown = len(key) if isinstance(key, (bytes, bytearray, memoryview)) else type(key).__name__
-        raise BadRequest(f"{what} must be {KEY_BYTES} bytes, got {shown}")
+        shown = f"{len(key)} bytes" if isinstance(key, (bytes, bytearray, memoryview)) \
+            else type(key).__name__
+        raise error(f"{what} must be {KEY_BYTES} bytes, got {shown}")
     return bytes(key)
 
 
 def extend_key(parent: bytes, tokens) -> bytes:
     """One step of the chain: the key of a chunk of `tokens` whose prefix has key `parent`."""
-    parent = _check_key(parent, "parent key")
+    parent = check_key(parent, "parent key")
     arr = as_token_array(tokens)
     if arr.size == 0:
         raise BadTokens("a chunk holds at least one token, got none")
@@ -123,7 +126,7 @@ def extend_key(parent: bytes, tokens) -> bytes:
 
 def chunk_keys(tokens, ns: bytes, chunk_tokens: int = CHUNK_TOKENS) -> list:
     """One key per chunk_spans() span of tokens, trailing partial chunk included."""
-    key = _check_key(ns, "namespace digest")
+    key = check_key(ns, "namespace digest")
     arr = as_token_array(tokens)
     raw = memoryview(arr).cast("B")
     digest = xxhash.xxh3_128_digest
@@ -153,7 +156,7 @@ def prompt_keys(tokens, ns: bytes, chunk_tokens: int = CHUNK_TOKENS, boundary=No
 
 def key_hex(key: bytes) -> str:
     """The 32-character lowercase hex name of a key."""
-    return _check_key(key).hex()
+    return check_key(key).hex()
 
 
 def key_from_hex(s: str) -> bytes:

@@ -29,7 +29,7 @@ import numpy as np
 import xxhash
 
 from kdn.errors import KDNError, ManifestError
-from kdn.keys import CHUNK_TOKENS, KEY_BYTES, as_token_array, chunk_keys, namespace_digest
+from kdn.keys import CHUNK_TOKENS, KEY_BYTES, as_token_array, check_key, chunk_keys, namespace_digest
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 LAYOUTS = ("prefix", "segments")
@@ -196,13 +196,7 @@ class Manifest:
     def _check_keys(keys) -> tuple:
         if isinstance(keys, (bytes, str)) or not isinstance(keys, (list, tuple)):
             raise ManifestError(f"manifest keys must be a list of {KEY_BYTES}-byte keys, got {type(keys).__name__}")
-        out = []
-        for i, k in enumerate(keys):
-            if not isinstance(k, (bytes, bytearray, memoryview)) or len(k) != KEY_BYTES:
-                shown = f"{len(k)} bytes" if isinstance(k, (bytes, bytearray, memoryview)) else repr(k)[:80]
-                raise ManifestError(f"manifest keys[{i}] must be {KEY_BYTES} bytes, got {shown}")
-            out.append(bytes(k))
-        return tuple(out)
+        return tuple(check_key(k, f"manifest keys[{i}]", ManifestError) for i, k in enumerate(keys))
 
     def _check_documents(self, docs) -> tuple:
         if isinstance(docs, (str, bytes, dict)) or not isinstance(docs, (list, tuple)):

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kdn.dtypes import DTYPES
 from kdn.errors import ModelError
 
 # Nothing KDN loads may come from a model hub: set before transformers reads them.
@@ -55,7 +56,6 @@ STALE_TMP_S = 3600        # a temp conversion dir untouched this long belongs to
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # numpy has no bfloat16: KDN stores it as its uint16 bit pattern (the chunk layout does too).
-NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 stats = {"conversions": 0, "cache_loads": 0, "broken_caches_replaced": 0}
 
@@ -440,7 +440,7 @@ class Model:
         if not 0 <= start <= end <= n:
             raise ModelError(f"KV range [{start}, {end}) is outside the cache's {n} tokens")
         out = np.empty((self.layers, 2, self.kv_heads, end - start, self.head_dim),
-                       dtype=NUMPY_DTYPES[self.kv_dtype])
+                       dtype=DTYPES[self.kv_dtype][0])
         dst = torch.from_numpy(out)
         if self.kv_dtype == "bfloat16":
             dst = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)

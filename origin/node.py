@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgpack
 
-from kdn.cluster import NAMESPACE, edge_actor_name
+from kdn.names import NAMESPACE, edge_actor_name
 from kdn.auth import Tokens
 from kdn.chunk import Chunk
 from kdn.errors import BadRequest, KDNError, ManifestError, StoreError, VersionNotFound
@@ -43,16 +43,8 @@ DOWN_AFTER = 5                   # consecutive misses before its keys are re-hom
 
 def check_store_codec(codec: str) -> str:
     """The origin is the source of truth: it may store chunks compressed, but only losslessly."""
-    from kdn.chunk import codecs as registered
-    from kdn.codecs import LOSSLESS, LOSSY
-    if codec in LOSSY:
-        raise BadRequest(f"the origin cannot store chunks with lossy codec {codec!r}: it holds the "
-                         f"exact KV every copy is checked against; use one of raw, "
-                         f"{', '.join(LOSSLESS)} (lossy codecs are for edges: edge store_codec)")
-    if codec != "raw" and codec not in LOSSLESS:
-        raise BadRequest(f"origin store_codec {codec!r} is not one of raw, {', '.join(LOSSLESS)} "
-                         f"(registered codecs: {', '.join(registered())})")
-    return codec
+    from kdn.transfer import check_store_codec as check
+    return check(codec, "origin")
 
 
 class OriginNode:

@@ -148,43 +148,6 @@ def test_malformed_payload_with_valid_checksum_is_refused(codec, mangle, message
     assert isinstance(info.value, FrameError)
 
 
-def test_choose_codec_by_link():
-    n = 10 << 20
-    assert kc.choose_codec(n, 0.1, same_node=True) == "raw"
-    assert kc.choose_codec(n, 0.02, same_node=False) == "zstd"       # slow WAN: compress
-    assert kc.choose_codec(n, 100.0, same_node=False) == "raw"       # faster than encoding
-    assert kc.choose_codec(n, 0.02, same_node=False, allowed=("q8", "q4", "q4z")) in ("q4", "q4z")
-    assert kc.choose_codec(n, 0.02, same_node=False, allowed=kc.LOSSY) == "k4v3z"   # smallest
-    assert kc.choose_codec(0, 0.02, same_node=False) == "raw"
-    # already stored as q4z: sending it on as is costs no encode, the receiver decodes
-    t_stored = kc.transfer_seconds("q4z", n, 10.0, stored="q4z")
-    assert t_stored < kc.transfer_seconds("q4z", n, 10.0)
-    with pytest.raises(Exception, match="no profile"):
-        kc.choose_codec(n, 1.0, False, allowed=("nope",))
-
-
-def test_choose_codec_re_encodes_only_for_a_clear_gain():
-    n = 10 << 20
-    # at 0.1 GB/s zstd from raw is estimated ~1% faster than raw: not worth re-encoding
-    raw_s = kc.transfer_seconds("raw", n, 0.1)
-    assert kc.transfer_seconds("zstd", n, 0.1) < raw_s
-    assert kc.transfer_seconds("zstd", n, 0.1) > kc.MIN_GAIN * raw_s
-    assert kc.choose_codec(n, 0.1, same_node=False) == "raw"
-    # stored zstd already: sending it as it is costs no encode, and wins
-    assert kc.choose_codec(n, 0.1, same_node=False, allowed=("zstd",), stored="zstd") == "zstd"
-    # stored lossy q8z, reader accepts it: kept even where raw would be as fast
-    assert kc.choose_codec(n, 50.0, same_node=False, allowed=("q8z",), stored="q8z") == "q8z"
-
-
-def test_measured_profile_drives_the_choice():
-    kv = kv_like((2, 2, 2, 64, 64), "float32")
-    prof = kc.measure_profile(kv, "float32", codecs=("zstd", "q4"), reps=2)
-    assert prof["q4"]["ratio"]["float32"] > 6 and prof["q4"]["ratio"]["float16"] > 3
-    assert prof["zstd"]["decode_gbps"] > 0
-    # 1 MB/s: q4's 7x fewer bytes save ~0.9 s, far more than any encode time
-    assert kc.choose_codec(1 << 20, 0.001, False, allowed=("zstd", "q4"), profile=prof) == "q4"
-
-
 @pytest.mark.parametrize("codec", ["zstd", "q8z"])
 def test_store_with_codec_round_trip(tmp_path, codec):
     store = ChunkStore(tmp_path / codec, fsync=False, codec=codec)

@@ -14,7 +14,7 @@ import ray
 from kdn.chunk import Chunk, Encoded, as_chunk, encode
 from kdn.client import Client
 from kdn.cluster import start_network, stop_network
-from kdn.codecs import check_accept
+from kdn.transfer import check_accept
 from kdn.edge.node import check_store_codec
 from kdn.errors import BadRequest, ChecksumMismatch
 from kdn.http_client import EdgeHTTPClient

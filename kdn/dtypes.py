@@ -1,0 +1,15 @@
+"""KV dtypes: each name's numpy storage dtype, torch dtype and size, the one table everyone reads.
+
+numpy has no bfloat16: bf16 KV is stored as uint16 and reinterpreted by torch's
+.view(torch.bfloat16). Storage is little-endian, as frames are.
+"""
+import numpy as np
+import torch
+
+# name -> (numpy storage dtype, torch dtype, itemsize)
+DTYPES = {
+    "float32": (np.dtype("<f4"), torch.float32, 4),
+    "float16": (np.dtype("<f2"), torch.float16, 2),
+    "bfloat16": (np.dtype("<u2"), torch.bfloat16, 2),
+}
+TORCH_NAMES = {tdt: name for name, (_, tdt, _) in DTYPES.items()}
