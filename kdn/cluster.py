@@ -10,18 +10,26 @@ Restart settings are chosen on purpose: an edge restarts (max_restarts=-1) and c
 empty, then refills by pull-through; the origin restarts and comes back from disk.
 
 `kdn up` / `kdn down` use `up()` / `down()`: the embedded cluster's processes outlive the
-`kdn up` process (shutdown_at_exit=False); their pids and the address go to a state file
-so `kdn down` stops exactly what `up` started, and nothing else on the machine.
+`kdn up` process (shutdown_at_exit=False); their pids (with their start times) and the
+address go to a state file so `kdn down` stops exactly what `up` started, and nothing else
+on the machine: a pid reused by another process is never killed. A record whose cluster
+has died (a crash, a reboot) is found out in about a second — its head no longer accepts
+connections — so `kdn status` says so, `kdn down` clears it and `kdn up` replaces it,
+instead of waiting minutes on Ray. Every setting is checked before anything starts.
+
+Each edge gets a fixed HTTP port at start (a free one, chosen here), so an edge actor that
+Ray restarts serves the same URL again and HTTP clients pinned to it keep working.
 """
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kdn.env import prepare_ray_env
 from kdn.errors import KDNError, NetworkError
-from kdn.names import NAMESPACE, edge_actor_name, origin_name
+from kdn.names import NAMESPACE, check_node_name, edge_actor_name, origin_name
 
 LOOPBACK = "127.0.0.1"   # every node of an embedded cluster, and every driver, binds loopback
 DEFAULT_REGIONS = ("us-east", "eu-west", "ap-south")
@@ -135,8 +143,8 @@ def start_edge(network: str, edge, topology, detached: bool = False, capacity_by
                http_port=None, replicas: int = 2, auth=None, **edge_options):
     """Start one edge actor on a node of its region; returns the handle."""
     import ray
-    from kdn.edge.node import check_store_codec
-    check_store_codec(edge_options.get("store_codec", "raw"))
+    from kdn.transfer import check_store_codec
+    check_store_codec(edge_options.get("store_codec", "raw"), "edge")
     cls = ray.remote(_edge_class())
     opts = dict(name=edge_actor_name(network, edge.name), namespace=NAMESPACE, num_cpus=0,
                 max_restarts=-1, max_task_retries=0, max_concurrency=1000,
@@ -148,6 +156,20 @@ def start_edge(network: str, edge, topology, detached: bool = False, capacity_by
                                       capacity_bytes=cap, topology=topology.to_dict(),
                                       http_port=http_port, replicas=replicas,
                                       auth=_auth_dict(auth), **edge_options)
+
+
+def free_ports(n: int, host: str = LOOPBACK) -> list:
+    """n distinct TCP ports that are free on host now (the kernel picks them)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _auth_dict(auth):
@@ -168,10 +190,11 @@ def start_network(topology, root, network: str = "kdn", detached: bool = False,
     Returns when every actor answers.
     """
     import ray
-    from kdn.edge.node import check_store_codec as check_edge_codec
-    from kdn.origin.node import check_store_codec as check_origin_codec
-    check_origin_codec((origin_options or {}).get("store_codec", "raw"))   # before anything starts
-    check_edge_codec((edge_options or {}).get("store_codec", "raw"))
+    from kdn.rpc import failover_errors, remote_error
+    from kdn.transfer import check_store_codec
+    check_node_name(network, "network name")                                # before anything starts
+    check_store_codec((origin_options or {}).get("store_codec", "raw"), "origin")
+    check_store_codec((edge_options or {}).get("store_codec", "raw"), "edge")
     root = str(Path(root).absolute())
     ocls = ray.remote(_origin_class())
     # The origin's store is on one node's disk: where a node is labelled kdn-role=origin (see
@@ -184,17 +207,23 @@ def start_network(topology, root, network: str = "kdn", detached: bool = False,
     if detached:
         opts["lifetime"] = "detached"
     auth = _auth_dict(auth)
+    ports = free_ports(len(topology.edges)) if http else [None] * len(topology.edges)
     origin = ocls.options(**opts).remote(network=network, root=root, topology=topology.to_dict(),
                                          replicas=replicas, auth=auth, **(origin_options or {}))
-    edges = {e.name: start_edge(network, e, topology, detached=detached, http_port=0 if http else None,
+    edges = {e.name: start_edge(network, e, topology, detached=detached, http_port=port,
                                 replicas=replicas, auth=auth, **(edge_options or {}))
-             for e in topology.edges}
+             for e, port in zip(topology.edges, ports)}
     try:
         ray.get([origin.ping.remote()] + [h.ping.remote() for h in edges.values()], timeout=timeout_s)
         ray.get(origin.set_members.remote([(e.name, e.region, e.weight) for e in topology.edges],
                                           token=auth["admin"]), timeout=timeout_s)
-    except Exception as e:
-        raise NetworkError(f"network {network!r} did not start within {timeout_s:.0f} s: {e}") from e
+    except failover_errors() as e:
+        stop_network(network)        # nothing half-started is left behind
+        raise NetworkError(f"network {network!r} did not start within {timeout_s:.0f} s: "
+                           f"{type(e).__name__}: {e}") from None
+    except ray.exceptions.RayTaskError as e:
+        stop_network(network)
+        raise remote_error(e) from None
     return Network(network, topology, origin, edges)
 
 
@@ -245,26 +274,35 @@ def up(topology_file=None, address=None, root=None, network: str = "kdn", http: 
 
     Returns the state written for `kdn down` and `kdn status`.
     """
+    from kdn.auth import Tokens, ensure_admin_token, read_tokens_from_env
     from kdn.placement.topology import Topology
+    from kdn.transfer import check_store_codec
     prepare_ray_env()
-    from kdn.edge.node import check_store_codec as check_edge_codec
-    from kdn.origin.node import check_store_codec as check_origin_codec
-    check_edge_codec(edge_codec)
-    check_origin_codec(origin_codec)
+    # Every setting is checked before anything starts: a bad one must not leave a cluster behind.
+    check_node_name(network, "network name")
+    check_store_codec(edge_codec, "edge")
+    check_store_codec(origin_codec, "origin")
     topo = Topology.from_toml(topology_file) if topology_file else Topology.default_local(list(DEFAULT_REGIONS))
+    readers = read_tokens_from_env()
     root = Path(root) if root else kdn_home() / "origin"
     state = {"network": network, "root": str(root.absolute()), "started": time.time()}
-    if address is None:
-        if state_path().exists():
-            raise KDNError(f"a KDN cluster started by `kdn up` is already recorded in {state_path()}; "
+    stale = None
+    if address is None and state_path().exists():
+        old = read_state()
+        if cluster_alive(old):
+            raise KDNError(f"a KDN cluster started by `kdn up` is running (recorded in {state_path()}); "
                            "run `kdn down` first")
+        stale = _clear_stale(old)
+    auth = {"admin": ensure_admin_token(kdn_home()), "readers": readers}
+    Tokens.from_dict(auth)                       # token lengths checked here, not in an actor
+    if address is None:
         regions = [topo.origin_region] + [r for r in topo.regions if r != topo.origin_region]
         cluster = LocalCluster(regions, shutdown_at_exit=False)
-        state.update(address=cluster.address, pids=cluster.pids(), embedded=True)
+        state.update(address=cluster.address, pids=process_records(cluster.pids()), embedded=True)
     else:
         state.update(address=address, pids=[], embedded=False)
-    from kdn.auth import ensure_admin_token, read_tokens_from_env
-    auth = {"admin": ensure_admin_token(kdn_home()), "readers": read_tokens_from_env()}
+    if stale is not None:
+        state["replaced_stale"] = stale
     try:
         init_ray(state["address"])
         start_network(topo, root, network=network, detached=True, http=http, auth=auth,
@@ -272,18 +310,77 @@ def up(topology_file=None, address=None, root=None, network: str = "kdn", http: 
                       origin_options={"store_codec": origin_codec})
     except BaseException:
         if state["embedded"]:        # nothing recorded yet: stop what this call started
-            _stop_processes(state["pids"])
+            _stop_processes(_ours(state["pids"]))
         raise
     state_path().parent.mkdir(parents=True, exist_ok=True)
     state_path().write_text(json.dumps(state, indent=1))
     return state
 
 
-def read_state() -> dict:
+def read_state(require_alive: bool = False) -> dict:
+    """The record `kdn up` wrote. require_alive: NetworkError at once (not after minutes of
+    Ray retries) when the recorded cluster is not running any more."""
     try:
-        return json.loads(state_path().read_text())
+        state = json.loads(state_path().read_text())
     except FileNotFoundError:
         raise NetworkError("no KDN cluster is recorded: start one with `kdn up`") from None
+    except ValueError:
+        raise NetworkError(f"{state_path()} is not a KDN cluster record (not JSON): remove it, "
+                           "or run `kdn down`") from None
+    if not isinstance(state, dict) or "address" not in state or "network" not in state:
+        raise NetworkError(f"{state_path()} is not a KDN cluster record: remove it, or run `kdn down`")
+    if require_alive and not cluster_alive(state):
+        raise NetworkError(f"the KDN cluster recorded in {state_path()} is not running (its Ray head "
+                           f"at {state['address']} does not answer; the machine rebooted or it "
+                           "crashed): run `kdn down` to clear the record, then `kdn up`")
+    return state
+
+
+def cluster_alive(state: dict, timeout_s: float = 1.0) -> bool:
+    """Whether the recorded cluster's Ray head (its GCS address) accepts connections."""
+    host, _, port = str(state.get("address", "")).rpartition(":")
+    try:
+        with socket.create_connection((host or LOOPBACK, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def process_records(pids) -> list:
+    """[[pid, start time]] for live pids: what `kdn down` checks before it kills anything."""
+    import psutil
+    out = []
+    for pid in pids:
+        try:
+            out.append([pid, psutil.Process(pid).create_time()])
+        except psutil.Error:
+            continue
+    return out
+
+
+def _ours(records) -> list:
+    """The recorded processes still running as the same processes (pid and start time match;
+    a bare pid from an older record is trusted only while its name looks like Ray's)."""
+    import psutil
+    out = []
+    for rec in records:
+        pid, started = (rec, None) if isinstance(rec, int) else (rec[0], rec[1])
+        try:
+            p = psutil.Process(pid)
+            same = (abs(p.create_time() - started) < 0.01 if started is not None
+                    else any(w in " ".join(p.cmdline()) for w in ("ray", "gcs_server", "raylet")))
+        except psutil.Error:
+            continue
+        if same:
+            out.append(pid)
+    return out
+
+
+def _clear_stale(state: dict) -> float:
+    """Stop what is left of a dead recorded cluster (only our processes) and drop its record."""
+    _stop_processes(_ours(state.get("pids", [])))
+    state_path().unlink(missing_ok=True)
+    return state.get("started")
 
 
 def _stop_processes(pids, grace_s: float = 5.0) -> None:
@@ -312,13 +409,13 @@ def _stop_processes(pids, grace_s: float = 5.0) -> None:
 def down() -> dict:
     """Stop what `kdn up` started: the network's actors, then the embedded cluster's processes."""
     state = read_state()
-    try:
+    if cluster_alive(state):
         init_ray(state["address"])
         stop_network(state["network"])
         import ray
         ray.shutdown()
-    except Exception:  # noqa: BLE001 - the cluster may already be gone; still stop processes
-        pass
-    _stop_processes(state.get("pids", []))
+    else:
+        state["was_dead"] = True
+    _stop_processes(_ours(state.get("pids", [])))
     state_path().unlink(missing_ok=True)
     return state

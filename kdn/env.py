@@ -21,8 +21,14 @@ def prepare_ray_env() -> None:
     """Set KDN's Ray environment in this process (and so in every process it starts)."""
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
-    if "ray" in sys.modules:  # ray was imported first: make it re-read its config (auth mode)
+    if "ray" in sys.modules:
+        # ray was imported first: its constants were read from the environment before we
+        # set it. Re-read the ones KDN depends on, or a driver resolves a non-loopback node
+        # address and hangs (ENABLE_RAY_CLUSTER), and re-read the auth mode.
+        from ray._private import ray_constants
         from ray._raylet import Config
+        ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(
+            ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, not ray_constants.IS_WINDOWS_OR_OSX)
         Config.initialize("")
 
 

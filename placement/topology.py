@@ -34,6 +34,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import stat
 import tomllib
 from pathlib import Path
 
@@ -53,9 +56,16 @@ def _num(src, where, v, *, positive=False):
     return float(v)
 
 
+# Region and edge names become Ray actor names, node labels and "peer:<edge>" source
+# strings, so they are plain words: no ':' or '/', no spaces, at most 64 characters.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MAX_FILE_BYTES = 1 << 20      # a topology file is a few KB; never read a device or a log
+
+
 def _name(src, where, v):
-    if not isinstance(v, str) or not v.strip():
-        raise TopologyError(f"{src}: {where}: must be a non-empty string, got {v!r}")
+    if not isinstance(v, str) or not _NAME.fullmatch(v):
+        raise TopologyError(f"{src}: {where}: must be 1-64 letters, digits, '.', '_' or '-' "
+                            f"(starting with a letter or digit), got {v!r:.80}")
     return v
 
 
@@ -100,9 +110,18 @@ class Topology:
     def from_toml(cls, path) -> "Topology":
         path = Path(path)
         try:
-            text = path.read_text()
+            with open(path, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise TopologyError(f"{path}: not a regular file (a topology is a TOML file)")
+                raw = f.read(MAX_FILE_BYTES + 1)
         except OSError as e:
             raise TopologyError(f"{path}: cannot read topology file: {e.strerror or e}") from e
+        if len(raw) > MAX_FILE_BYTES:
+            raise TopologyError(f"{path}: larger than {MAX_FILE_BYTES} bytes: not a topology file")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TopologyError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         try:
             d = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:

@@ -13,7 +13,7 @@ zstd-compressed levels plus side information, against fp16. Variants:
 - per-layer bits: 4-bit values in the first third of the layers, 3-bit after;
 - --layers: per-layer sensitivity, one layer's K or V quantized (k4v3) at a time.
 
-The findings are in the closing note of issue 7 and in kdn/codecs.py's comments.
+The findings are in docs/figures.md (compressed KV) and in kdn/codecs.py's comments.
 """
 import argparse
 import math

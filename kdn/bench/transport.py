@@ -15,9 +15,12 @@ a published KB of N chunks (default 32 chunks of 2 MiB = 64 MiB: 256 tokens x 16
          measured too) and verified into Chunks exactly like HTTP.
 - copy:  one numpy copy of 64 MiB in this process, the memory-bandwidth ceiling of the run.
 
-GB/s = bytes of KV / median seconds of >= 5 reps (1e9 B/s). Peers not run here (LMCache's
-KV server, Mooncake Store) are measured by ../shared/anchors; with $ANCHORS venvs present
-and --run-anchors they run beside, else their recorded figures are printed, labelled so.
+GB/s = bytes of KV / median seconds of >= 5 reps (1e9 B/s). Peers that are not part of this
+repository (LMCache's KV server, Mooncake Store) are measured by an "anchors" folder of
+harnesses kept outside it: name it with --anchors DIR or $KDN_ANCHORS_DIR, and the folder
+of their virtual environments with $ANCHORS; with --run-anchors they run beside KDN in the
+same run, else their recorded figures (DIR/results_here.jsonl) are printed, labelled so.
+Without an anchors folder, only the peers this command runs itself (Redis) are compared.
 """
 import argparse
 import json
@@ -40,7 +43,6 @@ from kdn.chunk import decode, encode
 REGION = "bench"
 TENANT, FINGERPRINT = "default", "bench-transport"
 HEADS, HEAD_DIM, TOKENS = 2, 64, 256
-DEFAULT_ANCHORS = Path(__file__).resolve().parents[3] / "shared" / "anchors"
 
 
 def free_port() -> int:
@@ -217,8 +219,8 @@ def main(argv=None):
     ap.add_argument("--chunks", type=int, default=32, help="chunks in the KB (default 32)")
     ap.add_argument("--chunk-mib", type=int, default=2, help="MiB per chunk (default 2)")
     ap.add_argument("--reps", type=int, default=5, help="timed reps per transport (>= 5)")
-    ap.add_argument("--anchors", default=os.environ.get("KDN_ANCHORS_DIR") or str(DEFAULT_ANCHORS),
-                    help="the anchors folder (default ../shared/anchors beside the repo)")
+    ap.add_argument("--anchors", default=os.environ.get("KDN_ANCHORS_DIR"),
+                    help="the folder of peer harnesses (LMCache, Mooncake; default $KDN_ANCHORS_DIR)")
     ap.add_argument("--run-anchors", action="store_true",
                     help="run LMCache/Mooncake anchors from the venvs under $ANCHORS (slow)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -363,16 +365,16 @@ def main(argv=None):
     if "redis-py" in res:
         out["redis_py_gbps"] = res["redis-py"]
 
-    anchors = Path(args.anchors)
+    anchors = Path(args.anchors) if args.anchors else None
     venvs = Path(os.environ["ANCHORS"]) if os.environ.get("ANCHORS") else None
-    ran = run_anchors(anchors, venvs, args.reps) if args.run_anchors and venvs else {}
+    ran = run_anchors(anchors, venvs, args.reps) if args.run_anchors and venvs and anchors else {}
     if ran:
-        print("\nPeers measured now by ../shared/anchors (64 MiB, read direction):")
+        print(f"\nPeers measured now by {anchors} (64 MiB, read direction):")
         table([{"peer": k, "GB/s": v if v is not None else "failed"} for k, v in ran.items()])
         out["anchors_this_run"] = ran
     elif args.run_anchors:
-        print("\n--run-anchors: set ANCHORS to the folder holding the anchor venvs "
-              "(see the anchors README); nothing run", file=sys.stderr)
+        print("\n--run-anchors: name the anchors folder (--anchors or KDN_ANCHORS_DIR) and set "
+              "ANCHORS to the folder holding their venvs; nothing run", file=sys.stderr)
     # Peers are other systems measured in this run: Redis, and the anchors when they ran.
     peers = {k: v for k, v in res.items() if k in ("redis", "redis-py")}
     peers.update({k: v for k, v in ran.items() if v})
@@ -383,7 +385,7 @@ def main(argv=None):
                    ray_over_fastest_peer=res["ray"] / peers[fastest])
         print(f"\nfastest peer measured in this run: {fastest} {peers[fastest]:.2f} GB/s; "
               f"KDN HTTP {out['http_over_fastest_peer']:.2f}x of it, KDN Ray {out['ray_over_fastest_peer']:.2f}x")
-    recorded = recorded_anchors(anchors)
+    recorded = recorded_anchors(anchors) if anchors else {}
     if recorded:
         print("\nPeers recorded earlier on this machine, not this run (anchors/results_here.jsonl, "
               "512 MiB, read direction):")

@@ -440,3 +440,45 @@ def test_register_codec_validates():
         register_codec("", _rev_encode, _rev_decode)
     with pytest.raises(BadRequest, match="callable"):
         register_codec("test-x", None, _rev_decode)
+
+
+# --- one interface for Chunk and Encoded ---------------------------------------------------
+def _kv(seed=0, tokens=16):
+    return np.random.default_rng(seed).standard_normal((2, 2, 2, tokens, 8)).astype(np.float32)
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd", "q8z"])
+def test_chunk_and_encoded_answer_the_same_questions(codec):
+    from kdn.chunk import Encoded
+    c = Chunk(KEY, NS, _kv(), "float32")
+    e = Encoded.of(c, codec)
+    for obj in (c, e):
+        assert (obj.key, obj.ns, obj.dtype, obj.raw) == (KEY, NS, "float32", c.nbytes)
+    assert (c.codec, c.exact, c.decode() is c) == ("raw", True, True)
+    assert e.codec == codec and e.exact == (codec != "q8z")
+    assert e.nbytes == e.frame.nbytes
+    back = e.decode()
+    assert back.key == KEY and back.kv.shape == c.kv.shape
+    if e.exact:
+        assert back.equal(c)
+
+
+def test_verify_checks_the_manifest_sum_for_exact_kv_only():
+    from kdn.chunk import Encoded
+    c = Chunk(KEY, NS, _kv(), "float32")
+    good, wrong = c.digest(), c.digest() ^ 1
+    c.verify(good)
+    c.verify(None)                                  # nothing to check a bare array against
+    with pytest.raises(ChecksumMismatch, match="manifest says"):
+        c.verify(wrong)
+    z = Encoded.of(c, "zstd")
+    z.verify(good)
+    with pytest.raises(ChecksumMismatch):
+        z.verify(wrong)                             # exact: decoded and compared
+    lossy = Encoded.of(c, "q8z")
+    lossy.verify(wrong)                             # lossy: not the published KV, by design
+    frame = np.array(lossy.frame, copy=True)
+    frame[-3] ^= 0xFF
+    bad = Encoded(lossy.key, lossy.ns, lossy.codec, lossy.dtype, lossy.raw, lossy.exact, frame)
+    with pytest.raises(ChecksumMismatch):
+        bad.verify(None)                            # its own frame checksum still holds it

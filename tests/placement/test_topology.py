@@ -151,3 +151,26 @@ def test_unreadable_and_non_table_inputs(tmp_path):
         Topology.default_local(["a"]).region_of("nope")
     with pytest.raises(TopologyError, match="unknown region 'x'"):
         Topology.default_local(["a"]).latency_ms("a", "x")
+
+
+def test_a_device_or_huge_file_is_refused_at_once(tmp_path):
+    import time
+    t0 = time.monotonic()
+    with pytest.raises(TopologyError, match="/dev/zero: not a regular file"):
+        Topology.from_toml("/dev/zero")
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * ((1 << 20) + 10))
+    with pytest.raises(TopologyError, match="larger than 1048576 bytes"):
+        Topology.from_toml(big)
+    assert time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.parametrize("bad", ["a/b", "edge:1", "", " x", "x" * 65])
+def test_edge_and_region_names_are_plain_words(bad):
+    with pytest.raises(TopologyError, match="letters, digits"):
+        Topology.default_local(["us-east"]).add_edge(bad, "us-east", 1 << 20)
+    with pytest.raises(TopologyError, match="letters, digits"):
+        Topology.from_dict({"origin_region": "us-east",
+                            "regions": {"us-east": {"latency_ms": 0.1, "bandwidth_gbps": 1.0, "edges": []},
+                                        bad: {"latency_ms": 0.1, "bandwidth_gbps": 1.0, "edges": []}},
+                            "links": []})

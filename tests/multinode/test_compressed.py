@@ -15,11 +15,9 @@ from kdn.chunk import Chunk, Encoded, as_chunk, encode
 from kdn.client import Client
 from kdn.cluster import start_network, stop_network
 from kdn.transfer import check_accept
-from kdn.edge.node import check_store_codec
 from kdn.errors import BadRequest, ChecksumMismatch
 from kdn.http_client import EdgeHTTPClient
 from kdn.keys import namespace_digest
-from kdn.origin.node import check_store_codec as check_origin_codec
 from kdn.placement.topology import Topology
 
 FP = "synthetic-model"
@@ -72,20 +70,6 @@ def test_a_corrupt_encoded_frame_never_decodes(synth):
     bad = Encoded(e.key, e.ns, e.codec, e.dtype, e.raw, e.exact, frame)
     with pytest.raises(ChecksumMismatch):
         bad.decode()
-
-
-def test_codec_settings_are_checked_with_clear_errors():
-    assert check_store_codec("zstd") == "zstd" and check_store_codec("k4v3z") == "k4v3z"
-    with pytest.raises(BadRequest, match="edge store_codec must be one of .*got 'zstdd'"):
-        check_store_codec("zstdd")
-    assert check_accept(None) == ("zstd",) and check_accept(["raw", "q8z"]) == ("q8z",)
-    with pytest.raises(BadRequest, match="unknown codec.*'q9'"):
-        check_accept(["q9"])
-    with pytest.raises(BadRequest, match="list of codec names"):
-        check_accept("zstd")
-    assert check_origin_codec("zstd") == "zstd"
-    with pytest.raises(BadRequest, match="origin cannot store chunks with lossy codec 'q8z'"):
-        check_origin_codec("q8z")
 
 
 # --- stored compressed ------------------------------------------------------------------------
