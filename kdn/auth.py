@@ -36,8 +36,12 @@ class Tokens:
                 raise KDNError(f"the {what} must be a string of at least 16 characters")
 
     def check_admin(self, token, what: str) -> None:
-        if self.admin is not None and not _same(token, self.admin):
+        if not self.is_admin(token):
             raise AccessDenied(f"{what} needs the network's admin token: missing or wrong")
+
+    def is_admin(self, token) -> bool:
+        """Whether token is the admin token (always True on an open network, with none set)."""
+        return self.admin is None or _same(token, self.admin)
 
     def check_read(self, tenant: str, token, what: str) -> None:
         """A tenant with a read token needs it (or the admin token); others read freely."""

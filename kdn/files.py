@@ -23,9 +23,21 @@ def fsync_dir(path) -> None:
 
 
 def make_dirs(path) -> Path:
-    """path and its missing parents, created 0700."""
+    """path and its missing parents, each created 0700 (mkdir(parents=True) would make the
+    parents 0755)."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for p in reversed(missing):
+        try:
+            p.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            pass
     return path
 
 

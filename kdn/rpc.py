@@ -80,7 +80,7 @@ class Actors:
         return Unreachable(f"{self.label(node)} of network {self.network!r} did not answer "
                            f"{method}: {type(e).__name__}")
 
-    async def call(self, node, method, *args, timeout: float, **kw):
+    async def call(self, node, method, /, *args, timeout: float, **kw):
         """The answer of node's method; Unreachable when the call fails over."""
         import ray.exceptions as rex
         try:
@@ -90,14 +90,14 @@ class Actors:
         except failover_errors() as e:
             raise self._failed(node, method, e) from None
 
-    async def try_call(self, node, method, *args, timeout: float, **kw):
+    async def try_call(self, node, method, /, *args, timeout: float, **kw):
         """call(), but None when it fails over (the caller moves to its next source)."""
         try:
             return await self.call(node, method, *args, timeout=timeout, **kw)
         except Unreachable:
             return None
 
-    def call_sync(self, node, method, *args, timeout: float, **kw):
+    def call_sync(self, node, method, /, *args, timeout: float, **kw):
         """call() from a plain (non-async) caller: a driver, a worker, the CLI."""
         import ray
         import ray.exceptions as rex

@@ -4,18 +4,23 @@ A chunk is stored as its encoded frame (kdn/chunk.py: header with an xxh3 checks
 KV bytes) under its key: root/chunks/<2 hex>/<32 hex>.kdnc. Storing the frame, not a re-encoding,
 means a read can be pushed to an edge or an HTTP client as is, and every read re-verifies
 the checksum, so a rotted file raises CorruptChunk and is never served. Because the name is
-the content's key, a chunk shared by two KB versions is written once (dedup for free).
-With codec= set (kdn.codecs: "zstd" lossless, "q8z"/"q4z" quantized) put() stores frames
-compressed, so the disk holds more chunks; every read decodes whatever codec a frame names.
+the content's key, a chunk shared by two KB versions is written once (dedup for free). A
+chunk counts as stored only while its frame verifies: has() checks it, and put() rewrites a
+corrupt copy, so re-publishing a KB repairs it. With codec= set (kdn.codecs: "zstd"
+lossless, "q8z"/"q4z" quantized) put() stores frames compressed; reads decode any codec.
 
-Every file is written the diskcache way: to a temp file in the same directory (suffix
-.kdntmp), flushed and fsynced, renamed over its final name, and the directory fsynced. A
-crash therefore leaves whole files or temp files, and reopening the store deletes the temp
-files. A KB version's manifest (root/manifests/<ns hex>/<name>/<version:010d>.kdnm) is
-written last and only once every chunk it lists is stored, so a version is visible exactly
-when it is complete; a crashed publish leaves only unreferenced chunks, which collect()
-removes. Retiring a version renames its manifest to .retired: its number is never reused
-(an edge that cached v3 must never see a different v3), and its chunks become collectable.
+Every file is written by kdn.files (temp file beside it, fsync, rename, fsync the folder;
+files 0600, folders 0700). A crash therefore leaves whole files or temp files, and reopening
+the store deletes the temp files. A KB version's manifest
+(root/manifests/<ns hex>/<name>/<version:010d>.kdnm) is written last and only once every
+chunk it lists is stored, so a version is visible exactly when it is complete; a crashed
+publish leaves only unreferenced chunks, which collect() removes.
+
+Version numbers are never reused (an edge that cached v3 must never see a different v3):
+retiring a version renames its manifest to .retired, a manifest that fails its checksum is
+renamed to .corrupt (quarantined: reported, never served, the KB's other versions and every
+other KB still are), and each KB keeps the highest number it ever committed in a file
+`last_version`, so even a deleted manifest file's number stays taken.
 
 One process owns a root. Inside it, a lock serialises manifest commits, retirements and
 collection; chunk writes run outside it (same-key writers each use their own temp file and
@@ -25,45 +30,51 @@ an async caller runs them in a thread (asyncio.to_thread).
 """
 from __future__ import annotations
 
-import itertools
+import collections
+import logging
 import os
 import re
 import threading
 from pathlib import Path
 
-from kdn.chunk import MAX_HEADER, Chunk, Encoded, codecs, decode, encode_parts, read_header
+from kdn.chunk import MAX_HEADER, Chunk, Encoded, decode, encode_parts, read_header
+from kdn.codecs import codecs
 from kdn.errors import (ChunkNotFound, CorruptChunk, FrameError, ManifestError, StoreError,
                         VersionNotFound)
-from kdn.keys import KEY_BYTES
+from kdn.files import DIR_MODE, TEMP_SUFFIX, fsync_dir, make_dirs, write_atomic, write_temp
+from kdn.keys import check_key
 from kdn.manifest import Manifest, check_name
+
+log = logging.getLogger(__name__)
 
 CHUNK_SUFFIX = ".kdnc"
 MANIFEST_SUFFIX = ".kdnm"
 RETIRED_SUFFIX = ".retired"
-TEMP_SUFFIX = ".kdntmp"
+CORRUPT_SUFFIX = ".corrupt"
+LAST_VERSION = "last_version"     # per KB: the highest version number ever committed
 _CHUNK_NAME = re.compile(r"[0-9a-f]{32}\.kdnc")
-_VERSION_NAME = re.compile(r"(\d{10})\.(kdnm|retired)")
+_VERSION_NAME = re.compile(r"(\d{10})\.(kdnm|retired|corrupt)")
 _NS_DIR = re.compile(r"[0-9a-f]{32}")
+# Counted from the start (0 until they happen), so stats() always names them.
+COUNTERS = ("reads", "writes", "deduplicated", "repaired", "corrupt_detected",
+            "cleaned_partials", "manifests_quarantined")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _key(key) -> bytes:
+    return check_key(key, "chunk key", error=StoreError)
+
+
+def _ns(ns) -> bytes:
+    return check_key(ns, "namespace digest", error=StoreError)
+
+
+def _identity(path: Path):
+    """What tells one file at path from another (None when there is none)."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _check_key(key) -> bytes:
-    if not isinstance(key, (bytes, bytearray, memoryview)) or len(key) != KEY_BYTES:
-        raise StoreError(f"a chunk key is {KEY_BYTES} bytes, got {key!r:.80}")
-    return bytes(key)
-
-
-def _check_ns(ns) -> bytes:
-    if not isinstance(ns, (bytes, bytearray, memoryview)) or len(ns) != KEY_BYTES:
-        raise StoreError(f"a namespace digest is {KEY_BYTES} bytes, got {ns!r:.80}")
-    return bytes(ns)
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class ChunkStore:
@@ -72,19 +83,16 @@ class ChunkStore:
     def __init__(self, root, fsync: bool = True, codec: str = "raw"):
         if codec not in codecs():
             raise StoreError(f"codec {codec!r} is not registered; known: {', '.join(codecs())}")
-        self.root = Path(root)
+        self.root = make_dirs(root)
+        os.chmod(self.root, DIR_MODE)    # a store made before files were private: close it now
         self.fsync = fsync
         self.codec = codec        # how put() encodes chunks (kdn.codecs); reads decode any codec
-        self._chunks_dir = self.root / "chunks"
-        self._manifests_dir = self.root / "manifests"
-        self._chunks_dir.mkdir(parents=True, exist_ok=True)
-        self._manifests_dir.mkdir(parents=True, exist_ok=True)
+        self._chunks_dir = make_dirs(self.root / "chunks")
+        self._manifests_dir = make_dirs(self.root / "manifests")
         self._lock = threading.RLock()
-        self._temp_ids = itertools.count()
         self._pending: set = set()   # keys put but not yet referenced by a commit
-        self._reads = self._writes = self._dedup = 0
-        self._corrupt = 0
-        self._cleaned = self._clean_partials()
+        self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
+        self.counters["cleaned_partials"] = self._clean_partials()
         self._count, self._bytes = self._scan_chunks()
 
     # --- opening -----------------------------------------------------------------------
@@ -117,42 +125,30 @@ class ChunkStore:
         h = key.hex()
         return self._chunks_dir / h[:2] / (h + CHUNK_SUFFIX)
 
-    def _write_temp(self, path: Path, parts):
-        """Write parts to a fresh temp file beside path, flushed and fsynced; return (temp, bytes)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}."
-                             f"{next(self._temp_ids)}{TEMP_SUFFIX}")
-        n = 0
+    def _write_temp(self, path: Path, parts) -> tuple:
         try:
-            with open(tmp, "wb") as f:
-                for part in parts:
-                    n += f.write(part)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-        except OSError as e:     # disk full, quota, I/O error: fail cleanly, leave nothing behind
-            tmp.unlink(missing_ok=True)
+            return write_temp(path, parts, self.fsync)
+        except OSError as e:     # disk full, quota, I/O error: kdn.files left nothing behind
             raise StoreError(f"cannot write {path.name} under {self.root}: {e.strerror or e} "
                              f"(errno {e.errno}); nothing was stored") from None
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        return tmp, n
 
-    def _write_atomic(self, path: Path, parts) -> int:
-        """Write parts to path: temp file + fsync, rename over path, fsync the directory."""
-        tmp, n = self._write_temp(path, parts)
-        os.rename(tmp, path)
-        if self.fsync:
-            _fsync_dir(path.parent)
-        return n
+    def _write_atomic(self, path: Path, data: bytes) -> int:
+        try:
+            return write_atomic(path, data, self.fsync)
+        except OSError as e:
+            raise StoreError(f"cannot write {path.name} under {self.root}: {e.strerror or e} "
+                             f"(errno {e.errno}); nothing was stored") from None
+
+    def _bump(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
 
     # --- chunks ------------------------------------------------------------------------
     def put(self, chunk: Chunk) -> bool:
-        """Store chunk durably; False (and no write) when its key is already stored."""
+        """Store chunk durably; False (and no write) when an intact copy is already stored."""
         if not isinstance(chunk, Chunk):
             raise StoreError(f"put() takes a Chunk, got {type(chunk).__name__}")
-        return self._store(_check_key(chunk.key), lambda: encode_parts(chunk, self.codec))
+        return self._store(_key(chunk.key), lambda: encode_parts(chunk, self.codec))
 
     def put_frame(self, frame) -> tuple:
         """Verify an encoded frame (checksum included) and store it as is; return (key, written)."""
@@ -160,33 +156,39 @@ class ChunkStore:
             chunk = decode(frame, verify=True)
         except FrameError as e:
             raise StoreError(f"refusing to store an invalid frame of {len(frame)} bytes: {e}") from None
-        key = _check_key(chunk.key)
+        key = _key(chunk.key)
         return key, self._store(key, lambda: [frame])
 
     def _store(self, key: bytes, parts) -> bool:
         path = self._chunk_path(key)
         with self._lock:
             self._pending.add(key)   # from here on a concurrent collect() leaves this key alone
-            if path.exists():
-                self._dedup += 1
-                return False
+        seen = _identity(path)
+        if seen is not None and self._intact(key):
+            self._bump("deduplicated")
+            return False
         tmp, n = self._write_temp(path, parts())
         with self._lock:
-            if path.exists():   # a same-key writer renamed first: identical bytes, keep theirs
+            now = _identity(path)
+            if now is not None and now != seen:   # a same-key writer renamed first: keep theirs
                 tmp.unlink()
-                self._dedup += 1
+                self.counters["deduplicated"] += 1
                 return False
-            os.rename(tmp, path)
-            self._writes += 1
-            self._count += 1
+            os.replace(tmp, path)                  # over nothing, or over the corrupt copy seen
+            self.counters["writes"] += 1
+            if now is None:
+                self._count += 1
+            else:
+                self._bytes -= now[1]
+                self.counters["repaired"] += 1
             self._bytes += n
         if self.fsync:
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         return True
 
     def _file(self, key: bytes) -> tuple:
         """(key, path, the file's bytes); ChunkNotFound if absent."""
-        key = _check_key(key)
+        key = _key(key)
         path = self._chunk_path(key)
         try:
             with open(path, "rb") as f:
@@ -194,23 +196,20 @@ class ChunkStore:
         except FileNotFoundError:
             raise ChunkNotFound(f"chunk {key.hex()} is not stored") from None
 
+    def _corrupt(self, key, path, why) -> CorruptChunk:
+        self._bump("corrupt_detected")
+        return CorruptChunk(f"chunk {key.hex()} is corrupt in {path}: {why}")
+
     def _read(self, key: bytes):
         key, path, buf = self._file(key)
         try:
             chunk = decode(buf, verify=True)
         except FrameError as e:
-            self._note_corrupt()
-            raise CorruptChunk(f"chunk {key.hex()} is corrupt in {path}: {e}") from None
+            raise self._corrupt(key, path, e) from None
         if chunk.key != key:
-            self._note_corrupt()
-            raise CorruptChunk(f"chunk {key.hex()} is corrupt in {path}: the file holds key {chunk.key.hex()}")
-        with self._lock:
-            self._reads += 1
+            raise self._corrupt(key, path, f"the file holds key {chunk.key.hex()}")
+        self._bump("reads")
         return buf, chunk
-
-    def _note_corrupt(self):
-        with self._lock:
-            self._corrupt += 1
 
     def get(self, key: bytes) -> Chunk:
         """The chunk, checksum verified; ChunkNotFound if absent, CorruptChunk if it fails."""
@@ -219,31 +218,48 @@ class ChunkStore:
     def get_encoded(self, key: bytes) -> Encoded:
         """The chunk as its stored frame (kdn.chunk.Encoded), to send on in the codec it is
         stored in: header and payload checksums verified, the payload not decoded."""
+        e = self._checked(key)
+        self._bump("reads")
+        return e
+
+    def _checked(self, key: bytes) -> Encoded:
         key, path, buf = self._file(key)
         try:
             e = Encoded.from_frame(buf)
             e.verify()
         except FrameError as ex:
-            self._note_corrupt()
-            raise CorruptChunk(f"chunk {key.hex()} is corrupt in {path}: {ex}") from None
+            raise self._corrupt(key, path, ex) from None
         if e.key != key:
-            self._note_corrupt()
-            raise CorruptChunk(f"chunk {key.hex()} is corrupt in {path}: the file holds key {e.key.hex()}")
-        with self._lock:
-            self._reads += 1
+            raise self._corrupt(key, path, f"the file holds key {e.key.hex()}")
         return e
 
     def get_frame(self, key: bytes) -> bytes:
         """The chunk's verified frame bytes, to send on without re-encoding."""
         return self._read(key)[0]
 
+    def _intact(self, key: bytes) -> bool:
+        """The chunk is stored and its frame verifies (without decoding). A corrupt or
+        unreadable copy is counted and reported as absent."""
+        try:
+            self._checked(key)
+        except (ChunkNotFound, CorruptChunk):
+            return False
+        except OSError as ex:   # EIO, permissions: as good as absent, and the operator is told
+            log.warning("chunk %s is unreadable: %s", key.hex(), ex)
+            self._bump("corrupt_detected")
+            return False
+        return True
+
     def has(self, key: bytes) -> bool:
-        return self._chunk_path(_check_key(key)).exists()
+        """Whether an intact copy of the chunk is stored. Reads and verifies the frame: a
+        corrupt chunk is missing, so a re-publish rewrites it."""
+        return self._intact(_key(key))
 
     def ns_of(self, key: bytes):
-        """The namespace digest in the chunk's frame header (None when absent or unreadable)."""
+        """The namespace digest in the chunk's frame header, without reading the payload (None
+        when absent or unreadable): a cheap hint, not a verification."""
         try:
-            with open(self._chunk_path(_check_key(key)), "rb") as f:
+            with open(self._chunk_path(_key(key)), "rb") as f:
                 head = f.read(8 + MAX_HEADER)
             return read_header(head)[0]["ns"]
         except (OSError, FrameError):
@@ -252,7 +268,7 @@ class ChunkStore:
     def size_of(self, key: bytes) -> int:
         """Bytes of the chunk's stored frame (0 when absent)."""
         try:
-            return self._chunk_path(_check_key(key)).stat().st_size
+            return self._chunk_path(_key(key)).stat().st_size
         except FileNotFoundError:
             return 0
 
@@ -271,18 +287,30 @@ class ChunkStore:
 
     # --- manifests ---------------------------------------------------------------------
     def _kb_dir(self, ns: bytes, name: str) -> Path:
-        return self._manifests_dir / _check_ns(ns).hex() / check_name(name, "KB name")
+        return self._manifests_dir / _ns(ns).hex() / check_name(name, "KB name")
 
-    def _versions(self, kb_dir: Path, retired: bool = False) -> list:
-        """Committed version numbers in kb_dir, ascending (retired ones too if asked)."""
+    def _versions(self, kb_dir: Path) -> list:
+        """Committed (not retired, not quarantined) version numbers in kb_dir, ascending."""
         if not kb_dir.is_dir():
             return []
-        out = []
-        for f in kb_dir.iterdir():
-            m = _VERSION_NAME.fullmatch(f.name)
-            if m and (retired or m.group(2) == "kdnm"):
-                out.append(int(m.group(1)))
-        return sorted(out)
+        return sorted(int(m.group(1)) for m in map(_VERSION_NAME.fullmatch, os.listdir(kb_dir))
+                      if m and m.group(2) == "kdnm")
+
+    def _last_used(self, kb_dir: Path) -> int:
+        """The highest version number kb_dir's KB ever took (0 for none): committed, retired,
+        quarantined, or recorded in its last_version file though its manifest is gone."""
+        if not kb_dir.is_dir():
+            return 0
+        files = [int(m.group(1)) for m in map(_VERSION_NAME.fullmatch, os.listdir(kb_dir)) if m]
+        try:
+            recorded = int((kb_dir / LAST_VERSION).read_text())
+        except FileNotFoundError:
+            recorded = 0
+        except (ValueError, OSError) as e:   # the manifests on disk still name the numbers used
+            log.warning("%s is unreadable (%s); versions are numbered from the manifests present",
+                        kb_dir / LAST_VERSION, e)
+            recorded = 0
+        return max([recorded, *files])
 
     def commit(self, manifest: Manifest) -> Manifest:
         """Make a KB version visible once all its chunks are stored; return it with its version."""
@@ -296,49 +324,77 @@ class ChunkStore:
                 raise ManifestError(
                     f"cannot commit {manifest.label()}: {len(missing)} of {len(manifest.keys)} chunk(s) "
                     f"are not stored (first: {shown})")
-            used = self._versions(kb_dir, retired=True)
+            last = self._last_used(kb_dir)
             if manifest.version is None:
-                manifest = manifest.with_version((used[-1] if used else 0) + 1)
-            elif manifest.version in used:
+                manifest = manifest.with_version(last + 1)
+            elif manifest.version <= last:
                 raise ManifestError(f"cannot commit {manifest.label()}: version {manifest.version} "
-                                    f"already exists (or was retired); versions are never reused")
+                                    f"already exists or was used before (last: {last}); versions "
+                                    f"are never reused")
             new_dir = not kb_dir.exists()
-            path = kb_dir / f"{manifest.version:010d}{MANIFEST_SUFFIX}"
-            self._write_atomic(path, [manifest.to_bytes()])
+            for d in (kb_dir.parent, kb_dir):   # one at a time: mkdir(parents=True) ignores mode
+                make_dirs(d)
+            self._write_atomic(kb_dir / f"{manifest.version:010d}{MANIFEST_SUFFIX}", manifest.to_bytes())
+            # Recorded after the manifest: until then the manifest file itself holds the number.
+            self._write_atomic(kb_dir / LAST_VERSION, str(manifest.version).encode())
             if new_dir and self.fsync:   # make the new ns/name directories themselves durable
-                _fsync_dir(kb_dir.parent)
-                _fsync_dir(self._manifests_dir)
+                fsync_dir(kb_dir.parent)
+                fsync_dir(self._manifests_dir)
             self._pending.difference_update(manifest.keys)
             return manifest
 
     def _load(self, path: Path, ns: bytes, name: str, version: int) -> Manifest:
+        """The manifest in path; a file that fails its checksum or holds another version is
+        quarantined (renamed .corrupt, counted, logged) and raises ManifestError."""
         try:
             m = Manifest.from_bytes(path.read_bytes())
+            if (m.ns, m.name, m.version) != (ns, name, version):
+                raise ManifestError(f"it holds {m.label()} (ns {m.ns.hex()}), not {name}@v{version} "
+                                    f"of ns {ns.hex()}")
         except ManifestError as e:
-            raise ManifestError(f"manifest file {path} is unreadable: {e}") from None
-        if (m.ns, m.name, m.version) != (ns, name, version):
-            raise ManifestError(f"manifest file {path} holds {m.label()} (ns {m.ns.hex()}), "
-                                f"not {name}@v{version} of ns {ns.hex()}")
+            aside = self._quarantine(path, e)
+            raise ManifestError(f"manifest file {path} is unreadable: {e}; moved to {aside.name}") from None
         return m
 
+    def _quarantine(self, path: Path, why) -> Path:
+        aside = path.with_suffix(CORRUPT_SUFFIX)
+        with self._lock:
+            try:
+                os.replace(path, aside)
+            except FileNotFoundError:   # another reader quarantined it first
+                return aside
+            self.counters["manifests_quarantined"] += 1
+        if self.fsync:
+            fsync_dir(path.parent)
+        log.error("quarantined corrupt manifest %s as %s: %s", path, aside.name, why)
+        return aside
+
     def manifest(self, ns: bytes, name: str, version: "int | None" = None) -> Manifest:
-        """A committed version (the latest when version is None); VersionNotFound if none."""
+        """A committed version (the latest intact one when version is None); VersionNotFound
+        if none. A corrupt manifest is quarantined: asked for by number it raises
+        ManifestError naming the file, and it is no longer the latest."""
         kb_dir = self._kb_dir(ns, name)
-        versions = self._versions(kb_dir)
-        if version is None:
+        while True:
+            versions = self._versions(kb_dir)
+            if version is not None and version not in versions:
+                have = ", ".join(map(str, versions)) or "none"
+                raise VersionNotFound(f"KB {name!r} of ns {ns.hex()} has no committed version "
+                                      f"{version!r} (committed: {have})")
             if not versions:
                 raise VersionNotFound(f"KB {name!r} of ns {ns.hex()} has no committed version")
-            version = versions[-1]
-        elif version not in versions:
-            have = ", ".join(map(str, versions)) or "none"
-            raise VersionNotFound(f"KB {name!r} of ns {ns.hex()} has no committed version {version!r} "
-                                  f"(committed: {have})")
-        return self._load(kb_dir / f"{version:010d}{MANIFEST_SUFFIX}", bytes(ns), name, version)
+            if version is not None:
+                return self._load(kb_dir / f"{version:010d}{MANIFEST_SUFFIX}", bytes(ns), name, version)
+            try:
+                return self._load(kb_dir / f"{versions[-1]:010d}{MANIFEST_SUFFIX}", bytes(ns), name,
+                                  versions[-1])
+            except (ManifestError, FileNotFoundError):
+                continue    # quarantined (or retired meanwhile): the latest intact one is next
 
     def manifests(self, ns: "bytes | None" = None) -> list:
-        """Every committed (not retired) version, of one namespace or of all, in (ns, name, version) order."""
+        """Every committed (not retired) version, of one namespace or of all, in (ns, name,
+        version) order. A corrupt manifest is quarantined and left out: the rest are served."""
         if ns is not None:
-            ns_dirs = [self._manifests_dir / _check_ns(ns).hex()]
+            ns_dirs = [self._manifests_dir / _ns(ns).hex()]
         else:
             ns_dirs = sorted(d for d in self._manifests_dir.iterdir() if _NS_DIR.fullmatch(d.name))
         out = []
@@ -347,9 +403,17 @@ class ChunkStore:
                 continue
             for kb_dir in sorted(ns_dir.iterdir()):
                 for v in self._versions(kb_dir):
-                    out.append(self._load(kb_dir / f"{v:010d}{MANIFEST_SUFFIX}",
-                                          bytes.fromhex(ns_dir.name), kb_dir.name, v))
+                    try:
+                        out.append(self._load(kb_dir / f"{v:010d}{MANIFEST_SUFFIX}",
+                                              bytes.fromhex(ns_dir.name), kb_dir.name, v))
+                    except (ManifestError, FileNotFoundError):
+                        continue   # quarantined and logged by _load (or retired meanwhile)
         return out
+
+    def quarantined(self) -> list:
+        """Paths of quarantined (corrupt) manifest files, relative to the manifests folder."""
+        return sorted(str(p.relative_to(self._manifests_dir))
+                      for p in self._manifests_dir.glob(f"*/*/*{CORRUPT_SUFFIX}"))
 
     def delete_version(self, ns: bytes, name: str, version: int) -> None:
         """Retire a version: no longer visible, its number never reused, its chunks collectable."""
@@ -361,15 +425,23 @@ class ChunkStore:
             path = kb_dir / f"{version:010d}{MANIFEST_SUFFIX}"
             os.rename(path, path.with_suffix(RETIRED_SUFFIX))
             if self.fsync:
-                _fsync_dir(kb_dir)
+                fsync_dir(kb_dir)
 
     # --- maintenance -------------------------------------------------------------------
     def collect(self) -> dict:
-        """Delete chunks no committed version references (and no publisher is still putting)."""
+        """Delete chunks no committed version references (and no publisher is still putting).
+
+        Refused (ManifestError, nothing deleted) while a quarantined manifest exists: its
+        chunks cannot be told apart, and restoring the file must find them still there."""
         with self._lock:
             live = set(self._pending)
             for m in self.manifests():
                 live.update(m.keys)
+            held = self.quarantined()
+            if held:
+                raise ManifestError(f"collect refused: {len(held)} quarantined manifest file(s) "
+                                    f"({', '.join(held[:3])}) may reference chunks; restore or "
+                                    f"delete them under {self._manifests_dir} first")
             n = size = 0
             for path in list(self._chunk_files()):
                 if bytes.fromhex(path.name[:32]) in live:
@@ -414,6 +486,4 @@ class ChunkStore:
                        for f in fs if _VERSION_NAME.fullmatch(f) and f.endswith(MANIFEST_SUFFIX))
         with self._lock:
             return dict(chunks=self._count, bytes=self._bytes, versions=versions, codec=self.codec,
-                        corrupt_detected=self._corrupt, cleaned_partials=self._cleaned,
-                        reads=self._reads, writes=self._writes, deduplicated=self._dedup,
-                        pending=len(self._pending))
+                        pending=len(self._pending), **self.counters)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -63,7 +64,7 @@ def test_put_get_roundtrip_and_dedup(tmp_path):
     missing = bytes(16)
     with pytest.raises(ChunkNotFound, match=f"chunk {missing.hex()} is not stored"):
         s.get(missing)
-    with pytest.raises(StoreError, match="a chunk key is 16 bytes"):
+    with pytest.raises(StoreError, match="chunk key must be 16 bytes, got 5 bytes"):
         s.get(b"short")
 
 
@@ -144,7 +145,7 @@ def test_commit_refuses_missing_chunks_and_harms_nothing(tmp_path):
         s.commit(m.to_dict())
     with pytest.raises(ManifestError, match="KB name must match"):
         s.manifest(m.ns, "../../etc")
-    with pytest.raises(StoreError, match="a namespace digest is 16 bytes"):
+    with pytest.raises(StoreError, match="namespace digest must be 16 bytes, got 1 bytes"):
         s.manifest(b"x", "handbook")
 
 
@@ -189,18 +190,25 @@ def test_corrupt_chunk_is_never_served(tmp_path):
     assert s.get(v1.keys[4]).equal(chunks_of(v1)[4])
 
 
-def test_corrupt_manifest_is_named_and_blocks_collection(tmp_path):
+def test_corrupt_manifest_is_quarantined_named_and_blocks_collection(tmp_path):
     s = ChunkStore(tmp_path)
     v1 = publish(s, kb())
     (mpath,) = tree_files(tmp_path / "manifests", ".kdnm")
     raw = bytearray(open(mpath, "rb").read())
     raw[40] ^= 0xFF
     open(mpath, "wb").write(bytes(raw))
-    with pytest.raises(ManifestError, match=f"manifest file {mpath} is unreadable: manifest checksum mismatch"):
+    with pytest.raises(ManifestError, match=f"manifest file {mpath} is unreadable: manifest checksum "
+                                            f"mismatch.*; moved to 0000000001.corrupt"):
+        s.manifest(v1.ns, "handbook", 1)
+    assert not os.path.exists(mpath) and os.path.exists(mpath[:-len(".kdnm")] + ".corrupt")
+    with pytest.raises(VersionNotFound, match="has no committed version$"):
         s.manifest(v1.ns, "handbook")
-    with pytest.raises(ManifestError):
+    assert s.manifests() == [] and s.stats()["manifests_quarantined"] == 1
+    assert s.quarantined() == [f"{v1.ns.hex()}/handbook/0000000001.corrupt"]
+    with pytest.raises(ManifestError, match="collect refused: 1 quarantined manifest file"):
         s.collect()                                  # cannot tell what is live: delete nothing
     assert s.chunk_count == len(v1.keys) and len(list(s.keys())) == len(v1.keys)
+    assert publish(s, kb()).version == 2             # the quarantined number stays taken
 
 
 def test_uncommitted_puts_survive_collect_until_the_process_is_gone(tmp_path):
@@ -336,3 +344,95 @@ def test_a_compressed_store_hands_out_its_frames_as_stored(tmp_path):
     assert e.decode().equal(s.get(v1.keys[0]))
     with pytest.raises(ChunkNotFound):
         s.get_encoded(b"\x01" * 16)
+
+
+def chunk_file(root, key):
+    return root / "chunks" / key.hex()[:2] / (key.hex() + ".kdnc")
+
+
+def flip_byte(path, at=-100):
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_a_corrupt_chunk_is_missing_and_a_second_put_repairs_it(tmp_path):
+    s = ChunkStore(tmp_path)
+    v1 = publish(s, kb())
+    cs = chunks_of(v1)
+    victim = cs[5]
+    flip_byte(chunk_file(tmp_path, victim.key))
+    assert [s.has(k) for k in v1.keys] == [i != 5 for i in range(len(v1.keys))]
+    assert s.ns_of(v1.keys[4]) == v1.ns and s.ns_of(bytes(16)) is None
+    bytes_before = s.bytes
+    assert [s.put(c) for c in cs] == [i == 5 for i in range(len(cs))]   # only the corrupt one is rewritten
+    assert s.get(victim.key).equal(victim) and s.verify() == []
+    st = s.stats()
+    assert (st["repaired"], st["chunks"], st["bytes"]) == (1, len(cs), bytes_before)
+    assert st["corrupt_detected"] >= 1
+    # A missing file and an unreadable one are missing too.
+    chunk_file(tmp_path, cs[6].key).unlink()
+    chunk_file(tmp_path, cs[7].key).write_bytes(b"KDNC")
+    assert not s.has(cs[6].key) and not s.has(cs[7].key)
+
+
+def test_many_writers_repair_a_corrupt_chunk_once(tmp_path):
+    s = ChunkStore(tmp_path)
+    c = chunks_of(kb())[0]
+    s.put(c)
+    flip_byte(chunk_file(tmp_path, c.key))
+    results, barrier = [], threading.Barrier(8)
+
+    def go():
+        barrier.wait()
+        results.append(s.put(c))
+
+    ts = [threading.Thread(target=go) for _ in range(8)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert sorted(results) == [False] * 7 + [True]
+    assert s.get(c.key).equal(c) and s.chunk_count == 1 and s.stats()["repaired"] == 1
+    assert not tree_files(tmp_path, TEMP_SUFFIX)
+
+
+def test_one_corrupt_manifest_leaves_every_other_version_and_kb_served(tmp_path):
+    s = ChunkStore(tmp_path)
+    v1 = publish(s, kb())
+    v2 = publish(s, kb(docs=(("a", 0, 1000), ("b", 5000, 5300))))
+    faq = publish(s, kb(name="faq", docs=(("q", 9, 99),)))
+    other = Manifest.build("handbook", "zeta", "fp-1", [("z", np.arange(0, 300))], chunk_tokens=64)
+    other = publish(s, other)
+    v2_path = [p for p in tree_files(tmp_path / "manifests", ".kdnm") if p.endswith("0000000002.kdnm")][0]
+    flip_byte(Path(v2_path), at=60)
+    reopened = ChunkStore(tmp_path)                     # an origin restart
+    served = reopened.manifests()
+    assert sorted(m.label() for m in served) == ["acme/faq@v1", "acme/handbook@v1", "zeta/handbook@v1"]
+    assert set(served) == {v1, faq, other}
+    assert reopened.manifest(v1.ns, "handbook") == v1   # the latest intact version is served
+    assert reopened.manifests(v1.ns) == [m for m in reopened.manifests() if m.ns == v1.ns]
+    assert reopened.stats()["manifests_quarantined"] == 1 and reopened.stats()["versions"] == 3
+    assert len(reopened.quarantined()) == 1
+    assert publish(reopened, kb(docs=(("a", 0, 1000), ("b", 5000, 5300)))).version == 3
+
+
+def test_a_deleted_manifest_file_does_not_free_its_version_number(tmp_path):
+    s = ChunkStore(tmp_path)
+    publish(s, kb())
+    v2 = publish(s, kb(docs=(("a", 0, 1000), ("b", 5000, 5300))))
+    (tmp_path / "manifests" / v2.ns.hex() / "handbook" / "0000000002.kdnm").unlink()
+    v3 = publish(ChunkStore(tmp_path), kb(docs=(("a", 0, 1000), ("c", 7000, 7100))))
+    assert v3.version == 3 and v3.keys != v2.keys      # never a different v2
+    with pytest.raises(ManifestError, match="version 2 already exists or was used before \\(last: 3\\)"):
+        s.commit(kb().with_version(2))
+
+
+def test_store_files_are_private(tmp_path):
+    root = tmp_path / "o"
+    s = ChunkStore(root)
+    v1 = publish(s, kb())
+    modes = {p: os.stat(p).st_mode & 0o777 for p in [str(root)] + [os.path.join(d, x) for d, ds, fs in os.walk(root)
+                                                                    for x in ds + fs]}
+    files = [p for p in modes if os.path.isfile(p)]
+    assert len(files) == len(v1.keys) + 2                # chunks, the manifest, last_version
+    assert {modes[p] for p in files} == {0o600}
+    assert {modes[p] for p in modes if os.path.isdir(p)} == {0o700}

@@ -1,0 +1,140 @@
+"""The network's membership: which edges exist, in which region, with what weight.
+
+The origin owns it. Every change of members gets a new version number; edges and clients
+take a membership only if its version is not older than the one they hold, so a late
+broadcast never undoes a newer one. It lives in one file beside the store, with the
+operators' per-KB overrides, and a change is written first and only then takes effect in
+memory: a failed write (a full disk) changes nothing. A file that cannot be read is
+quarantined (renamed aside, logged, counted) and the origin starts from the topology's
+edges instead of not at all, because Ray never restarts an actor whose constructor raised;
+it then numbers its next version above every version its edges hold (`recovering`).
+"""
+import collections
+import logging
+import math
+import os
+from pathlib import Path
+
+import msgpack
+
+from kdn.errors import BadRequest, StoreError
+from kdn.files import write_atomic
+from kdn.names import check_node_name
+from kdn.placement.ring import Edge, Ring
+
+log = logging.getLogger(__name__)
+
+FILE = "membership.msgpack"
+CORRUPT_SUFFIX = ".corrupt"
+MAX_MEMBERS = 4096
+MAX_WEIGHT = 1e6            # a weight is a relative capacity: 1e6 times another edge is absurd
+
+
+def check_weight(weight, what: str = "weight") -> float:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+            or not 0 < weight <= MAX_WEIGHT:
+        raise BadRequest(f"{what} must be a number in (0, {MAX_WEIGHT:g}], got {weight!r:.60}")
+    return float(weight)
+
+
+def check_members(members, regions) -> list:
+    """members as [(name, region, weight)], or BadRequest naming the first problem: a list
+    of at most MAX_MEMBERS triples, names valid and unique, regions among `regions`."""
+    if not isinstance(members, (list, tuple)) or len(members) > MAX_MEMBERS:
+        raise BadRequest(f"members must be a list of at most {MAX_MEMBERS} (name, region, weight), "
+                         f"got {type(members).__name__}"
+                         + (f" of {len(members)}" if isinstance(members, (list, tuple)) else ""))
+    out = []
+    for i, m in enumerate(members):
+        if not isinstance(m, (list, tuple)) or len(m) != 3:
+            raise BadRequest(f"member {i} must be (name, region, weight), got {m!r:.80}")
+        name, region, weight = m
+        check_node_name(name, f"member {i} name")
+        if not isinstance(region, str) or region not in regions:
+            raise BadRequest(f"edge {name!r} is in region {region!r:.60}, which the topology does not "
+                             f"name (regions: {', '.join(regions)})")
+        out.append((name, region, check_weight(weight, f"edge {name!r} weight")))
+    names = [m[0] for m in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise BadRequest(f"edge names must be unique; given more than once: {', '.join(twice)}")
+    return out
+
+
+def _parse(buf) -> tuple:
+    """(members, version, overrides) from a file's bytes; ValueError if they are not that."""
+    try:
+        d = msgpack.unpackb(buf, raw=False)
+    except (ValueError, msgpack.UnpackException) as e:   # msgpack's errors for bad bytes
+        raise ValueError(f"not msgpack: {e}") from None
+    if not isinstance(d, dict) or not {"members", "version"} <= d.keys():
+        raise ValueError("not a membership record")
+    version, overrides = d["version"], d.get("overrides", {})
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"version {version!r:.40} is not a count")
+    if not isinstance(overrides, dict):
+        raise ValueError("overrides are not a dict")
+    return d["members"], version, overrides
+
+
+class Membership:
+    """Members, their version, the overrides and the ring built from the members: one record,
+    saved before it changes. `replicas` is the default number of ring owners per chunk."""
+
+    def __init__(self, root, topology, replicas: int):
+        self.path = Path(root) / FILE
+        self.topology = topology
+        self.replicas = replicas
+        self.counters = collections.Counter(membership_quarantined=0, membership_saves=0)
+        self.quarantined = None    # where an unreadable file was moved, if one was
+        self.recovering = False    # started without a readable file: version unknown
+        self.members, self.version, self.overrides = self._load()
+        self.ring = Ring([Edge(*m) for m in self.members])
+
+    def _load(self) -> tuple:
+        aside = self.path.with_name(FILE + CORRUPT_SUFFIX)
+        try:
+            members, version, overrides = _parse(self.path.read_bytes())
+            return check_members(members, self.topology.regions), version, overrides
+        except FileNotFoundError:
+            if not aside.exists():
+                return [], 0, {}          # a new network: the launcher sets the members
+            why = "only a quarantined copy exists"   # quarantined, then restarted before a save
+        except (ValueError, BadRequest, OSError) as e:
+            os.replace(self.path, aside)
+            self.counters["membership_quarantined"] += 1
+            why = str(e)
+        log.error("membership file %s is unreadable (%s); moved to %s; starting from the "
+                  "topology's edges", self.path, why, aside.name)
+        self.quarantined, self.recovering = str(aside), True
+        return [(e.name, e.region, float(e.weight)) for e in self.topology.edges], 0, {}
+
+    def save(self, members=None, overrides=None, version=None) -> None:
+        """Write the record with these changes, then take them (new members: a new version).
+        On a failed write (StoreError) nothing changed, in memory or on disk."""
+        members = self.members if members is None else list(members)
+        overrides = self.overrides if overrides is None else overrides
+        if version is None:
+            version = self.version + (members != self.members)
+        record = {"members": [list(m) for m in members], "version": version, "overrides": overrides}
+        try:
+            write_atomic(self.path, msgpack.packb(record, use_bin_type=True))
+        except OSError as e:
+            raise StoreError(f"cannot save the membership to {self.path}: {e.strerror or e} "
+                             f"(errno {e.errno}); nothing changed") from None
+        if members != self.members:
+            self.ring = Ring([Edge(*m) for m in members])
+        self.members, self.overrides, self.version = members, overrides, version
+        self.counters["membership_saves"] += 1
+
+    def names(self) -> list:
+        return [m[0] for m in self.members]
+
+    def edges_in(self, region: str) -> list:
+        return [n for n, r, _ in self.members if r == region]
+
+    def view(self) -> dict:
+        """What edges and clients route by. Never the overrides: they name tenants' KBs, and
+        anyone may read a membership (an edge hands its copy to any client)."""
+        return {"version": self.version, "members": [list(m) for m in self.members],
+                "replicas": self.replicas, "topology": self.topology.to_dict()}

@@ -1,0 +1,58 @@
+"""Operators' per-KB settings: pin to regions, replica count, TTL on edges, prefetch.
+
+An override belongs to a KB of a tenant ("tenant/name") and applies to its latest version at
+once (the origin pushes, pins and sets TTLs when it changes) and to every later publish.
+Values come from operators' tools and are checked here before anything changes: a number
+is a real number (never True, NaN or inf) within a sane bound, regions are the topology's.
+"""
+import math
+
+from kdn.errors import BadRequest
+
+MAX_TTL_S = 10 * 365 * 86400.0       # ten years: anything longer is a mistake, not a TTL
+
+
+def kb_id(tenant: str, name: str) -> str:
+    return f"{tenant}/{name}"
+
+
+def check_regions(value, regions) -> list:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(r, str) for r in value):
+        raise BadRequest(f"pin_regions must be a list of region names, got {value!r:.80}")
+    unknown = [r for r in value if r not in regions]
+    if unknown:
+        raise BadRequest(f"pin_regions: cannot pin to unknown region(s) {unknown!r:.120}; regions: {', '.join(regions)}")
+    return list(dict.fromkeys(value))
+
+
+def check_replicas(value, n_edges: int) -> int:
+    most = max(1, n_edges)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+        raise BadRequest(f"replicas must be an int in [1, {most}] (the network has {n_edges} "
+                         f"edge(s)), got {value!r:.40}")
+    return value
+
+
+def check_ttl(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= MAX_TTL_S:
+        raise BadRequest(f"ttl_s must be a number of seconds in (0, {MAX_TTL_S:g}], got {value!r:.40}")
+    return float(value)
+
+
+def updated(current: dict, regions, n_edges: int, pin_regions=None, replicas=None, ttl_s=None,
+            prefetch=None) -> dict:
+    """A KB's override with the given settings changed (None: unchanged); BadRequest naming
+    the first bad value, before anything is changed."""
+    ov = dict(current)
+    if pin_regions is not None:
+        ov["pin_regions"] = check_regions(pin_regions, regions)
+    if replicas is not None:
+        ov["replicas"] = check_replicas(replicas, n_edges)
+    if ttl_s is not None:
+        ov["ttl_s"] = check_ttl(ttl_s)
+    if prefetch is not None:
+        if not isinstance(prefetch, bool):
+            raise BadRequest(f"prefetch must be True or False, got {prefetch!r:.40}")
+        ov["prefetch"] = prefetch
+    return ov

@@ -1,0 +1,148 @@
+"""Pushes: the origin sends each committed chunk to its ring owners, and re-homes on change.
+
+A KB version's targets are its chunks' ring owners (the KB's replica count) plus one edge
+in each region it is pinned to. Each target is asked first which chunks it already holds,
+then sent the rest in batches of at most BATCH_BYTES, BATCHES_IN_FLIGHT at a time across
+all edges. When the membership changes, every live chunk goes to owners that did not own it
+before. A dead or slow edge is skipped (counted in edge_call_failures): it refills by
+pull-through, and a publish never fails for it. Any other error from an edge raises.
+"""
+import asyncio
+import collections
+
+from kdn.errors import StoreError
+from kdn.origin.overrides import kb_id
+from kdn.rpc import Unreachable
+
+BATCH_BYTES = 64 << 20          # one put_chunks call carries at most this much
+BATCHES_IN_FLIGHT = 4           # batches in flight at once, across all edges
+CALL_TIMEOUT_S = 30.0           # an edge that does not answer a batch in time is skipped
+QUICK_TIMEOUT_S = 10.0          # for the small calls: have, membership, manifests
+
+
+def outgoing(store, keys) -> list:
+    """What goes to edges for keys: Chunks from a raw store; from a compressed one the stored
+    frames as they are (kdn.chunk.Encoded: fewer bytes on the wire, no decoding here, and an
+    edge storing the same codec keeps them without re-encoding). None where absent or corrupt
+    (never sent). Disk work: call it in a thread."""
+    out = []
+    for k in keys:
+        try:
+            if store.codec == "raw":
+                out.append(store.get(k))
+            else:   # a frame stored raw before the store was compressed goes as the Chunk it is
+                e = store.get_encoded(k)
+                out.append(e.decode() if e.codec == "raw" else e)
+        except StoreError:
+            out.append(None)
+    return out
+
+
+class Pusher:
+    """Calls from the origin to its edges: pushes, warm copies, broadcasts."""
+
+    def __init__(self, store, actors, membership):
+        self.store, self.actors, self.membership = store, actors, membership
+        self.counters = collections.Counter(chunks_pushed=0, edge_call_failures=0)
+
+    async def call(self, edge, method, *args, timeout=CALL_TIMEOUT_S, **kw):
+        """edge's answer; None when it is dead, restarting or too slow (counted)."""
+        try:
+            return await self.actors.call(edge, method, *args, timeout=timeout, **kw)
+        except Unreachable:
+            self.counters["edge_call_failures"] += 1
+            return None
+
+    async def broadcast(self, method, *args, timeout=QUICK_TIMEOUT_S) -> list:
+        """Call method on every member edge at once; their answers (None where missed)."""
+        return await asyncio.gather(*(self.call(n, method, *args, timeout=timeout)
+                                      for n in self.membership.names()))
+
+    def _override(self, m) -> dict:
+        return self.membership.overrides.get(kb_id(m.tenant, m.name), {})
+
+    def _replicas(self, m) -> int:
+        return int(self._override(m).get("replicas") or self.membership.replicas)
+
+    def _pinned_edges(self, m) -> set:
+        return {n for region in self._override(m).get("pin_regions", ())
+                for n in self.membership.edges_in(region)}
+
+    def targets(self, m) -> dict:
+        """edge -> [keys]: ring owners (replica count per KB override) plus, per pinned region,
+        its first edge (which holds the whole KB)."""
+        ring = self.membership.ring
+        targets = collections.defaultdict(list)
+        if len(ring):
+            for k, owners in zip(m.keys, ring.owners_batch(list(m.keys), self._replicas(m))):
+                for o in owners:
+                    targets[o].append(k)
+        for region in self._override(m).get("pin_regions", ()):
+            edges = self.membership.edges_in(region)
+            if edges:
+                held = set(targets[edges[0]])
+                targets[edges[0]].extend(k for k in m.keys if k not in held)
+        return dict(targets)
+
+    async def push(self, m) -> tuple:
+        """Send m's chunks to its targets; (edge -> chunks it is meant to hold, edge -> sent)."""
+        ov, pinned = self._override(m), self._pinned_edges(m)
+        sem = asyncio.Semaphore(BATCHES_IN_FLIGHT)
+        targets = self.targets(m)
+        pushed = {}
+
+        async def push_to(edge, keys):
+            have = await self.call(edge, "have", keys, timeout=QUICK_TIMEOUT_S)
+            if have is None:
+                pushed[edge] = 0
+                return
+            if edge in pinned:   # chunks it already holds get pinned where they are
+                await self.call(edge, "pin_keys", [k for k, h in zip(keys, have) if h])
+            pushed[edge] = await self.send(edge, [k for k, h in zip(keys, have) if not h], sem,
+                                           role="main", pin=edge in pinned, ttl_s=ov.get("ttl_s"))
+
+        await asyncio.gather(*(push_to(e, ks) for e, ks in targets.items()))
+        self.counters["chunks_pushed"] += sum(pushed.values())
+        return {e: len(ks) for e, ks in targets.items()}, pushed
+
+    async def send(self, edge, keys, sem, role="main", pin=False, ttl_s=None) -> int:
+        """Send chunks to an edge in batches of at most BATCH_BYTES; returns chunks sent."""
+        async def flush(batch):
+            async with sem:
+                chunks = await asyncio.to_thread(outgoing, self.store, batch)
+                ok = await self.call(edge, "put_chunks", chunks, role=role, pin=pin, ttl_s=ttl_s)
+                return len(batch) if ok is not None else 0
+
+        jobs, batch, size = [], [], 0
+        for k in keys:
+            batch.append(k)
+            size += self.store.size_of(k)
+            if size >= BATCH_BYTES:
+                jobs.append(flush(batch))
+                batch, size = [], 0
+        if batch:
+            jobs.append(flush(batch))
+        return sum(await asyncio.gather(*jobs))
+
+    async def rehome(self, old_ring) -> int:
+        """After a membership change, send every live chunk to owners that did not own it."""
+        if not len(old_ring):
+            return 0
+        moved = 0
+        sem = asyncio.Semaphore(BATCHES_IN_FLIGHT)
+        for m in await asyncio.to_thread(self.store.manifests):
+            old = old_ring.owners_batch(list(m.keys), self._replicas(m))
+            old_owners = {k: set(o) for k, o in zip(m.keys, old)}
+            jobs = [self.send(edge, new, sem) for edge, keys in self.targets(m).items()
+                    if (new := [k for k in keys if edge not in old_owners[k]])]
+            moved += sum(await asyncio.gather(*jobs))
+        return moved
+
+    async def warm(self, m, edges) -> dict:
+        """Copy m's chunks into each of edges as hot copies; edge -> chunks sent."""
+        sem = asyncio.Semaphore(BATCHES_IN_FLIGHT)
+        sent = {}
+        for e in edges:
+            have = await self.call(e, "have", list(m.keys), timeout=QUICK_TIMEOUT_S) or [False] * len(m.keys)
+            sent[e] = await self.send(e, [k for k, h in zip(m.keys, have) if not h], sem, role="hot")
+        return sent

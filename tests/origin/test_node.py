@@ -1,0 +1,558 @@
+"""The origin actor: publish, membership, operator controls, input checks, faults.
+
+Most tests run the actor's methods in this process against stand-in edges (the `edges`
+fixture: the origin meets edges only through kdn.rpc.Actors' interface). The last ones run
+it as a real Ray actor on the `ray_cluster`, where arguments and errors cross Ray.
+"""
+import asyncio
+import errno
+import math
+import os
+
+import msgpack
+import numpy as np
+import pytest
+
+from kdn.chunk import Chunk
+from kdn.errors import (AccessDenied, BadRequest, ManifestError, StoreError, VersionNotFound)
+from kdn.manifest import Manifest
+from kdn.origin.node import OriginNode
+from kdn.placement.ring import Edge, Ring
+from kdn.placement.topology import Topology
+
+ADMIN = "admin-token-0123456789"
+TOPO = Topology.default_local(["us-east", "eu-west", "ap-south"], edges_per_region=1,
+                              capacity_bytes=1 << 30)
+EDGES = [e.name for e in TOPO.edges]                       # ap-south-0, eu-west-0, us-east-0
+MEMBERS = [(e.name, e.region, 1.0) for e in TOPO.edges]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def kb(name="handbook", tenant="acme", tokens=range(0, 1000)) -> Manifest:
+    return Manifest.build(name, tenant, "fp-1", [("a", np.asarray(tokens))], chunk_tokens=64)
+
+
+def chunks_of(m: Manifest) -> list:
+    def kv(key):
+        return np.random.default_rng(int.from_bytes(key[:8], "little")).standard_normal(
+            (2, 2, 2, 16, 8)).astype(np.float32)
+    return [Chunk(k, m.ns, kv(k), "float32") for k in m.keys]
+
+
+def make_origin(tmp_path, edges, names=EDGES, **kw):
+    fake = edges(names, token=ADMIN)
+    node = OriginNode("t", str(tmp_path), TOPO.to_dict(), auth={"admin": ADMIN}, actors=fake, **kw)
+    return node, fake
+
+
+async def publish(node, m, token=ADMIN) -> dict:
+    cs = chunks_of(m)
+    missing = await node.missing(list(m.keys), token=token)
+    if missing:
+        await node.put_chunks([cs[i] for i in missing], token=token)
+    return await node.commit(m.to_dict(), token=token)
+
+
+def chunk_file(tmp_path, key):
+    return tmp_path / "store" / "chunks" / key.hex()[:2] / (key.hex() + ".kdnc")
+
+
+# --- publish -------------------------------------------------------------------------------
+def test_publish_stores_commits_and_pushes_to_ring_owners(tmp_path, edges):
+    async def go():
+        node, fake = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+        m = kb()
+        receipt = await publish(node, m)
+        assert (receipt["version"], receipt["unchanged"], receipt["chunks"]) == (1, False, 16)
+        owners = node.roster.ring.owners_batch(list(m.keys), 2)
+        for name, e in fake.edges.items():
+            want = {k for k, o in zip(m.keys, owners) if name in o}
+            assert set(e.held) == want and receipt["placement"][name] == len(want)
+            assert [x["version"] for x in e.manifests] == [1]
+        assert sum(receipt["pushed"].values()) == 2 * 16
+        again = await publish(node, m)                   # nothing missing, no new version, no push
+        assert (again["version"], again["unchanged"], sum(again["pushed"].values())) == (1, True, 0)
+        assert await node.missing(list(m.keys), token=ADMIN) == []
+        st = await node.stats(token=ADMIN)
+        assert st["counters"]["chunks_written"] == 16 and st["counters"]["versions_committed"] == 1
+        assert st["store"]["versions"] == 1
+    run(go())
+
+
+def test_a_corrupt_stored_chunk_is_missing_and_a_republish_repairs_it(tmp_path, edges):
+    async def go():
+        node, _ = make_origin(tmp_path, edges)
+        m = kb()
+        await publish(node, m)
+        path = chunk_file(tmp_path, m.keys[5])
+        raw = bytearray(path.read_bytes())
+        raw[-50] ^= 0x10
+        path.write_bytes(bytes(raw))
+        assert await node.missing(list(m.keys), token=ADMIN) == [5]
+        assert await node.has(list(m.keys[4:7]), token=ADMIN) == [True, False, True]
+        # with ns: the lookup hint, by header only (cheap for any reader's lookup)
+        assert await node.has(list(m.keys[4:7]), m.ns, token=ADMIN) == [True, True, True]
+        assert await node.has(list(m.keys[4:7]), bytes(16), token=ADMIN) == [False] * 3
+        assert (await node.get_chunks([m.keys[5]], token=ADMIN)) == [None]    # never served
+        receipt = await publish(node, m)
+        assert receipt["unchanged"] and receipt["version"] == 1
+        assert await node.missing(list(m.keys), token=ADMIN) == []
+        (got,) = await node.get_chunks([m.keys[5]], token=ADMIN)
+        assert got.equal(chunks_of(m)[5])
+        st = await node.stats(token=ADMIN)
+        assert st["store"]["repaired"] == 1 and st["counters"]["chunks_written"] == 17
+    run(go())
+
+
+def test_missing_verifies_a_large_kb_quickly(tmp_path, edges):
+    """missing() reads every stored chunk: 16 MiB of KV here, measured and bounded loosely."""
+    import time
+
+    async def go():
+        node, _ = make_origin(tmp_path, edges)
+        m = Manifest.build("big", "acme", "fp-1", [("a", np.arange(64 * 256))], chunk_tokens=256)
+        rng = np.random.default_rng(0)
+        cs = [Chunk(k, m.ns, rng.standard_normal((8, 2, 4, 256, 16)).astype(np.float32), "float32")
+              for k in m.keys]   # 64 chunks of 256 KiB
+        await node.put_chunks(cs, token=ADMIN)
+        t0 = time.perf_counter()
+        assert await node.missing(list(m.keys), token=ADMIN) == []
+        return time.perf_counter() - t0
+
+    assert run(go()) < 2.0
+
+
+def test_publish_refuses_bad_input_with_bad_request(tmp_path, edges):
+    async def go():
+        node, _ = make_origin(tmp_path, edges)
+        m = kb()
+        with pytest.raises(BadRequest, match="a key must be 16 bytes, got 3 bytes"):
+            await node.missing([b"abc"], token=ADMIN)
+        with pytest.raises(BadRequest, match="keys must be a list of at most"):
+            await node.missing(b"x" * 16, token=ADMIN)
+        with pytest.raises(BadRequest, match="item 1 is a str, not a Chunk"):
+            await node.put_chunks([chunks_of(m)[0], "chunk"], token=ADMIN)
+        with pytest.raises(BadRequest, match="push must be True or False, got 1"):
+            await node.commit(m.to_dict(), push=1, token=ADMIN)
+        with pytest.raises(ManifestError, match="chunk\\(s\\) are not stored"):
+            await node.commit(m.to_dict(), token=ADMIN)
+        with pytest.raises(BadRequest, match="namespace digest must be 16 bytes"):
+            await node.manifests(b"short", token=ADMIN)
+        with pytest.raises(BadRequest, match="KB name must match"):
+            await node.manifest(m.ns, "../etc", token=ADMIN)
+        with pytest.raises(BadRequest, match="version must be an int >= 1, got True"):
+            await node.delete_version(m.ns, "handbook", True, token=ADMIN)
+        with pytest.raises(VersionNotFound):
+            await node.delete_version(m.ns, "handbook", 1, token=ADMIN)
+    run(go())
+
+
+def test_every_method_but_ping_membership_and_stats_needs_the_admin_token(tmp_path, edges):
+    async def go():
+        node, _ = make_origin(tmp_path, edges)
+        m = kb()
+        calls = {"missing": ([m.keys[0]],), "has": ([m.keys[0]],), "put_chunks": ([],),
+                 "commit": (m.to_dict(),), "get_chunks": ([m.keys[0]],), "manifests": (),
+                 "manifest": (m.ns, "handbook"), "delete_version": (m.ns, "handbook", 1),
+                 "collect": (), "set_members": (MEMBERS,), "add_edge": ("x-1", "us-east"),
+                 "remove_edge": ("us-east-0",), "set_override": ("acme", "handbook"),
+                 "warm": ("acme", "handbook", "us-east"), "auth_config": ()}
+        for method, args in calls.items():
+            for token in (None, "wrong-token-0123456789"):
+                with pytest.raises(AccessDenied, match="needs the network's admin token"):
+                    await getattr(node, method)(*args, token=token)
+        assert (await node.ping(token=None))["role"] == "origin"
+        assert (await node.membership())["version"] == 0
+        assert (await node.stats())["role"] == "origin"
+        assert await node.auth_config(token=ADMIN) == {"admin": ADMIN, "readers": {}}
+    run(go())
+
+
+# --- membership ----------------------------------------------------------------------------
+def test_set_members_broadcasts_a_new_version_and_rehomes(tmp_path, edges):
+    async def go():
+        node, fake = make_origin(tmp_path, edges)
+        m1 = await node.set_members(MEMBERS[:2], token=ADMIN)
+        assert m1["version"] == 1 and [x[0] for x in m1["members"]] == EDGES[:2]
+        m = kb()
+        await publish(node, m)
+        assert fake.edges["us-east-0"].held == {}
+        m2 = await node.set_members(MEMBERS, token=ADMIN)
+        assert m2["version"] == 2
+        for e in fake.edges.values():
+            assert e.version == 2 and "overrides" not in e.membership   # edges never get KB names
+        owned = {k for k, o in zip(m.keys, node.roster.ring.owners_batch(list(m.keys), 2))
+                 if "us-east-0" in o}
+        assert owned and set(fake.edges["us-east-0"].held) == owned       # re-homed to the new edge
+        assert (await node.stats(token=ADMIN))["counters"]["rehomed_chunks"] >= len(owned)
+        same = await node.set_members(MEMBERS, token=ADMIN)              # no change: no new version
+        assert same["version"] == 2
+        reopened = OriginNode("t", str(tmp_path), TOPO.to_dict(), auth={"admin": ADMIN}, actors=fake)
+        assert (await reopened.membership())["version"] == 2
+        assert reopened.roster.members == MEMBERS
+    run(go())
+
+
+@pytest.mark.parametrize("members, message", [
+    ([("us-east-0", "us-east", 1.0), ("x", "mars", 1.0)], "edge 'x' is in region 'mars', which the topology does not name"),
+    ([("us-east-0", "us-east", 1.0), ("us-east-0", "eu-west", 1.0)], "edge names must be unique; given more than once: us-east-0"),
+    ([("us-east-0", "us-east", True)], "edge 'us-east-0' weight must be a number"),
+    ([("us-east-0", "us-east", math.nan)], "edge 'us-east-0' weight must be a number"),
+    ([("us-east-0", "us-east", 0)], "edge 'us-east-0' weight must be a number"),
+    ([("a:b", "us-east", 1.0)], "member 0 name must be 1-64 letters"),
+    ([("us-east-0", "us-east")], "member 0 must be \\(name, region, weight\\)"),
+    ("us-east-0", "members must be a list"),
+])
+def test_a_bad_set_members_changes_nothing(tmp_path, edges, members, message):
+    async def go():
+        node, fake = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+        saved = (tmp_path / "membership.msgpack").read_bytes()
+        calls = len(fake.calls)
+        with pytest.raises(BadRequest, match=message):
+            await node.set_members(members, token=ADMIN)
+        assert (await node.membership())["version"] == 1 and node.roster.members == MEMBERS
+        assert (tmp_path / "membership.msgpack").read_bytes() == saved
+        assert len(fake.calls) == calls                  # nothing broadcast
+    run(go())
+
+
+def test_add_and_remove_edge_check_their_arguments(tmp_path, edges):
+    async def go():
+        node, fake = make_origin(tmp_path, edges, names=EDGES + ["eu-west-1"])
+        await node.set_members(MEMBERS, token=ADMIN)
+        with pytest.raises(BadRequest, match="edge 'us-east-0' is already a member"):
+            await node.add_edge("us-east-0", "us-east", token=ADMIN)
+        with pytest.raises(BadRequest, match="region 'mars'"):
+            await node.add_edge("eu-west-1", "mars", token=ADMIN)
+        with pytest.raises(BadRequest, match="edge 'nope' is not a member"):
+            await node.remove_edge("nope", token=ADMIN)
+        added = await node.add_edge("eu-west-1", "eu-west", 2.0, token=ADMIN)
+        assert added["version"] == 2 and ["eu-west-1", "eu-west", 2.0] in added["members"]
+        removed = await node.remove_edge("us-east-0", token=ADMIN)
+        assert removed["version"] == 3 and "us-east-0" not in [x[0] for x in removed["members"]]
+        assert fake.forgotten == ["us-east-0"]
+    run(go())
+
+
+def test_overrides_are_shown_in_stats_to_the_admin_only(tmp_path, edges):
+    async def go():
+        node, _ = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+        await publish(node, kb())
+        await node.set_override("acme", "handbook", replicas=3, token=ADMIN)
+        for token in (None, ADMIN):
+            m = await node.membership(token=token)
+            assert "overrides" not in m and m["version"] == 1
+        st = await node.stats()
+        assert st["override_count"] == 1 and "overrides" not in st and "quarantined_manifests" not in st
+        assert "acme" not in repr(st) and "handbook" not in repr(st)
+        st = await node.stats(token=ADMIN)
+        assert st["overrides"] == {"acme/handbook": {"replicas": 3}} and st["quarantined_manifests"] == []
+    run(go())
+
+
+def test_a_corrupt_membership_file_is_quarantined_and_the_version_recovered(tmp_path, edges):
+    async def go():
+        node, fake = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS[:2], token=ADMIN)
+        await node.set_members(MEMBERS, token=ADMIN)            # edges now hold version 2
+        path = tmp_path / "membership.msgpack"
+        path.write_bytes(path.read_bytes()[:-7])               # a torn file
+        restarted = OriginNode("t", str(tmp_path), TOPO.to_dict(), auth={"admin": ADMIN}, actors=fake)
+        st = await restarted.stats()
+        assert st["membership_quarantined"] and st["membership_recovering"]
+        assert st["counters"]["membership_quarantined"] == 1
+        assert (tmp_path / "membership.msgpack.corrupt").exists() and not path.exists()
+        assert restarted.roster.members == MEMBERS              # the topology's edges
+        await restarted.ping()                                  # starts the watch
+        for _ in range(300):                                    # a round a second; the machine may be busy
+            await asyncio.sleep(0.1)
+            if not restarted.roster.recovering:
+                break
+        assert (await restarted.membership())["version"] == 3   # above every edge's 2
+        assert all(e.version == 3 for e in fake.edges.values())
+        d = msgpack.unpackb(path.read_bytes())
+        assert d["version"] == 3 and [tuple(x) for x in d["members"]] == MEMBERS
+        again = OriginNode("t", str(tmp_path), TOPO.to_dict(), auth={"admin": ADMIN}, actors=fake)
+        assert not again.roster.recovering and again.roster.version == 3
+    run(go())
+
+
+def test_an_operator_change_while_recovering_is_numbered_above_the_edges(tmp_path, edges):
+    async def go():
+        node, fake = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS[:2], token=ADMIN)
+        await node.set_members(MEMBERS, token=ADMIN)
+        (tmp_path / "membership.msgpack").write_bytes(b"torn")
+        restarted = OriginNode("t", str(tmp_path), TOPO.to_dict(), auth={"admin": ADMIN}, actors=fake)
+        out = await restarted.set_members(MEMBERS[1:], token=ADMIN)
+        assert out["version"] == 4 and not restarted.roster.recovering
+        assert {n: e.version for n, e in fake.edges.items()} == {EDGES[0]: 3, EDGES[1]: 4, EDGES[2]: 4}
+        assert [x[0] for x in fake.edges["us-east-0"].membership["members"]] == EDGES[1:]
+    run(go())
+
+
+def test_a_quarantined_membership_without_a_new_file_still_recovers(tmp_path, edges):
+    (tmp_path / "membership.msgpack").write_bytes(b"\x92garbage")
+    node, _ = make_origin(tmp_path, edges)                      # quarantines
+    assert node.roster.recovering
+    again, _ = make_origin(tmp_path, edges)                     # restarted before saving anything
+    assert again.roster.recovering and again.roster.members == MEMBERS
+
+
+def test_a_dead_edge_does_not_fail_a_publish_and_is_counted(tmp_path, edges):
+    async def go():
+        node, fake = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+        fake.dead.add("eu-west-0")
+        receipt = await publish(node, kb())
+        assert receipt["pushed"]["eu-west-0"] == 0 and receipt["pushed"]["us-east-0"] > 0
+        st = await node.stats()
+        assert st["counters"]["edge_call_failures"] >= 2      # add_manifest and have
+    run(go())
+
+
+def test_an_edge_that_answers_wrongly_fails_the_call(tmp_path, edges):
+    """Only failover errors are absorbed: a bug on the other side surfaces."""
+    async def go():
+        node, fake = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+
+        def broken(keys, ns=None):
+            raise TypeError("have() got an unexpected keyword argument")
+
+        fake.edges["eu-west-0"].have = broken
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            await publish(node, kb())
+    run(go())
+
+
+# --- operator controls ---------------------------------------------------------------------
+@pytest.mark.parametrize("kw, message", [
+    ({"replicas": True}, "replicas must be an int in \\[1, 3\\]"),
+    ({"replicas": 4}, "replicas must be an int in \\[1, 3\\] \\(the network has 3 edge"),
+    ({"replicas": 10**12}, "replicas must be an int"),
+    ({"replicas": 2.0}, "replicas must be an int"),
+    ({"ttl_s": math.nan}, "ttl_s must be a number of seconds"),
+    ({"ttl_s": math.inf}, "ttl_s must be a number of seconds"),
+    ({"ttl_s": 1e12}, "ttl_s must be a number of seconds"),
+    ({"ttl_s": False}, "ttl_s must be a number of seconds"),
+    ({"ttl_s": 0}, "ttl_s must be a number of seconds"),
+    ({"pin_regions": "eu-west"}, "pin_regions must be a list of region names"),
+    ({"pin_regions": [None]}, "pin_regions must be a list of region names"),
+    ({"pin_regions": ["mars"]}, "cannot pin to unknown region\\(s\\) \\['mars'\\]"),
+    ({"prefetch": "yes"}, "prefetch must be True or False"),
+])
+def test_set_override_refuses_bad_values_and_changes_nothing(tmp_path, edges, kw, message):
+    async def go():
+        node, _ = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+        await publish(node, kb())
+        with pytest.raises(BadRequest, match=message):
+            await node.set_override("acme", "handbook", token=ADMIN, **kw)
+        assert node.roster.overrides == {}
+    run(go())
+
+
+def test_set_override_names_the_kb(tmp_path, edges):
+    async def go():
+        node, _ = make_origin(tmp_path, edges)
+        with pytest.raises(ManifestError, match="no committed knowledge base acme/nothing"):
+            await node.set_override("acme", "nothing", replicas=1, token=ADMIN)
+        with pytest.raises(BadRequest, match="tenant must match"):
+            await node.set_override(None, "handbook", replicas=1, token=ADMIN)
+    run(go())
+
+
+def test_an_override_on_a_full_disk_changes_nothing(tmp_path, edges, monkeypatch):
+    async def go():
+        node, fake = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+        await publish(node, kb())
+        saved = (tmp_path / "membership.msgpack").read_bytes()
+
+        def no_space(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "fsync", no_space)
+        with pytest.raises(StoreError, match="cannot save the membership .* No space left on device"):
+            await node.set_override("acme", "handbook", replicas=3, token=ADMIN)
+        monkeypatch.undo()
+        assert node.roster.overrides == {}
+        assert (tmp_path / "membership.msgpack").read_bytes() == saved
+        assert not list(tmp_path.glob("*.kdntmp"))
+        assert (await node.set_override("acme", "handbook", replicas=3, token=ADMIN))["override"] == {"replicas": 3}
+    run(go())
+
+
+def test_pin_and_replicas_push_at_once(tmp_path, edges):
+    async def go():
+        node, fake = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+        m = kb()
+        await publish(node, m)
+        out = await node.set_override("acme", "handbook", pin_regions=["ap-south"], token=ADMIN)
+        assert out["placement"]["ap-south-0"] == len(m.keys)
+        assert set(fake.edges["ap-south-0"].held) == set(m.keys) == fake.edges["ap-south-0"].pinned
+        out = await node.set_override("acme", "handbook", replicas=3, token=ADMIN)
+        assert all(set(e.held) == set(m.keys) for e in fake.edges.values())
+        assert out["override"] == {"pin_regions": ["ap-south"], "replicas": 3}
+    run(go())
+
+
+def test_a_ttl_applies_at_once_to_chunks_edges_already_hold(tmp_path, edges):
+    async def go():
+        node, fake = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+        v1 = kb()
+        await publish(node, v1)
+        v2 = kb(tokens=range(0, 1100))
+        await publish(node, v2)
+        out = await node.set_override("acme", "handbook", ttl_s=60, token=ADMIN)
+        for name, e in fake.edges.items():
+            assert set(e.ttl) == set(e.held) and set(e.ttl.values()) == {60.0}
+            assert out["ttl_set"][name] == len(e.held)
+        assert fake.count("set_ttl") == {n: 1 for n in EDGES}
+    run(go())
+
+
+def test_warm_copies_a_kb_into_a_region(tmp_path, edges):
+    async def go():
+        node, fake = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+        m = kb()
+        await publish(node, m)
+        before = len(fake.edges["eu-west-0"].held)
+        out = await node.warm("acme", "handbook", "eu-west", token=ADMIN)
+        assert out == {"kb": "handbook", "version": 1, "region": "eu-west",
+                       "sent": {"eu-west-0": len(m.keys) - before}}
+        assert set(fake.edges["eu-west-0"].held) == set(m.keys)
+        with pytest.raises(BadRequest, match="region 'mars' is not one of"):
+            await node.warm("acme", "handbook", "mars", token=ADMIN)
+        with pytest.raises(ManifestError, match="no committed knowledge base acme/handbook version 9"):
+            await node.warm("acme", "handbook", "eu-west", version=9, token=ADMIN)
+    run(go())
+
+
+def test_one_corrupt_manifest_leaves_other_tenants_served(tmp_path, edges):
+    async def go():
+        node, _ = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+        bad, good = kb(tenant="acme"), kb(tenant="zeta")
+        await publish(node, bad)
+        await publish(node, good)
+        (path,) = (tmp_path / "store" / "manifests" / bad.ns.hex()).glob("*/*.kdnm")
+        path.write_bytes(path.read_bytes()[:100])
+        listed = await node.manifests(token=ADMIN)
+        assert [(d["tenant"], d["name"], d["version"]) for d in listed] == [("zeta", "handbook", 1)]
+        assert (await node.warm("zeta", "handbook", "eu-west", token=ADMIN))["version"] == 1
+        assert (await node.set_override("zeta", "handbook", replicas=1, token=ADMIN))["override"] == {"replicas": 1}
+        st = await node.stats(token=ADMIN)
+        assert st["store"]["manifests_quarantined"] == 1
+        assert st["quarantined_manifests"] == [f"{bad.ns.hex()}/handbook/0000000001.corrupt"]
+        assert (await publish(node, bad))["version"] == 2    # re-publishing restores the KB
+    run(go())
+
+
+# --- as a Ray actor --------------------------------------------------------------------------
+def stand_in_edge_class():
+    """A Ray actor answering what the origin calls on an edge, recording tokens and chunks.
+    Defined in a function so Ray ships it by value to its workers."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class StandInEdge:
+        def __init__(self):
+            self.held, self.version, self.tokens = set(), 0, set()
+
+        def _saw(self, token):
+            self.tokens.add(token)
+
+        async def ping(self, token=None):
+            return {"role": "edge"}
+
+        async def membership(self, token=None):
+            self._saw(token)
+            return {"version": self.version}
+
+        async def set_membership(self, m, token=None):
+            self._saw(token)
+            self.version = max(self.version, m["version"])
+            return self.version
+
+        async def add_manifest(self, m, token=None):
+            self._saw(token)
+
+        async def have(self, keys, ns=None, token=None):
+            self._saw(token)
+            return [k in self.held for k in keys]
+
+        async def put_chunks(self, chunks, role="main", pin=False, ttl_s=None, token=None):
+            self._saw(token)
+            self.held.update(c.key for c in chunks if c is not None)
+            return len(chunks)
+
+        async def report(self):
+            return {"held": self.held, "version": self.version, "tokens": self.tokens}
+
+    return StandInEdge
+
+
+def test_the_origin_over_ray(ray_cluster, tmp_path, network_name):
+    import time
+
+    import ray
+
+    from kdn.names import NAMESPACE, edge_actor_name, origin_name
+    from kdn.rpc import Actors
+
+    opts = dict(namespace=NAMESPACE, max_concurrency=1000, num_cpus=0)
+    origin = ray.remote(OriginNode).options(name=origin_name(network_name), **opts).remote(
+        network=network_name, root=str(tmp_path), topology=TOPO.to_dict(), auth={"admin": ADMIN})
+    cls = stand_in_edge_class()
+    stand_ins = {n: cls.options(name=edge_actor_name(network_name, n), namespace=NAMESPACE).remote()
+                 for n in EDGES}
+    actors = Actors(network_name, token=ADMIN)
+    try:
+        # Every method takes token=: membership too (an edge's refresh once died on it silently).
+        assert actors.call_sync(None, "membership", timeout=60)["version"] == 0
+        assert ray.get(origin.membership.remote(token="anything"), timeout=30)["version"] == 0
+        assert ray.get(origin.stats.remote(token=None), timeout=30)["role"] == "origin"
+        with pytest.raises(BadRequest, match="region 'mars'"):     # arrives as itself, not a RayTaskError
+            actors.call_sync(None, "set_members", [("x", "mars", 1.0)], timeout=30)
+        assert actors.call_sync(None, "set_members", MEMBERS, timeout=30)["version"] == 1
+        with pytest.raises(AccessDenied):
+            Actors(network_name).call_sync(None, "set_members", MEMBERS, timeout=30)
+
+        m = kb()
+        cs = chunks_of(m)
+        assert actors.call_sync(None, "missing", list(m.keys), timeout=30) == list(range(16))
+        assert actors.call_sync(None, "put_chunks", cs, timeout=30) == {"received": 16, "written": 16}
+        receipt = actors.call_sync(None, "commit", m.to_dict(), timeout=30)
+        assert receipt["version"] == 1 and sum(receipt["pushed"].values()) == 32
+        reports = {n: ray.get(h.report.remote(), timeout=30) for n, h in stand_ins.items()}
+        owners = dict(zip(m.keys, Ring([Edge(*x) for x in MEMBERS]).owners_batch(list(m.keys), 2)))
+        for n, r in reports.items():
+            assert r["held"] == {k for k, o in owners.items() if n in o}
+            assert r["version"] == 1 and r["tokens"] == {ADMIN}
+
+        ray.kill(stand_ins.pop("eu-west-0"), no_restart=True)      # an edge dies
+        m2 = kb(name="faq")
+        actors.call_sync(None, "put_chunks", chunks_of(m2), timeout=30)
+        receipt = actors.call_sync(None, "commit", m2.to_dict(), timeout=60)
+        assert receipt["version"] == 1 and receipt["pushed"]["eu-west-0"] == 0
+        deadline = time.time() + 30
+        while "eu-west-0" not in ray.get(origin.stats.remote(), timeout=10)["down"]:
+            assert time.time() < deadline, "the origin must take a dead edge out of the ring"
+            time.sleep(0.5)
+        st = ray.get(origin.stats.remote(token=ADMIN), timeout=10)
+        assert st["counters"]["edge_call_failures"] >= 2 and st["counters"]["edges_marked_down"] == 1
+        assert st["membership_version"] == 2 and st["members"] == 2
+    finally:
+        for h in [origin, *stand_ins.values()]:
+            ray.kill(h, no_restart=True)
