@@ -7,11 +7,13 @@ region) are taken out of the policy, so they are never victims; their total may 
 the capacity, and a pin that would is refused before anything changes. A chunk bigger than
 the whole cache is refused and counted, rather than flushing everything for nothing.
 One threading.Lock guards everything and nothing inside it awaits, so the cache is safe from
-an async actor's event loop and from worker threads alike.
+an async actor's event loop and from worker threads alike. Counters (gets, hits, misses,
+puts, evictions, rejected) are a Counter, exported by stats() with the sizes.
 """
+import collections
 import threading
 
-from kdn.edge.eviction import make_policy
+from kdn.edge.eviction import make_policy, policy_stats
 from kdn.errors import CacheError, PinCapacityError
 
 
@@ -38,23 +40,26 @@ class ChunkCache:
         self._pinned: set = set()
         self._bytes = 0
         self._pinned_bytes = 0
-        self._gets = self._hits = self._misses = 0
-        self._puts = self._evictions = self._rejected = 0
+        self.counters = collections.Counter()
 
     @property
     def policy(self) -> str:
         return self._policy.name
 
     # --- reads -------------------------------------------------------------------------
-    def get(self, key):
-        """The value for key or None; counts a hit or miss and tells the policy of the hit."""
+    def get(self, key, accept=None):
+        """The value for key or None; counts a hit or miss and tells the policy of the hit.
+
+        accept(value) -> bool, when given, decides whether the value answers this caller: one
+        it refuses (a chunk of another namespace) is a miss, and its recency is not touched.
+        """
         with self._lock:
-            self._gets += 1
+            self.counters["gets"] += 1
             entry = self._entries.get(key)
-            if entry is None:
-                self._misses += 1
+            if entry is None or (accept is not None and not accept(entry[0])):
+                self.counters["misses"] += 1
                 return None
-            self._hits += 1
+            self.counters["hits"] += 1
             if key not in self._pinned:
                 self._policy.touch(key)
             return entry[0]
@@ -92,7 +97,7 @@ class ChunkCache:
         """
         size = _size_of(value, nbytes)
         with self._lock:
-            self._puts += 1
+            self.counters["puts"] += 1
             old = self._entries.get(key)
             old_size = old[1] if old is not None else 0
             was_pinned = key in self._pinned
@@ -103,10 +108,10 @@ class ChunkCache:
                         raise PinCapacityError(
                             f"cannot pin {size} bytes: {pinned_after} of {self.capacity} bytes "
                             f"are already pinned ({self.capacity - pinned_after} free for pins)")
-                    self._rejected += 1
+                    self.counters["rejected"] += 1
                     return False
             elif pinned_after + size > self.capacity:
-                self._rejected += 1
+                self.counters["rejected"] += 1
                 return False
             # It fits once unpinned chunks make room: drop the old entry, then evict.
             if old is not None:
@@ -114,10 +119,10 @@ class ChunkCache:
             while self._bytes + size > self.capacity:
                 victim = self._policy.evict()
                 if victim is None:  # cannot happen given the check above; stay consistent
-                    self._rejected += 1
+                    self.counters["rejected"] += 1
                     return False
                 self._bytes -= self._entries.pop(victim)[1]
-                self._evictions += 1
+                self.counters["evictions"] += 1
             self._entries[key] = (value, size)
             self._bytes += size
             if pin or was_pinned:
@@ -177,9 +182,9 @@ class ChunkCache:
     # --- counters ----------------------------------------------------------------------
     def stats(self) -> dict:
         with self._lock:
-            return dict(gets=self._gets, hits=self._hits, misses=self._misses,
-                        hit_ratio=self._hits / self._gets if self._gets else 0.0,
-                        puts=self._puts, evictions=self._evictions, rejected=self._rejected,
+            c = {k: self.counters[k] for k in ("gets", "hits", "misses", "puts", "evictions",
+                                                "rejected")}
+            return dict(c, hit_ratio=c["hits"] / c["gets"] if c["gets"] else 0.0,
                         bytes=self._bytes, items=len(self._entries),
                         pinned_bytes=self._pinned_bytes, pinned_items=len(self._pinned),
-                        capacity=self.capacity, policy=self._policy.name)
+                        capacity=self.capacity, **policy_stats(self._policy))

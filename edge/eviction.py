@@ -17,7 +17,7 @@ Two policies, because edge traffic is skewed and full of one-hit wonders:
   the head with its frequency decremented (lazy promotion, CLOCK-like). One-hit wonders
   therefore leave quickly through the small queue instead of pushing hot chunks out.
 """
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from kdn.errors import CacheError
 
@@ -30,6 +30,7 @@ class LRU:
     def __init__(self, capacity_bytes: int):
         self.capacity = capacity_bytes
         self._order: "OrderedDict[object, int]" = OrderedDict()
+        self.counters = Counter()     # LRU counts nothing of its own; the cache counts hits
 
     def insert(self, key, size: int) -> None:
         self._order[key] = size
@@ -80,15 +81,15 @@ class S3FIFO:
         self.small_bytes = 0
         self.main_bytes = 0
         self.ghost_bytes = 0
-        self.promotions = 0   # small -> main moves
-        self.ghost_hits = 0   # inserts that went straight to main
+        # promotions: small -> main moves; ghost_hits: inserts that went straight to main
+        self.counters = Counter()
 
     def insert(self, key, size: int) -> None:
         self.remove(key)
         self._freq[key] = 0
         if key in self._ghost:
             self.ghost_bytes -= self._ghost.pop(key)
-            self.ghost_hits += 1
+            self.counters["ghost_hits"] += 1
             self._main[key] = size
             self.main_bytes += size
         else:
@@ -123,7 +124,7 @@ class S3FIFO:
             if self._freq[key] >= self.move_threshold:
                 self._main[key] = size
                 self.main_bytes += size
-                self.promotions += 1
+                self.counters["promotions"] += 1
                 continue
             del self._freq[key]
             self._remember(key, size)
@@ -155,6 +156,11 @@ class S3FIFO:
 
     def __contains__(self, key) -> bool:
         return key in self._freq
+
+
+def policy_stats(policy) -> dict:
+    """A policy's name, size and counters (the cache adds them to its own stats)."""
+    return {"policy": policy.name, "policy_items": len(policy), **policy.counters}
 
 
 POLICIES = {LRU.name: LRU, S3FIFO.name: S3FIFO}

@@ -3,103 +3,70 @@
 The server is aiohttp on the edge actor's own event loop. Ray builds every async actor's
 loop with uvloop when uvloop is installed (ray._private.async_compat.get_new_event_loop,
 RAY_USE_UVLOOP on by default), so the server runs on uvloop with no policy tricks, and a
-fetch is a plain `await edge.fetch(...)`: no thread hop, no second loop, no lock. The other
-design — a uvloop loop in a thread of the actor, fetches handed over with
-run_coroutine_threadsafe — was measured against it (64 MiB fetches of 2 MiB chunks, same
-client) and gave nothing back: 2.4-3.5 GB/s against 2.5-3.3 GB/s, within the noise of a
-shared 2-core machine, because the GIL serializes the two loops anyway and the bytes move in
-the kernel. /health reports the loop class, so a deployment can see which loop it got.
+fetch is a plain await of the edge's own read (edge/reads.py, the one the Ray path uses):
+no thread hop, no second loop, no lock. A uvloop loop in a thread of the actor was measured
+against it (64 MiB fetches of 2 MiB chunks) and gave nothing back: 2.4-3.5 GB/s against
+2.5-3.3 GB/s, within the noise of a shared 2-core machine, because the GIL serializes the
+two loops anyway and the bytes move in the kernel. /health reports the loop class.
 
-A fetch answer is exactly kdn.chunk frames back to back, the longest prefix the edge holds.
-The edge knows every chunk before it answers, so Content-Length is exact and the client can
-receive the body into one preallocated buffer. Each frame goes out as its small header
-bytes and a memoryview of the chunk's KV (encode_parts): uvloop sends what the socket takes
-and keeps a reference to the rest, so payloads are never copied in user space. Where each
-chunk came from travels in X-KDN-Sources (comma list: local, peer:<edge>, origin).
+A fetch answer is exactly kdn.chunk frames back to back (edge/wire.py), the longest prefix
+the edge holds, at most max_reply_bytes (X-KDN-More: 1 when the edge stopped there: ask
+again for the keys after those received). The edge knows every frame before it answers, so
+Content-Length is exact and the client receives the body into one preallocated buffer.
+A raw frame goes out as its small header bytes and a memoryview of the chunk's KV: uvloop
+sends what the socket takes and keeps a reference to the rest, so payloads are never copied
+in user space. A fetch may ask for a codec (a kdn.codecs name, or "auto": what pays on the
+link to the request's region; edge/forms.py chooses, as for Ray); X-KDN-Codec names the
+codecs used. Encoding is CPU work: it runs in threads, ENCODERS at a time, so concurrent
+requests cannot make the edge hold more than a few replies' worth of encoded frames.
 
-A fetch may ask for a codec (field "codec": a kdn.codecs name, or "auto": the lossless
-codec that pays on the link from this edge to the request's region, raw when none does
-or no region is named); frames say their codec and the client decodes them, checksums
-verified as always. X-KDN-Codec names the codec used (a comma list when chunks differ).
-An edge that stores chunks compressed (store_codec) sends a stored frame as it is when its
-codec is the one wanted, with no re-encoding; a lossy stored frame always goes as it is.
-
-Input is untrusted: bodies over max_body_bytes are refused before they are read (413),
-requests over max_keys keys are refused (413), anything malformed is a 400; every error is
-JSON {"error", "message"}; only a fault of the edge itself is a 500. The server binds
-127.0.0.1 unless told otherwise, and says loudly when it is not.
-
-Metrics (GET /metrics, Prometheus text format 0.0.4) are written by hand from this edge's
-own counters: one edge, one registry, nothing shared between edges of one process.
+Input is untrusted: bodies over max_body_bytes are refused before they are read (413), so
+are requests over max_keys keys (413); a repeated key, bad gzip, a transfer coding other than
+chunked, anything malformed is a 400; every error is JSON {"error", "message"}; only a fault
+of the edge itself is a 500. A connection that sends no complete request within idle_s
+(slow headers, an idle keep-alive socket) is closed. The server binds 127.0.0.1 unless told
+otherwise, and says loudly when it is not; given a port, it takes the same one again when
+the edge restarts (an HTTP client pinned to the URL finds it there).
 """
 import asyncio
+import collections
+import errno
 import json
 import logging
+import os
 import socket
 import time
 
 import msgpack
-import xxhash
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
-from kdn.chunk import Chunk, Encoded, as_chunk, codecs, encode_parts
-from kdn.codecs import LOSSLESS
-from kdn.transfer import choose_codec
+
+from kdn.chunk import codecs
+from kdn.edge.metrics import CONTENT_TYPE as METRICS_TYPE, EdgeMetrics
+from kdn.edge.reads import MAX_FETCH_KEYS
+from kdn.edge.wire import FRAMES_TYPE, MAX_SOURCE_RUNS, pack_sources
 from kdn.env import is_loopback
-from kdn.errors import AccessDenied, BadRequest, BadTokens, FrameError
+from kdn.errors import AccessDenied, BadRequest, BadTokens
 from kdn.keys import KEY_BYTES, namespace_digest
 
 log = logging.getLogger("kdn.edge.http")
 
 MAX_BODY_BYTES = 1 << 20        # a lookup/fetch body: 16384 keys take ~300 KiB of msgpack
-MAX_KEYS = 16384                # 4M tokens at 256 tokens per chunk
-FRAMES_TYPE = "application/x-kdn-frames"
-MSGPACK_TYPE = "application/msgpack"
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                   2.5, 5.0, 10.0)
+MAX_KEYS = MAX_FETCH_KEYS
+BODY_TIMEOUT_S = 10.0           # longest wait for a request body once its headers arrived
+IDLE_S = 15.0                   # a connection without a complete request for this long is closed
+BIND_RETRY_S = 10.0             # a restarted edge waits this long for its old port to be free
+ENCODERS = 2                    # fetch answers encoded at once (each holds its frames in memory)
+FRAME_OVERHEAD = 256            # a frame's bytes beyond its payload, about (its header)
 ENDPOINTS = ("GET /health", "GET /v1/kbs", "POST /v1/lookup", "POST /v1/fetch", "GET /metrics")
 
-
-BODY_TIMEOUT_S = 10.0        # longest wait for a request body once its headers arrived
 
 class RequestError(Exception):
     """A client's mistake: answered with this status and a JSON message."""
 
-    def __init__(self, status: int, error: str, message: str):
+    def __init__(self, status: int, error: str, message: str, close: bool = False):
         super().__init__(message)
-        self.status, self.error, self.message = status, error, message
-
-
-class Histogram:
-    """A Prometheus histogram: cumulative bucket counts, sum and count."""
-
-    def __init__(self, buckets=LATENCY_BUCKETS):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * len(self.buckets)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, seconds: float):
-        self.sum += seconds
-        self.count += 1
-        for i, b in enumerate(self.buckets):
-            if seconds <= b:
-                self.counts[i] += 1
-                break
-
-    def lines(self, name: str) -> list:
-        out, acc = [], 0
-        for b, n in zip(self.buckets, self.counts):
-            acc += n
-            out.append(f'{name}_bucket{{le="{b:g}"}} {acc}')
-        out += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum:.9g}",
-                f"{name}_count {self.count}"]
-        return out
-
-
-def _label(value) -> str:
-    """A Prometheus label value, escaped as the text format requires."""
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        self.status, self.error, self.message, self.close = status, error, message, close
 
 
 def _json_default(value):
@@ -123,22 +90,33 @@ def _error(status: int, error: str, message: str) -> web.Response:
     return _json({"error": error, "message": message, "status": status}, status)
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class EdgeHTTP:
     """HTTP endpoints of one EdgeNode; start() binds, port tells where, stop() closes."""
 
     def __init__(self, edge, host: str = "127.0.0.1", port: int = 0,
-                 max_body_bytes: int = MAX_BODY_BYTES, max_keys: int = MAX_KEYS):
+                 max_body_bytes: int = MAX_BODY_BYTES, max_keys: int = MAX_KEYS, idle_s: float = None):
         self.edge = edge
         self.host, self.port_wanted = host, int(port)
         self.max_body_bytes, self.max_keys = int(max_body_bytes), int(max_keys)
+        self.idle_s = IDLE_S if idle_s is None else float(idle_s)
         self.port = None
         self.loop_class = None
-        self.requests = {}            # (endpoint, status) -> count
-        self.bytes_sent = 0           # frame bytes written to fetch answers
-        self.frames_sent = 0
-        self.frames_by_codec = {}     # codec -> frames sent encoded with it
-        self.aborted = 0              # fetch answers cut short (the client went away)
-        self.fetch_latency = Histogram()
+        self.counters = collections.Counter()    # bytes_sent, frames_sent, frames_<codec>, aborted
+        self.requests = collections.Counter()    # (endpoint, status) -> requests
+        self.metrics = EdgeMetrics(edge, self)
+        self._encoders = None
         self._runner = None
         self.app = web.Application(middlewares=[self._errors], client_max_size=self.max_body_bytes)
         self.app.router.add_get("/health", self._health)
@@ -151,15 +129,7 @@ class EdgeHTTP:
     async def start(self) -> int:
         if self._runner is not None:
             return self.port
-        family, kind, proto, _, addr = socket.getaddrinfo(
-            self.host, self.port_wanted, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-        except OSError:
-            sock.close()
-            raise
+        sock = await self._bind()
         self.port = sock.getsockname()[1]
         if not is_loopback(self.host):
             log.warning("!!! KDN edge %s serves HTTP on %s:%d, NOT loopback: anyone who can reach "
@@ -167,10 +137,26 @@ class EdgeHTTP:
                         "firewall or an authenticating proxy. !!!", self.edge.name, self.host,
                         self.port)
         self.loop_class = type(asyncio.get_running_loop()).__module__.split(".")[0]
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        self._encoders = asyncio.Semaphore(ENCODERS)
+        # keepalive_timeout runs from the connection's start and from each answer: a socket
+        # with no complete request within idle_s (slow headers, idle keep-alive) is closed
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                     keepalive_timeout=self.idle_s)
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()
         return self.port
+
+    async def _bind(self) -> socket.socket:
+        """The listening socket; a given port that is still taken (the process this edge
+        restarted from is letting it go) is tried again for BIND_RETRY_S."""
+        deadline = time.monotonic() + BIND_RETRY_S
+        while True:
+            try:
+                return _bind(self.host, self.port_wanted)
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE or not self.port_wanted or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.25)
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -188,9 +174,12 @@ class EdgeHTTP:
         route = request.match_info.route.resource
         endpoint = f"{request.method} {route.canonical}" if route is not None else "other"
         try:
+            self._check_transfer_coding(request)
             resp = await handler(request)
         except RequestError as e:
             resp = _error(e.status, e.error, e.message)
+            if e.close:
+                resp.force_close()
         except web.HTTPMethodNotAllowed as e:
             allowed = ", ".join(sorted(e.allowed_methods))
             resp = _error(405, "method_not_allowed",
@@ -210,14 +199,22 @@ class EdgeHTTP:
         except (BadRequest, BadTokens) as e:
             resp = _error(400, "bad_request", str(e))
         except (ConnectionResetError, asyncio.CancelledError):
-            self.aborted += 1
+            self.counters["aborted"] += 1
             raise
         except Exception as e:  # noqa: BLE001 - the edge's own fault: a 500 that says what
             log.exception("edge %s: %s %s failed", self.edge.name, request.method, request.path)
-            resp = _error(500, "internal", f"edge {self.edge.name} failed: {type(e).__name__}: {e}")
-        key = (endpoint, resp.status)
-        self.requests[key] = self.requests.get(key, 0) + 1
+            resp = _error(500, "internal", f"edge {self.edge.name} failed: {type(e).__name__}")
+        self.requests[(endpoint, resp.status)] += 1
         return resp
+
+    @staticmethod
+    def _check_transfer_coding(request) -> None:
+        """Only chunked is a transfer coding here: anything else (gzip, chunked) is refused
+        before the body is read, rather than guessed at."""
+        te = request.headers.get("Transfer-Encoding")
+        if te is not None and [c.strip().lower() for c in te.split(",")] != ["chunked"]:
+            raise RequestError(400, "bad_transfer_encoding", f"Transfer-Encoding {te[:80]!r} is not "
+                               f"supported: send Content-Length, or Transfer-Encoding: chunked")
 
     # --- request bodies -------------------------------------------------------------------
     async def _body(self, request, allowed: set) -> dict:
@@ -230,6 +227,12 @@ class EdgeHTTP:
         except asyncio.TimeoutError:
             raise RequestError(408, "body_timeout", f"the request body did not arrive within "
                                                     f"{BODY_TIMEOUT_S:.0f} s") from None
+        except (web.RequestPayloadError, http_exceptions.HttpProcessingError) as e:
+            # bad gzip or a broken chunk: nothing more of this body can be read (not even to
+            # drain it), so the answer closes the connection
+            request.content.feed_eof()
+            raise RequestError(400, "bad_body", f"request body cannot be read: "
+                                                f"{' '.join(str(e).split())[:200]}", close=True) from None
         if not raw:
             raise RequestError(400, "bad_request", "request body is empty; send a msgpack map "
                                                    "{\"ns\": 16 bytes, \"keys\": [16-byte keys]}")
@@ -269,15 +272,33 @@ class EdgeHTTP:
                                                    f"(msgpack bin), got {shown}")
         return ns, keys
 
+    def _region(self, body):
+        region = body.get("region")
+        regions = self.edge.membership.topology.regions
+        if region is not None and (not isinstance(region, str) or region not in regions):
+            raise RequestError(400, "bad_region", f"field 'region' must name a region of the "
+                                                  f"network ({', '.join(regions)}), got {region!r:.80}")
+        return region
+
+    @staticmethod
+    def _codec(body) -> str:
+        codec = body.get("codec", "raw")
+        if not isinstance(codec, str) or (codec != "auto" and codec not in codecs()):
+            raise RequestError(400, "bad_codec", f"field 'codec' must be 'auto' or one of "
+                                                 f"{', '.join(codecs())}, got {codec!r:.80}")
+        return codec
+
     # --- endpoints ------------------------------------------------------------------------
     async def _health(self, request):
         e = self.edge
+        main, hot = e.tiers.main.stats(), e.tiers.hot.stats()
         return _json({"ok": True, "edge": e.name, "region": e.region, "network": e.network,
-                      "ring": e.members_version, "chunks": len(e.main) + len(e.hot),
-                      "bytes": e.main.stats()["bytes"] + e.hot.stats()["bytes"],
-                      "hot_copies": len(e.hot), "loop": self.loop_class,
+                      "ring": e.membership.version, "chunks": main["items"] + hot["items"],
+                      "bytes": main["bytes"] + hot["bytes"], "hot_copies": hot["items"],
+                      "loop": self.loop_class, "pid": os.getpid(),
                       "uptime_s": round(time.time() - e.started, 3),
-                      "limits": {"max_body_bytes": self.max_body_bytes, "max_keys": self.max_keys}})
+                      "limits": {"max_body_bytes": self.max_body_bytes, "max_keys": self.max_keys,
+                                 "max_reply_bytes": e.reads.max_reply_bytes, "idle_s": self.idle_s}})
 
     async def _kbs(self, request):
         tenant, fingerprint = request.query.get("tenant"), request.query.get("fingerprint")
@@ -301,153 +322,74 @@ class EdgeHTTP:
     async def _fetch(self, request):
         body = await self._body(request, {"ns", "keys", "region", "codec"})
         ns, keys = self._keys(body)
-        region = body.get("region")
-        if region is not None and (not isinstance(region, str)
-                                   or region not in self.edge.topology.regions):
-            raise RequestError(400, "bad_region", f"field 'region' must name a region of the "
-                                                  f"network ({', '.join(self.edge.topology.regions)}), "
-                                                  f"got {region!r:.80}")
-        codec = body.get("codec", "raw")
-        if not isinstance(codec, str) or (codec != "auto" and codec not in codecs()):
-            raise RequestError(400, "bad_codec", f"field 'codec' must be 'auto' or one of "
-                                                 f"{', '.join(codecs())}, got {codec!r:.80}")
+        region, asked = self._region(body), self._codec(body)
         t0 = time.perf_counter()
-        for attempt in (1, 2):
-            reply, parts, want = await self._frames_for(keys, ns, region, codec, _bearer(request))
-            if len(parts) == len(reply["chunks"]) or attempt == 2:
-                break
-            # a corrupt stored copy was found and dropped: once more, from a replica or the origin
-        asked = codec
-        total = sum(len(prefix) + payload.nbytes for prefix, payload in parts)
-        for w in want:
-            self.frames_by_codec[w] = self.frames_by_codec.get(w, 0) + 1
-        used = sorted(set(want))
-        codec = used[0] if len(used) == 1 else ",".join(used) if used else asked
+        got = await self.edge.reads.fetch(keys, ns, region, _bearer(request),
+                                          lambda helds, sources: self._frames(helds, sources, region, asked))
+        parts = [p for frame, _ in got["out"] for p in frame]
+        used = [codec for _, codec in got["out"]]
+        total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
         resp = web.StreamResponse(status=200, headers={
             "X-KDN-Edge": self.edge.name, "X-KDN-Region": self.edge.region,
-            "X-KDN-Chunks": str(len(parts)), "X-KDN-Ring": str(reply.get("ring", 0)),
-            "X-KDN-Sources": ",".join(reply["sources"]), "X-KDN-Codec": codec})
+            "X-KDN-Chunks": str(len(used)), "X-KDN-Ring": str(self.edge.membership.version),
+            "X-KDN-Sources": pack_sources(got["sources"]), "X-KDN-More": str(int(got["more"])),
+            "X-KDN-Codec": ",".join(sorted(set(used))) or asked})
         resp.content_type = FRAMES_TYPE
         resp.content_length = total
         await resp.prepare(request)
-        for prefix, payload in parts:
-            if prefix:
-                await resp.write(prefix)
-            await resp.write(payload)
+        self.counters["bytes_sent"] += total            # committed (an abort is counted apart)
+        self.counters["frames_sent"] += len(used)
+        self.counters.update("frames_" + c for c in used)
+        for p in parts:
+            if len(p):
+                await resp.write(p)
         await resp.write_eof()
-        self.bytes_sent += total
-        self.frames_sent += len(parts)
-        self.fetch_latency.observe(time.perf_counter() - t0)
+        self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
         return resp
 
-    async def _frames_for(self, keys, ns, region, asked, token) -> tuple:
-        """(the edge's reply, [prefix, payload] per frame, codec per frame) for a fetch.
+    async def _frames(self, helds, sources, region, asked) -> tuple:
+        """The `shape` of an HTTP fetch (edge/reads.py): [(frame parts, codec)] per chunk.
 
-        Each chunk's form: a frame the edge stores compressed goes out as it is when that is
-        the codec wanted, and always when it is lossy (expanding it would restore nothing).
-        A stored frame that fails its checksum is dropped from the tiers and ends the frames.
-        """
-        reply = await self.edge.fetch(keys, ns, region, resolve=True, token=token)
-        objs = reply["chunks"]
-        want = [self._link_codec(o, region) if asked == "auto" else asked for o in objs]
-        want = [o.codec if isinstance(o, Encoded) and (not o.exact or w == o.codec) else w
-                for o, w in zip(objs, want)]
-        if all(w == "raw" and isinstance(o, Chunk) for o, w in zip(objs, want)):
-            parts = []
-            for c in objs:
-                if c._xxh is None and not c.kv.flags.writeable:
-                    # The KV is immutable (a view of Ray's object store): hash it once, not per fetch.
-                    object.__setattr__(c, "_xxh", xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")))
-                parts.append(encode_parts(c))
-            return reply, parts, want
+        The answer stops where its frames could pass max_reply_bytes or its sources header
+        MAX_SOURCE_RUNS runs (the reader asks again); a stored frame that fails its checks
+        ends it as corrupt."""
+        forms = self.edge.forms
+        objs = list(await asyncio.gather(*(h.resolve() for h in helds)))
+        want = forms.frame_codecs(objs, region, asked)
+        n = self._fitting(objs, sources)
+        if forms.all_raw(objs[:n], want[:n]):      # views and cached hashes: stay on the loop
+            parts, bad = forms.frames(objs[:n], want[:n])
+        else:
+            async with self._encoders:
+                parts, bad = await asyncio.to_thread(forms.frames, objs[:n], want[:n])
+        if bad is not None:
+            return list(zip(parts, want)), len(parts), True
+        out = self._within_bytes(list(zip(parts, want)))
+        return out, len(out), False
 
-        def build():   # decoding and compressing are CPU work: off the event loop
-            out = []
-            for o, w in zip(objs, want):
-                try:
-                    if isinstance(o, Encoded) and o.codec == w:
-                        o.verify()     # one hash pass: a corrupt stored frame never leaves
-                        out.append([b"", memoryview(o.frame).cast("B")])
-                    else:
-                        out.append(encode_parts(as_chunk(o), w))
-                except FrameError:
-                    break
-            return out
-        parts = await asyncio.to_thread(build)
-        if len(parts) < len(objs):
-            bad = objs[len(parts)].key
-            self.edge.main.discard(bad)
-            self.edge.hot.discard(bad)
-            self.edge.counters["corrupt_dropped"] += 1
-            reply["sources"] = reply["sources"][:len(parts)]
-        return reply, parts, want[:len(parts)]
+    def _within_bytes(self, frames) -> list:
+        """The leading frames whose bytes stay within max_reply_bytes (at least one)."""
+        total = 0
+        for i, (parts, _) in enumerate(frames):
+            total += sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+            if i and total > self.edge.reads.max_reply_bytes:
+                return frames[:i]
+        return frames
 
-    def _link_codec(self, obj, region) -> str:
-        """The form (raw, or a lossless codec, or the stored one) that delivers one chunk to
-        `region` soonest (kdn.codecs). A client that names no region is taken to be beside
-        the edge: the stored form."""
-        stored = obj.codec if isinstance(obj, Encoded) else "raw"
-        if region is None:
-            return stored
-        raw = obj.raw if isinstance(obj, Encoded) else obj.nbytes
-        bandwidth = self.edge.topology.bandwidth_gbps(self.edge.region, region)
-        allowed = LOSSLESS + ((stored,) if stored != "raw" else ())
-        try:
-            return choose_codec(raw, bandwidth, same_node=False, dtype=obj.dtype, allowed=allowed,
-                                stored=stored)
-        except BadRequest:       # a codec with no speed profile: as stored
-            return stored
+    def _fitting(self, objs, sources) -> int:
+        """How many chunks one answer takes, estimated before any is encoded: at least one;
+        frames about within max_reply_bytes and sources within MAX_SOURCE_RUNS runs."""
+        limit, total, runs = self.edge.reads.max_reply_bytes, 0, 0
+        for i, o in enumerate(objs):
+            total += max(o.raw, o.nbytes) + FRAME_OVERHEAD
+            runs += i == 0 or sources[i] != sources[i - 1]
+            if i and (total > limit or runs > MAX_SOURCE_RUNS):
+                return i
+        return len(objs)
 
     async def _metrics(self, request):
-        return web.Response(text=self.exposition(), content_type="text/plain",
-                            charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": METRICS_TYPE})
 
     def exposition(self) -> str:
         """This edge's metrics in the Prometheus text format."""
-        e, c = self.edge, self.edge.counters
-        main, hot = e.main.stats(), e.hot.stats()
-        out = []
-
-        def family(name, kind, help_, samples):
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
-                out.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
-
-        family("kdn_edge_info", "gauge", "This edge: name and region.",
-               [({"edge": e.name, "region": e.region, "loop": self.loop_class}, 1)])
-        family("kdn_edge_hits_total", "counter", "Chunks served from this edge's own tiers.",
-               [({"tier": "main"}, c.get("main_hits", 0)), ({"tier": "hot"}, c.get("hot_hits", 0))])
-        family("kdn_edge_chunks_served_total", "counter", "Chunks served, by where they came from.",
-               [({"source": s}, c.get("served_" + s, 0)) for s in ("local", "peer", "origin")])
-        family("kdn_edge_bytes_served_total", "counter", "KV bytes served over any transport.",
-               [({}, c.get("bytes_served", 0))])
-        family("kdn_edge_fetches_total", "counter", "Fetch requests over any transport.",
-               [({}, c.get("fetches", 0))])
-        family("kdn_edge_hot_promoted_total", "counter", "Chunks copied into the hot tier.",
-               [({}, c.get("hot_promoted", 0))])
-        family("kdn_edge_hot_copies", "gauge", "Chunks held in the hot tier.", [({}, len(e.hot))])
-        family("kdn_edge_chunks", "gauge", "Chunks held, by tier.",
-               [({"tier": "main"}, main["items"]), ({"tier": "hot"}, hot["items"])])
-        family("kdn_edge_bytes", "gauge", "KV bytes held, by tier.",
-               [({"tier": "main"}, main["bytes"]), ({"tier": "hot"}, hot["bytes"])])
-        family("kdn_edge_capacity_bytes", "gauge", "Byte capacity, by tier.",
-               [({"tier": "main"}, main["capacity"]), ({"tier": "hot"}, hot["capacity"])])
-        family("kdn_edge_evictions_total", "counter", "Chunks evicted, by tier.",
-               [({"tier": "main"}, main["evictions"]), ({"tier": "hot"}, hot["evictions"])])
-        family("kdn_edge_http_requests_total", "counter", "HTTP requests by endpoint and status.",
-               [({"endpoint": ep, "code": code}, n) for (ep, code), n in sorted(self.requests.items())])
-        family("kdn_edge_http_bytes_sent_total", "counter", "Frame bytes sent in HTTP fetch answers.",
-               [({}, self.bytes_sent)])
-        family("kdn_edge_http_frames_sent_total", "counter", "Frames sent in HTTP fetch answers.",
-               [({}, self.frames_sent)])
-        family("kdn_edge_http_frames_by_codec_total", "counter",
-               "Frames sent in HTTP fetch answers, by codec.",
-               [({"codec": k}, n) for k, n in sorted(self.frames_by_codec.items())])
-        family("kdn_edge_http_fetch_aborted_total", "counter", "HTTP answers cut short by the client.",
-               [({}, self.aborted)])
-        out.append("# HELP kdn_edge_http_fetch_seconds HTTP fetch latency: edge fetch plus sending the body.")
-        out.append("# TYPE kdn_edge_http_fetch_seconds histogram")
-        out += self.fetch_latency.lines("kdn_edge_http_fetch_seconds")
-        return "\n".join(out) + "\n"
+        return self.metrics.exposition().decode()

@@ -3,16 +3,20 @@
 When many workers miss the same chunk at once (a popular KB right after an edge restarts),
 only the first caller loads it; the others await the same future. Loads are batched: a
 caller hands over all the keys it misses and one loader call fetches those nobody else is
-already loading (so a batch still costs one request per source, not one per key).
+already loading (so a batch still costs one request per source, not one per key). A loader
+that raises fails every caller waiting on its keys with that error.
+
+Counters (groupcache's Stats): loads, loader calls made; loads_deduped, keys that joined a
+load already in flight instead of causing one.
 """
 import asyncio
+import collections
 
 
 class Group:
     def __init__(self):
         self._inflight = {}        # key -> asyncio.Future resolving to the value or None
-        self.loads = 0             # loader calls made
-        self.shared = 0            # keys that joined a load already in flight
+        self.counters = collections.Counter()
 
     def __len__(self):
         return len(self._inflight)
@@ -22,29 +26,44 @@ class Group:
 
         loader(list_of_keys) is an async function returning {key: value} for keys it found.
         """
+        futures, mine = self._join(keys)
+        if mine:
+            await self._load(mine, loader)
+        return list(await asyncio.gather(*futures))
+
+    def _join(self, keys) -> tuple:
+        """(a future per key, the keys this caller must load itself)."""
         loop = asyncio.get_running_loop()
         futures, mine = [], []
         for k in keys:
             f = self._inflight.get(k)
             if f is None:
-                f = loop.create_future()
-                self._inflight[k] = f
+                f = self._inflight[k] = loop.create_future()
                 mine.append(k)
             else:
-                self.shared += 1
+                self.counters["loads_deduped"] += 1
             futures.append(f)
-        if mine:
-            self.loads += 1
-            try:
-                found = await loader(mine)
-            except BaseException as e:
-                for k in mine:
-                    f = self._inflight.pop(k)
-                    if not f.done():
-                        f.set_exception(e)
-                raise
-            for k in mine:
-                f = self._inflight.pop(k)
-                if not f.done():
-                    f.set_result(found.get(k))
-        return list(await asyncio.gather(*futures))
+        return futures, mine
+
+    async def _load(self, keys, loader) -> None:
+        self.counters["loads"] += 1
+        try:
+            found = await loader(keys)
+        except BaseException as e:   # every waiter gets the loader's error, then it propagates
+            self._settle(keys, error=e)
+            raise
+        self._settle(keys, found=found)
+
+    def _settle(self, keys, found=None, error=None) -> None:
+        for k in keys:
+            f = self._inflight.pop(k)
+            if f.done():
+                continue
+            if error is not None:
+                f.set_exception(error)
+                f.exception()      # retrieved: the loading caller raises it itself
+            else:
+                f.set_result(found.get(k))
+
+    def stats(self) -> dict:
+        return {"inflight": len(self._inflight), **self.counters}

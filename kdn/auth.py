@@ -36,12 +36,13 @@ class Tokens:
                 raise KDNError(f"the {what} must be a string of at least 16 characters")
 
     def check_admin(self, token, what: str) -> None:
-        if not self.is_admin(token):
+        """AccessDenied unless token is the admin token; an open network (none set) lets all in."""
+        if self.admin is not None and not self.is_admin(token):
             raise AccessDenied(f"{what} needs the network's admin token: missing or wrong")
 
     def is_admin(self, token) -> bool:
-        """Whether token is the admin token (always True on an open network, with none set)."""
-        return self.admin is None or _same(token, self.admin)
+        """Whether token is the configured admin token (on an open network nobody is)."""
+        return self.admin is not None and _same(token, self.admin)
 
     def check_read(self, tenant: str, token, what: str) -> None:
         """A tenant with a read token needs it (or the admin token); others read freely."""
@@ -92,10 +93,14 @@ def ensure_admin_token(home: Path) -> str:
     return token
 
 
-def load_admin_token(home: Path):
-    """The admin token a CLI command uses: $KDN_ADMIN_TOKEN or the one `kdn up` wrote (or None)."""
+def load_admin_token(home: Path = None):
+    """The admin token of the network `kdn up` started on this machine, for the CLI and for
+    operators' Python: $KDN_ADMIN_TOKEN, else the file in home (default $KDN_HOME), else None."""
     env = os.environ.get("KDN_ADMIN_TOKEN")
     if env:
         return env
+    if home is None:
+        from kdn.env import kdn_home
+        home = kdn_home()
     path = admin_token_file(home)
     return path.read_text().strip() if path.exists() else None

@@ -29,6 +29,7 @@ tokens would: content addressing stays consistent across layouts.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -48,8 +49,9 @@ FETCH_TIMEOUT_S = 30.0
 POSITION_FREE_ROPE = {"default", "linear", "llama3"}   # inv_freq independent of the sequence
 _MARK = "\x00kdn-blend-mark\x00"
 
-stats = {"blends": 0, "blend_tokens": 0, "recomputed_tokens": 0, "blend_s": 0.0,
-         "segments_published": 0, "segments_fetched": 0, "segment_fetch_s": 0.0}
+# blends, blend_tokens, recomputed_tokens, blend_s, segments_published, segments_fetched,
+# segment_fetch_s: of this process
+counters = collections.Counter()
 
 
 # --- prompt pieces ---------------------------------------------------------------------------
@@ -64,19 +66,19 @@ def _system_split(model) -> tuple:
 
 def header_tokens(model) -> list:
     """Tokens every blended prompt starts with: the opening of the system turn."""
-    return model._encode(_system_split(model)[0])
+    return model.encode(_system_split(model)[0])
 
 
 def question_tokens(model, question: str) -> list:
     """Tokens after the documents: the close of the system turn, the user turn, the reply prompt."""
-    return model._encode(_system_split(model)[1]) + model.question_tokens(question)
+    return model.encode(_system_split(model)[1]) + model.question_tokens(question)
 
 
 def segment_tokens(model, text: str) -> list:
     """A document's segment: its text plus SEPARATOR, tokenized on its own."""
     if not isinstance(text, str) or not text.strip():
         raise BadRequest(f"a segment's document text must be a non-empty str, got {text!r:.60}")
-    return model._encode(text + SEPARATOR)
+    return model.encode(text + SEPARATOR)
 
 
 def prompt_tokens(model, segments, question: str) -> list:
@@ -162,7 +164,7 @@ def _check_share(share) -> float:
 
 
 def _kv_part(model, kv, n: int, what: str) -> torch.Tensor:
-    t = model._kv_tensor(kv, 0)
+    t = model.kv_tensor(kv, 0)
     if t.shape[3] != n:
         raise BadRequest(f"{what} has KV for {t.shape[3]} tokens but {n} tokens")
     return t
@@ -203,73 +205,87 @@ def blend(model, header, segments, share: float = DEFAULT_SHARE, select_layer: i
     if not segments:
         raise BadRequest("a blend needs at least one segment")
     t0 = time.perf_counter()
-    head_ids = model._check_tokens(header, "header tokens")
-    seg_ids = [model._check_tokens(toks, f"segment {i} tokens") for i, (toks, _) in enumerate(segments)]
+    head_ids = model.check_tokens(header, "header tokens")
+    seg_ids = [model.check_tokens(toks, f"segment {i} tokens") for i, (toks, _) in enumerate(segments)]
     parts = [_kv_part(model, kv, len(ids), f"segment {i}") for i, ((_, kv), ids) in enumerate(zip(segments, seg_ids))]
     ids = head_ids + [t for s in seg_ids for t in s]
-    total, hd, L = len(ids), model.head_dim, model.layers
-    hf = model.hf
-    inner = hf.model
     with torch.inference_mode():
-        # Place: header fresh, segments re-positioned, all in one buffer the cache will view.
-        buf = torch.empty((L, 2, 1, model.kv_heads, total, hd), dtype=hf.dtype)
-        buf[:, :, 0, :, :len(head_ids)].copy_(model._kv_tensor(model.prefill(head_ids).kv, 0))
-        at = len(head_ids)
-        for p in parts:
-            n = p.shape[3]
-            rotate_keys(model, p[:, 0], at, out=buf[:, 0, 0, :, at:at + n])
-            buf[:, 1, 0, :, at:at + n].copy_(p[:, 1])
-            at += n
+        buf = _place(model, head_ids, parts, len(ids))
         t_place = time.perf_counter()
-
-        # Select: exact layers below select_layer for everyone, deviation at select_layer.
-        h = inner.embed_tokens(torch.tensor([ids], dtype=torch.long))
-        cos, sin = inner.rotary_emb(h, torch.arange(total).unsqueeze(0))
-        for li in range(select_layer):
-            layer = inner.layers[li]
-            q, k, v = _project(layer, layer.input_layernorm(h), cos, sin, hd)
-            buf[li, 0, 0].copy_(k[0])
-            buf[li, 1, 0].copy_(v[0])
-            h = h + _attend(layer.self_attn, q, k, v)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        layer = inner.layers[select_layer]
-        x = layer.input_layernorm(h)
-        q, k, v = _project(layer, x, cos, sin, hd)
-        dev = ((k[0] - buf[select_layer, 0, 0]).pow(2).sum(dim=(0, 2))
-               + (v[0] - buf[select_layer, 1, 0]).pow(2).sum(dim=(0, 2)))
-        n_sel = min(total, math.ceil(share * total - 1e-9))
-        idx = torch.topk(dev, n_sel).indices.sort().values if n_sel else torch.empty(0, dtype=torch.long)
-        buf[select_layer, 0, 0].copy_(k[0])
-        buf[select_layer, 1, 0].copy_(v[0])
+        idx, state = _select(model, ids, buf, share, select_layer)
         t_select = time.perf_counter()
-
-        # Recompute: selected tokens through the remaining layers, attending to the blend.
-        if n_sel:
-            later = torch.arange(total).unsqueeze(0) > idx.unsqueeze(1)      # [n_sel, total]
-            mask = torch.zeros(later.shape, dtype=hf.dtype).masked_fill_(later, float("-inf"))
-            h = h[:, idx]
-            cos_s, sin_s = cos[:, idx], sin[:, idx]
-            kb, vb = buf[select_layer, 0], buf[select_layer, 1]
-            h = h + _attend(layer.self_attn, q[:, :, idx], kb, vb, mask)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            for li in range(select_layer + 1, L):
-                layer = inner.layers[li]
-                q, k, v = _project(layer, layer.input_layernorm(h), cos_s, sin_s, hd)
-                kb, vb = buf[li, 0], buf[li, 1]
-                kb[:, :, idx] = k
-                vb[:, :, idx] = v
-                h = h + _attend(layer.self_attn, q, kb, vb, mask)
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if len(idx):
+            _recompute(model, buf, idx, select_layer, *state)
         cache = model.new_cache()
-        model._fill(cache, buf)
+        model.fill_cache(cache, buf)
     t_end = time.perf_counter()
-    stats["blends"] += 1
-    stats["blend_tokens"] += total
-    stats["recomputed_tokens"] += n_sel
-    stats["blend_s"] += t_end - t0
-    return Blended(cache=cache, context_tokens=total, selected=idx.numpy(), share=share,
+    counters["blends"] += 1
+    counters["blend_tokens"] += len(ids)
+    counters["recomputed_tokens"] += len(idx)
+    counters["blend_s"] += t_end - t0
+    return Blended(cache=cache, context_tokens=len(ids), selected=idx.numpy(), share=share,
                    seconds={"place": t_place - t0, "select": t_select - t_place,
                             "recompute": t_end - t_select, "total": t_end - t0})
+
+
+def _place(model, head_ids, parts, total: int) -> torch.Tensor:
+    """The context's KV buffer [layers, 2, 1, kv_heads, total, head_dim]: the header computed
+    fresh, each segment's keys rotated to where it lands (values carry no position)."""
+    buf = torch.empty((model.layers, 2, 1, model.kv_heads, total, model.head_dim), dtype=model.hf.dtype)
+    buf[:, :, 0, :, :len(head_ids)].copy_(model.kv_tensor(model.prefill(head_ids).kv, 0))
+    at = len(head_ids)
+    for p in parts:
+        n = p.shape[3]
+        rotate_keys(model, p[:, 0], at, out=buf[:, 0, 0, :, at:at + n])
+        buf[:, 1, 0, :, at:at + n].copy_(p[:, 1])
+        at += n
+    return buf
+
+
+def _select(model, ids, buf, share: float, select_layer: int) -> tuple:
+    """(selected positions, state for _recompute): layers below select_layer computed exactly
+    for every token (into buf), then at select_layer the `share` of tokens whose fresh K/V
+    deviate most from the placed ones; that layer's K/V are kept fresh for every token."""
+    inner, hd, total = model.hf.model, model.head_dim, len(ids)
+    h = inner.embed_tokens(torch.tensor([ids], dtype=torch.long))             # [1, total, D]
+    cos, sin = inner.rotary_emb(h, torch.arange(total).unsqueeze(0))
+    for li in range(select_layer):
+        layer = inner.layers[li]
+        q, k, v = _project(layer, layer.input_layernorm(h), cos, sin, hd)
+        buf[li, 0, 0].copy_(k[0])
+        buf[li, 1, 0].copy_(v[0])
+        h = h + _attend(layer.self_attn, q, k, v)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    layer = inner.layers[select_layer]
+    q, k, v = _project(layer, layer.input_layernorm(h), cos, sin, hd)
+    dev = ((k[0] - buf[select_layer, 0, 0]).pow(2).sum(dim=(0, 2))
+           + (v[0] - buf[select_layer, 1, 0]).pow(2).sum(dim=(0, 2)))              # [total]
+    n_sel = min(total, math.ceil(share * total - 1e-9))
+    idx = torch.topk(dev, n_sel).indices.sort().values if n_sel else torch.empty(0, dtype=torch.long)
+    buf[select_layer, 0, 0].copy_(k[0])
+    buf[select_layer, 1, 0].copy_(v[0])
+    return idx, (h, q, cos, sin)
+
+
+def _recompute(model, buf, idx, select_layer: int, h, q, cos, sin) -> None:
+    """Selected tokens through the layers from select_layer on, attending to the blended
+    context (causally, by position); their fresh K/V replace the placed ones in buf."""
+    inner, hd, total = model.hf.model, model.head_dim, buf.shape[4]
+    later = torch.arange(total).unsqueeze(0) > idx.unsqueeze(1)                 # [n_sel, total]
+    mask = torch.zeros(later.shape, dtype=model.hf.dtype).masked_fill_(later, float("-inf"))
+    h = h[:, idx]
+    cos_s, sin_s = cos[:, idx], sin[:, idx]
+    layer = inner.layers[select_layer]
+    h = h + _attend(layer.self_attn, q[:, :, idx], buf[select_layer, 0], buf[select_layer, 1], mask)
+    h = h + layer.mlp(layer.post_attention_layernorm(h))
+    for li in range(select_layer + 1, model.layers):
+        layer = inner.layers[li]
+        q, k, v = _project(layer, layer.input_layernorm(h), cos_s, sin_s, hd)
+        kb, vb = buf[li, 0], buf[li, 1]
+        kb[:, :, idx] = k
+        vb[:, :, idx] = v
+        h = h + _attend(layer.self_attn, q, kb, vb, mask)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def generate_blended(model, segments, question: str, share: float = DEFAULT_SHARE,
@@ -309,7 +325,7 @@ def publish_segments(client, model, kb: str, documents, meta: dict = None, progr
             progress(i + 1, len(docs))
     info = {"segment_separator": SEPARATOR, "segment_positions": "from 0"}
     receipt = client.publish(kb, named, kvs, layout="segments", meta={**info, **(meta or {})})
-    stats["segments_published"] += len(named)
+    counters["segments_published"] += len(named)
     receipt["segment_tokens"] = {n: len(t) for n, t in named}
     return receipt
 
@@ -325,26 +341,20 @@ class SegmentFetch:
 
 
 def _fetch_keys(client, keys, what: str, manifest=None) -> SegmentFetch:
-    """All of `keys` from the nearest live edge (a segment is useful only whole), verified."""
-    t0 = time.perf_counter()
+    """All of `keys` from the nearest live edge (a segment is useful only whole), verified
+    by the client (against `manifest`'s checksums, else those of every KB it lists)."""
     keys = list(keys)
     if not keys:
         raise BadRequest(f"{what} has no chunks")
-    reply, edge, _ = client._fetch_call(keys, FETCH_TIMEOUT_S)
-    sources = reply["sources"]
-    if len(reply["chunks"]) < len(keys):
-        raise NetworkError(f"{what}: the network holds {len(reply['chunks'])} of its {len(keys)} "
+    got = client.fetch_keys(keys, manifest=manifest, timeout_s=FETCH_TIMEOUT_S)
+    if len(got.chunks) < len(keys):
+        raise NetworkError(f"{what}: the network holds {len(got.chunks)} of its {len(keys)} "
                            "chunks (not published under this tenant and model, or lost)")
-    sums = manifest.sum_of() if manifest is not None and getattr(manifest, "sums", None) else {}
-    chunks, exact, bad = client._resolve(keys, reply["chunks"], edge, sums)
-    if bad:
-        raise NetworkError(f"{what}: chunk {keys[bad[0]].hex()} from edge {edge} fails its checksum")
-    kv = chunks[0].kv if len(chunks) == 1 else np.concatenate([c.kv for c in chunks], axis=3)
-    seconds = time.perf_counter() - t0
-    stats["segments_fetched"] += 1
-    stats["segment_fetch_s"] += seconds
-    return SegmentFetch(kv=kv, keys=keys, sources=list(sources), edge=edge, seconds=seconds,
-                        exact=all(exact))
+    kv = got.chunks[0].kv if len(got.chunks) == 1 else np.concatenate(got.kv_parts(), axis=3)
+    counters["segments_fetched"] += 1
+    counters["segment_fetch_s"] += got.seconds
+    return SegmentFetch(kv=kv, keys=keys, sources=list(got.sources), edge=got.edge,
+                        seconds=got.seconds, exact=got.exact)
 
 
 def fetch_segment(client, tokens) -> SegmentFetch:

@@ -1,13 +1,20 @@
 """The `kdn` command: launch and stop a network, publish and query knowledge, benchmarks.
 
-Each subcommand is a thin shell over the Python API; errors KDN raises on purpose
-(KDNError) print one line naming the problem and exit with status 2.
+Each subcommand is a thin shell over the Python API. An error KDN raises on purpose
+(KDNError, wherever in the network it was raised) prints one line naming the problem and
+exits with status 2; an unexpected error inside a KDN node prints one line too (status 1).
+No traceback and no terminal escape sequence from a remote message reaches the terminal.
 """
 import argparse
 import importlib
+import re
 import sys
 
 from kdn.errors import KDNError
+
+# CSI/OSC escape sequences, then any other control character (newlines included)
+_ESCAPES = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)?|[@-Z\\-_])|[\x00-\x1f\x7f-\x9f]+")
+MAX_ERROR_CHARS = 2000
 
 
 def _bench(args, rest):
@@ -26,7 +33,7 @@ def _connect(args, **kw):
     from kdn.cluster import kdn_home, read_state
     address, network = getattr(args, "address", None), getattr(args, "network", None)
     if address is None:
-        state = read_state()
+        state = read_state(require_alive=True)     # a dead recorded cluster: an error now, no hang
         address, network = state["address"], network or state["network"]
     return connect(address=address, network=network or "kdn", admin_token=load_admin_token(kdn_home()),
                    token=os.environ.get("KDN_TOKEN"), **kw)
@@ -100,9 +107,14 @@ def _status(args, rest):
 
 
 def _publish(args, rest):
+    from kdn.manifest import check_name
     from kdn.model import load_model
-    from kdn.origin.publish import progress_bar, publish_documents, read_documents
+    from kdn.publish import progress_bar, publish_documents, read_documents
+    # what can be refused is refused before the model loads (sizes, names; publish_documents
+    # checks the admin token before it tokenizes)
     docs = read_documents(args.paths)
+    check_name(args.kb, "knowledge base name")
+    check_name(args.tenant, "tenant")
     model = load_model()
     cl = _connect(args, tenant=args.tenant, fingerprint=model.fingerprint)
     r = publish_documents(cl, model, args.kb, docs, progress=progress_bar())
@@ -145,7 +157,18 @@ def _demo(args, rest):
 def build_parser():
     ap = argparse.ArgumentParser(prog="kdn", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
+    for add in (_up_args, _down_args, _status_args, _publish_args, _query_args, _demo_args, _bench_args):
+        add(sub)
+    return ap
 
+
+def _network_args(p):
+    """Where the network is: the one `kdn up` recorded, unless told."""
+    p.add_argument("--address", help="the Ray cluster's address (default: the recorded one)")
+    p.add_argument("--network", help="the network's name (default: the recorded one)")
+
+
+def _up_args(sub):
     u = sub.add_parser("up", help="start a network (embedded local cluster unless --address)")
     u.add_argument("--topology", help="topology TOML (default: 3 local regions)")
     u.add_argument("--address", help="join the Ray cluster at this address instead of starting one")
@@ -157,23 +180,28 @@ def build_parser():
     u.add_argument("--origin-codec", default="raw", help="how the origin stores chunks: raw or zstd")
     u.set_defaults(func=_up)
 
-    d = sub.add_parser("down", help="stop what `kdn up` started")
-    d.set_defaults(func=_down)
 
+def _down_args(sub):
+    sub.add_parser("down", help="stop what `kdn up` started").set_defaults(func=_down)
+
+
+def _status_args(sub):
     s = sub.add_parser("status", help="edges, regions, bytes, hit rates, hot copies, origin state")
-    s.add_argument("--address")
-    s.add_argument("--network")
+    _network_args(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_status)
 
+
+def _publish_args(sub):
     p = sub.add_parser("publish", help="prefill text/markdown files with the model and publish them as a KB")
     p.add_argument("kb", help="knowledge-base name")
     p.add_argument("paths", nargs="+", help="text or markdown files, in order")
     p.add_argument("--tenant", default="default")
-    p.add_argument("--address")
-    p.add_argument("--network")
+    _network_args(p)
     p.set_defaults(func=_publish)
 
+
+def _query_args(sub):
     q = sub.add_parser("query", help="answer a question over a KB with KV from the nearest edge")
     q.add_argument("kb")
     q.add_argument("question")
@@ -184,18 +212,21 @@ def build_parser():
     q.add_argument("--max-new-tokens", type=int, default=64)
     q.add_argument("--check", action="store_true",
                    help="also run a plain full prefill; exit 1 unless the generated tokens are identical")
-    q.add_argument("--address")
-    q.add_argument("--network")
+    _network_args(q)
     q.set_defaults(func=_query)
 
+
+def _demo_args(sub):
     dm = sub.add_parser("demo", help="start a local 3-region network, publish, query from every region, report")
     dm.add_argument("--questions", type=int, default=2, help="questions per region")
     dm.add_argument("--max-new-tokens", type=int, default=24)
     dm.set_defaults(func=_demo)
+
+
+def _bench_args(sub):
     b = sub.add_parser("bench", help="run a benchmark (kdn bench NAME --help)", add_help=False)
     b.add_argument("name")
     b.set_defaults(func=_bench, passthrough=True)
-    return ap
 
 
 def main(argv=None):
@@ -207,11 +238,25 @@ def main(argv=None):
     try:
         return args.func(args, rest)
     except KDNError as e:
-        print(f"kdn: error: {e}", file=sys.stderr)
+        print(f"kdn: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except _ray_errors() as e:       # a bug in a node: its message, not Ray's remote traceback
+        cause = getattr(e, "cause", None) or e
+        print(f"kdn: error: unexpected {type(cause).__name__} in a KDN node: "
+              f"{one_line(str(cause))}", file=sys.stderr)
+        return 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def one_line(message: str) -> str:
+    """message as one printable line: escape sequences and control characters removed
+    (a remote message must not drive the user's terminal), bounded in length."""
+    text = " ".join(_ESCAPES.sub(" ", message).split())
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + " ..."
+
+
+def _ray_errors() -> tuple:
+    """Ray's error base when Ray is loaded (a command that never imported it raises none)."""
+    ray = sys.modules.get("ray")
+    return (ray.exceptions.RayError,) if ray is not None else ()

@@ -27,17 +27,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kdn.env import prepare_ray_env
+from kdn.env import kdn_home, prepare_ray_env
 from kdn.errors import KDNError, NetworkError
 from kdn.names import NAMESPACE, check_node_name, edge_actor_name, origin_name
 
 LOOPBACK = "127.0.0.1"   # every node of an embedded cluster, and every driver, binds loopback
 DEFAULT_REGIONS = ("us-east", "eu-west", "ap-south")
-
-
-def kdn_home() -> Path:
-    """Where KDN keeps state by default: $KDN_HOME, else ~/.cache/kdn."""
-    return Path(os.environ.get("KDN_HOME") or Path.home() / ".cache" / "kdn")
 
 
 def ensure_ray_token() -> None:
@@ -308,7 +303,7 @@ def up(topology_file=None, address=None, root=None, network: str = "kdn", http: 
         start_network(topo, root, network=network, detached=True, http=http, auth=auth,
                       edge_options={"store_codec": edge_codec},
                       origin_options={"store_codec": origin_codec})
-    except BaseException:
+    except BaseException:            # noqa: BLE001 - cleanup, then re-raised: even ^C leaves nothing
         if state["embedded"]:        # nothing recorded yet: stop what this call started
             _stop_processes(_ours(state["pids"]))
         raise

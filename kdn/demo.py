@@ -12,13 +12,13 @@
 """
 import dataclasses
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 REGIONS = ("us-east", "eu-west", "ap-south")
 KB = "founding-documents"
+NETWORK = "demo"
 
 
 def _region_worker(network, kb, questions, max_new_tokens):
@@ -41,16 +41,9 @@ def _region_worker(network, kb, questions, max_new_tokens):
 
 
 def run(questions_per_region: int = 2, max_new_tokens: int = 24, out=None) -> dict:
+    """The demo end to end (the module docstring's five steps); returns what it measured."""
+    from kdn.cluster import LocalCluster, init_ray, stop_network
     out = out or sys.stdout
-    import ray
-    import torch
-    from kdn.bench import table
-    from kdn.client import Client
-    from kdn.cluster import LocalCluster, init_ray, start_network, stop_network
-    from kdn.knowledge import bundled_documents, bundled_questions
-    from kdn.model import load_model
-    from kdn.origin.publish import progress_bar, publish_documents
-    from kdn.placement.topology import Topology
 
     def say(*a):
         print(*a, file=out, flush=True)
@@ -59,90 +52,125 @@ def run(questions_per_region: int = 2, max_new_tokens: int = 24, out=None) -> di
     say("KDN demo: a CDN for the KV cache of shared knowledge\n")
     say("[1/5] starting a 3-region network on this machine (one labelled Ray node per region) ...")
     cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=1 << 30)
-    network = "demo"
     try:
         init_ray(cluster.address)
-        topo = Topology.default_local(list(REGIONS), edges_per_region=1)
-        root = tempfile.mkdtemp(prefix="kdn-demo-origin-")
-        net = start_network(topo, root, network=network, http=True)
-        say(f"      origin in {topo.origin_region}, edges: {', '.join(e.name for e in topo.edges)}; "
-            f"WAN latency between regions {topo.latency_ms(REGIONS[0], REGIONS[1]):.0f}-"
-            f"{topo.latency_ms(REGIONS[0], REGIONS[2]):.0f} ms (modelled)")
-
+        net = _start(say)
         say("[2/5] publishing the bundled knowledge base with SmolLM2-135M-Instruct ...")
-        torch.set_num_threads(2)
-        model = load_model()
-        docs = bundled_documents()
-        client = Client(network=network, region=topo.origin_region, fingerprint=model.fingerprint)
-        receipt = publish_documents(client, model, KB, docs, progress=progress_bar("      prefill", file=out))
-        say(f"      {len(docs)} documents, {receipt['tokens']} tokens -> {receipt['chunks']} chunks, "
-            f"{receipt['bytes'] / 2**20:.1f} MiB of KV; prefill {receipt['prefill_s']:.1f} s (paid once); "
-            f"placed on {len(receipt['placement'])} edges x {max(1, sum(receipt['placement'].values()) // max(1, receipt['chunks']))} replicas")
-        say("      text: U.S. National Archives and Library of Congress transcriptions, public domain "
-            "(kdn/data/SOURCES.md)")
-
+        client, model, receipt = _publish(net, say, out)
         say("[3/5] a worker in each region answers questions from its nearest edge ...")
-        qs = bundled_questions()
-        worker = ray.remote(num_cpus=1)(_region_worker)
-        results = []
-        for i, region in enumerate(REGIONS):
-            mine = [qs[(i * questions_per_region + j) % len(qs)] for j in range(questions_per_region)]
-            reg, answers = ray.get(worker.options(label_selector={"region": region})
-                                   .remote(network, KB, mine, max_new_tokens), timeout=900)
-            results += [dict(a, region=reg) for a in answers]
-
+        results = _ask_every_region(net.name, questions_per_region, max_new_tokens)
         say("[4/5] a worker outside Ray reads the same KV over HTTP ...")
-        http_line = _http_check(net, client, model)
-        say("      " + http_line)
-
+        say("      " + _http_check(net, client, model))
         say("[5/5] results\n")
-        rows = []
-        for a in results:
-            src = ", ".join(f"{k} {v}" for k, v in sorted(a["sources"].items()))
-            rows.append({
-                "region": a["region"], "edge": a["edge"], "question": a["question"][:44],
-                "cached/prompt": f"{a['cached_tokens']}/{a['prompt_tokens']}",
-                "TTFT KDN ms": round(a["ttft_s"] * 1000),
-                "TTFT full ms": "" if a["baseline_ttft_s"] is None else round(a["baseline_ttft_s"] * 1000),
-                "speedup": "" if a["baseline_ttft_s"] is None else f"{a['baseline_ttft_s'] / a['ttft_s']:.1f}x",
-                "chunks from": src, "MiB moved": f"{a['bytes_moved'] / 2**20:.1f}",
-                "identical": "" if a["identical"] is None else ("yes" if a["identical"] else "NO"),
-            })
-        table(rows, file=out)
-        say("")
-        for a in results:
-            say(f"  [{a['region']}] Q: {a['question']}\n             A: {a['text'][:160]}")
-        base = [a["baseline_ttft_s"] for a in results if a["baseline_ttft_s"]]
-        full = float(np.median(base))
-        kdn = float(np.median([a["ttft_s"] for a in results]))
-        again = publish_documents(client, model, KB, docs)
-        st = client.status()
-        served = {k: sum(e.get("counters", {}).get(f"served_{k}", 0) for e in st["edges"])
-                  for k in ("local", "peer", "origin")}
-        say("\nWhat KDN saved")
-        say(f"  time to first token: {kdn * 1000:.0f} ms with KDN vs {full * 1000:.0f} ms with a full prefill "
-            f"(median) -> {full / kdn:.1f}x faster")
-        say(f"  prefill compute: {len(results)} answers each prefilled ~{int(np.median([a['prompt_tokens'] - a['cached_tokens'] for a in results]))} "
-            f"question tokens instead of ~{results[0]['prompt_tokens']}: about {len(results) * (full - kdn):.0f} s of "
-            f"CPU prefill saved in this run alone")
-        same = [a["identical"] for a in results if a["identical"] is not None]
-        say(f"  exactness: {sum(same)}/{len(same)} checked answers token-identical to a plain full prefill")
-        say(f"  chunks served by edges: {served['local']} from the local edge, {served['peer']} from a peer, "
-            f"{served['origin']} from the origin")
-        say(f"  re-publishing the unchanged KB: {again['prefilled_tokens']} tokens prefilled, "
-            f"{again['sent_chunks']} chunks sent, version still v{again['version']}")
+        _report(results, say, out)
+        saved = _savings(client, model, results, say)
         say(f"\ndemo finished in {time.perf_counter() - t_start:.0f} s; shutting the network down.")
-        stop_network(network)
-        return {"results": results, "receipt": receipt, "republish": again, "speedup": full / kdn}
+        stop_network(net)
+        return {"results": results, "receipt": receipt, **saved}
     finally:
         cluster.shutdown()
 
 
-def _http_check(net, client, model) -> str:
+def _start(say):
+    """The demo's network: origin and one edge per region, HTTP on."""
+    import tempfile
+    from kdn.cluster import start_network
+    from kdn.placement.topology import Topology
+    topo = Topology.default_local(list(REGIONS), edges_per_region=1)
+    net = start_network(topo, tempfile.mkdtemp(prefix="kdn-demo-origin-"), network=NETWORK, http=True)
+    say(f"      origin in {topo.origin_region}, edges: {', '.join(e.name for e in topo.edges)}; "
+        f"WAN latency between regions {topo.latency_ms(REGIONS[0], REGIONS[1]):.0f}-"
+        f"{topo.latency_ms(REGIONS[0], REGIONS[2]):.0f} ms (modelled)")
+    return net
+
+
+def _publish(net, say, out) -> tuple:
+    """(client, model, receipt): the bundled documents prefilled once and published."""
+    import torch
+    from kdn.client import Client
+    from kdn.knowledge import bundled_documents
+    from kdn.model import load_model
+    from kdn.publish import progress_bar, publish_documents
+    torch.set_num_threads(2)
+    model = load_model()
+    docs = bundled_documents()
+    client = Client(network=net.name, region=net.topology.origin_region, fingerprint=model.fingerprint)
+    receipt = publish_documents(client, model, KB, docs, progress=progress_bar("      prefill", file=out))
+    replicas = max(1, sum(receipt["placement"].values()) // max(1, receipt["chunks"]))
+    say(f"      {len(docs)} documents, {receipt['tokens']} tokens -> {receipt['chunks']} chunks, "
+        f"{receipt['bytes'] / 2**20:.1f} MiB of KV; prefill {receipt['prefill_s']:.1f} s (paid once); "
+        f"placed on {len(receipt['placement'])} edges x {replicas} replicas")
+    say("      text: U.S. National Archives and Library of Congress transcriptions, public domain "
+        "(kdn/data/SOURCES.md)")
+    return client, model, receipt
+
+
+def _ask_every_region(network, questions_per_region, max_new_tokens) -> list:
+    """Answers (dicts) of a worker task on each region's node, its first one checked."""
     import ray
+    from kdn.knowledge import bundled_questions
+    qs = bundled_questions()
+    worker = ray.remote(num_cpus=1)(_region_worker)
+    results = []
+    for i, region in enumerate(REGIONS):
+        mine = [qs[(i * questions_per_region + j) % len(qs)] for j in range(questions_per_region)]
+        reg, answers = ray.get(worker.options(label_selector={"region": region})
+                               .remote(network, KB, mine, max_new_tokens), timeout=900)
+        results += [dict(a, region=reg) for a in answers]
+    return results
+
+
+def _report(results, say, out) -> None:
+    """The results table and every answer."""
+    from kdn.bench import table
+    rows = []
+    for a in results:
+        base = a["baseline_ttft_s"]
+        rows.append({
+            "region": a["region"], "edge": a["edge"], "question": a["question"][:44],
+            "cached/prompt": f"{a['cached_tokens']}/{a['prompt_tokens']}",
+            "TTFT KDN ms": round(a["ttft_s"] * 1000),
+            "TTFT full ms": "" if base is None else round(base * 1000),
+            "speedup": "" if base is None else f"{base / a['ttft_s']:.1f}x",
+            "chunks from": ", ".join(f"{k} {v}" for k, v in sorted(a["sources"].items())),
+            "MiB moved": f"{a['bytes_moved'] / 2**20:.1f}",
+            "identical": "" if a["identical"] is None else ("yes" if a["identical"] else "NO"),
+        })
+    table(rows, file=out)
+    say("")
+    for a in results:
+        say(f"  [{a['region']}] Q: {a['question']}\n             A: {a['text'][:160]}")
+
+
+def _savings(client, model, results, say) -> dict:
+    """What KDN saved, and a re-publish of the unchanged KB (nothing prefilled or sent)."""
+    from kdn.knowledge import bundled_documents
+    from kdn.publish import publish_documents
+    full = float(np.median([a["baseline_ttft_s"] for a in results if a["baseline_ttft_s"]]))
+    kdn = float(np.median([a["ttft_s"] for a in results]))
+    again = publish_documents(client, model, KB, bundled_documents())
+    served = {k: sum(e.get("counters", {}).get(f"served_{k}", 0) for e in client.status()["edges"])
+              for k in ("local", "peer", "origin")}
+    computed = int(np.median([a["prompt_tokens"] - a["cached_tokens"] for a in results]))
+    same = [a["identical"] for a in results if a["identical"] is not None]
+    say("\nWhat KDN saved")
+    say(f"  time to first token: {kdn * 1000:.0f} ms with KDN vs {full * 1000:.0f} ms with a full prefill "
+        f"(median) -> {full / kdn:.1f}x faster")
+    say(f"  prefill compute: {len(results)} answers each prefilled ~{computed} "
+        f"question tokens instead of ~{results[0]['prompt_tokens']}: about {len(results) * (full - kdn):.0f} s of "
+        f"CPU prefill saved in this run alone")
+    say(f"  exactness: {sum(same)}/{len(same)} checked answers token-identical to a plain full prefill")
+    say(f"  chunks served by edges: {served['local']} from the local edge, {served['peer']} from a peer, "
+        f"{served['origin']} from the origin")
+    say(f"  re-publishing the unchanged KB: {again['prefilled_tokens']} tokens prefilled, "
+        f"{again['sent_chunks']} chunks sent, version still v{again['version']}")
+    return {"republish": again, "speedup": full / kdn}
+
+
+def _http_check(net, client, model) -> str:
     from kdn.http_client import EdgeHTTPClient
     edge = net.topology.edges_in("eu-west")[0]
-    url = ray.get(net.edge(edge).ping.remote(), timeout=30)["http"]
+    url = client.view.edge_at(edge, "ping", timeout=30)["http"]
     m = client.manifest(KB)
     prompt = m.token_ids().tolist() + model.question_tokens("What does the Eighth Amendment forbid?")
     with EdgeHTTPClient(url) as hc:

@@ -8,6 +8,7 @@ Decided once here and used by the CLI, the demo, the tests and CI alike:
 import ipaddress
 import os
 import sys
+from pathlib import Path
 
 RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -30,6 +31,11 @@ def prepare_ray_env() -> None:
         ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(
             ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, not ray_constants.IS_WINDOWS_OR_OSX)
         Config.initialize("")
+
+
+def kdn_home() -> Path:
+    """Where KDN keeps state by default: $KDN_HOME, else ~/.cache/kdn."""
+    return Path(os.environ.get("KDN_HOME") or Path.home() / ".cache" / "kdn")
 
 
 def is_loopback(host: str) -> bool:

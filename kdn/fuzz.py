@@ -20,8 +20,12 @@ bounded time while /health must still answer promptly. After a run, check() asks
 and fetches the KB: the server must still serve the right bytes, and the edge's chunk count
 and bytes (from /health) must be what they were before.
 
-`kdn bench fuzz --seconds N` runs the driver for N seconds against a network of its own;
-tests/edge/test_fuzz_http.py runs a bounded number of cases in its test suite.
+Besides, idle() opens connections that send half a request line, or nothing, and reports
+how soon the server closes them (it must, within its idle bound).
+
+`kdn bench fuzz --seconds N` (kdn/bench/fuzz.py) runs it for N seconds against a network of
+its own and reports the edge's peak memory; tests/edge/test_fuzz_http.py runs a bounded
+number of cases in its test suite.
 """
 import json
 import re
@@ -39,13 +43,15 @@ from kdn.errors import KDNError
 
 KINDS = ("valid", "truncated_msgpack", "bad_msgpack", "huge_lengths", "wrong_types",
          "wrong_sizes", "path_tricks", "auth_tokens", "content_types", "oversized",
-         "slowloris", "methods", "mutations", "protocol")
+         "slowloris", "methods", "mutations", "protocol", "repeated_keys", "bad_gzip",
+         "transfer_codings")
 # Malformed HTTP itself (request line, headers): aiohttp's parser answers before any handler
 # runs, in plain text. Any 4xx (or a closed connection) is accepted for these.
 PROTOCOL_KINDS = {"protocol"}
 ENDPOINTS = ("/health", "/v1/kbs", "/v1/lookup", "/v1/fetch", "/metrics")
 MAX_BODY_BYTES = 1 << 20
 MAX_KEYS = 16384
+MAX_LINE = 8190                      # aiohttp's longest request line: longer ones are the parser's
 
 
 @dataclass
@@ -359,7 +365,7 @@ class Fuzzer:
                 path += f"&tenant={quote(self.tenant)}"
             return Case("path_tricks", f"kbs tenant={tenant!r:.40} fp={fp!r:.40}",
                         _request("GET", path, self.hostport, headers=self._auth()), path=path,
-                        ok_statuses=(200,))
+                        ok_statuses=(200,), parser=len(path) > MAX_LINE)
         paths = ["/v1/../health", "/v1/%2e%2e/health", "/%2e%2e/%2e%2e/etc/passwd", "/../../etc/passwd",
                  "/v1/kbs/../fetch", "//v1//fetch", "/v1/fetch%00", "/v1/fetch/", "/v1/fetch/..",
                  "/v1/./fetch", "/V1/FETCH", "/v1/fetch;x=1", "/v1/fetch%2f..", "/health/..%2f..%2f",
@@ -479,6 +485,84 @@ class Fuzzer:
         path = self._pick(("/v1/fetch", "/v1/lookup"))
         return self._post("mutations", f"{path} valid body with bytes changed", path, bytes(b),
                           keys=None, ok=(200,))
+
+    def _case_repeated_keys(self):
+        """One key asked for many times: a small body that once made an edge encode and hold
+        a copy per repeat. A chain of prefix keys never repeats: refused (400)."""
+        n = int(self._pick((2, 128, 4096, MAX_KEYS)))
+        keys = self._pick(([self.keys[0]] * n, list(self.keys) + [self.keys[-1]] * (n - 1)))
+        body = {"ns": self.ns, "keys": keys}
+        codec = self._pick((None, "raw", "zstd", "auto"))
+        if codec is not None:
+            body["codec"] = codec
+        return self._post("repeated_keys", f"/v1/fetch {len(keys)} keys with repeats, codec {codec}",
+                          "/v1/fetch", msgpack.packb(body, use_bin_type=True))
+
+    def _case_bad_gzip(self):
+        import gzip
+        import zlib
+        body, keys = self._valid_body(region=False)
+        good = gzip.compress(body)
+        choices = [
+            ("gzip", "garbage", self._rand_bytes(1, 512), ()),
+            ("gzip", "truncated", good[:max(1, len(good) // 2)], ()),
+            ("gzip", "bad crc", good[:-8] + bytes(8), ()),
+            ("gzip", "bomb: 64 MiB of zeros", self._bomb(), ()),
+            ("deflate", "garbage", self._rand_bytes(1, 512), ()),
+            ("deflate", "truncated", zlib.compress(body)[:8], ()),
+            ("gzip", "valid", good, (200,)),
+        ]
+        enc, what, raw, ok = choices[int(self.rng.integers(len(choices)))]
+        path = self._pick(("/v1/fetch", "/v1/lookup"))
+        case = self._post("bad_gzip", f"{path} Content-Encoding {enc}: {what}", path, raw,
+                          {"Content-Encoding": enc}, keys=keys if ok else None, ok=ok)
+        case.parser = True          # aiohttp's parser may find the bad encoding first (plain text)
+        return case
+
+    def _bomb(self) -> bytes:
+        """64 MiB of zeros, gzipped (~64 KiB); made once."""
+        if getattr(self, "_bomb_bytes", None) is None:
+            import gzip
+            self._bomb_bytes = gzip.compress(bytes(64 << 20), 9)
+        return self._bomb_bytes
+
+    def _case_transfer_codings(self):
+        body, _ = self._valid_body(region=False)
+        chunked = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+        te, raw = self._pick((("gzip, chunked", chunked), ("gzip", body), ("chunked, chunked", chunked),
+                              ("identity", body), ("x-custom, chunked", chunked), ("deflate", body)))
+        path = self._pick(("/v1/fetch", "/v1/lookup"))
+        case = self._post("transfer_codings", f"{path} Transfer-Encoding {te}", path, raw,
+                          {"Transfer-Encoding": te}, content_length=None)
+        case.parser = True          # llhttp may refuse some itself, in plain text
+        return case
+
+    # --- idle connections -------------------------------------------------------------------
+    def idle(self, n: int = 4, wait_s: float = 30.0) -> dict:
+        """Open n connections that send half a request line or nothing; {"closed": how many
+        the server closed within wait_s, "open": how many it did not, "seconds": the slowest}."""
+        socks = []
+        for i in range(n):
+            s = self._connect()
+            if i % 2:
+                s.sendall(b"GET /hea")
+            socks.append(s)
+        t0, closed, slowest = time.monotonic(), 0, 0.0
+        for s in socks:
+            s.settimeout(max(0.1, wait_s - (time.monotonic() - t0)))
+            try:
+                while s.recv(4096):
+                    pass
+                closed += 1
+                slowest = time.monotonic() - t0
+            except ConnectionResetError:
+                closed += 1
+                slowest = time.monotonic() - t0
+            except socket.timeout:
+                pass
+            finally:
+                s.close()
+        return {"closed": closed, "open": n - closed, "seconds": round(slowest, 2)}
 
     def _case_protocol(self):
         choices = [
@@ -627,83 +711,3 @@ class Fuzzer:
         if n != len(keys):
             return f"the final valid fetch returned {n} of {len(keys)} chunks"
         return self._judge_frames(case, reply.body)
-
-
-def main(argv=None) -> int:
-    """`kdn bench fuzz`: start a network of its own, publish one KB, fuzz one edge for --seconds.
-
-    The network requires an admin token and a read token for the fuzzed tenant, so wrong and
-    absent tokens are really refused (403), not merely ignored.
-    """
-    import argparse
-    import secrets
-    import sys
-    import tempfile
-    import uuid
-
-    from kdn.bench import emit_json, table
-
-    ap = argparse.ArgumentParser(prog="kdn bench fuzz", description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=30.0, help="how long to fuzz")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--slow-s", type=float, default=1.0, help="how long a slowloris case trickles")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    args = ap.parse_args(argv)
-    if args.seconds <= 0:
-        ap.error(f"--seconds must be positive, got {args.seconds}")
-
-    def log(msg):
-        print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
-
-    from kdn.env import prepare_ray_env
-    prepare_ray_env()                   # before Ray is imported: loopback, token auth
-    import ray
-    from kdn.client import Client
-    from kdn.cluster import LocalCluster, init_ray, start_network, teardown
-    from kdn.placement.topology import Topology
-    regions = ("us-east", "eu-west")
-    root = tempfile.mkdtemp(prefix="kdn-bench-fuzz-")
-    cluster = net = None
-    try:
-        cluster = LocalCluster(regions, cpus=1, object_store_bytes=256 << 20)
-        init_ray(cluster.address)
-        topo = Topology.default_local(list(regions), capacity_bytes=256 << 20)
-        tenant, fp = "fuzz", "fuzz-synthetic"
-        admin, read = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
-        net = start_network(topo, root, network=f"fuzz-{uuid.uuid4().hex[:6]}", http=True,
-                            replicas=len(regions), auth={"admin": admin, "readers": {tenant: read}})
-        rng = np.random.default_rng(args.seed)
-        tokens = rng.integers(0, 49152, 1000).tolist()
-        kv = rng.standard_normal((2, 2, 2, 1000, 16), dtype=np.float32)
-        cl = Client(network=net.name, region=regions[0], tenant=tenant, fingerprint=fp, token=read,
-                    admin_token=admin)
-        cl.publish("fuzzed", [("doc", tokens)], kv)
-        keys = list(cl.manifest("fuzzed").keys)
-        digests = {k: xxhash.xxh3_64_intdigest(np.ascontiguousarray(kv[:, :, :, s:s + 256]).tobytes())
-                   for k, s in zip(keys, range(0, 1000, 256))}
-        url = ray.get(net.edge(f"{regions[0]}-0").ping.remote(), timeout=30)["http"]
-        fz = Fuzzer(url, cl.ns, keys, digests, tenant, fp, seed=args.seed, slow_s=args.slow_s,
-                    regions=regions, token=read)
-        fz.check()                          # one valid fetch first: every chunk local
-        before = fz.state()
-        log(f"fuzzing {url} for {args.seconds:.0f} s")
-        rep = fz.run(seconds=args.seconds)
-        after, final = fz.state(), fz.check()
-    finally:
-        teardown(net, cluster, root)
-    d = rep.to_dict()
-    table([{"kind": k, "cases": n} for k, n in d["cases"].items()])
-    print()
-    table([{"status": s, "answers": n} for s, n in d["statuses"].items()])
-    print(f"{d['total']} cases in {d['seconds']:.1f} s; {len(d['problems'])} problems; "
-          f"{d['parser_refusals']} refused by the HTTP parser (plain text); "
-          f"slowest /health during slowloris {d['health_ms_max']:.1f} ms; stored state "
-          f"{'unchanged' if before == after else f'CHANGED {before} -> {after}'}; "
-          f"after: {final or 'healthy, right bytes'}")
-    for kind, what, problem in d["problems"][:20]:
-        print(f"  {kind}: {what}: {problem}")
-    d.update(state_before=before, state_after=after, state_unchanged=before == after,
-             final_check=final or "ok")
-    if args.json:
-        emit_json(d)
-    return 1 if d["problems"] or before != after or final else 0

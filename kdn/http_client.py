@@ -11,13 +11,18 @@ copies every payload twice more.
 
 One keep-alive connection per client (so one client per thread); a connection the server
 closed is reopened once and the (idempotent) request repeated. The receive buffer is reused
-by the next fetch only once nothing views it any more (no live Chunk of the last answer). Only loopback edges are accepted unless allow_remote is
-set, mirroring the server, which binds 127.0.0.1 unless told otherwise.
+by the next fetch only once nothing views it any more (no live Chunk of the last answer).
+An edge bounds one answer: while it says X-KDN-More: 1, fetch() asks for the keys after
+those received, so a long prefix arrives in a few answers (X-KDN-Sources is run-length
+coded, kdn.edge.wire). Only loopback edges are accepted unless allow_remote is set,
+mirroring the server, which binds 127.0.0.1 unless told otherwise.
 """
+import collections
 import http.client
 import json
 import sys
 import time
+from dataclasses import dataclass
 from urllib.parse import urlencode, urlsplit
 
 import msgpack
@@ -25,14 +30,27 @@ import numpy as np
 
 from kdn.chunk import codecs, decode, frame_size, read_header
 from kdn.codecs import LOSSY
-from kdn.client import Fetched
+from kdn.edge.wire import unpack_sources
 from kdn.errors import AccessDenied, BadRequest, ManifestError, NetworkError
 from kdn.keys import KEY_BYTES, as_token_array, namespace_digest
 from kdn.env import is_loopback
 from kdn.manifest import Manifest, best_prefix
+from kdn.reader import Fetched
 
 MANIFEST_TTL_S = 5.0
 MAX_RESPONSE_BYTES = 64 << 30
+
+
+@dataclass
+class _Page:
+    """One fetch answer: an edge bounds its size and says whether more remains."""
+    chunks: list
+    sources: list
+    codecs: list
+    exact: list
+    wire_bytes: int
+    edge: str
+    more: bool
 
 
 class EdgeHTTPClient:
@@ -56,8 +74,12 @@ class EdgeHTTPClient:
         self.reuse_buffer = reuse_buffer
         self._buffer = None         # the last receive buffer, reused once nothing views it
         self._manifests = {}        # (tenant, fingerprint) -> (fetched at, [Manifest])
-        self.stats = {"requests": 0, "reconnects": 0, "fetches": 0, "chunks": 0, "bytes": 0,
-                      "buffers_reused": 0, "kv_bytes": 0, "codecs": {}}
+        # requests, reconnects, fetches, chunks, bytes (received), kv_bytes, buffers_reused
+        self.counters = collections.Counter()
+        self.codecs = collections.Counter()      # codec -> frames received in it
+
+    def stats(self) -> dict:
+        return {**self.counters, "codecs": dict(self.codecs)}
 
     # --- plumbing -----------------------------------------------------------------------
     def close(self) -> None:
@@ -82,7 +104,7 @@ class EdgeHTTPClient:
             try:
                 self._conn.request(method, path, body=body, headers=headers)
                 resp = self._conn.getresponse()
-                self.stats["requests"] += 1
+                self.counters["requests"] += 1
                 return resp
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
                     http.client.CannotSendRequest, http.client.BadStatusLine) as e:
@@ -90,7 +112,7 @@ class EdgeHTTPClient:
                 if attempt:
                     raise NetworkError(f"edge {self.url} closed the connection on "
                                        f"{method} {path}: {e}") from None
-                self.stats["reconnects"] += 1
+                self.counters["reconnects"] += 1
             except OSError as e:
                 self.close()
                 raise NetworkError(f"edge {self.url} unreachable on {method} {path}: {e}") from None
@@ -160,18 +182,54 @@ class EdgeHTTPClient:
         return self._json("POST", "/v1/lookup", self._keys_body(keys, ns), "application/msgpack")
 
     def fetch(self, keys, ns: bytes, region: str = None, codec: str = None) -> Fetched:
-        """The longest held prefix of keys as verified Chunks (views of one received buffer).
+        """The longest held prefix of keys as verified Chunks (views of the received buffers).
 
         codec: how the edge should encode the frames (a kdn.codecs name, or "auto": what
         pays on the link to `region`); None asks for raw. Compressed frames decode into
-        fresh arrays; raw ones stay views of the receive buffer.
+        fresh arrays; raw ones stay views of the receive buffer. An edge bounds one answer
+        (X-KDN-More: 1); the rest is asked for with the keys after those received.
         """
         t0 = time.perf_counter()
         keys = [bytes(k) for k in keys]
+        pages = [self._fetch_page(keys, ns, region, codec)]
+        got = len(pages[0].chunks)
+        while pages[-1].more and pages[-1].chunks and got < len(keys):
+            pages.append(self._fetch_page(keys[got:], ns, region, codec))
+            got += len(pages[-1].chunks)
+        chunks = [c for p in pages for c in p.chunks]
+        used = collections.Counter(c for p in pages for c in p.codecs)
+        self.counters["fetches"] += 1
+        self.counters["chunks"] += len(chunks)
+        self.counters["kv_bytes"] += sum(c.nbytes for c in chunks)
+        self.codecs.update(used)
+        return Fetched(keys=keys[:len(chunks)], chunks=chunks,
+                       sources=[s for p in pages for s in p.sources],
+                       tokens=sum(c.tokens for c in chunks), nbytes=sum(c.nbytes for c in chunks),
+                       edge=pages[-1].edge, seconds=time.perf_counter() - t0,
+                       exact=all(e for p in pages for e in p.exact),
+                       wire_bytes=sum(p.wire_bytes for p in pages), codecs=dict(used))
+
+    def _fetch_page(self, keys, ns, region, codec) -> "_Page":
+        """One fetch answer: its verified chunks and what its headers say."""
         resp = self._request("POST", "/v1/fetch", self._keys_body(keys, ns, region, codec),
                              "application/msgpack")
         if resp.status != 200:
             self._refuse(resp, "POST", "/v1/fetch")
+        buf = self._receive(resp)
+        chunks, used, exact = self._frames(memoryview(buf), keys, ns)
+        try:
+            sources = unpack_sources(resp.getheader("X-KDN-Sources"), len(keys))
+        except BadRequest as e:
+            raise NetworkError(f"edge {self.url}: {e}") from None
+        if len(sources) != len(chunks) or resp.getheader("X-KDN-Chunks") != str(len(chunks)):
+            raise NetworkError(f"edge {self.url} sent {len(chunks)} frames but headers say "
+                               f"{resp.getheader('X-KDN-Chunks')} chunks from {len(sources)} sources")
+        self.counters["bytes"] += buf.nbytes
+        return _Page(chunks, sources, used, exact, buf.nbytes, resp.getheader("X-KDN-Edge"),
+                     resp.getheader("X-KDN-More") == "1")
+
+    def _receive(self, resp) -> np.ndarray:
+        """The whole body of resp in one read-only buffer (its exact Content-Length)."""
         n = resp.length
         if n is None:
             resp.close()
@@ -198,24 +256,7 @@ class EdgeHTTPClient:
             self.close()
             raise NetworkError(f"edge {self.url}: fetch body ended after {got} of {n} bytes")
         buf.flags.writeable = False
-        chunks, used, exact = self._frames(memoryview(buf), keys, ns)
-        sources = [s for s in (resp.getheader("X-KDN-Sources") or "").split(",") if s]
-        if len(sources) != len(chunks) or resp.getheader("X-KDN-Chunks") != str(len(chunks)):
-            raise NetworkError(f"edge {self.url} sent {len(chunks)} frames but headers say "
-                               f"{resp.getheader('X-KDN-Chunks')} chunks from {len(sources)} sources")
-        nbytes = sum(c.nbytes for c in chunks)
-        self.stats["fetches"] += 1
-        self.stats["chunks"] += len(chunks)
-        self.stats["bytes"] += n
-        self.stats["kv_bytes"] += nbytes
-        counts = {}
-        for c in used:
-            counts[c] = counts.get(c, 0) + 1
-            self.stats["codecs"][c] = self.stats["codecs"].get(c, 0) + 1
-        return Fetched(keys=keys[:len(chunks)], chunks=chunks, sources=sources,
-                       tokens=sum(c.tokens for c in chunks), nbytes=nbytes,
-                       edge=resp.getheader("X-KDN-Edge"), seconds=time.perf_counter() - t0,
-                       exact=all(exact), wire_bytes=n, codecs=counts)
+        return buf
 
     def _receive_buffer(self, n: int) -> np.ndarray:
         """A writable n-byte buffer: the previous one if no chunk (or anything) still views it.
@@ -228,7 +269,7 @@ class EdgeHTTPClient:
         # 3 references: self._buffer, b, getrefcount's argument; any more is a live view.
         if self.reuse_buffer and b is not None and b.nbytes >= n and sys.getrefcount(b) <= 3:
             b.flags.writeable = True
-            self.stats["buffers_reused"] += 1
+            self.counters["buffers_reused"] += 1
             return b[:n]
         b = np.empty(max(n, 1), np.uint8)
         if self.reuse_buffer:

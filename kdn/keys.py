@@ -26,6 +26,10 @@ import xxhash
 from kdn.errors import BadRequest, BadTokens
 
 CHUNK_TOKENS = 256
+# Limits every node and client agrees on: the longest KB the origin commits, and the most
+# keys one fetch may name (4M tokens at 256 tokens a chunk; a longer prompt is fetched in parts).
+MAX_TOKENS_PER_KB = 1 << 24
+MAX_FETCH_KEYS = 16384
 KEY_BYTES = 16
 NS_PREFIX = b"kdn-ns-v1\0"
 MAX_TOKEN = 2**32 - 1

@@ -22,6 +22,7 @@ come in through this same surface: tokens in, KV arrays out, KV arrays in, token
 """
 from __future__ import annotations
 
+import collections
 import importlib.util
 import inspect
 import json
@@ -38,8 +39,9 @@ import numpy as np
 import torch
 import xxhash
 
-from kdn.dtypes import DTYPES
+from kdn.dtypes import DTYPES, TORCH_NAMES
 from kdn.errors import ModelError
+from kdn.files import fsync_dir
 
 # Nothing KDN loads may come from a model hub: set before transformers reads them.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -54,10 +56,10 @@ META_FILE = "kdn-model.json"
 TMP_MARK = ".tmp-"
 STALE_TMP_S = 3600        # a temp conversion dir untouched this long belongs to a dead process
 
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-# numpy has no bfloat16: KDN stores it as its uint16 bit pattern (the chunk layout does too).
+DTYPE_NAMES = TORCH_NAMES   # torch dtype -> KDN's name (kdn.dtypes: bf16 is stored as uint16 bits)
 
-stats = {"conversions": 0, "cache_loads": 0, "broken_caches_replaced": 0}
+# conversions, cache_loads, broken_caches_replaced: of this process, over every load_model()
+counters = collections.Counter()
 
 
 # --- locating and caching the weights ----------------------------------------------------
@@ -148,15 +150,7 @@ def _fsync_tree(folder: Path) -> None:
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(folder)
 
 
 def _read_meta(folder: Path, gguf_digest: str):
@@ -211,8 +205,8 @@ def _convert(gguf: Path, target: Path, gguf_digest: str, log) -> None:
         except OSError:
             if _read_meta(target, gguf_digest) is None:  # not another process's finished copy
                 raise
-        _fsync_dir(target.parent)
-        stats["conversions"] += 1
+        fsync_dir(target.parent)
+        counters["conversions"] += 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -241,7 +235,7 @@ def load_model(cache_dir=None, dtype=torch.float32, gguf=None, log=None) -> "Mod
             try:
                 os.rename(target, aside)
                 shutil.rmtree(aside, ignore_errors=True)
-                stats["broken_caches_replaced"] += 1
+                counters["broken_caches_replaced"] += 1
             except FileNotFoundError:  # another process got there first
                 pass
         _convert(gguf, target, digest, log)
@@ -259,7 +253,7 @@ def load_model(cache_dir=None, dtype=torch.float32, gguf=None, log=None) -> "Mod
             raise ModelError(f"cannot load the converted model from {str(target)!r} ({type(e).__name__}: "
                              f"{e}); delete that folder to convert again") from e
     hf.eval()
-    stats["cache_loads"] += 1
+    counters["cache_loads"] += 1
     # The cached digest is of the fp32 conversion; a cast is a different model, so hash it.
     digest_w = meta["weights_digest"] if dtype == torch.float32 else None
     model = Model(hf, tok, name=MODEL_NAME, weights=digest_w)
@@ -284,8 +278,7 @@ def kv_chunks(kv: np.ndarray, keys, ns: bytes, chunk_tokens: int = 256) -> list:
     if not isinstance(kv, np.ndarray) or kv.ndim != 5 or kv.shape[1] != 2:
         raise ModelError(f"KV must be a numpy array [layers, 2, kv_heads, tokens, head_dim], got "
                          f"{getattr(kv, 'shape', type(kv).__name__)}")
-    dtype = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
-             np.dtype(np.uint16): "bfloat16"}.get(kv.dtype)
+    dtype = next((name for name, (np_dtype, _, _) in DTYPES.items() if kv.dtype == np_dtype), None)
     if dtype is None:
         raise ModelError(f"KV dtype {kv.dtype} is not float32, float16 or uint16 (bfloat16 bits)")
     spans = chunk_spans(kv.shape[3], chunk_tokens)
@@ -345,9 +338,11 @@ class Model:
         self._keep_arg = next((a for a in ("logits_to_keep", "num_logits_to_keep") if a in params), None)
         self.kv_bytes_per_token = self.layers * 2 * self.kv_heads * self.head_dim * hf.dtype.itemsize
         self.load_s, self.converted, self.cache_path = 0.0, False, None
-        self.stats = {"prefill_calls": 0, "prefill_tokens": 0, "prefill_s": 0.0,
-                      "cache_from_kv_calls": 0, "cache_from_kv_bytes": 0, "cache_from_kv_s": 0.0,
-                      "generate_calls": 0, "generated_tokens": 0}
+        # prefill_calls/_tokens/_s, cache_from_kv_calls/_bytes/_s, generate_calls, generated_tokens
+        self.counters = collections.Counter()
+
+    def stats(self) -> dict:
+        return {"name": self.name, "fingerprint": self.fingerprint, "counters": dict(self.counters)}
 
     def __repr__(self):
         return (f"Model({self.name}, layers={self.layers}, kv_heads={self.kv_heads}, "
@@ -358,7 +353,8 @@ class Model:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
 
-    def _encode(self, text: str) -> list:
+    def encode(self, text: str) -> list:
+        """Token ids of text as it stands (no special tokens added)."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     @staticmethod
@@ -390,15 +386,16 @@ class Model:
         Control tokens written inside the text are parsed as control tokens, as the chat
         template itself does.
         """
-        return self._encode(self.knowledge_text(text))
+        return self.encode(self.knowledge_text(text))
 
     def question_tokens(self, question: str) -> list:
-        return self._encode(self.question_text(question))
+        return self.encode(self.question_text(question))
 
     def prompt_tokens(self, knowledge: str, question: str) -> list:
         return self.knowledge_tokens(knowledge) + self.question_tokens(question)
 
-    def _check_tokens(self, tokens, what="tokens") -> list:
+    def check_tokens(self, tokens, what="tokens") -> list:
+        """tokens as a list of ints, ModelError unless non-empty and inside the vocabulary."""
         try:
             ids = [int(t) for t in tokens]
         except (TypeError, ValueError) as e:
@@ -451,7 +448,9 @@ class Model:
                     dst[i, 1].copy_(v[0, :, start:end])
         return out
 
-    def _kv_tensor(self, part, index: int) -> torch.Tensor:
+    def kv_tensor(self, part, index: int = 0) -> torch.Tensor:
+        """part (numpy, torch or a Chunk) as a torch tensor [layers, 2, kv_heads, tokens,
+        head_dim] of this model's shape, without a copy; ModelError naming the axis that differs."""
         if hasattr(part, "to_torch"):  # a kdn Chunk
             part = part.to_torch()
         if isinstance(part, np.ndarray):
@@ -494,7 +493,7 @@ class Model:
         contiguous views of it handed to the cache as they are.
         """
         t0 = time.perf_counter()
-        parts = [self._kv_tensor(p, i) for i, p in enumerate(kv_parts)]
+        parts = [self.kv_tensor(p, i) for i, p in enumerate(kv_parts)]
         total = sum(p.shape[3] for p in parts)
         cache = self.new_cache()
         if total:
@@ -505,13 +504,15 @@ class Model:
                     n = p.shape[3]
                     buf[:, :, 0, :, at:at + n].copy_(p)
                     at += n
-            self._fill(cache, buf)
-        self.stats["cache_from_kv_calls"] += 1
-        self.stats["cache_from_kv_bytes"] += total * self.kv_bytes_per_token
-        self.stats["cache_from_kv_s"] += time.perf_counter() - t0
+            self.fill_cache(cache, buf)
+        self.counters["cache_from_kv_calls"] += 1
+        self.counters["cache_from_kv_bytes"] += total * self.kv_bytes_per_token
+        self.counters["cache_from_kv_s"] += time.perf_counter() - t0
         return cache
 
-    def _fill(self, cache, buf) -> None:
+    def fill_cache(self, cache, buf) -> None:
+        """Hand buf [layers, 2, 1, kv_heads, T, head_dim] to an empty engine cache as its KV
+        (each layer's keys and values become views of buf: no copy where the cache allows)."""
         layers = getattr(cache, "layers", None)
         if layers and len(layers) == self.layers and all(hasattr(l, "lazy_initialization") for l in layers):
             for i, layer in enumerate(layers):
@@ -547,7 +548,7 @@ class Model:
         KV is the same whatever follows it and however the prefix was reached. progress:
         callable(done_tokens, total_tokens) after each chunk.
         """
-        ids = self._check_tokens(tokens)
+        ids = self.check_tokens(tokens)
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ModelError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
         t0 = time.perf_counter()
@@ -564,9 +565,9 @@ class Model:
                     progress(done, total)
             logits = out.logits[0, -1].float().clone()
         kv = self.kv_from_cache(cache, start)
-        self.stats["prefill_calls"] += 1
-        self.stats["prefill_tokens"] += total
-        self.stats["prefill_s"] += time.perf_counter() - t0
+        self.counters["prefill_calls"] += 1
+        self.counters["prefill_tokens"] += total
+        self.counters["prefill_s"] += time.perf_counter() - t0
         return Prefill(kv=kv, logits=logits, cache=cache)
 
     def generate(self, tokens, cache=None, cached_tokens: int = 0, max_new_tokens: int = 32) -> Generation:
@@ -577,7 +578,7 @@ class Model:
         is one plain prefill. The cache object is extended in place: give each call its own.
         """
         t0 = time.perf_counter()
-        ids = self._check_tokens(tokens, "prompt tokens")
+        ids = self.check_tokens(tokens, "prompt tokens")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ModelError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         have = self.cache_tokens(cache)
@@ -604,8 +605,8 @@ class Model:
                 if len(out_ids) >= max_new_tokens:
                     break
                 logits = self._forward(torch.tensor([[nxt]], dtype=torch.long), cache).logits[0, -1]
-        self.stats["generate_calls"] += 1
-        self.stats["generated_tokens"] += len(out_ids)
+        self.counters["generate_calls"] += 1
+        self.counters["generated_tokens"] += len(out_ids)
         text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
         return Generation(tokens=out_ids, text=text, ttft_s=ttft, total_s=time.perf_counter() - t0,
                           prompt_tokens=len(ids), cached_tokens=cached_tokens, finish=finish,

@@ -42,7 +42,7 @@ class Answer:
 def answer(client, model, kb: str, question: str, max_new_tokens: int = 48, check: bool = False,
            version: int = None) -> Answer:
     """Answer `question` over KB `kb` with KV from the network; with check, also without it."""
-    if client.fingerprint != model.fingerprint:
+    if client.reader.fingerprint != model.fingerprint:    # BadRequest without a fingerprint
         raise ModelError(f"the client reads KV of model {client.fingerprint!r}, not of {model.fingerprint!r}")
     m = client.manifest(kb, version)
     prompt = m.token_ids().tolist() + model.question_tokens(question)

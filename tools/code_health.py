@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"kdn": ROOT / "kdn", "kdn.edge": ROOT / "edge", "kdn.origin": ROOT / "origin",
             "kdn.placement": ROOT / "placement"}
-RPC_PATHS = ("edge/", "origin/", "kdn/client", "kdn/reader", "kdn/operator", "kdn/rpc",
+RPC_PATHS = ("edge/", "origin/", "kdn/client", "kdn/reader", "kdn/operator", "kdn/rpc", "kdn/view",
              "kdn/cluster", "kdn/launch", "kdn/http_client", "kdn/publish")
 
 

@@ -76,7 +76,7 @@ class FetchWorker:
         self.far = Client(network=network, region="far", fingerprint=FINGERPRINT)
 
     def where(self):
-        from kdn.client import node_region
+        from kdn.view import node_region
         return {"node_region": node_region(), "near_client": self.near.region,
                 "far_client": self.far.region}
 

@@ -170,7 +170,7 @@ def run(lengths, reps: int, threads, log) -> tuple:
     from kdn.client import Client
     from kdn.cluster import LocalCluster, init_ray, start_network, teardown
     from kdn.model import load_model
-    from kdn.origin.publish import publish_documents
+    from kdn.publish import publish_documents
     from kdn.placement.topology import Topology
 
     if threads:

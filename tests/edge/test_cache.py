@@ -1,11 +1,11 @@
-"""The edge memory tier: byte budget, eviction order (LRU, S3-FIFO), pinning, counters, threads."""
+"""The edge memory tier: byte budget, eviction by policy, pinning, counters, threads."""
 import threading
 
 import numpy as np
 import pytest
 
 from kdn.edge.cache import ChunkCache
-from kdn.edge.eviction import LRU, S3FIFO, make_policy
+from kdn.edge.eviction import S3FIFO
 from kdn.errors import CacheError, PinCapacityError
 
 
@@ -138,37 +138,6 @@ def test_s3fifo_one_hit_wonders_leave_through_small_queue():
     assert not any(k in lru for k in hot)
 
 
-def test_s3fifo_ghost_sends_returning_key_to_main():
-    p = S3FIFO(400)   # small target 40 bytes
-    for k in "abcd":
-        p.insert(k, 100)
-    assert p.evict() == "a"               # never hit: evicted from small, remembered as ghost
-    p.insert("a", 100)                    # returns: goes straight to main
-    assert p.ghost_hits == 1 and p.main_bytes == 100 and p.small_bytes == 300
-    p.touch("b")
-    assert p.evict() == "c"               # b was hit: promoted to main instead of evicted
-    assert p.promotions == 1 and "b" in p and "c" not in p
-
-
-def test_s3fifo_main_lazy_promotion():
-    p = S3FIFO(1000)
-    p._freq.update(a=0, b=0); p._main.update(a=10, b=10); p.main_bytes = 20
-    p.touch("a"); p.touch("a")
-    assert p.evict() == "b"               # a (freq 2) reinserted at head, b evicted
-    assert p._freq["a"] == 1
-    assert p.evict() == "a"               # second pass: a's freq drained to 0
-    assert p.evict() is None and len(p) == 0 and p.main_bytes == 0
-
-
-def test_lru_policy_direct_and_make_policy():
-    p = make_policy("lru", 10)
-    assert isinstance(p, LRU)
-    for k in "xyz":
-        p.insert(k, 1)
-    p.touch("x"); p.remove("y")
-    assert [p.evict(), p.evict(), p.evict()] == ["z", "x", None]
-
-
 @pytest.mark.parametrize("policy", ["lru", "s3fifo"])
 def test_concurrent_threads_keep_accounting_exact(policy):
     c = ChunkCache(64 * 100, policy=policy)
@@ -199,3 +168,24 @@ def test_concurrent_threads_keep_accounting_exact(policy):
     assert s["gets"] == 8000 and s["hits"] + s["misses"] == 8000
     assert "pinned" in c and s["pinned_bytes"] == 100
     assert len(c._policy) == len(c) - 1   # every unpinned entry is known to the policy
+
+
+def test_a_value_the_caller_refuses_is_a_miss_and_keeps_its_place():
+    c = ChunkCache(300, policy="lru")
+    c.put("a", arr(100, 1)); c.put("b", arr(100, 2))
+    assert c.get("a", accept=lambda v: v[0] == 9) is None      # held, but not for this caller
+    s = c.stats()
+    assert (s["gets"], s["hits"], s["misses"]) == (1, 0, 1)
+    c.put("c", arr(100, 3)); c.put("d", arr(100, 4))
+    assert "a" not in c, "a refused get must not refresh recency"
+    assert c.get("b", accept=lambda v: v[0] == 2)[0] == 2
+    assert c.counters["hits"] == 1 and c.stats()["hit_ratio"] == 0.5
+
+
+def test_stats_carry_the_counters_and_the_policy():
+    c = ChunkCache(200, policy="s3fifo")
+    for k in "abc":
+        c.put(k, arr(100))
+    s = c.stats()
+    assert s["puts"] == 3 and s["evictions"] == 1 and s["items"] == 2 and s["bytes"] == 200
+    assert s["policy"] == "s3fifo" and s["policy_items"] == 2

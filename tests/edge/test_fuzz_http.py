@@ -35,6 +35,7 @@ ADMIN = "fuzz-admin-token-0123456789abcdef"
 READ = "fuzz-read-token-0123456789abcdef"
 N_TOKENS = 1000
 EDGE = "eu-west-0"
+IDLE_S = 3.0                 # the edges' idle connection bound
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,8 @@ def net(ray_cluster, tmp_path_factory):
     name = f"fuzz{uuid.uuid4().hex[:8]}"
     topo = Topology.default_local(list(REGIONS), edges_per_region=1, capacity_bytes=64 << 20)
     n = start_network(topo, tmp_path_factory.mktemp("origin"), network=name, http=True,
-                      replicas=len(REGIONS), auth={"admin": ADMIN, "readers": {TENANT: READ}})
+                      replicas=len(REGIONS), auth={"admin": ADMIN, "readers": {TENANT: READ}},
+                      edge_options={"http_idle_s": IDLE_S})
     rng = np.random.default_rng(5)
     toks = rng.integers(0, 49152, N_TOKENS).tolist()
     kv = rng.standard_normal((2, 2, 2, N_TOKENS, 8), dtype=np.float32)
@@ -140,6 +142,12 @@ def _cases(ns, keys):
         ("long tenant", "GET", "/v1/kbs?tenant=" + "a" * 2000 + "&fingerprint=x", None, {}, 400,
          "at most 1024 characters"),
         ("PUT fetch", "PUT", "/v1/fetch", valid, {}, 405, "use POST"),
+        ("one key 16384 times", "POST", "/v1/fetch", pack({"ns": ns, "keys": [keys[0]] * MAX_KEYS,
+                                                           "codec": "zstd"}), {}, 400, "keys[1] repeats key"),
+        ("a repeat at the end", "POST", "/v1/lookup", pack({"ns": ns, "keys": keys + keys[-1:]}), {}, 400,
+         "keys[4] repeats key"),
+        ("bad gzip", "POST", "/v1/fetch", b"\x1f\x8b not gzip at all", {"Content-Encoding": "gzip"}, 400,
+         "request body cannot be read"),
     ]
 
 
@@ -171,7 +179,7 @@ def test_path_tricks_in_names_list_nothing_and_only_the_read_token_reads(net):
                                 ("GET", f"/v1/kbs?tenant={TENANT}&fingerprint={FP}", None)):
             got, ctype, raw = _raw(f["url"], method, path, b, headers, token=None)
             assert got == 403 and ctype.startswith("application/json"), (token, path, got, raw[:200])
-            assert "needs that tenant's read token" in json.loads(raw)["message"], (token, path)
+            assert "read token" in json.loads(raw)["message"], (token, path)
     # the read token (and the admin token) read exactly the published bytes
     fz = _fuzzer(net)
     for token in (READ, ADMIN):
@@ -213,6 +221,18 @@ def test_slowloris_connections_do_not_stall_health_or_fetches(net):
         for s in socks:
             s.close()
     assert _fuzzer(net).check() == ""
+
+
+def test_repeated_keys_cost_nothing_and_idle_connections_are_closed(net):
+    """Issue 13.2: 128 copies of one key once made an edge encode and hold 128 frames."""
+    f = net.fuzz
+    body = msgpack.packb({"ns": f["ns"], "keys": [f["keys"][0]] * 128, "codec": "zstd"})
+    t0 = time.monotonic()
+    got, _, raw = _raw(f["url"], "POST", "/v1/fetch", body)
+    assert got == 400 and "repeats key" in json.loads(raw)["message"]
+    assert time.monotonic() - t0 < 1
+    idle = _fuzzer(net).idle(4, wait_s=IDLE_S + 4)
+    assert idle["closed"] == 4 and idle["open"] == 0 and idle["seconds"] <= IDLE_S + 2, idle
 
 
 json_values = st.recursive(

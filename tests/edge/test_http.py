@@ -1,13 +1,17 @@
-"""HTTP on every edge, on a real 3-region network: the same bytes as Ray, and bad input refused.
+"""HTTP on every edge: the same bytes as Ray, bounded answers, bad input refused, idle
+connections closed.
 
 One network for the module (its own name and origin directory) on the session's Ray cluster;
 KV published through the Ray client is read back over HTTP by EdgeHTTPClient, a plain
 http.client connection, and compared byte for byte. Every malformed request must get a 4xx
-with a JSON message, and leave the edge healthy with nothing it stores changed.
+with a JSON message, and leave the edge healthy with nothing it stores changed. What an edge
+decides alone (paging, codecs, corrupt copies, timeouts, refusals) is also tested against an
+edge in this process (conftest: kit, serve), without Ray.
 """
 import http.client
+import socket
+import time
 import json
-import re
 import uuid
 from urllib.parse import urlsplit
 
@@ -15,11 +19,14 @@ import msgpack
 import numpy as np
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from kdn.chunk import Chunk, encode
 from kdn.client import Client
 from kdn.cluster import start_network, stop_network
-from kdn.edge.http import MAX_BODY_BYTES, MAX_KEYS, EdgeHTTP, is_loopback
+from kdn.edge.http import IDLE_S, MAX_BODY_BYTES, MAX_KEYS, EdgeHTTP, is_loopback
+from kdn.edge.reads import MAX_REPLY_BYTES
+from kdn.edge.wire import unpack_sources
 from kdn.errors import BadRequest, ChecksumMismatch, ManifestError, NetworkError
 from kdn.http_client import EdgeHTTPClient
 from kdn.keys import namespace_digest
@@ -66,12 +73,6 @@ def _raw(url, method, path, body=None, headers=None):
         conn.close()
 
 
-def _metric(text, name, labels=""):
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
-    assert m, f"{name}{labels} missing from /metrics"
-    return float(m.group(1))
-
-
 def _edge_state(net, edge):
     st = ray.get(net.edges[edge].stats.remote(), timeout=30)
     return {t: (st[t]["items"], st[t]["bytes"]) for t in ("main", "hot")}
@@ -86,7 +87,8 @@ def test_every_edge_serves_http_on_loopback_with_uvloop(net):
         h = EdgeHTTPClient(url).health()
         assert h["ok"] is True and h["edge"] == edge and h["region"] == edge[:-2]
         assert h["loop"] == "uvloop", "Ray's async actor loop should be uvloop"
-        assert h["limits"] == {"max_body_bytes": MAX_BODY_BYTES, "max_keys": MAX_KEYS}
+        assert h["limits"] == {"max_body_bytes": MAX_BODY_BYTES, "max_keys": MAX_KEYS,
+                               "max_reply_bytes": MAX_REPLY_BYTES, "idle_s": IDLE_S}
 
 
 def test_loopback_is_the_default_and_other_hosts_are_recognised():
@@ -125,7 +127,8 @@ def test_fetch_answer_is_concatenated_frames_with_sources_header(net):
     assert status == 200 and headers["Content-Type"] == "application/x-kdn-frames"
     assert int(headers["Content-Length"]) == len(raw)
     assert headers["X-KDN-Edge"] == "eu-west-0" and headers["X-KDN-Chunks"] == "4"
-    sources = headers["X-KDN-Sources"].split(",")
+    assert headers["X-KDN-More"] == "0"
+    sources = unpack_sources(headers["X-KDN-Sources"], 4)      # run-length coded
     assert len(sources) == 4
     chunks = [Chunk(k, t["ns"], np.ascontiguousarray(t["kv"][:, :, :, s:s + 256]), "float32")
               for k, s in zip(t["keys"], range(0, N_TOKENS, 256))]
@@ -165,31 +168,36 @@ def test_kbs_lists_the_namespace_manifests_with_hex_keys(net):
 
 
 # --- metrics ------------------------------------------------------------------------------
-def test_metrics_expose_the_counters_and_move_after_a_fetch(net):
+def _samples(text) -> dict:
+    """{(sample name, sorted labels): value}, read with prometheus_client's own parser."""
+    return {(x.name, tuple(sorted(x.labels.items()))): x.value
+            for fam in text_string_to_metric_families(text) for x in fam.samples}
+
+
+def test_metrics_parse_and_move_after_a_fetch(net):
     t = net.test
     h = EdgeHTTPClient(t["urls"]["us-east-0"])
-    before = h.metrics()
-    for name in ("kdn_edge_hits_total", "kdn_edge_bytes_served_total", "kdn_edge_hot_copies",
-                 "kdn_edge_chunks", "kdn_edge_bytes", "kdn_edge_http_fetch_seconds"):
-        assert f"# TYPE {name} " in before
-    assert '# TYPE kdn_edge_http_fetch_seconds histogram' in before
+    before = _samples(h.metrics())
     f = h.fetch(t["keys"], t["ns"])
-    after = h.metrics()
-    assert _metric(after, "kdn_edge_http_fetch_seconds_count") == \
-        _metric(before, "kdn_edge_http_fetch_seconds_count") + 1
-    assert _metric(after, "kdn_edge_http_fetch_seconds_bucket", '{le="+Inf"}') == \
-        _metric(after, "kdn_edge_http_fetch_seconds_count")
-    assert _metric(after, "kdn_edge_bytes_served_total") == \
-        _metric(before, "kdn_edge_bytes_served_total") + f.nbytes
-    served = sum(_metric(after, "kdn_edge_chunks_served_total", f'{{source="{s}"}}') -
-                 _metric(before, "kdn_edge_chunks_served_total", f'{{source="{s}"}}')
-                 for s in ("local", "peer", "origin"))
-    assert served == 4
-    hits = sum(_metric(after, "kdn_edge_hits_total", f'{{tier="{x}"}}') for x in ("main", "hot"))
+    after = _samples(h.metrics())
+
+    def moved(name, **labels):
+        k = (name, tuple(sorted(labels.items())))
+        return after.get(k, 0) - before.get(k, 0)
+
+    assert moved("kdn_edge_http_fetch_seconds_count") == 1
+    assert after[("kdn_edge_http_fetch_seconds_bucket", (("le", "+Inf"),))] == \
+        after[("kdn_edge_http_fetch_seconds_count", ())]
+    assert moved("kdn_edge_fetches_total") == 1
+    assert moved("kdn_edge_bytes_served_total") == f.nbytes
+    assert sum(moved("kdn_edge_chunks_served_total", source=s) for s in ("local", "peer", "origin")) == 4
+    hits = sum(moved("kdn_edge_hits_total", tier=x) for x in ("main", "hot"))
     assert hits >= f.sources.count("local")
-    assert _metric(after, "kdn_edge_http_bytes_sent_total") - \
-        _metric(before, "kdn_edge_http_bytes_sent_total") > f.nbytes
-    assert _metric(after, "kdn_edge_http_requests_total", '{endpoint="POST /v1/fetch",code="200"}') >= 1
+    assert moved("kdn_edge_http_bytes_sent_total") == f.wire_bytes > f.nbytes
+    assert moved("kdn_edge_http_requests_total", endpoint="POST /v1/fetch", code="200") == 1
+    assert moved("kdn_edge_http_frames_by_codec_total", codec="raw") == 4
+    for name in ("kdn_edge_hot_copies", "kdn_edge_loads_total", "kdn_edge_loads_deduped_total"):
+        assert (name, ()) in after
 
 
 # --- bad input ----------------------------------------------------------------------------
@@ -208,6 +216,9 @@ def _bad_requests(t):
         ("POST", "/v1/fetch", pack({"ns": ns, "keys": keys, "region": "mars"}), 400, "must name a region"),
         ("POST", "/v1/fetch", pack({"ns": ns, "keys": [keys[0]] * (MAX_KEYS + 1)}), 413,
          f"limit is {MAX_KEYS}"),
+        ("POST", "/v1/fetch", pack({"ns": ns, "keys": [keys[0]] * 128, "codec": "zstd"}), 400,
+         "keys[1] repeats key"),
+        ("POST", "/v1/lookup", pack({"ns": ns, "keys": keys + keys[:1]}), 400, "keys[4] repeats key"),
         ("POST", "/v1/fetch", b"\x00" * (MAX_BODY_BYTES + 1), 413, f"limit of {MAX_BODY_BYTES} bytes"),
         ("GET", "/v1/kbs?tenant=default", None, 400, "tenant and fingerprint"),
         ("GET", "/v1/kbs?tenant=a%00b&fingerprint=x", None, 400, "must not contain NUL"),
@@ -232,9 +243,9 @@ def test_bad_input_gets_a_4xx_with_a_json_message_and_changes_nothing(net):
     assert _edge_state(net, "eu-west-0") == state, "a refused request must not change the edge"
     f = h.fetch(t["keys"], t["ns"])
     assert np.array_equal(np.concatenate(f.kv_parts(), axis=3), t["kv"])
-    metrics = h.metrics()
-    assert _metric(metrics, "kdn_edge_http_requests_total", '{endpoint="POST /v1/fetch",code="400"}') >= 5
-    assert 'code="500"' not in metrics, "bad input must never be a 500"
+    metrics = _samples(h.metrics())
+    assert metrics[("kdn_edge_http_requests_total", (("code", "400"), ("endpoint", "POST /v1/fetch")))] >= 6
+    assert not [k for k in metrics if dict(k[1]).get("code", "").startswith("5")], "never a 500"
     # the client turns refusals into BadRequest with the server's message
     with pytest.raises(BadRequest, match="must name a region"):
         h.fetch(t["keys"], t["ns"], region="mars")
@@ -262,9 +273,144 @@ def test_receive_buffer_is_reused_only_when_no_chunk_views_it(net):
     first = h.fetch(t["keys"], t["ns"])
     kept = np.concatenate(first.kv_parts(), axis=3)
     second = h.fetch(t["keys"], t["ns"])            # first's chunks view buffer 1: a new one
-    assert h.stats["buffers_reused"] == 0
+    assert h.counters["buffers_reused"] == 0
     del second                                      # nothing views buffer 2 any more
     third = h.fetch(t["keys"][:3], t["ns"])         # so it is written again
-    assert h.stats["buffers_reused"] == 1
+    assert h.counters["buffers_reused"] == 1
     assert np.array_equal(np.concatenate(first.kv_parts(), axis=3), kept), "a live chunk changed"
     assert np.array_equal(np.concatenate(third.kv_parts(), axis=3), t["kv"][:, :, :, :768])
+
+
+# --- an edge in this process (no Ray) -----------------------------------------------------------
+def _post(url, path, body, headers=None, token=None):
+    headers = dict(headers or {})
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return _raw(url, "POST", path, body, headers)
+
+
+def test_a_long_fetch_comes_in_bounded_answers_the_client_follows(kit, serve):
+    cs = kit.make_chunks(7)
+    edge = kit.local_edge(cs, max_reply_bytes=3 * cs[0].raw)
+    server = serve(edge)
+    body = msgpack.packb({"ns": kit.NS, "keys": [c.key for c in cs]})
+    status, headers, raw = _post(server.url, "/v1/fetch", body)
+    assert status == 200 and headers["X-KDN-More"] == "1"
+    assert int(headers["Content-Length"]) == len(raw) <= 3 * cs[0].raw, "never past the bound"
+    n = int(headers["X-KDN-Chunks"])
+    assert 1 <= n < 7 and unpack_sources(headers["X-KDN-Sources"], 7) == ["local"] * n
+    with EdgeHTTPClient(server.url) as h:
+        f = h.fetch([c.key for c in cs], kit.NS)
+        assert [c.key for c in f.chunks] == [c.key for c in cs] and f.sources == ["local"] * 7
+        assert all(a.equal(b) for a, b in zip(f.chunks, cs))
+        assert h.counters["requests"] >= 3 and f.wire_bytes == h.counters["bytes"]
+
+
+@pytest.mark.parametrize("codec,region,used", [
+    (None, None, "raw"), ("zstd", None, "zstd"), ("q8z", None, "q8z"),
+    ("auto", "far", "zstd"), ("auto", "here", "raw"), ("auto", None, "raw")])
+def test_http_fetch_negotiates_the_codec(kit, serve, codec, region, used):
+    cs = kit.make_chunks(3)
+    server = serve(kit.local_edge(cs, topology=kit.topology(slow_gbps=0.01)))
+    with EdgeHTTPClient(server.url) as client:
+        got = client.fetch([c.key for c in cs], kit.NS, region=region, codec=codec)
+        assert got.codecs == {used: 3} and client.stats()["codecs"] == {used: 3}
+    for a, b in zip(got.chunks, cs):
+        if used.startswith("q"):
+            assert np.abs(a.kv - b.kv).max() <= np.ptp(b.kv) / 255
+        else:
+            assert a.equal(b)
+    assert (got.wire_bytes < got.nbytes) == (used != "raw")
+    assert server.counters["frames_" + used] == 3
+    status, _, raw = _post(server.url, "/v1/fetch", msgpack.packb({"ns": kit.NS, "keys": [cs[0].key],
+                                                                    "codec": "lzma"}))
+    assert status == 400 and "field 'codec' must be 'auto' or one of" in json.loads(raw)["message"]
+
+
+def test_a_corrupt_copy_is_never_sent_and_is_fetched_again_once(kit, serve, monkeypatch):
+    from kdn.edge.forms import corrupted
+    from kdn.edge.tiers import Held
+    cs = kit.make_chunks(3)
+    edge = kit.local_edge([cs[0], corrupted(cs[1]), cs[2]])
+    edge.catalog.add({"tenant": "default", "fingerprint": "edge-unit", "name": "kb", "version": 1,
+                      "keys": [c.key for c in cs], "sums": [c.digest() for c in cs]})
+    monkeypatch.setattr(Held, "of", classmethod(lambda cls, obj: kit.held(obj)))
+
+    async def ask(node, method, *args, timeout=None, **kw):        # owners lack it; the origin has it
+        return [c for c in cs if c.key in args[0]] if method == "get_chunks" else None
+
+    edge.peers.ask = ask
+    server = serve(edge)
+    with EdgeHTTPClient(server.url) as h:
+        f = h.fetch([c.key for c in cs], kit.NS)
+    assert f.sources == ["local", "origin", "local"] and all(a.equal(b) for a, b in zip(f.chunks, cs))
+    c = edge.all_counters()
+    assert c["corrupt_dropped"] == 1 and c["corrupt_detected"] == 1 and c["fetches"] == 1
+
+
+def test_bad_gzip_and_transfer_codings_are_400s(kit, serve):
+    import gzip
+    cs = kit.make_chunks(1)
+    server = serve(kit.local_edge(cs))
+    body = msgpack.packb({"ns": kit.NS, "keys": [cs[0].key]})
+    status, _, raw = _post(server.url, "/v1/fetch", gzip.compress(body), {"Content-Encoding": "gzip"})
+    assert status == 200, "good gzip is read"
+    for what, data in [("garbage", b"\x1f\x8b not gzip at all"), ("truncated", gzip.compress(body)[:12])]:
+        status, headers, raw = _post(server.url, "/v1/fetch", data, {"Content-Encoding": "gzip"})
+        assert status == 400 and json.loads(raw)["message"], (what, raw[:200])
+    u = urlsplit(server.url)
+    for te in ("gzip, chunked", "chunked, gzip", "gzip"):
+        with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+            chunked = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+            s.sendall(b"POST /v1/fetch HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                      b"Transfer-Encoding: " + te.encode() + b"\r\n\r\n" + chunked)
+            answer = b"".join(iter(lambda: s.recv(65536), b""))
+        assert answer.split(b" ", 2)[1] == b"400", (te, answer[:200])   # ours, or the parser's
+    metrics = _samples(server.exposition())
+    assert not [k for k in metrics if dict(k[1]).get("code", "").startswith("5")]
+
+
+def test_slow_headers_and_idle_sockets_are_closed_within_the_bound(kit, serve):
+    server = serve(kit.local_edge([]), idle_s=1.0)
+    u = urlsplit(server.url)
+    socks = [socket.create_connection((u.hostname, u.port), timeout=10) for _ in range(3)]
+    t0 = time.monotonic()
+    socks[0].sendall(b"GET /hea")                        # half a request line
+    socks[1].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")   # headers that never end
+    closed = []                                          # socks[2] sends nothing at all
+    for s in socks:
+        closed.append(s.recv(65536) == b"" and time.monotonic() - t0)
+        s.close()
+    assert all(closed) and max(closed) < 1.0 + 2.0, closed
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:   # keep-alive, then idle
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        t1 = time.monotonic()
+        assert s.recv(65536) == b"" and time.monotonic() - t1 < 1.0 + 2.0
+
+
+def test_a_stranger_cannot_tell_a_namespace_exists_from_the_refusal(kit, serve):
+    cs = kit.make_chunks(1)
+    auth = {"admin": "admin-token-0123456789abcdef", "readers": {"default": "read-token-0123456789"}}
+    edge = kit.local_edge(cs, auth=auth)
+    edge.catalog.add({"tenant": "default", "fingerprint": "edge-unit", "name": "kb", "version": 1,
+                      "keys": [cs[0].key], "sums": [cs[0].digest()]})
+    asked = []
+
+    async def ask(node, method, *args, timeout=None, **kw):
+        asked.append(method)
+        return []
+
+    edge.peers.ask = ask
+    server = serve(edge)
+    answers = []
+    for ns, token in [(kit.NS, None), (kit.NS, "wrong-token-0123456789"),
+                      (namespace_digest("nobody", "x"), None), (namespace_digest("nobody", "y"), None)]:
+        status, _, raw = _post(server.url, "/v1/fetch", msgpack.packb({"ns": ns, "keys": [cs[0].key]}),
+                               token=token)
+        answers.append((status, json.loads(raw)["message"]))
+    assert len(set(answers)) == 1 and answers[0][0] == 403
+    assert asked == ["manifests"], "unknown namespaces ask the origin once a period, not per request"
+    status, _, _ = _post(server.url, "/v1/fetch", msgpack.packb({"ns": kit.NS, "keys": [cs[0].key]}),
+                         token="read-token-0123456789")
+    assert status == 200

@@ -135,4 +135,4 @@ def test_segments_travel_the_network_byte_identical(net, model, segs):
     with pytest.raises(ManifestError, match="no document 'federalist-10'"):
         B.fetch_document(cl, "founding", "federalist-10")
     with pytest.raises(KDNError, match="holds 0 of its"):
-        B.fetch_segment(cl, model._encode("A document nobody published.\n\n"))
+        B.fetch_segment(cl, model.encode("A document nobody published.\n\n"))

@@ -8,6 +8,10 @@ it again (no prefill), queries it with --check, checks the errors a user meets (
 missing file: exit status 2 and one line naming the culprit), and ends with `kdn down`,
 after which no process of that cluster may remain. `kdn down` runs in a finally block.
 Output goes to files, not pipes: the cluster's daemons must not hold a pipe of `kdn up` open.
+
+The other tests call `kdn.cli.main` in-process against a network on the test cluster: publishing
+new namespaces with read tokens on, refusals that come before the model loads, and errors
+(remote ones included) printed as one clean line.
 """
 import json
 import os
@@ -17,6 +21,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from kdn.knowledge import bundled_documents
 
@@ -47,6 +52,11 @@ class Runner:
                                 stdin=subprocess.DEVNULL, timeout=timeout).returncode
         self.seconds.append((args[0], round(time.perf_counter() - t0, 1)))
         return rc, out.read_text(), err.read_text()
+
+
+def _recorded_pids(state: dict) -> list:
+    """The pids `kdn up` recorded (each as [pid, start time], or a bare pid)."""
+    return [r[0] if isinstance(r, (list, tuple)) else r for r in state.get("pids", [])]
 
 
 def _process_tree(pids) -> dict:
@@ -90,7 +100,7 @@ def test_up_status_publish_query_errors_down(tmp_path):
         rc, out, err = kdn("up", "--edge-codec", "gz")
         assert rc == 2 and not state_file.exists(), "a bad codec is refused before anything starts"
         lines = _error_lines(err)
-        assert len(lines) == 1 and "edge store_codec must be one of" in lines[0] and "'gz'" in lines[0]
+        assert len(lines) == 1 and "edge store codec must be one of" in lines[0] and "'gz'" in lines[0]
         rc, out, err = kdn("up", "--origin-codec", "q8z")
         assert rc == 2 and not state_file.exists() and "lossy codec 'q8z'" in err
 
@@ -101,8 +111,8 @@ def test_up_status_publish_query_errors_down(tmp_path):
         state = json.loads(state_file.read_text())
         assert state["embedded"] and state["pids"] and state["network"] == "kdn"
         assert Path(state["root"]) == home / "origin"
-        tree = _process_tree(state["pids"])
-        assert set(state["pids"]) <= set(tree), "every recorded process runs after `kdn up`"
+        tree = _process_tree(_recorded_pids(state))
+        assert set(_recorded_pids(state)) <= set(tree), "every recorded process runs after `kdn up`"
 
         rc, out, err = kdn("status")
         assert rc == 0 and "origin: up" in out, out + err
@@ -138,7 +148,7 @@ def test_up_status_publish_query_errors_down(tmp_path):
         assert len(lines) == 1 and str(missing) in lines[0] and "no such file" in lines[0], err
     finally:
         if state_file.exists():
-            tree.update(_process_tree(json.loads(state_file.read_text()).get("pids", [])))
+            tree.update(_process_tree(_recorded_pids(json.loads(state_file.read_text()))))
             rc, out, err = kdn("down", timeout=120)
             assert rc == 0, err
     assert "stopped and its embedded cluster shut down" in out
@@ -147,3 +157,101 @@ def test_up_status_publish_query_errors_down(tmp_path):
     rc, out, err = kdn("status")
     assert rc == 2 and "kdn up" in err
     print("seconds per command:", kdn.seconds)
+
+
+# --- in-process: `kdn.cli.main` against a network on the test cluster ------------------------
+ADMIN = "admin-secret-0123456789abcdef"
+
+
+@pytest.fixture
+def read_tokens_net(ray_cluster, tmp_path, network_name, monkeypatch):
+    """A network with read tokens on (tenants a and b), as `KDN_READ_TOKENS=a=..,b=.. kdn up`
+    starts it; the CLI finds it by --address/--network and its admin token in the environment."""
+    from kdn.cluster import start_network, stop_network
+    from kdn.placement.topology import Topology
+    topo = Topology.default_local(["us-east", "eu-west"], edges_per_region=1, capacity_bytes=128 << 20)
+    net = start_network(topo, tmp_path / "origin", network=network_name,
+                        auth={"admin": ADMIN, "readers": {"a": "a-read-token-0123456789",
+                                                          "b": "b-read-token-0123456789"}})
+    monkeypatch.setenv("KDN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KDN_ADMIN_TOKEN", ADMIN)
+    monkeypatch.delenv("KDN_TOKEN", raising=False)
+    yield ["--address", ray_cluster.address, "--network", net.name]
+    stop_network(net)
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kdn: error: "), err
+    assert "Traceback" not in err and "\x1b" not in err, err
+    return lines[0]
+
+
+def test_publish_command_with_read_tokens_on_publishes_new_namespaces(read_tokens_net, tmp_path, capsys,
+                                                                     monkeypatch):
+    from kdn.cli import main
+    doc = tmp_path / "gamma.txt"
+    doc.write_text(dict(bundled_documents())["gettysburg-address"], encoding="utf-8")
+    assert main(["publish", "gamma", str(doc)] + read_tokens_net) == 0, capsys.readouterr().err
+    assert "default/gamma v1 committed" in capsys.readouterr().out
+    assert main(["publish", "gamma", str(doc), "--tenant", "a"] + read_tokens_net) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "a/gamma v1 committed" in out and "reused 0 from the network" in out
+    # a wrong admin token: refused by the origin (a remote error) in one clean line
+    monkeypatch.setenv("KDN_ADMIN_TOKEN", "w" * 30)
+    assert main(["publish", "gamma", str(doc)] + read_tokens_net) == 2
+    assert "admin token" in _one_error_line(capsys.readouterr().err)
+
+
+def test_too_large_a_publish_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import kdn.model
+    from kdn.cli import main
+    from kdn.publish import MAX_KB_BYTES
+    monkeypatch.setattr(kdn.model, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.truncate(MAX_KB_BYTES + 1)
+    t0 = time.perf_counter()
+    assert main(["publish", "kb", str(big), "--address", "127.0.0.1:1"]) == 2
+    assert time.perf_counter() - t0 < 1.0
+    assert "over the" in _one_error_line(capsys.readouterr().err)
+    small = tmp_path / "small.txt"
+    small.write_text("Some knowledge.", encoding="utf-8")
+    assert main(["publish", "../kb", str(small), "--address", "127.0.0.1:1"]) == 2
+    assert "knowledge base name must match" in _one_error_line(capsys.readouterr().err)
+
+
+def test_errors_print_one_line_without_tracebacks_or_escape_codes(ray_cluster, capsys, monkeypatch):
+    import ray
+    import kdn.cli as cli
+    from kdn.errors import NetworkError
+
+    def refused(args, rest):
+        raise NetworkError("\x1b[31mred\x1b[0m alert\nsecond line\x07 \x1b]0;title\x07end")
+    monkeypatch.setattr(cli, "_status", refused)
+    assert cli.main(["status"]) == 2
+    assert _one_error_line(capsys.readouterr().err) == "kdn: error: red alert second line end"
+
+    @ray.remote
+    def buggy():
+        raise ValueError("\x1b[1mwrong\x1b[0m value\nin a node")
+
+    monkeypatch.setattr(cli, "_status", lambda args, rest: ray.get(buggy.remote()))
+    assert cli.main(["status"]) == 1
+    assert _one_error_line(capsys.readouterr().err) == \
+        "kdn: error: unexpected ValueError in a KDN node: wrong value in a node"
+
+
+def test_status_of_a_dead_recorded_cluster_fails_at_once(tmp_path, capsys, monkeypatch):
+    from kdn.cli import main
+    from kdn.cluster import free_ports
+    home = tmp_path / "home"
+    home.mkdir()
+    port = free_ports(1)[0]                    # nobody listens there: the cluster died
+    (home / "cluster.json").write_text(json.dumps({"network": "kdn", "address": f"127.0.0.1:{port}",
+                                                   "root": str(tmp_path), "pids": [], "embedded": True}))
+    monkeypatch.setenv("KDN_HOME", str(home))
+    t0 = time.perf_counter()
+    assert main(["status"]) == 2
+    assert time.perf_counter() - t0 < 5.0
+    assert "is not running" in _one_error_line(capsys.readouterr().err)

@@ -56,7 +56,7 @@ def texts(model):
 
 @pytest.fixture(scope="session")
 def published(model, texts):
-    """Each knowledge text prefilled chunk by chunk, as the origin publishes it."""
+    """Each knowledge text prefilled chunk by chunk, as the publisher prefills it."""
     out = {}
     for name, text in texts.items():
         toks = model.knowledge_tokens(text)
@@ -378,16 +378,16 @@ def test_cache_is_published_atomically(model, tmp_path, monkeypatch):
     assert not target.exists() and len(leftovers) == 1 and ".tmp-" in leftovers[0].name
     assert (leftovers[0] / META_FILE).exists()            # complete, yet never a load candidate
 
-    conversions = kmodel.stats["conversions"]
+    conversions = kmodel.counters["conversions"]
     fresh = load_model(cache_dir=tmp_path)
-    assert fresh.converted and kmodel.stats["conversions"] == conversions + 1
+    assert fresh.converted and kmodel.counters["conversions"] == conversions + 1
     assert fresh.fingerprint == model.fingerprint and fresh.cache_path == target
     assert _read_meta(target, file_digest(gguf_path())) is not None
 
     (target / META_FILE).unlink()                         # damaged after the fact: replaced, never loaded
-    replaced = kmodel.stats["broken_caches_replaced"]
+    replaced = kmodel.counters["broken_caches_replaced"]
     again = load_model(cache_dir=tmp_path)
-    assert again.converted and kmodel.stats["broken_caches_replaced"] == replaced + 1
+    assert again.converted and kmodel.counters["broken_caches_replaced"] == replaced + 1
     assert again.fingerprint == model.fingerprint
 
 

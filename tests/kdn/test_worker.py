@@ -18,7 +18,7 @@ from kdn.cluster import start_network, stop_network
 from kdn.keys import CHUNK_TOKENS
 from kdn.knowledge import bundled_documents
 from kdn.model import load_model
-from kdn.origin.publish import publish_documents
+from kdn.publish import publish_documents
 from kdn.placement.topology import Topology
 from kdn.worker import answer
 

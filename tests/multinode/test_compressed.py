@@ -116,7 +116,7 @@ def test_origin_refuses_a_lossy_store_before_starting(ray_cluster, tmp_path, net
     with pytest.raises(BadRequest, match="lossy codec 'q4z'"):
         start_network(topo, tmp_path / "o", network=network_name,
                       origin_options={"store_codec": "q4z"})
-    with pytest.raises(BadRequest, match="edge store_codec must be one of"):
+    with pytest.raises(BadRequest, match="edge store codec must be one of"):
         start_network(topo, tmp_path / "o", network=network_name, edge_options={"store_codec": "gz"})
 
 
@@ -134,7 +134,7 @@ def test_a_corrupt_compressed_copy_is_dropped_and_refetched(ray_cluster, tmp_pat
         edge = net.edge("us-east-0")
         assert ray.get(edge.inject_corruption.remote(keys[1]), timeout=30)
         f = cl.fetch(toks)
-        assert f.tokens == 768 and cl.stats["corrupt_chunks"] == 1, "the bad frame must be caught"
+        assert f.tokens == 768 and cl.counters["corrupt_chunks"] == 1, "the bad frame must be caught"
         if codec == "zstd":
             assert f.exact and np.array_equal(_kv(f), kv)
         else:
@@ -147,7 +147,7 @@ def test_a_corrupt_compressed_copy_is_dropped_and_refetched(ray_cluster, tmp_pat
             if f2.codecs == {codec: 3} or time.time() > deadline:
                 break
             time.sleep(0.1)
-        assert cl.stats["corrupt_chunks"] == 1 and f2.codecs == {codec: 3}
+        assert cl.counters["corrupt_chunks"] == 1 and f2.codecs == {codec: 3}
     finally:
         stop_network(net)
 

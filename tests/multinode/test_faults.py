@@ -12,6 +12,7 @@ from kdn.client import Client
 from kdn.cluster import start_network, stop_network
 from kdn.errors import KDNError
 from kdn.placement.topology import Topology
+from kdn.publish import split_kv
 
 FP = "synthetic-model"
 
@@ -79,8 +80,8 @@ def test_origin_killed_mid_publish_never_shows_the_version_and_a_retry_completes
         # the publish's first half: half of the chunks reach the origin, then it dies
         from kdn.manifest import Manifest
         m = Manifest.build("new", cl.tenant, cl.fingerprint, [("d", toks)])
-        chunks = cl._split(m, kv, None)
-        cl._origin_call("put_chunks", chunks[:6])
+        chunks = split_kv(m, kv)
+        cl.view.origin("put_chunks", chunks[:6])
         pid = ray.get(net.origin.ping.remote())["pid"]
         os.kill(pid, signal.SIGKILL)
         deadline = time.time() + 60

@@ -55,12 +55,12 @@ def test_a_corrupt_copy_on_the_local_edge_is_dropped_and_refetched(net, synth):
     reader = Client(network=net.name, region=holder, fingerprint=FP)
     f = reader.fetch(toks)
     assert f.tokens == 1024 and np.array_equal(_kv(f), kv), "a client must never receive wrong KV"
-    assert reader.stats["corrupt_chunks"] == 1
+    assert reader.counters["corrupt_chunks"] == 1
     st = ray.get(edge.stats.remote())
     assert st["counters"]["corrupt_reported"] == 1
     # the edge refilled a good copy (it owns the key) and serves it from then on
     f2 = reader.fetch(toks)
-    assert np.array_equal(_kv(f2), kv) and reader.stats["corrupt_chunks"] == 1
+    assert np.array_equal(_kv(f2), kv) and reader.counters["corrupt_chunks"] == 1
 
 
 def test_a_corrupt_peer_copy_is_caught_and_another_source_used(net, synth):
@@ -74,7 +74,7 @@ def test_a_corrupt_peer_copy_is_caught_and_another_source_used(net, synth):
     reader = Client(network=net.name, region=reader_region, fingerprint=FP)
     f = reader.fetch(toks)
     assert f.tokens == 1024 and np.array_equal(_kv(f), kv)
-    assert reader.stats["corrupt_chunks"] >= 1
+    assert reader.counters["corrupt_chunks"] >= 1
     reported = sum(ray.get(net.edge(o).stats.remote())["counters"].get("corrupt_reported", 0) for o in owners)
     assert reported >= 1
 

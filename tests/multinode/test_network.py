@@ -247,7 +247,11 @@ def test_operator_pin_replicas_warm_and_ttl(net, synth):
         cl.pin("ops", ["mars"])
     w = cl.warm("ops", "eu-west")
     assert w["region"] == "eu-west"
-    cl.set_ttl("ops", 1.0)
+    # a TTL applies at once to chunks already on edges (pushed, pinned and warmed above) ...
+    got = cl.set_ttl("ops", 1.0)
+    assert sum(got["ttl_set"].values()) >= 3 * len(keys)
+    time.sleep(3.0)
+    assert holders() == {r: 0 for r in REGIONS}, "a TTL must reach chunks already on edges"
     toks2, kv2 = synth.tokens(300, seed=41), synth.kv(300, seed=41)
     cl.publish("ops", [("d", toks2)], kv2)       # a new version is pushed with the TTL
     k2 = list(cl.manifest("ops").keys)

@@ -1,0 +1,108 @@
+"""An edge's Prometheus metrics: a prometheus_client collector over its counters.
+
+Every component of an edge keeps its own `counters` (a collections.Counter); at scrape time
+this collector reads them, and the tiers' sizes, into metric families. One CollectorRegistry
+per edge, never the library's global one, so two edges in one process never share a metric.
+The named families are the ones dashboards use; kdn_edge_events_total carries every counter
+besides, by name, except those that depend on other tenants' data (HIDDEN): /metrics needs
+no token, and must not tell a stranger whether another tenant's keys exist.
+"""
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0)
+HIDDEN = frozenset({"namespace_refused"})     # counted for the operator (stats), not exported
+TIERS = ("main", "hot")
+TIER_OPS = ("gets", "hits", "misses", "puts", "rejected", "evictions")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _counter(name, doc, value=None, labels=(), samples=()):
+    m = CounterMetricFamily(name, doc, value=value, labels=labels or None)
+    for label_values, v in samples:
+        m.add_metric(label_values, v)
+    return m
+
+
+def _gauge(name, doc, value=None, labels=(), samples=()):
+    m = GaugeMetricFamily(name, doc, value=value, labels=labels or None)
+    for label_values, v in samples:
+        m.add_metric(label_values, v)
+    return m
+
+
+class EdgeCollector:
+    """Metric families of one edge (its node and, when it serves HTTP, its HTTP server)."""
+
+    def __init__(self, edge, http=None):
+        self.edge, self.http = edge, http
+
+    def collect(self):
+        e, c = self.edge, self.edge.all_counters()
+        tiers = {t: e.tiers.tier(t).stats() for t in TIERS}
+        loop = getattr(self.http, "loop_class", None) or ""
+        yield _gauge("kdn_edge_info", "This edge: name and region.", labels=("edge", "region", "loop"),
+                     samples=[((e.name, e.region, loop), 1)])
+        yield _counter("kdn_edge_hits_total", "Chunks served from this edge's own tiers.",
+                       labels=("tier",), samples=[((t,), c[t + "_hits"]) for t in TIERS])
+        yield _counter("kdn_edge_chunks_served_total", "Chunks served, by where they came from.",
+                       labels=("source",), samples=[((s,), c["served_" + s])
+                                                     for s in ("local", "peer", "origin")])
+        yield _counter("kdn_edge_bytes_served_total", "KV bytes served over any transport.",
+                       value=c["bytes_served"])
+        yield _counter("kdn_edge_fetches_total", "Fetch requests over any transport.", value=c["fetches"])
+        yield _counter("kdn_edge_hot_promoted_total", "Chunks copied into the hot tier.",
+                       value=c["hot_promoted"])
+        yield _counter("kdn_edge_loads_total", "Pull-through loads made (singleflight).",
+                       value=c["loads"])
+        yield _counter("kdn_edge_loads_deduped_total", "Keys that joined a load already in "
+                       "flight instead of causing one.", value=c["loads_deduped"])
+        yield _gauge("kdn_edge_hot_copies", "Chunks held in the hot tier.", value=tiers["hot"]["items"])
+        yield _gauge("kdn_edge_chunks", "Chunks held, by tier.", labels=("tier",),
+                     samples=[((t,), tiers[t]["items"]) for t in TIERS])
+        yield _gauge("kdn_edge_bytes", "Bytes held, by tier.", labels=("tier",),
+                     samples=[((t,), tiers[t]["bytes"]) for t in TIERS])
+        yield _gauge("kdn_edge_capacity_bytes", "Byte capacity, by tier.", labels=("tier",),
+                     samples=[((t,), tiers[t]["capacity"]) for t in TIERS])
+        yield _counter("kdn_edge_evictions_total", "Chunks evicted, by tier.", labels=("tier",),
+                       samples=[((t,), tiers[t]["evictions"]) for t in TIERS])
+        yield _counter("kdn_edge_tier_ops_total", "Tier operations, by tier and kind.",
+                       labels=("tier", "op"), samples=[((t, op), tiers[t][op])
+                                                       for t in TIERS for op in TIER_OPS])
+        yield _counter("kdn_edge_events_total", "Every counter of this edge, by name.",
+                       labels=("event",), samples=[((k,), v) for k, v in sorted(c.items())
+                                                    if k not in HIDDEN])
+        if self.http is not None:
+            yield from self._http()
+
+    def _http(self):
+        h, c = self.http, self.http.counters
+        yield _counter("kdn_edge_http_requests_total", "HTTP requests by endpoint and status.",
+                       labels=("endpoint", "code"),
+                       samples=[((ep, str(code)), n) for (ep, code), n in sorted(h.requests.items())])
+        yield _counter("kdn_edge_http_bytes_sent_total", "Frame bytes sent in HTTP fetch answers.",
+                       value=c["bytes_sent"])
+        yield _counter("kdn_edge_http_frames_sent_total", "Frames sent in HTTP fetch answers.",
+                       value=c["frames_sent"])
+        yield _counter("kdn_edge_http_frames_by_codec_total", "Frames sent in HTTP fetch answers, "
+                       "by codec.", labels=("codec",),
+                       samples=[((k[len("frames_"):],), v) for k, v in sorted(c.items())
+                                if k.startswith("frames_") and k != "frames_sent"])
+        yield _counter("kdn_edge_http_fetch_aborted_total", "HTTP answers cut short by the client.",
+                       value=c["aborted"])
+
+
+class EdgeMetrics:
+    """One edge's registry: its collector and the HTTP fetch latency histogram."""
+
+    def __init__(self, edge, http=None):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EdgeCollector(edge, http))
+        self.fetch_seconds = Histogram(
+            "kdn_edge_http_fetch_seconds", "HTTP fetch latency: edge fetch plus sending the body.",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def exposition(self) -> bytes:
+        """This edge's metrics in the Prometheus text format."""
+        return generate_latest(self.registry)

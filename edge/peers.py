@@ -1,0 +1,57 @@
+"""An edge's calls to the other edges and to the origin, with the admin token.
+
+Calls go through kdn.rpc.Actors, which fails over only when a node is dead, restarting,
+missing or too slow: then ask() answers None and counts peer_failures or origin_failures, and
+the caller moves to its next source. Anything else (a remote KDNError, a wrong signature) is
+a bug or a refusal and raises: a broad except here once hid a membership refresh that never
+ran. Work sent after a reply (read repair) runs as a task this object keeps until it ends;
+a failure there is counted and logged, never lost.
+"""
+import asyncio
+import collections
+import logging
+
+from kdn.rpc import Actors, Unreachable
+
+log = logging.getLogger("kdn.edge")
+
+PEER_TIMEOUT_S = 5.0      # a peer that does not answer in time is skipped (next owner, then origin)
+ORIGIN_TIMEOUT_S = 20.0
+ORIGIN = None             # the origin's node name for Actors
+
+
+class Peers:
+    def __init__(self, network: str, admin_token: str = None, edge: str = "?"):
+        self.actors = Actors(network, admin_token)
+        self.edge = edge
+        self.counters = collections.Counter()
+        self._tasks = set()        # work sent after a reply, referenced till done
+
+    async def ask(self, node, method, *args, timeout: float = None, **kw):
+        """node's answer (an edge's name, or ORIGIN); None when node is unreachable."""
+        if timeout is None:
+            timeout = ORIGIN_TIMEOUT_S if node is ORIGIN else PEER_TIMEOUT_S
+        try:
+            return await self.actors.call(node, method, *args, timeout=timeout, **kw)
+        except Unreachable:
+            self.counters["origin_failures" if node is ORIGIN else "peer_failures"] += 1
+            return None
+
+    def later(self, coro, what: str) -> None:
+        """Run coro after the current reply; count and log it if it fails."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._done(t, what))
+
+    def _done(self, task, what: str) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        e = task.exception()
+        if e is not None:
+            self.counters["background_errors"] += 1
+            log.error("edge %s: %s failed: %s: %s", self.edge, what, type(e).__name__, e,
+                      exc_info=e)
+
+    def stats(self) -> dict:
+        return {"pending": len(self._tasks), **self.counters}

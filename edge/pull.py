@@ -1,0 +1,161 @@
+"""Pull-through: how an edge gets the chunks it lacks, and which of them it keeps.
+
+A batch of missing keys is loaded from the ring owners nearest first, then the origin — one
+batched call per source per round, never one per chunk. Concurrent misses for one key share
+one load (singleflight). A chunk the origin sends is verified against its manifest checksum
+before anyone sees it; an owner found lacking a chunk is sent the origin's copy after the
+reply is on its way (read repair).
+
+What comes from elsewhere is kept when this edge owns it (it restarted empty: it refills
+itself on the way through) or its region reads it hot (a hot copy). A peer's object belongs
+to the peer and vanishes with it, so a kept copy is put into this node's store as our own,
+in this edge's store form; a copy that must be encoded to be kept is encoded in the
+background, after the reply, one encode per key at a time.
+
+A key the edge knows belongs to another namespace (its manifest says so, or the copy it
+holds does) is never loaded for a reader of this one: such a load would tell the reader,
+by its cost, that the key exists elsewhere.
+"""
+import asyncio
+import collections
+
+from kdn.edge.peers import ORIGIN
+from kdn.edge.singleflight import Group
+from kdn.edge.tiers import Held
+from kdn.names import ORIGIN as FROM_ORIGIN, peer_source
+from kdn.rpc import failover_errors
+
+PEER_READ_S = 5.0        # a peer's object to be kept must arrive within this
+
+
+class Pull:
+    def __init__(self, name: str, region: str, membership, tiers, forms, peers, catalog, demand):
+        self.name, self.region = name, region
+        self.membership, self.tiers, self.forms = membership, tiers, forms
+        self.peers, self.catalog, self.demand = peers, catalog, demand
+        self.loads = Group()
+        self.counters = collections.Counter()
+        self._keeping = set()      # keys being encoded to be kept
+
+    # --- loading ----------------------------------------------------------------------------
+    async def load(self, keys, ns: bytes) -> list:
+        """(Held, source) per key, None where nobody holds it (for a reader of ns)."""
+        mine = [k for k in keys if self._may_load(k, ns)]
+        got = dict(zip(mine, await self.loads.do_many(mine, self._load_batch))) if mine else {}
+        return [got.get(k) for k in keys]
+
+    def _may_load(self, key, ns: bytes) -> bool:
+        known = self.catalog.ns_of(key)
+        held = self.tiers.peek(key)
+        return (known is None or known == ns) and (held is None or held.ns == ns)
+
+    async def _load_batch(self, keys) -> dict:
+        """key -> (Held, source) for the keys some owner or the origin holds."""
+        result, lacking = await self._from_owners(keys)
+        pending = [k for k in keys if k not in result]
+        if pending:
+            from_origin = await self._from_origin(pending)
+            result.update((k, (Held.of(c), FROM_ORIGIN)) for k, c in from_origin.items())
+            self._repair(lacking, from_origin)
+        return result
+
+    async def _from_owners(self, keys) -> tuple:
+        """({key: (Held, source)}, {owner: [keys it should have had]}): round r asks each
+        key's r-th nearest owner, all owners of a round at once."""
+        ranked = self.membership.sources(keys, self.name, self.region)
+        result, lacking = {}, collections.defaultdict(list)
+        pending, rnd = list(keys), 0
+        while pending and any(len(ranked[k]) > rnd for k in pending):
+            groups = collections.defaultdict(list)
+            for k in pending:
+                if len(ranked[k]) > rnd:
+                    groups[ranked[k][rnd]].append(k)
+            replies = await asyncio.gather(*(self.peers.ask(e, "peer_get", ks, region=self.region)
+                                             for e, ks in groups.items()))
+            for (e, ks), got in zip(groups.items(), replies):
+                if got is None:          # unreachable: its keys go to the next owner
+                    continue
+                for k, w in zip(ks, got):
+                    if w is not None and w[1] == k:
+                        result[k] = (Held.from_wire(w), peer_source(e))
+                    else:
+                        lacking[e].append(k)
+            pending = [k for k in pending if k not in result]
+            rnd += 1
+        return result, lacking
+
+    async def _from_origin(self, keys) -> dict:
+        """key -> the origin's verified copy (Chunk or Encoded)."""
+        got = await self.peers.ask(ORIGIN, "get_chunks", keys) or [None] * len(keys)
+        pairs = [(k, c) for k, c in zip(keys, got) if c is not None and c.key == k]
+        if all(c.codec == "raw" for _, c in pairs):
+            ok = [self.forms.intact(c) for _, c in pairs]      # hashing only: on the loop
+        else:                                                  # decoding to verify: off it
+            ok = await asyncio.to_thread(lambda: [self.forms.intact(c) for _, c in pairs])
+        return {k: c for (k, c), good in zip(pairs, ok) if good}
+
+    def _repair(self, lacking: dict, from_origin: dict) -> None:
+        """Send owners the origin's copies of chunks they lacked, after the reply."""
+        for e, ks in lacking.items():
+            repair = [from_origin[k] for k in ks if k in from_origin]
+            if repair:
+                self.counters["repairs_sent"] += len(repair)
+                self.peers.later(self.peers.ask(e, "put_chunks", repair), f"read repair of {e}")
+
+    # --- keeping ----------------------------------------------------------------------------
+    async def keep(self, items) -> None:
+        """Keep (key, Held, reader region) that came from elsewhere where this edge owns the
+        key (main: a refill) or its region reads it hot (a hot copy)."""
+        later = []
+        for (key, held, region), owners in zip(items, self.membership.owners([k for k, _, _ in items])):
+            if self.name in owners:
+                role, counter = "main", "refilled"
+            elif region == self.region and key in self.demand.hot(region):
+                role, counter = "hot", "hot_promoted"
+            else:
+                continue
+            if self.forms.store_codec != "raw" or held.codec != "raw":
+                if key not in self._keeping and key not in self.tiers.tier(role):
+                    self._keeping.add(key)                      # one encode per key at a time
+                    later.append((key, held, role, counter))    # not on the reader's time
+                continue
+            await self._keep_one(key, held, role, counter)
+        if later:
+            self.peers.later(self._keep_encoded(later), "keeping encoded copies")
+
+    async def _keep_encoded(self, items) -> None:
+        for key, held, role, counter in items:
+            try:
+                await self._keep_one(key, held, role, counter)
+            finally:
+                self._keeping.discard(key)
+
+    async def _keep_one(self, key, held, role: str, counter: str) -> None:
+        held = await self.own_copy(held)
+        if held is not None and self.tiers.put(role, key, held):
+            self.counters[counter] += 1
+
+    async def own_copy(self, held):
+        """held as this node's own object in this edge's store form (a peer's object vanishes
+        with the peer); None when it cannot be read in time or fails verification."""
+        if held.own and held.codec == self.forms.store_codec:
+            return held
+        try:
+            obj = await asyncio.wait_for(held.resolve(), PEER_READ_S)
+        except failover_errors():      # the peer went away: nothing to keep
+            return None
+        obj = (await self.forms.store_forms([obj]))[0]
+        return None if obj is None else Held.of(obj)
+
+    async def promote(self, keys) -> None:
+        """Copy chunks the replication policy made hot in this region into the hot tier."""
+        got = await self.loads.do_many(keys, self._load_batch)
+        for k, g in zip(keys, got):
+            if g is None:
+                continue
+            held = await self.own_copy(g[0])
+            if held is not None and self.tiers.put("hot", k, held):
+                self.counters["hot_promoted"] += 1
+
+    def stats(self) -> dict:
+        return {"loads": self.loads.stats(), "keeping": len(self._keeping), **self.counters}

@@ -1,0 +1,97 @@
+"""Forms: a copy is verified against its manifest checksum, kept in the store form, and sent in
+the form that reaches its reader soonest — the same decisions for Ray and HTTP."""
+import pytest
+
+from kdn.chunk import Encoded, decode
+from kdn.edge.forms import Forms, corrupted, link_codec
+from kdn.errors import BadRequest
+from kdn.placement.topology import Topology
+
+
+def _forms(kit, chunks, store_codec="raw", slow_gbps=0.01):
+    sums = {c.key: c.digest() for c in chunks}
+    topo = Topology.from_dict(kit.topology(slow_gbps))
+    return Forms(store_codec, sums.get, lambda: topo, "here")
+
+
+def _decoded(parts):
+    return decode(b"".join(bytes(p) for p in parts))
+
+
+def test_link_codec_keeps_the_stored_form_beside_the_reader_and_for_lossy_kv(kit):
+    c, = kit.make_chunks(1)
+    assert link_codec(c, None, ("zstd",)) == "raw"
+    assert link_codec(c, 0.01, ("zstd",)) == "zstd", "a thin link: compressing pays"
+    assert link_codec(c, 100.0, ("zstd",)) == "raw", "a fat link: it does not"
+    q = Encoded.of(c, "q8z")
+    assert link_codec(q, 0.01, ("zstd",)) == "q8z", "lossy KV goes as it is"
+    z = Encoded.of(c, "zstd")
+    assert link_codec(z, None, ("zstd",)) == "zstd"
+
+
+def test_intact_checks_the_manifest_checksum_and_counts_failures(kit):
+    a, b = kit.make_chunks(2)
+    f = _forms(kit, [a, b])
+    assert f.intact(a) and f.intact(Encoded.of(b, "zstd"))
+    assert not f.intact(corrupted(a)) and not f.intact(corrupted(Encoded.of(b, "zstd")))
+    assert f.counters["corrupt_detected"] == 2
+    lossy = Encoded.of(a, "q8z")
+    assert f.intact(lossy), "lossy KV is vouched for by its frame checksums only"
+    assert not f.intact(corrupted(lossy))
+
+
+def test_store_form_verifies_and_encodes_as_the_edge_keeps_chunks(kit):
+    a, = kit.make_chunks(1)
+    raw, zstd = _forms(kit, [a]), _forms(kit, [a], store_codec="zstd")
+    assert raw.store_form(Encoded.of(a, "zstd")).equal(a)
+    kept = zstd.store_form(a)
+    assert kept.codec == "zstd" and kept.decode().equal(a) and zstd.counters["stored_encoded"] == 1
+    lossy = Encoded.of(a, "q8z")
+    assert zstd.store_form(lossy) is lossy, "lossy KV is kept as it is: expanding restores nothing"
+    assert raw.store_form(corrupted(a)) is None and zstd.store_form(corrupted(a)) is None
+    with pytest.raises(BadRequest, match="edge store codec must be one of"):
+        Forms("lzma", {}.get, None, "here")
+
+
+def test_frame_codecs_follow_the_asked_codec_or_the_link(kit):
+    a, b = kit.make_chunks(2)
+    f = _forms(kit, [a, b])
+    objs = [a, Encoded.of(b, "q8z")]
+    assert f.frame_codecs(objs, None, "zstd") == ["zstd", "q8z"]
+    assert f.frame_codecs(objs, None, "auto") == ["raw", "q8z"], "no region: beside the edge"
+    assert f.frame_codecs(objs, "far", "auto") == ["zstd", "q8z"]
+    assert _forms(kit, [a], slow_gbps=100).frame_codecs([a], "far", "auto") == ["raw"]
+
+
+def test_frames_are_the_chunks_and_a_corrupt_copy_ends_them(kit):
+    cs = kit.make_chunks(3)
+    f = _forms(kit, cs)
+    assert f.all_raw(cs, ["raw"] * 3) and not f.all_raw(cs, ["raw", "zstd", "raw"])
+    parts, bad = f.frames(cs, ["raw", "zstd", "raw"])
+    assert bad is None and [_decoded(p).equal(c) for p, c in zip(parts, cs)] == [True] * 3
+    stored = Encoded.of(cs[1], "zstd")
+    parts, bad = f.frames([stored], ["zstd"])
+    assert bytes(parts[0][1]) == stored.frame.tobytes(), "a stored frame goes as it is"
+    parts, bad = f.frames([cs[0], corrupted(cs[1]), cs[2]], ["raw"] * 3)
+    assert bad == 1 and len(parts) == 1 and f.counters["corrupt_detected"] == 1
+    parts, bad = f.frames([corrupted(stored)], ["zstd"])
+    assert bad == 0 and parts == []
+
+
+def test_a_raw_frame_of_a_corrupt_chunk_never_carries_a_checksum_of_its_bytes(kit):
+    """Without the manifest check an edge would hash the corrupt bytes and frame them as valid."""
+    a, = kit.make_chunks(1)
+    bad = corrupted(a)
+    bad.kv.flags.writeable = False            # as in the object store
+    unchecked = Forms("raw", {}.get, None, "here")
+    parts, _ = unchecked.frames([bad], ["raw"])
+    assert _decoded(parts[0]).equal(bad), "no manifest: nothing to check against"
+    parts, at = _forms(kit, [a]).frames([bad], ["raw"])
+    assert at == 0 and parts == []
+
+
+def test_corrupted_flips_one_payload_byte(kit):
+    a, = kit.make_chunks(1)
+    assert not corrupted(a).equal(a) and corrupted(a).key == a.key
+    z = Encoded.of(a, "zstd")
+    assert isinstance(corrupted(z), Encoded) and corrupted(z).nbytes == z.nbytes

@@ -1,0 +1,67 @@
+"""The edge's two tiers: lookups by namespace, hits by tier, TTL, pins, drops."""
+import time
+
+from kdn.edge.tiers import Held, Tiers
+from kdn.keys import namespace_digest
+
+OTHER = namespace_digest("other", "edge-unit")
+
+
+def _tiers(kit, chunks=(), role="main", **kw):
+    t = Tiers(kw.pop("capacity", 8 << 20), **kw)
+    for c in chunks:
+        assert t.put(role, c.key, kit.held(c))
+    return t
+
+
+def test_get_counts_hits_by_tier_and_ignores_another_namespace(kit):
+    a, b = kit.make_chunks(2)
+    t = _tiers(kit, [a])
+    t.put("hot", b.key, kit.held(b))
+    assert t.get(a.key, kit.NS).key == a.key and t.get(b.key).key == b.key
+    assert t.counters == {"main_hits": 1, "hot_hits": 1}
+    # a reader of another namespace finds nothing, and nothing it can see moves
+    before = (t.main.stats()["hits"], t.hot.stats()["hits"])
+    assert t.get(a.key, OTHER) is None and t.get(b.key, OTHER) is None
+    assert t.counters == {"main_hits": 1, "hot_hits": 1}
+    assert (t.main.stats()["hits"], t.hot.stats()["hits"]) == before
+    assert t.holds(a.key, kit.NS) and not t.holds(a.key, OTHER) and t.holds(a.key)
+
+
+def test_set_ttl_applies_to_chunks_held_now_and_sweep_drops_them(kit):
+    cs = kit.make_chunks(3)
+    t = _tiers(kit, cs[:2])
+    assert t.set_ttl([c.key for c in cs], 0.05) == 2, "only held chunks get a deadline"
+    assert t.get(cs[0].key) is not None
+    time.sleep(0.06)
+    assert t.get(cs[0].key) is None, "an expired chunk is not served even before the sweep"
+    assert t.sweep() == 2 and len(t) == 0 and t.counters["ttl_expired"] == 2
+    assert t.expiry == {}
+
+
+def test_pin_moves_a_hot_copy_to_main_and_a_pin_that_does_not_fit_is_counted(kit):
+    a, b = kit.make_chunks(2)
+    t = _tiers(kit, [a], capacity=4 * a.nbytes, hot_fraction=0.5)
+    t.put("hot", b.key, kit.held(b))
+    assert t.pin([a.key, b.key, b"\0" * 16]) == 2
+    assert b.key in t.main and b.key not in t.hot
+    assert t.main.stats()["pinned_items"] == 2
+    big = Held(None, b"\1" * 16, kit.NS, 10 * a.nbytes, 10 * a.nbytes)
+    assert t.put("main", big.key, big, pin=True) is False        # kept unpinned: too big anyway
+    assert t.counters["pin_refused"] == 1
+
+
+def test_drop_removes_from_both_tiers_and_forgets_the_ttl(kit):
+    a, = kit.make_chunks(1)
+    t = _tiers(kit, [a])
+    t.set_ttl([a.key], 100)
+    assert t.drop(a.key) is True and t.drop(a.key) is False
+    assert a.key not in t.expiry and t.peek(a.key) is None
+
+
+def test_stats_report_both_tiers_and_the_kv_held(kit):
+    a, b = kit.make_chunks(2)
+    t = _tiers(kit, [a, b])
+    s = t.stats()
+    assert s["main"]["items"] == 2 and s["hot"]["items"] == 0
+    assert s["held_raw_bytes"] == a.raw + b.raw and s["hot_copies"] == 0
