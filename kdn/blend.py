@@ -157,7 +157,7 @@ class Blended:
         return model.kv_from_cache(self.cache, 0, self.context_tokens)
 
 
-def _check_share(share) -> float:
+def check_share(share) -> float:
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= float(share) <= 1.0:
         raise BadRequest(f"recompute share must be a number in [0, 1], got {share!r}")
     return float(share)
@@ -199,7 +199,7 @@ def blend(model, header, segments, share: float = DEFAULT_SHARE, select_layer: i
     [(token ids, kv [layers, 2, kv_heads, n, head_dim] computed from position 0)]. share:
     fraction of context tokens recomputed through every layer (0 = naive concatenation).
     """
-    share = _check_share(share)
+    share = check_share(share)
     if not isinstance(select_layer, int) or not 0 <= select_layer < model.layers:
         raise BadRequest(f"select_layer must be an int in [0, {model.layers}), got {select_layer!r}")
     if not segments:
@@ -377,7 +377,7 @@ def answer_from_network(client, model, documents, question: str, share: float = 
 
     Returns (Generation, Blended, [SegmentFetch]); the Generation's ttft_s includes the fetches.
     """
-    share = _check_share(share)
+    share = check_share(share)
     t0 = time.perf_counter()
     toks = [segment_tokens(model, text) for text in documents]
     got = [fetch_segment(client, t) for t in toks]

@@ -30,6 +30,7 @@ nbytes (what holding or sending it costs), raw (the size of its KV), decode() (t
 and verify(expected) (the one place a copy is checked: FrameError unless its bytes are the
 ones named).
 """
+import collections
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -63,8 +64,7 @@ _DIMS = (("layers", MAX_LAYERS), ("heads", MAX_HEADS), ("head_dim", MAX_HEAD_DIM
          ("tokens", MAX_TOKENS))
 _FUSE_BLOCK = 1 << 18               # copy+hash block: fits L2, so the hash reads from cache
 
-stats = {"encoded": 0, "encoded_bytes": 0, "decoded": 0, "decoded_bytes": 0,
-         "rejected": 0, "checksum_skipped": 0}
+counters = collections.Counter()   # module-wide: frames encoded, decoded, rejected
 
 
 def _from_numpy(arr):
@@ -301,8 +301,8 @@ def encode_parts(chunk: Chunk, codec: str = "raw") -> list:
     xxh = chunk._xxh if codec == "raw" and chunk._xxh is not None \
         else xxhash.xxh3_64_intdigest(payload)
     prefix = _frame_prefix(_header_fields(chunk, codec, payload.nbytes, xxh))
-    stats["encoded"] += 1
-    stats["encoded_bytes"] += len(prefix) + payload.nbytes
+    counters["encoded"] += 1
+    counters["encoded_bytes"] += len(prefix) + payload.nbytes
     return [prefix, payload]
 
 
@@ -339,13 +339,13 @@ def encode_into(chunk: Chunk, out, codec: str = "raw") -> int:
         xxh = h.intdigest()
     prefix = _frame_prefix(_header_fields(chunk, codec, n, xxh))
     dst[:off] = prefix
-    stats["encoded"] += 1
-    stats["encoded_bytes"] += off + n
+    counters["encoded"] += 1
+    counters["encoded_bytes"] += off + n
     return off + n
 
 
 def _reject(exc_class, message):
-    stats["rejected"] += 1
+    counters["rejected"] += 1
     return exc_class(message)
 
 
@@ -471,11 +471,11 @@ def decode(buf, *, verify: bool = True, max_payload: int = MAX_PAYLOAD) -> Chunk
                                             f"{header['key'].hex()}: header says "
                                             f"{header['xxh']:016x}, payload hashes to {xxh:016x}")
     else:
-        stats["checksum_skipped"] += 1
+        counters["checksum_skipped"] += 1
     try:
         kv = _CODECS[header["codec"]][1](payload, header)
     except FrameError:
-        stats["rejected"] += 1
+        counters["rejected"] += 1
         raise
     except Exception as e:
         raise _reject(FrameError, f"codec {header['codec']!r} cannot decode the payload of "
@@ -490,8 +490,8 @@ def decode(buf, *, verify: bool = True, max_payload: int = MAX_PAYLOAD) -> Chunk
     chunk = Chunk(header["key"], header["ns"], kv, header["dtype"])
     if verify and header["codec"] == "raw" and not kv.flags.writeable:
         object.__setattr__(chunk, "_xxh", header["xxh"])
-    stats["decoded"] += 1
-    stats["decoded_bytes"] += end
+    counters["decoded"] += 1
+    counters["decoded_bytes"] += end
     return chunk
 
 

@@ -28,6 +28,7 @@ bytes themselves; a payload exactly as long as the raw KV is therefore the raw K
 anything shorter is the codec's format, which starts with its own magic and version and
 is checked field by field (a malformed payload raises BadPayload naming the problem).
 """
+import collections
 import struct
 import threading
 
@@ -51,8 +52,7 @@ PLANE_SAMPLE = 1 << 16   # bytes of a plane trial-compressed before compressing 
 PLANE_GAIN = 0.95        # a plane is compressed only if it shrinks below this fraction
 FP16_MAX = 65504.0
 
-stats = {"encoded": 0, "encoded_raw_fallback": 0, "decoded": 0, "decoded_bytes": 0,
-         "rejected": 0}
+counters = collections.Counter()   # module-wide: frames encoded, decoded, rejected
 
 _local = threading.local()
 
@@ -74,7 +74,7 @@ def _zd() -> zstandard.ZstdDecompressor:
 
 
 def _bad(message: str) -> BadPayload:
-    stats["rejected"] += 1
+    counters["rejected"] += 1
     return BadPayload(message)
 
 
@@ -161,9 +161,9 @@ def _zstd_encode(kv: np.ndarray, dtype: str):
         blobs.append(blob)
     head = _PLANES_HEAD.pack(b"KZ", PLANES_VERSION, size) + b"".join(entries)
     total = len(head) + sum(memoryview(b).nbytes for b in blobs)
-    stats["encoded"] += 1
+    counters["encoded"] += 1
     if total >= raw.nbytes:
-        stats["encoded_raw_fallback"] += 1
+        counters["encoded_raw_fallback"] += 1
         return raw
     out = bytearray(total)
     out[:len(head)] = head
@@ -352,10 +352,10 @@ def _quant_encoder(kbits: int, vbits: int, entropy: bool, kg: int, vg: int):
 
     def encode(kv: np.ndarray, dtype: str):
         raw = memoryview(kv).cast("B")
-        stats["encoded"] += 1
+        counters["encoded"] += 1
         x = _as_float32(kv, dtype)
         if not np.isfinite(x).all() or np.abs(x).max() > FP16_MAX / 2:
-            stats["encoded_raw_fallback"] += 1   # fp16 scales cannot describe it: keep it exact
+            counters["encoded_raw_fallback"] += 1   # fp16 scales cannot describe it: keep it exact
             return raw
         T = x.shape[3]
         exact = min(EXACT_TOKENS, T - 1)
@@ -376,7 +376,7 @@ def _quant_encoder(kbits: int, vbits: int, entropy: bool, kg: int, vg: int):
         payload = _QUANT_HEAD.pack(b"KQ", QUANT_VERSION, kbits, vbits, int(entropy), kg, vg,
                                    exact) + body
         if len(payload) >= raw.nbytes:
-            stats["encoded_raw_fallback"] += 1
+            counters["encoded_raw_fallback"] += 1
             return raw
         return payload
 
@@ -467,8 +467,8 @@ def _quant_decoder(name: str, kbits: int, vbits: int, entropy: bool, kg: int, vg
         _to_storage(work, dtype, out)
         if exact:
             out[:, :, :, :exact] = head     # fp16 -> fp32, or the bf16/fp16 bits as they were
-        stats["decoded"] += 1
-        stats["decoded_bytes"] += out.nbytes
+        counters["decoded"] += 1
+        counters["decoded_bytes"] += out.nbytes
         return out
 
     return decode

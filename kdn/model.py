@@ -526,7 +526,7 @@ class Model:
             raise ModelError(f"engine cache reports {self.cache_tokens(cache)} tokens after loading "
                              f"{buf.shape[4]}; this transformers version's cache API is not supported")
 
-    def _crop(self, cache, n: int) -> None:
+    def crop(self, cache, n: int) -> None:
         """Keep the first n cached tokens (the crop() signature changed across transformers versions)."""
         if hasattr(cache, "layers"):
             for layer in cache.layers:
@@ -535,11 +535,22 @@ class Model:
             cache.crop(n)
 
     # --- compute ---------------------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, cache):
+    def _forward(self, ids: torch.Tensor, cache, all_logits: bool = False):
         kwargs = {self._cache_arg: cache, "use_cache": True}
-        if self._keep_arg:
+        if self._keep_arg and not all_logits:
             kwargs[self._keep_arg] = 1
         return self.hf(input_ids=ids, **kwargs)
+
+    def cache_kwargs(self, cache) -> dict:
+        """The keyword arguments that hand `cache` to this transformers version's forward."""
+        return {self._cache_arg: cache, "use_cache": True}
+
+    def logits(self, tokens, cache, all_logits: bool = False) -> torch.Tensor:
+        """Logits [positions, vocab] of tokens run after `cache` (which they extend): every
+        position's with all_logits, else the last one's only ([1, vocab])."""
+        ids = torch.tensor([list(tokens)], dtype=torch.long)
+        with torch.inference_mode():
+            return self._forward(ids, cache, all_logits).logits[0]
 
     def prefill(self, tokens, past=None, chunk_tokens: int = 256, progress=None) -> Prefill:
         """Run tokens through the model after `past`, chunk by chunk; return the new KV.
@@ -590,7 +601,7 @@ class Model:
         start = cached_tokens
         if start == len(ids):  # logits after the last prompt token are needed: recompute that token
             start -= 1
-            self._crop(cache, start)
+            self.crop(cache, start)
         out_ids, finish = [], "length"
         with torch.inference_mode():
             logits = self._forward(torch.tensor([ids[start:]], dtype=torch.long), cache).logits[0, -1]

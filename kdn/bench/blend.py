@@ -18,7 +18,6 @@ import argparse
 import random
 import time
 
-import torch
 
 from kdn.bench import emit_json, matching_prefix, median, table
 
@@ -39,10 +38,7 @@ def build_prompts(names, questions, n, seed=0):
 
 def teacher_forced(model, cache, cached_tokens, prompt, targets):
     """Argmax after each of prompt[-1], targets[:-1], computed over `cache` (holding prompt[:cached])."""
-    ids = torch.tensor([list(prompt[cached_tokens:]) + list(targets[:-1])], dtype=torch.long)
-    with torch.inference_mode():
-        kw = {model._cache_arg: cache, "use_cache": True}
-        logits = model.hf(input_ids=ids, **kw).logits[0]
+    logits = model.logits(list(prompt[cached_tokens:]) + list(targets[:-1]), cache, all_logits=True)
     first = len(prompt) - cached_tokens - 1
     return logits[first:first + len(targets)].argmax(-1).tolist()
 
@@ -156,8 +152,8 @@ def main(argv=None):
     shares = ([float(x) for x in args.shares.split(",")] if args.shares
               else (QUICK_SHARES if args.quick else SHARES))
     for s in shares:
-        B._check_share(s)
-    share = B.DEFAULT_SHARE if args.share is None else B._check_share(args.share)
+        B.check_share(s)
+    share = B.DEFAULT_SHARE if args.share is None else B.check_share(args.share)
     reps = args.reps or (2 if args.quick else 3)
 
     model = load_model()

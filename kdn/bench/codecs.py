@@ -145,11 +145,7 @@ class Scorer:
         self.m, self.knowledge, self.prompts, self.ppl_start = model, knowledge, prompts, ppl_start
 
     def _forward(self, ids, cache, all_logits=False):
-        kwargs = {self.m._cache_arg: cache, "use_cache": True}
-        if self.m._keep_arg and not all_logits:
-            kwargs[self.m._keep_arg] = 1
-        with torch.inference_mode():
-            return self.m.hf(input_ids=torch.tensor([ids], dtype=torch.long), **kwargs).logits[0]
+        return self.m.logits(ids, cache, all_logits)
 
     def next_tokens(self, kv) -> list:
         """The next token after each prompt (the answer's first token)."""
@@ -175,7 +171,7 @@ class Scorer:
         for q in self.prompts:
             g = self.m.generate(self.knowledge + q, cache=cache, cached_tokens=n, max_new_tokens=tokens)
             out.append(list(g.tokens))
-            self.m._crop(cache, n)
+            self.m.crop(cache, n)
         return out
 
     def argmax_tails(self, kv, seqs, tails) -> list:
@@ -210,11 +206,11 @@ class Scorer:
             with torch.inference_mode():
                 logits = self.m.hf(input_ids=torch.tensor([sum(pack, [])], dtype=torch.long),
                                    attention_mask=mask, position_ids=torch.tensor([positions]),
-                                   use_cache=True, **{self.m._cache_arg: cache}).logits[0]
+                                   **self.m.cache_kwargs(cache)).logits[0]
             for j, e in enumerate(ends):
                 t = tails[first + j]
                 out.append(logits[e - t + 1:e + 1].argmax(-1).tolist())
-            self.m._crop(cache, n)
+            self.m.crop(cache, n)
         return out
 
     def continuations(self, kv, count: int, tokens: int) -> list:

@@ -91,9 +91,7 @@ class Lab:
     def score(self, kv):
         cache = self.m.cache_from_kv([kv[:, :, :, :self.start]])
         ids = self.tokens[self.start:]
-        with torch.inference_mode():
-            logits = self.m.hf(input_ids=torch.tensor([ids]), use_cache=True,
-                               **{self.m._cache_arg: cache}).logits[0].float()
+        logits = self.m.logits(ids, cache, all_logits=True).float()
         nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
         return math.exp(nll.item()), logits.argmax(-1), torch.log_softmax(logits, -1)
 

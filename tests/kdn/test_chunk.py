@@ -381,13 +381,13 @@ def test_errors_are_kdn_errors():
 
 
 def test_rejections_are_counted():
-    before = dict(C.stats)
+    before = dict(C.counters)
     decode(encode(small_chunk()))
     with pytest.raises(TruncatedFrame):
         decode(b"KDNC")
-    assert C.stats["decoded"] == before["decoded"] + 1
-    assert C.stats["rejected"] == before["rejected"] + 1
-    assert C.stats["encoded"] == before["encoded"] + 1
+    assert C.counters["decoded"] == before["decoded"] + 1
+    assert C.counters["rejected"] == before["rejected"] + 1
+    assert C.counters["encoded"] == before["encoded"] + 1
 
 
 # --- pluggable codecs ------------------------------------------------------------------
