@@ -30,7 +30,7 @@ from kdn.edge.peers import ORIGIN, PEER_TIMEOUT_S, Peers
 from kdn.edge.pull import Pull
 from kdn.edge.reads import MAX_FETCH_KEYS, MAX_REPLY_BYTES, Reads, check_keys
 from kdn.edge.tiers import ROLES, Held, Tiers
-from kdn.errors import AccessDenied, BadRequest
+from kdn.errors import AccessDenied, BadRequest, KDNError
 from kdn.keys import check_key
 from kdn.placement.replication import ReplicationPolicy
 from kdn.transfer import check_accept
@@ -79,6 +79,7 @@ class EdgeNode:
         self.counters = collections.Counter()
         self.started = time.time()
         self._bg = None
+        self.background_failure = None   # set when the background loop died of a bug
         self._last_refresh = 0.0
         self.http_port_wanted, self.http_host, self.http_idle_s = http_port, http_host, http_idle_s
         self.http = None
@@ -92,6 +93,7 @@ class EdgeNode:
     def _start_background(self):
         if self._bg is None:
             self._bg = asyncio.get_running_loop().create_task(self._background())
+            self._bg.add_done_callback(self._background_ended)
 
     async def _background(self):
         while True:
@@ -100,9 +102,17 @@ class EdgeNode:
                 self._tick()
                 if time.monotonic() - self._last_refresh > self.membership_refresh_s:
                     await self._refresh_membership()
-            except Exception:  # noqa: BLE001 - the loop must outlive any one failure: counted, logged
+            except (KDNError, OSError):   # a refusal, a bad broadcast, a full disk: next tick
                 self.counters["background_errors"] += 1
                 log.exception("edge %s: background tick failed", self.name)
+
+    def _background_ended(self, task) -> None:
+        """Anything else is a bug: it ends the loop, and says so in stats and the log rather
+        than leaving an edge that silently never refreshes (as a broad except once did)."""
+        if not task.cancelled() and task.exception() is not None:
+            e = task.exception()
+            self.background_failure = f"{type(e).__name__}: {e}"
+            log.error("edge %s: background loop died", self.name, exc_info=e)
 
     def _tick(self):
         """Apply the replication policy: fetch newly hot chunks, drop cold ones; expire TTLs."""
@@ -325,6 +335,6 @@ class EdgeNode:
                 "members": len(self.membership.ring), "counters": dict(self.all_counters()),
                 "uptime_s": time.time() - self.started, "http": self.http_address(),
                 "demand": self.demand.stats(), "loads": self.pull.loads.stats(),
-                "catalog": self.catalog.stats(),
+                "catalog": self.catalog.stats(), "background_failure": self.background_failure,
                 "limits": {"max_fetch_keys": MAX_FETCH_KEYS,
                            "max_reply_bytes": self.reads.max_reply_bytes}}

@@ -298,15 +298,16 @@ def up(topology_file=None, address=None, root=None, network: str = "kdn", http: 
         state.update(address=address, pids=[], embedded=False)
     if stale is not None:
         state["replaced_stale"] = stale
+    started = False
     try:
         init_ray(state["address"])
         start_network(topo, root, network=network, detached=True, http=http, auth=auth,
                       edge_options={"store_codec": edge_codec},
                       origin_options={"store_codec": origin_codec})
-    except BaseException:            # noqa: BLE001 - cleanup, then re-raised: even ^C leaves nothing
-        if state["embedded"]:        # nothing recorded yet: stop what this call started
-            _stop_processes(_ours(state["pids"]))
-        raise
+        started = True
+    finally:
+        if not started and state["embedded"]:   # nothing recorded yet (even after ^C): stop
+            _stop_processes(_ours(state["pids"]))  # what this call started
     state_path().parent.mkdir(parents=True, exist_ok=True)
     state_path().write_text(json.dumps(state, indent=1))
     return state

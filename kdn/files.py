@@ -47,7 +47,7 @@ def write_temp(path, parts, fsync: bool = True) -> tuple:
     path = Path(path)
     make_dirs(path.parent)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_ids)}{TEMP_SUFFIX}")
-    n = 0
+    n, written = 0, False
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
@@ -56,9 +56,10 @@ def write_temp(path, parts, fsync: bool = True) -> tuple:
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        written = True
+    finally:
+        if not written:          # whatever stopped it (a full disk, ^C): no temp file left
+            tmp.unlink(missing_ok=True)
     return tmp, n
 
 
@@ -69,7 +70,7 @@ def write_atomic(path, parts, fsync: bool = True) -> int:
     tmp, n = write_temp(path, parts, fsync)
     try:
         os.replace(tmp, path)
-    except BaseException:
+    except OSError:
         tmp.unlink(missing_ok=True)
         raise
     if fsync:

@@ -27,7 +27,7 @@ import time
 
 from kdn.auth import Tokens
 from kdn.chunk import Chunk
-from kdn.errors import BadRequest, ManifestError, VersionNotFound
+from kdn.errors import BadRequest, KDNError, ManifestError, VersionNotFound
 from kdn.files import make_dirs
 from kdn.keys import MAX_TOKENS_PER_KB, check_key
 from kdn.manifest import Manifest, check_name
@@ -99,11 +99,13 @@ class OriginNode:
         self.started = time.time()
         self._changing = asyncio.Lock()   # one membership change (and its re-homing) at a time
         self._watch_task = None
+        self.watch_failure = None         # set when the health watch died of a bug
 
     # --- lifecycle and health ----------------------------------------------------------
     def _start_background(self):
         if self._watch_task is None:
             self._watch_task = asyncio.get_running_loop().create_task(self._watch())
+            self._watch_task.add_done_callback(self._watch_ended)
 
     async def _watch(self):
         """Each period: ping every edge; take the dead out of the ring, let the living back."""
@@ -111,10 +113,16 @@ class OriginNode:
             await asyncio.sleep(PERIOD_S)
             try:
                 await self._health_round()
-            except Exception:  # noqa: BLE001 - the watch must outlive one bad round (a full disk
-                # when saving, a bug): counted and logged with its traceback, retried next period
+            except (KDNError, OSError):   # a refusal, a full disk when saving: next period
                 self.counters["health_errors"] += 1
                 log.exception("origin of network %r: health round failed", self.network)
+
+    def _watch_ended(self, task) -> None:
+        """Anything else is a bug: it ends the watch, and says so in stats and the log."""
+        if not task.cancelled() and task.exception() is not None:
+            e = task.exception()
+            self.watch_failure = f"{type(e).__name__}: {e}"
+            log.error("origin of network %r: health watch died", self.network, exc_info=e)
 
     async def _health_round(self):
         if self.roster.recovering:
@@ -164,7 +172,8 @@ class OriginNode:
                "down": sorted(self.health.down), "membership_version": m.version,
                "membership_quarantined": m.quarantined is not None, "membership_recovering": m.recovering,
                "uptime_s": time.time() - self.started, "store": await asyncio.to_thread(self.store.stats),
-               "counters": dict(counters), "override_count": len(m.overrides)}
+               "counters": dict(counters), "override_count": len(m.overrides),
+               "watch_failure": self.watch_failure}
         if self._is_admin(token):
             out["overrides"] = m.overrides
             out["quarantined_manifests"] = await asyncio.to_thread(self.store.quarantined)

@@ -46,3 +46,22 @@ def synth():
     """Synthetic inputs: synth.kv(n_tokens, ...) and synth.tokens(n, seed)."""
     import types
     return types.SimpleNamespace(kv=make_kv, tokens=make_tokens)
+
+
+@pytest.fixture(scope="module")
+def small_network(ray_cluster, tmp_path_factory):
+    """start(auth=None, **options) -> a KDN network with one edge in each of REGIONS, on the
+    session's cluster; every network a module starts is stopped when the module ends."""
+    from kdn.cluster import start_network, stop_network
+    from kdn.placement.topology import Topology
+    started = []
+
+    def start(auth=None, capacity_bytes=64 << 20, **options):
+        topo = Topology.default_local(list(REGIONS), edges_per_region=1, capacity_bytes=capacity_bytes)
+        name = f"n{uuid.uuid4().hex[:8]}"
+        net = start_network(topo, tmp_path_factory.mktemp(name), network=name, auth=auth, **options)
+        started.append(net)
+        return net
+    yield start
+    for net in started:
+        stop_network(net)

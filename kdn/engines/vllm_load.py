@@ -20,6 +20,7 @@ with the admin token: the KV served to vLLM is then what vLLM itself computed.
 """
 import collections
 import concurrent.futures
+import sys
 import threading
 import time
 
@@ -173,19 +174,25 @@ class Loader:
 
     def _copy(self, jobs, layers) -> None:
         """Copy every job for `layers`, marking each layer done, always (even on error)."""
+        copied = False
         try:
             for i in layers:
                 k, v = self.views[i]
                 for _, plan, parts in jobs:
                     copy_in(k, v, [p[i] for p in parts], plan)
                 self._done[i].set()
-        except Exception as e:  # noqa: BLE001 - a copy thread that dies silently would let vLLM read half-copied blocks: any failure fails every block of the step
-            self.counters["copy_errors"] += 1
-            for load, _, _ in jobs:
-                self._zero(load.unzeroed)
-                self.failed.update(load.block_ids[load.start // self.block_size:])
-                self.reports[load.req]["error"] = f"copy failed: {type(e).__name__}: {e}"
+            copied = True
         finally:
+            if not copied:
+                # Whatever stopped the copy (the error still propagates, and the thread's
+                # traceback is printed), vLLM must never read half-copied blocks: every block
+                # of the step is reported failed, so vLLM recomputes it.
+                e = sys.exc_info()[1]
+                self.counters["copy_errors"] += 1
+                for load, _, _ in jobs:
+                    self._zero(load.unzeroed)
+                    self.failed.update(load.block_ids[load.start // self.block_size:])
+                    self.reports[load.req]["error"] = f"copy failed: {type(e).__name__}: {e}"
             for i in layers:
                 self._done[i].set()
             self._ends.append(time.perf_counter())

@@ -230,3 +230,25 @@ def test_operator_input_is_checked_before_anything_changes(kit):
         with pytest.raises(BadRequest):
             asyncio.run(call)
     assert edge.tiers.holds(a.key) and edge.tiers.expiry == {}
+
+
+def test_the_background_loop_outlives_a_refusal_and_reports_a_bug(kit):
+    """A refusal (KDNError) is counted and the loop goes on; a bug ends it loudly, in stats,
+    instead of leaving an edge that silently never refreshes."""
+    import asyncio
+    from kdn.edge import node as edge_node
+    from kdn.errors import NetworkError
+    edge = kit.local_edge()
+    raised = iter([NetworkError("origin refused"), TypeError("a bug")])
+
+    def tick():
+        raise next(raised)
+    edge._tick = tick
+
+    async def go():
+        edge._start_background()
+        await asyncio.sleep(2.5 * edge_node.POLICY_TICK_S)
+        return await edge.stats()
+    st = asyncio.run(go())
+    assert st["counters"]["background_errors"] == 1
+    assert st["background_failure"] == "TypeError: a bug"

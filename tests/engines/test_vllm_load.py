@@ -189,3 +189,22 @@ def test_bf16_chunks_load_bit_for_bit_into_a_bf16_cache():
         cpu_writer(full[i, 0].transpose(0, 1).contiguous(), full[i, 1].transpose(0, 1).contiguous(),
                    want, slots)
         assert torch.equal(caches[n].view(torch.int16), want.view(torch.int16))
+
+
+def test_a_copy_that_fails_fails_every_block_of_the_step_and_the_error_surfaces(monkeypatch):
+    import threading
+    from kdn.engines import vllm_load
+    full = kv(40)
+    cs = chunks_of(full)
+    loader, caches = make_loader(Source(cs), layerwise=False)
+    seen = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(args.exc_type))
+
+    def broken(*a, **kw):
+        raise ValueError("a layout bug")
+    monkeypatch.setattr(vllm_load, "copy_in", broken)
+    loader.start([load(cs, 0, 40, [1, 2, 3, 4, 5])])
+    loader.finish()
+    assert loader.take_failed() == {1, 2, 3, 4, 5}             # vLLM recomputes them all
+    assert loader.take_reports()["r"]["error"] == "copy failed: ValueError: a layout bug"
+    assert ValueError in seen                                   # the bug is not swallowed

@@ -1,31 +1,25 @@
 """Operator calls (kdn/operator.py) on a real network: they need the admin token and no
 model; bad values are refused before anything changes; status reports a dead edge as down."""
-import uuid
 
 import numpy as np
 import pytest
 import ray
 
 from kdn.client import Client
-from kdn.cluster import start_network, stop_network
 from kdn.errors import AccessDenied, BadRequest
-from kdn.placement.topology import Topology
 
 REGIONS = ["us-east", "eu-west", "ap-south"]
 ADMIN = "admin-secret-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
-def net(ray_cluster, tmp_path_factory):
-    topo = Topology.default_local(REGIONS, edges_per_region=1, capacity_bytes=64 << 20)
-    n = start_network(topo, tmp_path_factory.mktemp("ops"), network=f"o{uuid.uuid4().hex[:8]}",
-                      auth={"admin": ADMIN, "readers": {}})
+def net(small_network):
+    n = small_network(auth={"admin": ADMIN, "readers": {}})
     rng = np.random.default_rng(3)
     Client(network=n.name, fingerprint="fp", admin_token=ADMIN).publish(
         "kb", [("d", rng.integers(0, 1000, 300).tolist())],
         rng.standard_normal((2, 2, 2, 300, 8)).astype(np.float32))
-    yield n
-    stop_network(n)
+    return n
 
 
 def test_operator_calls_need_the_admin_token_but_no_model(net):

@@ -6,9 +6,7 @@ import uuid
 
 import pytest
 
-from kdn.cluster import start_network, stop_network
 from kdn.errors import BadRequest, NetworkError
-from kdn.placement.topology import Topology
 from kdn.rpc import Actors, Unreachable
 from kdn.view import NetworkView
 
@@ -17,12 +15,8 @@ ADMIN = "admin-secret-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
-def net(ray_cluster, tmp_path_factory):
-    topo = Topology.default_local(REGIONS, edges_per_region=1, capacity_bytes=64 << 20)
-    n = start_network(topo, tmp_path_factory.mktemp("view"), network=f"v{uuid.uuid4().hex[:8]}",
-                      auth={"admin": ADMIN, "readers": {}})
-    yield n
-    stop_network(n)
+def net(small_network):
+    return small_network(auth={"admin": ADMIN, "readers": {}})
 
 
 def test_edges_are_ranked_nearest_first_and_a_failed_one_goes_last(net):

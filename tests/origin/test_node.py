@@ -556,3 +556,22 @@ def test_the_origin_over_ray(ray_cluster, tmp_path, network_name):
     finally:
         for h in [origin, *stand_ins.values()]:
             ray.kill(h, no_restart=True)
+
+
+def test_the_health_watch_outlives_a_refusal_and_reports_a_bug(tmp_path, edges):
+    from kdn.errors import StoreError
+    from kdn.origin.health import PERIOD_S
+    raised = iter([StoreError("disk full"), TypeError("a bug")])
+
+    async def go():
+        node, _ = make_origin(tmp_path, edges)
+
+        async def round_():
+            raise next(raised)
+        node._health_round = round_
+        node._start_background()
+        await asyncio.sleep(2.5 * PERIOD_S)
+        return await node.stats(token=ADMIN)
+    st = run(go())
+    assert st["counters"]["health_errors"] == 1
+    assert st["watch_failure"] == "TypeError: a bug"
