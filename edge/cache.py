@@ -8,7 +8,9 @@ the capacity, and a pin that would is refused before anything changes. A chunk b
 the whole cache is refused and counted, rather than flushing everything for nothing.
 One threading.Lock guards everything and nothing inside it awaits, so the cache is safe from
 an async actor's event loop and from worker threads alike. Counters (gets, hits, misses,
-puts, evictions, rejected) are a Counter, exported by stats() with the sizes.
+puts, evictions, rejected) are a Counter, exported by stats() with the sizes. on_evict(key,
+value), when given, is told of each victim after the lock is released (the edge writes its
+memory tiers' victims to its disk tier, and the disk tier deletes its victims' files).
 """
 import collections
 import threading
@@ -30,7 +32,7 @@ def _size_of(value, nbytes):
 class ChunkCache:
     """Byte-bounded key -> value cache with a pluggable eviction policy and pinning."""
 
-    def __init__(self, capacity_bytes: int, policy: str = "lru"):
+    def __init__(self, capacity_bytes: int, policy: str = "lru", on_evict=None):
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise CacheError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         self.capacity = capacity_bytes
@@ -40,6 +42,7 @@ class ChunkCache:
         self._pinned: set = set()
         self._bytes = 0
         self._pinned_bytes = 0
+        self._on_evict = on_evict
         self.counters = collections.Counter()
 
     @property
@@ -96,41 +99,52 @@ class ChunkCache:
         pinned total would exceed the capacity, PinCapacityError and nothing changes.
         """
         size = _size_of(value, nbytes)
-        with self._lock:
-            self.counters["puts"] += 1
-            old = self._entries.get(key)
-            old_size = old[1] if old is not None else 0
-            was_pinned = key in self._pinned
-            pinned_after = self._pinned_bytes - (old_size if was_pinned else 0)
-            if pin or was_pinned:
-                if pinned_after + size > self.capacity:
-                    if pin:
-                        raise PinCapacityError(
-                            f"cannot pin {size} bytes: {pinned_after} of {self.capacity} bytes "
-                            f"are already pinned ({self.capacity - pinned_after} free for pins)")
-                    self.counters["rejected"] += 1
-                    return False
-            elif pinned_after + size > self.capacity:
+        victims = []
+        try:
+            with self._lock:
+                return self._put(key, value, size, pin, victims)
+        finally:
+            if self._on_evict is not None:
+                for victim in victims:
+                    self._on_evict(*victim)
+
+    def _put(self, key, value, size: int, pin: bool, victims: list) -> bool:
+        self.counters["puts"] += 1
+        old = self._entries.get(key)
+        old_size = old[1] if old is not None else 0
+        was_pinned = key in self._pinned
+        pinned_after = self._pinned_bytes - (old_size if was_pinned else 0)
+        if pin or was_pinned:
+            if pinned_after + size > self.capacity:
+                if pin:
+                    raise PinCapacityError(
+                        f"cannot pin {size} bytes: {pinned_after} of {self.capacity} bytes "
+                        f"are already pinned ({self.capacity - pinned_after} free for pins)")
                 self.counters["rejected"] += 1
                 return False
-            # It fits once unpinned chunks make room: drop the old entry, then evict.
-            if old is not None:
-                self._drop(key)
-            while self._bytes + size > self.capacity:
-                victim = self._policy.evict()
-                if victim is None:  # cannot happen given the check above; stay consistent
-                    self.counters["rejected"] += 1
-                    return False
-                self._bytes -= self._entries.pop(victim)[1]
-                self.counters["evictions"] += 1
-            self._entries[key] = (value, size)
-            self._bytes += size
-            if pin or was_pinned:
-                self._pinned.add(key)
-                self._pinned_bytes += size
-            else:
-                self._policy.insert(key, size)
-            return True
+        elif pinned_after + size > self.capacity:
+            self.counters["rejected"] += 1
+            return False
+        # It fits once unpinned chunks make room: drop the old entry, then evict.
+        if old is not None:
+            self._drop(key)
+        while self._bytes + size > self.capacity:
+            victim = self._policy.evict()
+            if victim is None:  # cannot happen given the check above; stay consistent
+                self.counters["rejected"] += 1
+                return False
+            gone, gone_size = self._entries.pop(victim)
+            self._bytes -= gone_size
+            victims.append((victim, gone))
+            self.counters["evictions"] += 1
+        self._entries[key] = (value, size)
+        self._bytes += size
+        if pin or was_pinned:
+            self._pinned.add(key)
+            self._pinned_bytes += size
+        else:
+            self._policy.insert(key, size)
+        return True
 
     def pin(self, key) -> None:
         """Make key's cached chunk unevictable; CacheError if it is not cached.

@@ -6,6 +6,9 @@ per edge, never the library's global one, so two edges in one process never shar
 The named families are the ones dashboards use; kdn_edge_events_total carries every counter
 besides, by name, except those that depend on other tenants' data (HIDDEN): /metrics needs
 no token, and must not tell a stranger whether another tenant's keys exist.
+An edge with a disk tier reports it as tier "disk" beside main and hot (chunks, bytes,
+capacity, hits, evictions), and its write-backs: written, and dropped (device full, or the
+queue to the disk full).
 """
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -41,11 +44,13 @@ class EdgeCollector:
     def collect(self):
         e, c = self.edge, self.edge.all_counters()
         tiers = {t: e.tiers.tier(t).stats() for t in TIERS}
+        if e.tiers.disk is not None:
+            tiers["disk"] = e.tiers.disk.stats()
         loop = getattr(self.http, "loop_class", None) or ""
         yield _gauge("kdn_edge_info", "This edge: name and region.", labels=("edge", "region", "loop"),
                      samples=[((e.name, e.region, loop), 1)])
         yield _counter("kdn_edge_hits_total", "Chunks served from this edge's own tiers.",
-                       labels=("tier",), samples=[((t,), c[t + "_hits"]) for t in TIERS])
+                       labels=("tier",), samples=[((t,), c[t + "_hits"]) for t in tiers])
         yield _counter("kdn_edge_chunks_served_total", "Chunks served, by where they came from.",
                        labels=("source",), samples=[((s,), c["served_" + s])
                                                      for s in ("local", "peer", "origin")])
@@ -60,16 +65,25 @@ class EdgeCollector:
                        "flight instead of causing one.", value=c["loads_deduped"])
         yield _gauge("kdn_edge_hot_copies", "Chunks held in the hot tier.", value=tiers["hot"]["items"])
         yield _gauge("kdn_edge_chunks", "Chunks held, by tier.", labels=("tier",),
-                     samples=[((t,), tiers[t]["items"]) for t in TIERS])
+                     samples=[((t,), tiers[t]["items"]) for t in tiers])
         yield _gauge("kdn_edge_bytes", "Bytes held, by tier.", labels=("tier",),
-                     samples=[((t,), tiers[t]["bytes"]) for t in TIERS])
+                     samples=[((t,), tiers[t]["bytes"]) for t in tiers])
         yield _gauge("kdn_edge_capacity_bytes", "Byte capacity, by tier.", labels=("tier",),
-                     samples=[((t,), tiers[t]["capacity"]) for t in TIERS])
+                     samples=[((t,), tiers[t]["capacity"]) for t in tiers])
         yield _counter("kdn_edge_evictions_total", "Chunks evicted, by tier.", labels=("tier",),
-                       samples=[((t,), tiers[t]["evictions"]) for t in TIERS])
+                       samples=[((t,), tiers[t]["evictions"]) for t in tiers])
+        if "disk" in tiers:
+            yield _counter("kdn_edge_write_backs_total", "Chunks written to the disk tier "
+                           "(memory's victims and pulled-through fills).", labels=("tier",),
+                           samples=[(("disk",), c["disk_writes"])])
+            yield _counter("kdn_edge_write_backs_dropped_total", "Write-backs to the disk tier "
+                           "dropped: the device was full, or the queue to it was.",
+                           labels=("tier", "reason"),
+                           samples=[(("disk", "full"), c["disk_full_dropped"]),
+                                    (("disk", "busy"), c["disk_write_back_dropped_busy"])])
         yield _counter("kdn_edge_tier_ops_total", "Tier operations, by tier and kind.",
                        labels=("tier", "op"), samples=[((t, op), tiers[t][op])
-                                                       for t in TIERS for op in TIER_OPS])
+                                                       for t in tiers for op in TIER_OPS])
         yield _counter("kdn_edge_events_total", "Every counter of this edge, by name.",
                        labels=("event",), samples=[((k,), v) for k, v in sorted(c.items())
                                                     if k not in HIDDEN])

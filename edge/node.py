@@ -12,7 +12,8 @@ This class only wires those together and checks each caller's token: every metho
 token, reads the namespace's read token when one is configured. A background loop applies
 the replication policy (hot copies in, cold ones out), expires TTLs and refreshes the
 membership from the origin every membership_refresh_s, so an edge that missed a broadcast
-converges by itself.
+converges by itself. With a disk tier (disk_bytes, disk_dir: edge/disk.py), a writer task
+writes memory's victims and pulled-through fills to disk, off the readers' time.
 """
 import asyncio
 import collections
@@ -24,6 +25,7 @@ from kdn.auth import Tokens
 from kdn.chunk import Chunk, Encoded
 from kdn.codecs import LOSSLESS
 from kdn.edge.catalog import Catalog
+from kdn.edge.disk import DiskTier
 from kdn.edge.forms import Forms, corrupted
 from kdn.edge.membership import Membership
 from kdn.edge.peers import ORIGIN, PEER_TIMEOUT_S, Peers
@@ -32,6 +34,7 @@ from kdn.edge.reads import MAX_FETCH_KEYS, MAX_REPLY_BYTES, Reads, check_keys
 from kdn.edge.tiers import ROLES, Held, Tiers
 from kdn.errors import AccessDenied, BadRequest, KDNError
 from kdn.keys import check_key
+from kdn.rpc import failover_errors
 from kdn.placement.replication import ReplicationPolicy
 from kdn.transfer import check_accept
 
@@ -39,6 +42,7 @@ log = logging.getLogger("kdn.edge")
 
 MEMBERSHIP_REFRESH_S = 10.0   # how often an edge asks the origin for the membership
 MEMBERSHIP_TIMEOUT_S = 5.0
+WRITE_BACK_IDLE_S = 0.05      # how often the disk writer looks for victims when idle
 POLICY_TICK_S = 1.0
 MAX_TTL_S = 10 * 365 * 86400.0
 ADMIN_KEYS = 1 << 22          # keys one operator or origin call may name (a KB's keys)
@@ -58,7 +62,8 @@ class EdgeNode:
                  http_port=None, http_host: str = "127.0.0.1", replication: dict = None,
                  fault_injection: bool = False, auth: dict = None, store_codec: str = "raw",
                  membership_refresh_s: float = MEMBERSHIP_REFRESH_S,
-                 max_reply_bytes: int = MAX_REPLY_BYTES, http_idle_s: float = None):
+                 max_reply_bytes: int = MAX_REPLY_BYTES, http_idle_s: float = None,
+                 disk_bytes: int = None, disk_dir: str = None):
         import ray
         self.network, self.name, self.region = network, name, region
         # this node's id, to tell readers beside the edge (None outside Ray: a test's edge)
@@ -67,7 +72,10 @@ class EdgeNode:
         self.fault_injection = bool(fault_injection)
         self.membership_refresh_s = float(membership_refresh_s)
         self.membership = Membership(topology, replicas)
-        self.tiers = Tiers(capacity_bytes, policy, hot_fraction)
+        # the disk tier: <disk_dir>/<edge name>, so edges of a node share a root, never files
+        disk = None if not disk_bytes else DiskTier(os.path.join(disk_dir or _default_disk_dir(network), name),
+                                                    disk_bytes, policy)
+        self.tiers = Tiers(capacity_bytes, policy, hot_fraction, disk=disk)
         self.demand = ReplicationPolicy(**{"hot_budget_fraction": hot_fraction, **(replication or {})})
         self.peers = Peers(network, self.tokens.admin, edge=name)
         self.catalog = Catalog(self.tokens, self.peers)
@@ -79,6 +87,7 @@ class EdgeNode:
         self.counters = collections.Counter()
         self.started = time.time()
         self._bg = None
+        self._writer = None
         self.background_failure = None   # set when the background loop died of a bug
         self._last_refresh = 0.0
         self.http_port_wanted, self.http_host, self.http_idle_s = http_port, http_host, http_idle_s
@@ -94,6 +103,24 @@ class EdgeNode:
         if self._bg is None:
             self._bg = asyncio.get_running_loop().create_task(self._background())
             self._bg.add_done_callback(self._background_ended)
+        if self._writer is None and self.tiers.disk is not None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_backs())
+            self._writer.add_done_callback(self._background_ended)
+
+    async def _write_backs(self):
+        """Write memory's victims (and fills) to the disk tier as they come, off the readers'
+        time; a full device drops writes (counted by the disk tier), never reads."""
+        while True:
+            if not self.tiers.pending:
+                await asyncio.sleep(WRITE_BACK_IDLE_S)
+                continue
+            try:
+                await self.tiers.drain_write_backs(self.forms.intact)
+            except (KDNError, OSError):   # an unreadable disk, a peer's copy gone: go on
+                self.counters["background_errors"] += 1
+                log.exception("edge %s: disk write-back failed", self.name)
+            except failover_errors():     # a peer's copy vanished with its node: skip it
+                self.counters["disk_write_back_lost"] += 1
 
     async def _background(self):
         while True:
@@ -281,6 +308,9 @@ class EdgeNode:
         self.tokens.check_admin(token, "peer_get")
         keys = check_keys(keys)
         out = [self.tiers.get(k) for k in keys]
+        on_disk = [i for i, h in enumerate(out) if h is None and self.tiers.on_disk(keys[i])]
+        for i, h in zip(on_disk, await self.reads.read_disk([keys[i] for i in on_disk], None)):
+            out[i] = h
         self.counters["peer_served"] += sum(h is not None for h in out)
         if region is not None and region != self.region:
             held = [h for h in out if h is not None]
@@ -324,13 +354,16 @@ class EdgeNode:
         for part in (self.membership, self.tiers, self.forms, self.pull, self.pull.loads,
                      self.reads, self.catalog, self.peers):
             out.update(part.counters)
+        if self.tiers.disk is not None:
+            out.update(self.tiers.disk.snapshot())
         return out
 
     async def stats(self, token=None) -> dict:
         t = self.tiers.stats()
         return {"role": "edge", "name": self.name, "region": self.region, "pid": os.getpid(),
                 "store_codec": self.store_codec, "node_id": self.node_id,
-                "main": t["main"], "hot": t["hot"], "held_raw_bytes": t["held_raw_bytes"],
+                "main": t["main"], "hot": t["hot"], "disk": t["disk"],
+                "held_raw_bytes": t["held_raw_bytes"],
                 "hot_copies": t["hot_copies"], "ring_version": self.membership.version,
                 "members": len(self.membership.ring), "counters": dict(self.all_counters()),
                 "uptime_s": time.time() - self.started, "http": self.http_address(),
@@ -338,3 +371,9 @@ class EdgeNode:
                 "catalog": self.catalog.stats(), "background_failure": self.background_failure,
                 "limits": {"max_fetch_keys": MAX_FETCH_KEYS,
                            "max_reply_bytes": self.reads.max_reply_bytes}}
+
+
+def _default_disk_dir(network: str) -> str:
+    """Where edges keep their disk tiers unless told: $KDN_HOME/edge-disk/<network>."""
+    from kdn.env import kdn_home
+    return str(kdn_home() / "edge-disk" / network)

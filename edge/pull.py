@@ -46,7 +46,7 @@ class Pull:
 
     def _may_load(self, key, ns: bytes) -> bool:
         known = self.catalog.ns_of(key)
-        held = self.tiers.peek(key)
+        held = self.tiers.peek(key) or self.tiers.on_disk(key)
         return (known is None or known == ns) and (held is None or held.ns == ns)
 
     async def _load_batch(self, keys) -> dict:

@@ -6,7 +6,11 @@ chunk's namespace is checked against the asker's, so one tenant's key never retu
 tenant's KV. The caller's `shape` turns the prefix into what it sends (references for Ray,
 frames for HTTP: edge/forms.py); a copy found corrupt there is dropped from the tiers and
 the read is made once more (another replica or the origin) rather than answer short: the
-one retry after corruption on the edge.
+one retry after corruption on the edge. Below memory, the disk tier (edge/disk.py) is
+read for the keys memory lacks, in one worker-thread call, before anything is pulled; a disk
+hit is promoted to memory (main when this edge owns the key, else hot). What a reply
+brought from elsewhere and memory did not keep is queued for the disk tier (a CDN's fill:
+the region's next reader finds it here), written after the reply by the edge's writer.
 
 Bounds: a request names at most MAX_FETCH_KEYS distinct keys (a chain of prefix keys never
 repeats one, so a repeat is refused); one reply carries at most max_reply_bytes of KV (the
@@ -95,6 +99,8 @@ class Reads:
             held = self.tiers.get(k, ns)
             if held is not None:
                 found[i] = (held, LOCAL)
+        if self.tiers.disk is not None and not all(found):
+            await self._from_disk(keys, ns, found)
         helds, sources, spent = [], [], 0
         for i, k in enumerate(keys):
             if found[i] is None:
@@ -115,6 +121,35 @@ class Reads:
             sources.append(source)
             spent += held.raw
         return helds, sources, False
+
+    async def _from_disk(self, keys, ns, found) -> None:
+        """Fill found[i] from the disk tier for keys memory lacks, as far as one reply's
+        budget goes (sizes from the disk index: no I/O for what would not be sent)."""
+        want, left = [], self.max_reply_bytes
+        for i, k in enumerate(keys):
+            if found[i] is not None:
+                left -= found[i][0].raw
+            else:
+                rec = self.tiers.on_disk(k, ns)
+                if rec is not None:
+                    if rec.raw > left and (want or i):
+                        break
+                    want.append(i)
+                    left -= rec.raw
+            if left <= 0:
+                break
+        got = await self.read_disk([keys[i] for i in want], ns)
+        for i, held in zip(want, got):
+            if held is not None:
+                found[i] = (held, LOCAL)
+
+    async def read_disk(self, keys, ns) -> list:
+        """Held per key from the disk tier (None where absent), promoted to memory: main
+        where this edge owns the key, else hot."""
+        if not keys:
+            return []
+        roles = ["main" if self.name in owners else "hot" for owners in self.membership.owners(keys)]
+        return await self.tiers.from_disk(keys, ns, roles)
 
     def _round(self, found, i: int, spent: int, helds) -> list:
         """Indices of the missing keys from i on to load at once: as many as fit what is left
@@ -146,6 +181,10 @@ class Reads:
                 keep.append((k, h, region))
         if keep:
             await self.pull.keep(keep)
+            if self.tiers.disk is not None:     # a fill: what memory did not keep goes to disk
+                for k, h, _ in keep:
+                    if self.tiers.peek(k) is None and self.tiers.write_back(h, verify=not h.own):
+                        self.counters["disk_filled"] += 1
         self.counters["fetches"] += 1
         self.counters["chunks_served"] += len(helds)
         self.counters["bytes_served"] += sum(h.raw for h in helds)

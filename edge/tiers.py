@@ -10,7 +10,14 @@ A chunk enters a tier once, put into this node's object store, and the tiers hol
 copy and one elsewhere pulls it straight from this node's store. Evicting a reference frees
 the object once no reader still holds it. An operator's TTL makes chunks expire (checked on
 every read and swept each tick); a pin takes a chunk out of eviction.
+
+Beneath them, when the edge has one, the disk tier (edge/disk.py): a chunk evicted from
+memory is queued and written there by the edge's writer task (drain_write_backs), never on
+a reader's time; a disk hit (from_disk) is read in a worker thread, verified and put into
+this node's store there (one chunk's buffer at a time), then promoted to memory. The queue is bounded in bytes: past the bound a victim
+is not written (counted), so a slow disk never holds memory hostage.
 """
+import asyncio
 import collections
 import time
 
@@ -38,6 +45,13 @@ class Held:
         import ray
         return cls(ray.put(obj), obj.key, obj.ns, obj.nbytes, obj.raw, obj.codec, obj.dtype)
 
+    @classmethod
+    def here(cls, obj) -> "Held":
+        """obj held by this process (an edge outside Ray, as in unit tests): no reference."""
+        held = cls(None, obj.key, obj.ns, obj.nbytes, obj.raw, obj.codec, obj.dtype)
+        held.obj = obj
+        return held
+
     async def resolve(self):
         """The object itself; our own objects are read once (a zero-copy view) and kept."""
         if self.obj is not None:
@@ -56,15 +70,23 @@ class Held:
         return cls(*w, own=False)
 
 
-class Tiers:
-    """main and hot ChunkCaches of Held, with TTL expiry and pins."""
+WRITE_BACK_QUEUE_BYTES = 1 << 30      # victims waiting for the disk, at most
 
-    def __init__(self, capacity_bytes: int, policy: str = "s3fifo", hot_fraction: float = 0.25):
+
+class Tiers:
+    """main and hot ChunkCaches of Held, with TTL expiry and pins; a DiskTier beneath them."""
+
+    def __init__(self, capacity_bytes: int, policy: str = "s3fifo", hot_fraction: float = 0.25,
+                 disk=None, write_back_queue_bytes: int = WRITE_BACK_QUEUE_BYTES):
         self.capacity = int(capacity_bytes)
         hot_bytes = max(1, int(self.capacity * hot_fraction))
-        self.main = ChunkCache(self.capacity - hot_bytes, policy)
-        self.hot = ChunkCache(hot_bytes, "lru")   # copies: recency is all that matters
+        self.main = ChunkCache(self.capacity - hot_bytes, policy, on_evict=self._evicted)
+        self.hot = ChunkCache(hot_bytes, "lru", on_evict=self._evicted)   # copies: recency is all that matters
+        self.disk = disk           # edge/disk.py DiskTier, or None
         self.expiry = {}           # key -> monotonic deadline (a KB's TTL, set by an operator)
+        self.pending = collections.OrderedDict()   # key -> (Held, verify first): to the disk
+        self.pending_bytes = 0
+        self.write_back_queue_bytes = int(write_back_queue_bytes)
         self.counters = collections.Counter()
 
     def tier(self, role: str) -> ChunkCache:
@@ -83,6 +105,10 @@ class Tiers:
             if held is not None:
                 self.counters[role + "_hits"] += 1
                 return held
+        queued = self.pending.get(key)          # a victim on its way to the disk: still ours
+        if queued is not None and queued[0].own and (accept is None or accept(queued[0])):
+            self.counters["write_back_queue_hits"] += 1
+            return queued[0]
         return None
 
     def peek(self, key):
@@ -90,9 +116,34 @@ class Tiers:
         return self.main.peek(key) or self.hot.peek(key)
 
     def holds(self, key, ns: bytes = None) -> bool:
-        """Whether key is held (given ns: held under that namespace)."""
+        """Whether key is held, in memory or on disk (given ns: held under that namespace)."""
         held = self.peek(key)
-        return held is not None and (ns is None or held.ns == ns)
+        if held is not None:
+            return ns is None or held.ns == ns
+        return self.on_disk(key, ns) is not None
+
+    def on_disk(self, key, ns: bytes = None):
+        """The disk Record for key (given ns: under that namespace) unless expired; no I/O."""
+        if self.disk is None or self._expired(key):
+            return None
+        return self.disk.record(key, ns)
+
+    async def from_disk(self, keys, ns: bytes, roles) -> list:
+        """Held per key read from the disk tier (None where absent or found bad), each put
+        into this node's store and promoted to memory tier roles[i]."""
+        if self.disk is None or not keys:
+            return [None] * len(keys)
+        keep = Held.of if _ray_initialized() else Held.here
+
+        def load():         # each chunk read, verified and put in the store, then let go
+            return [None if obj is None else keep(obj)
+                    for obj in (self.disk.read(k, ns) for k in keys)]
+        out = await asyncio.to_thread(load)
+        for key, held, role in zip(keys, out, roles):
+            if held is not None:
+                self.counters["disk_hits"] += 1
+                self.counters["disk_promoted"] += self.tier(role).put(key, held)
+        return out
 
     def values(self) -> list:
         return self.main.values() + self.hot.values()
@@ -131,10 +182,57 @@ class Tiers:
         return n
 
     def drop(self, key) -> bool:
-        """Remove key from both tiers; True if it was held."""
+        """Remove key from every tier (the disk too); True if it was held."""
         dropped = self.main.discard(key) | self.hot.discard(key)
+        if self.disk is not None:
+            dropped |= self.disk.discard(key)     # file I/O, but one unlink: on the loop
+        self._unqueue(key)
         self.expiry.pop(key, None)
         return dropped
+
+    # --- write-back to the disk tier ----------------------------------------------------------
+    def _evicted(self, key, held) -> None:
+        """A memory tier's victim: queue it for the disk (ChunkCache's on_evict)."""
+        if self.disk is not None and held.own and not self._expired(key):
+            self.write_back(held)
+
+    def write_back(self, held, verify: bool = False) -> bool:
+        """Queue held to be written to the disk tier (verify: check it first, a copy that
+        came from a peer); False when it is not queued (held already, or the queue is full)."""
+        if self.disk is None or held.key in self.pending or held.key in self.disk:
+            return False
+        if self.pending_bytes + held.nbytes > self.write_back_queue_bytes:
+            self.counters["disk_write_back_dropped_busy"] += 1
+            return False
+        self.pending[held.key] = (held, verify)
+        self.pending_bytes += held.nbytes
+        self.counters["disk_write_back_queued"] += 1
+        return True
+
+    def _unqueue(self, key):
+        item = self.pending.pop(key, None)
+        if item is not None:
+            self.pending_bytes -= item[0].nbytes
+        return item
+
+    async def drain_write_backs(self, intact) -> int:
+        """Write every queued victim to the disk tier (in a worker thread); how many written.
+        intact(obj) -> bool checks a copy queued with verify. A full device drops the write
+        (the disk tier counts it); another disk error is counted here and raised."""
+        n = 0
+        while self.pending:
+            key = next(iter(self.pending))
+            held, verify = self._unqueue(key)
+            obj = await held.resolve()
+            if verify and not await asyncio.to_thread(intact, obj):
+                self.counters["disk_write_back_refused"] += 1
+                continue
+            try:
+                n += await asyncio.to_thread(self.disk.write, obj)
+            except OSError:
+                self.counters["disk_write_back_errors"] += 1
+                raise
+        return n
 
     # --- TTL --------------------------------------------------------------------------------
     def set_ttl(self, keys, ttl_s: float) -> int:
@@ -164,6 +262,14 @@ class Tiers:
         return len(gone)
 
     def stats(self) -> dict:
-        return {"main": self.main.stats(), "hot": self.hot.stats(),
+        disk = None if self.disk is None else dict(
+            self.disk.stats(), hits=self.counters["disk_hits"],
+            write_back_queued=len(self.pending), write_back_queued_bytes=self.pending_bytes)
+        return {"main": self.main.stats(), "hot": self.hot.stats(), "disk": disk,
                 "held_raw_bytes": sum(h.raw for h in self.values()), "hot_copies": len(self.hot),
                 "expiring": len(self.expiry), "counters": dict(self.counters)}
+
+
+def _ray_initialized() -> bool:
+    import ray
+    return ray.is_initialized()

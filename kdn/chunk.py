@@ -364,6 +364,16 @@ def _field(header, name, kind):
     return value
 
 
+def header_bytes(buf) -> "int | None":
+    """How many bytes the frame starting at buf's start needs before read_header() can parse
+    it (its prefix and header), or None while buf is shorter than the prefix. Checks
+    nothing: read_header() does, once that many bytes are in."""
+    mv = _byte_view(buf)
+    if len(mv) < _PREFIX.size:
+        return None
+    return _PREFIX.size + min(_PREFIX.unpack_from(mv)[1], MAX_HEADER + 1)
+
+
 def read_header(buf, *, max_payload: int = MAX_PAYLOAD):
     """Parse and check the magic and header at the start of buf: (header dict, payload offset).
 

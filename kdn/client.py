@@ -10,7 +10,7 @@ Reads and publishing are per namespace, so they need the model's fingerprint
 (`fingerprint=model.fingerprint`); operator calls do not, so `kdn status` connects without
 a model.
 """
-from kdn.cluster import init_ray
+from kdn.cluster import init_ray, read_state, state_path
 from kdn.errors import BadRequest
 from kdn.keys import CHUNK_TOKENS
 from kdn.operator import Operator
@@ -19,10 +19,12 @@ from kdn.reader import Fetched, Reader  # noqa: F401 - Fetched is part of this A
 from kdn.view import NetworkView
 
 
-def connect(region: str = None, address: str = None, network: str = "kdn", tenant: str = "default",
+def connect(region: str = None, address: str = None, network: str = None, tenant: str = "default",
             fingerprint: str = None, token: str = None, admin_token: str = None,
             accept=None) -> "Client":
-    """Connect to a running KDN network (joining Ray at `address`, default 'auto', if needed).
+    """Connect to a running KDN network, joining Ray if this process has not: at `address`,
+    else at the cluster `kdn up` recorded (its network too, unless `network` is named),
+    else Ray's own 'auto' discovery. network defaults to "kdn".
 
     fingerprint: the model's (model.fingerprint), for reads and publishing. token: the
     tenant's read token (when the network requires one for it); admin_token: the network's
@@ -32,8 +34,11 @@ def connect(region: str = None, address: str = None, network: str = "kdn", tenan
     """
     import ray
     if not ray.is_initialized():
+        if address is None and state_path().exists():
+            state = read_state(require_alive=True)
+            address, network = state["address"], network or state["network"]
         init_ray(address or "auto")
-    return Client(network=network, region=region, tenant=tenant, fingerprint=fingerprint,
+    return Client(network=network or "kdn", region=region, tenant=tenant, fingerprint=fingerprint,
                   token=token, admin_token=admin_token, accept=accept)
 
 

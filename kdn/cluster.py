@@ -7,7 +7,8 @@ origin region and one edge actor per topology edge on a node of that edge's regi
 selectors), all named actors in the `kdn` namespace, so any driver or worker finds them.
 
 Restart settings are chosen on purpose: an edge restarts (max_restarts=-1) and comes back
-empty, then refills by pull-through; the origin restarts and comes back from disk.
+empty, then refills by pull-through; the origin restarts and comes back from its store (a
+directory, pinned to its node; or an S3 bucket, from any node of its region).
 
 `kdn up` / `kdn down` use `up()` / `down()`: the embedded cluster's processes outlive the
 `kdn up` process (shutdown_at_exit=False); their pids (with their start times) and the
@@ -147,6 +148,7 @@ def start_edge(network: str, edge, topology, detached: bool = False, capacity_by
     if detached:
         opts["lifetime"] = "detached"
     cap = capacity_bytes or topology.capacity_bytes(edge.name)
+    edge_options = {**edge_options, **topology.disk(edge.name)}   # the file's disk tier wins
     return cls.options(**opts).remote(network=network, name=edge.name, region=edge.region,
                                       capacity_bytes=cap, topology=topology.to_dict(),
                                       http_port=http_port, replicas=replicas,
@@ -190,12 +192,15 @@ def start_network(topology, root, network: str = "kdn", detached: bool = False,
     check_node_name(network, "network name")                                # before anything starts
     check_store_codec((origin_options or {}).get("store_codec", "raw"), "origin")
     check_store_codec((edge_options or {}).get("store_codec", "raw"), "edge")
-    root = str(Path(root).absolute())
+    from kdn.origin.objects import is_bucket
+    root = str(root) if is_bucket(str(root)) else str(Path(root).absolute())
     ocls = ray.remote(_origin_class())
-    # The origin's store is on one node's disk: where a node is labelled kdn-role=origin (see
-    # ray_cluster.yaml), pin the origin (and its restarts) there, not just to its region.
+    # A store on one node's disk: where a node is labelled kdn-role=origin (see
+    # ray_cluster.yaml), pin the origin (and its restarts) there, not just to its region. A
+    # store in a bucket (s3://) is reachable from any node: the origin restarts anywhere in it.
     selector = {"region": topology.origin_region}
-    if any(n.get("Alive") and (n.get("Labels") or {}).get("kdn-role") == "origin" for n in ray.nodes()):
+    if not is_bucket(root) and any(n.get("Alive") and (n.get("Labels") or {}).get("kdn-role") == "origin"
+                                   for n in ray.nodes()):
         selector["kdn-role"] = "origin"
     opts = dict(name=origin_name(network), namespace=NAMESPACE, num_cpus=0, max_restarts=-1,
                 max_task_retries=0, max_concurrency=1000, label_selector=selector)
@@ -256,16 +261,90 @@ def teardown(net=None, cluster=None, root=None) -> None:
 
 
 # --- kdn up / kdn down ---------------------------------------------------------------------
+_SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20,
+               "mb": 10**6, "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40,
+               "tb": 10**12}
+
+
+def parse_size(text, what: str = "size") -> int:
+    """Bytes from '200G', '512MiB', '1.5T', '10GB' or a plain integer (K/M/G/T and KiB..TiB
+    binary, KB..TB decimal); BadRequest naming the problem."""
+    import re
+    from kdn.errors import BadRequest
+    if isinstance(text, int) and not isinstance(text, bool):
+        n = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+        unit = m and _SIZE_UNITS.get(m.group(2).lower())
+        if not m or unit is None:
+            raise BadRequest(f"{what}: {text!r:.40} is not a size (e.g. 200G, 512MiB, 10GB)")
+        n = int(float(m.group(1)) * unit)
+    if n <= 0:
+        raise BadRequest(f"{what}: must be more than 0 bytes, got {text!r:.40}")
+    return n
+
+
+def check_edge_disk(edge_disk, edge_disk_dir, embedded: bool) -> dict:
+    """edge_options for `kdn up --edge-disk SIZE [--edge-disk-dir DIR]`, checked before
+    anything starts; on an embedded cluster the directory must be creatable and writable here."""
+    from kdn.errors import BadRequest
+    from kdn.files import make_dirs
+    if edge_disk is None:
+        if edge_disk_dir is not None:
+            raise BadRequest("--edge-disk-dir needs --edge-disk SIZE")
+        return {}
+    out = {"disk_bytes": parse_size(edge_disk, "--edge-disk")}
+    if edge_disk_dir is not None:
+        out["disk_dir"] = str(Path(edge_disk_dir).expanduser().absolute())
+        if embedded:
+            try:
+                make_dirs(out["disk_dir"])
+            except OSError as e:
+                raise BadRequest(f"--edge-disk-dir {edge_disk_dir}: cannot create it: "
+                                 f"{e.strerror or e}") from None
+            if not os.access(out["disk_dir"], os.W_OK | os.X_OK):
+                raise BadRequest(f"--edge-disk-dir {edge_disk_dir}: not writable")
+    return out
+
+
+def check_origin(root=None, origin=None) -> tuple:
+    """(location, origin_options) for `kdn up --origin DIR|s3://bucket/prefix` (--root DIR
+    is the older spelling): a bucket is reached and listed now with the AWS_* variables
+    (StoreError naming the bucket and the reason: wrong credentials, no such bucket, no
+    answer), and those settings go to the origin actor, so it reaches the bucket from any node."""
+    from kdn.errors import BadRequest
+    from kdn.origin.objects import is_bucket, open_objects, s3_settings
+    if root is not None and origin is not None:
+        raise BadRequest("give the origin's store once: --origin (a directory or s3://bucket/prefix), "
+                         "or --root DIR")
+    location = origin if origin is not None else root
+    if location is None:
+        return str((kdn_home() / "origin").absolute()), {}
+    if not is_bucket(str(location)):
+        if "://" in str(location):
+            raise BadRequest(f"--origin {location}: only a directory or s3://bucket/prefix is supported")
+        return str(Path(location).expanduser().absolute()), {}
+    env = s3_settings()
+    open_objects(str(location), env=env, timeout_s=10.0, retries=1).check()
+    return str(location), {"store_env": env}
+
+
 def state_path() -> Path:
     return kdn_home() / "cluster.json"
 
 
 def up(topology_file=None, address=None, root=None, network: str = "kdn", http: bool = True,
-       edge_codec: str = "raw", origin_codec: str = "raw"):
+       edge_codec: str = "raw", origin_codec: str = "raw", edge_disk=None, edge_disk_dir=None,
+       origin=None):
     """Start a network: on an embedded local cluster (no address) or on the cluster at address.
 
     edge_codec / origin_codec: how edges and the origin store chunks (kdn.codecs; the origin
-    only losslessly). Checked before anything starts.
+    only losslessly). edge_disk / edge_disk_dir: a disk tier of that size beneath every
+    edge's memory, kept in edge_disk_dir/<edge> (check_edge_disk; the topology file may set
+    one per edge instead). origin: where the origin keeps everything, a directory (the same
+    as root=) or s3://bucket/prefix reached with the AWS_* variables of this environment
+    (check_origin: a wrong key or an unreachable bucket fails here). Checked before anything
+    starts.
 
     Returns the state written for `kdn down` and `kdn status`.
     """
@@ -277,10 +356,11 @@ def up(topology_file=None, address=None, root=None, network: str = "kdn", http: 
     check_node_name(network, "network name")
     check_store_codec(edge_codec, "edge")
     check_store_codec(origin_codec, "origin")
+    disk_options = check_edge_disk(edge_disk, edge_disk_dir, embedded=address is None)
     topo = Topology.from_toml(topology_file) if topology_file else Topology.default_local(list(DEFAULT_REGIONS))
     readers = read_tokens_from_env()
-    root = Path(root) if root else kdn_home() / "origin"
-    state = {"network": network, "root": str(root.absolute()), "started": time.time()}
+    root, origin_store = check_origin(root, origin)
+    state = {"network": network, "root": root, "started": time.time()}
     stale = None
     if address is None and state_path().exists():
         old = read_state()
@@ -302,8 +382,8 @@ def up(topology_file=None, address=None, root=None, network: str = "kdn", http: 
     try:
         init_ray(state["address"])
         start_network(topo, root, network=network, detached=True, http=http, auth=auth,
-                      edge_options={"store_codec": edge_codec},
-                      origin_options={"store_codec": origin_codec})
+                      edge_options={"store_codec": edge_codec, **disk_options},
+                      origin_options={"store_codec": origin_codec, **origin_store})
         started = True
     finally:
         if not started and state["embedded"]:   # nothing recorded yet (even after ^C): stop

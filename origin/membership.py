@@ -2,9 +2,10 @@
 
 The origin owns it. Every change of members gets a new version number; edges and clients
 take a membership only if its version is not older than the one they hold, so a late
-broadcast never undoes a newer one. It lives in one file beside the store, with the
-operators' per-KB overrides, and a change is written first and only then takes effect in
-memory: a failed write (a full disk) changes nothing. A file that cannot be read is
+broadcast never undoes a newer one. It lives in one object beside the store (a file, or an
+object in the origin's bucket: origin/objects.py), with the operators' per-KB overrides, so
+an origin restarted on any node finds it; a change is written first and only then takes
+effect in memory: a failed write (a full disk, a refusing bucket) changes nothing. A file that cannot be read is
 quarantined (renamed aside, logged, counted) and the origin starts from the topology's
 edges instead of not at all, because Ray never restarts an actor whose constructor raised;
 it then numbers its next version above every version its edges hold (`recovering`).
@@ -12,14 +13,12 @@ it then numbers its next version above every version its edges hold (`recovering
 import collections
 import logging
 import math
-import os
-from pathlib import Path
 
 import msgpack
 
 from kdn.errors import BadRequest, StoreError
-from kdn.files import write_atomic
 from kdn.names import check_node_name
+from kdn.origin.objects import open_objects
 from kdn.placement.ring import Edge, Ring
 
 log = logging.getLogger(__name__)
@@ -82,7 +81,9 @@ class Membership:
     saved before it changes. `replicas` is the default number of ring owners per chunk."""
 
     def __init__(self, root, topology, replicas: int):
-        self.path = Path(root) / FILE
+        """root: the origin's folder or s3://bucket/prefix (or an origin.objects backend)."""
+        self.objects = open_objects(root)
+        self.path = self.objects.where(FILE)
         self.topology = topology
         self.replicas = replicas
         self.counters = collections.Counter(membership_quarantined=0, membership_saves=0)
@@ -92,21 +93,21 @@ class Membership:
         self.ring = Ring([Edge(*m) for m in self.members])
 
     def _load(self) -> tuple:
-        aside = self.path.with_name(FILE + CORRUPT_SUFFIX)
+        aside = FILE + CORRUPT_SUFFIX
         try:
-            members, version, overrides = _parse(self.path.read_bytes())
+            members, version, overrides = _parse(self.objects.get(FILE))
             return check_members(members, self.topology.regions), version, overrides
         except FileNotFoundError:
-            if not aside.exists():
+            if self.objects.size(aside) is None:
                 return [], 0, {}          # a new network: the launcher sets the members
             why = "only a quarantined copy exists"   # quarantined, then restarted before a save
         except (ValueError, BadRequest, OSError) as e:
-            os.replace(self.path, aside)
+            self.objects.rename(FILE, aside)
             self.counters["membership_quarantined"] += 1
             why = str(e)
         log.error("membership file %s is unreadable (%s); moved to %s; starting from the "
-                  "topology's edges", self.path, why, aside.name)
-        self.quarantined, self.recovering = str(aside), True
+                  "topology's edges", self.path, why, aside)
+        self.quarantined, self.recovering = self.objects.where(aside), True
         return [(e.name, e.region, float(e.weight)) for e in self.topology.edges], 0, {}
 
     def save(self, members=None, overrides=None, version=None) -> None:
@@ -118,10 +119,9 @@ class Membership:
             version = self.version + (members != self.members)
         record = {"members": [list(m) for m in members], "version": version, "overrides": overrides}
         try:
-            write_atomic(self.path, msgpack.packb(record, use_bin_type=True))
-        except OSError as e:
-            raise StoreError(f"cannot save the membership to {self.path}: {e.strerror or e} "
-                             f"(errno {e.errno}); nothing changed") from None
+            self.objects.put(FILE, msgpack.packb(record, use_bin_type=True))
+        except StoreError as e:
+            raise StoreError(f"cannot save the membership to {self.path}: {e}; nothing changed") from None
         if members != self.members:
             self.ring = Ring([Edge(*m) for m in members])
         self.members, self.overrides, self.version = members, overrides, version

@@ -9,8 +9,10 @@ Publishing is two steps from the publisher: `missing` + `put_chunks` (only the c
 origin lacks or holds corrupt: re-publishing an intact KB transfers nothing) and `commit`
 (the manifest, written last, so a version is visible only once every chunk is durable),
 after which the origin pushes each chunk to its ring owners. Disk work runs in threads so
-a slow fsync never stalls the event loop that serves edges' pull-through reads. A restarted
-origin reopens its store and membership from disk. With store_codec="zstd" its disk holds
+a slow fsync never stalls the event loop that serves edges' pull-through reads. The origin
+keeps nothing that is not in its store (a directory, or s3://bucket/prefix: origin/objects.py):
+chunks, manifests, membership and overrides, so a restarted origin reopens all of them, and
+over a bucket it may restart on any node. With store_codec="zstd" its disk holds
 chunks losslessly compressed; lossy codecs are refused: the origin keeps the exact KV every
 copy is checked against.
 
@@ -27,14 +29,14 @@ import time
 
 from kdn.auth import Tokens
 from kdn.chunk import Chunk
-from kdn.errors import BadRequest, KDNError, ManifestError, VersionNotFound
-from kdn.files import make_dirs
+from kdn.errors import BadRequest, KDNError, ManifestError, StoreError, VersionNotFound
 from kdn.keys import MAX_TOKENS_PER_KB, check_key
 from kdn.manifest import Manifest, check_name
 from kdn.names import check_node_name
 from kdn.origin import overrides
 from kdn.origin.health import PERIOD_S, Health
 from kdn.origin.membership import Membership, check_members
+from kdn.origin.objects import open_objects
 from kdn.origin.push import Pusher, outgoing
 from kdn.origin.store import ChunkStore
 from kdn.placement.topology import Topology
@@ -43,6 +45,9 @@ from kdn.transfer import check_store_codec
 
 log = logging.getLogger(__name__)
 
+# A store that cannot be opened (a bucket briefly unreachable as the origin restarts) is tried
+# again for about a minute: Ray never restarts an actor whose constructor raised.
+OPEN_WAITS_S = (1, 2, 4, 8, 15, 30)
 MAX_CHUNKS_PER_CALL = 4096       # limits on what one publish call may carry
 MAX_BYTES_PER_CALL = 2 << 30
 MAX_KEYS_PER_CALL = 1 << 20      # a KB of MAX_TOKENS_PER_KB tokens in small chunks, with room
@@ -81,16 +86,29 @@ def _same_content(a: Manifest, b: Manifest) -> bool:
 
 class OriginNode:
     def __init__(self, network: str, root: str, topology: dict, replicas: int = 2, auth: dict = None,
-                 store_codec: str = "raw", actors=None):
-        """actors: how to call edges (kdn.rpc.Actors of the network by default; tests pass
-        stand-ins with its call/try_call/forget)."""
+                 store_codec: str = "raw", actors=None, store_env: dict = None):
+        """root: a directory or s3://bucket/prefix; store_env: the AWS_* settings that reach
+        the bucket (default: this process's environment). actors: how to call edges
+        (kdn.rpc.Actors of the network by default; tests pass stand-ins with its
+        call/try_call/forget)."""
         self.network = network
         self.tokens = Tokens.from_dict(auth)
-        self.root = make_dirs(root)
-        self.store = ChunkStore(self.root / "store", codec=check_store_codec(store_codec, "origin"))
+        self.objects = open_objects(root, env=store_env)
+        self.root = self.objects.where()
         self.topology = Topology.from_dict(topology)
-        # the record behind the `membership` RPC (an attribute of that name would hide the method)
-        self.roster = Membership(self.root, self.topology, max(1, int(replicas)))
+        codec = check_store_codec(store_codec, "origin")
+        for wait in (*OPEN_WAITS_S, None):
+            try:
+                self.store = ChunkStore(self.objects.child("store"), codec=codec)
+                # the record behind the `membership` RPC (an attribute of that name would hide the method)
+                self.roster = Membership(self.objects, self.topology, max(1, int(replicas)))
+                break
+            except StoreError as e:
+                if wait is None:
+                    raise
+                log.warning("origin of network %r: cannot open its store yet (%s); again in %g s",
+                            network, e, wait)
+                time.sleep(wait)
         self.actors = actors if actors is not None else Actors(network, token=self.tokens.admin)
         self.health = Health(self.actors)
         self.pusher = Pusher(self.store, self.actors, self.roster)
@@ -231,7 +249,7 @@ class OriginNode:
         (a cold disk reads at its own speed)."""
         self.tokens.check_admin(token, "publish (missing)")
         keys = _keys(keys)
-        present = await asyncio.to_thread(lambda: [self.store.has(k) for k in keys])
+        present = await self._each(self.store.has, keys)
         return [i for i, h in enumerate(present) if not h]
 
     async def has(self, keys, ns: bytes = None, token=None) -> list:
@@ -241,9 +259,9 @@ class OriginNode:
         self.tokens.check_admin(token, "has")
         keys = _keys(keys)
         if ns is None:
-            return await asyncio.to_thread(lambda: [self.store.has(k) for k in keys])
+            return await self._each(self.store.has, keys)
         ns = _ns(ns)
-        return await asyncio.to_thread(lambda: [self.store.ns_of(k) == ns for k in keys])
+        return [k_ns == ns for k_ns in await self._each(self.store.ns_of, keys)]
 
     async def put_chunks(self, chunks, token=None) -> dict:
         self.tokens.check_admin(token, "publish (put_chunks)")
@@ -255,7 +273,7 @@ class OriginNode:
             raise BadRequest(f"put_chunks: item {bad} is a {type(chunks[bad]).__name__}, not a Chunk")
         if sum(c.nbytes for c in chunks) > MAX_BYTES_PER_CALL:
             raise BadRequest(f"put_chunks carries more than {MAX_BYTES_PER_CALL} bytes: split it")
-        written = sum(await asyncio.to_thread(lambda: [self.store.put(c) for c in chunks]))
+        written = sum(await self._each(self.store.put, chunks))
         self.counters["chunks_received"] += len(chunks)
         self.counters["chunks_written"] += written
         return {"received": len(chunks), "written": written}
@@ -284,6 +302,10 @@ class OriginNode:
                 "bytes": await asyncio.to_thread(self._bytes_of, committed.keys),
                 "placement": placement, "pushed": pushed, "seconds": time.perf_counter() - t0}
 
+    async def _each(self, fn, items) -> list:
+        """[fn(x) for x in items] off the event loop, several at once (the store's map)."""
+        return await asyncio.to_thread(self.store.map, fn, items)
+
     def _latest(self, ns, name):
         try:
             return self.store.manifest(ns, name)
@@ -291,7 +313,7 @@ class OriginNode:
             return None
 
     def _bytes_of(self, keys) -> int:
-        return sum(self.store.size_of(k) for k in set(keys))
+        return sum(self.store.map(self.store.size_of, list(set(keys))))
 
     # --- reads (edges' pull-through, operators) ----------------------------------------
     async def get_chunks(self, keys, token=None) -> list:
@@ -299,7 +321,7 @@ class OriginNode:
         Encoded frames where the store is compressed."""
         self.tokens.check_admin(token, "get_chunks")
         keys = _keys(keys)
-        chunks = await asyncio.to_thread(outgoing, self.store, keys)
+        chunks = await asyncio.to_thread(outgoing, self.store, keys, self.store.map)
         self.counters["chunks_served"] += sum(c is not None for c in chunks)
         return chunks
 

@@ -20,22 +20,21 @@ CALL_TIMEOUT_S = 30.0           # an edge that does not answer a batch in time i
 QUICK_TIMEOUT_S = 10.0          # for the small calls: have, membership, manifests
 
 
-def outgoing(store, keys) -> list:
+def outgoing(store, keys, each=map) -> list:
     """What goes to edges for keys: Chunks from a raw store; from a compressed one the stored
     frames as they are (kdn.chunk.Encoded: fewer bytes on the wire, no decoding here, and an
-    edge storing the same codec keeps them without re-encoding). None where absent or corrupt
-    (never sent). Disk work: call it in a thread."""
-    out = []
-    for k in keys:
+    edge storing the same codec keeps them without re-encoding). None where absent, corrupt or
+    unreadable (never sent). Storage I/O: call it in a thread; each=store.map reads the keys
+    several at once, which a bucket needs (each GET waits a round trip)."""
+    def one(k):
         try:
             if store.codec == "raw":
-                out.append(store.get(k))
-            else:   # a frame stored raw before the store was compressed goes as the Chunk it is
-                e = store.get_encoded(k)
-                out.append(e.decode() if e.codec == "raw" else e)
+                return store.get(k)
+            e = store.get_encoded(k)   # a frame stored raw before the store was compressed
+            return e.decode() if e.codec == "raw" else e   # goes as the Chunk it is
         except StoreError:
-            out.append(None)
-    return out
+            return None
+    return list(each(one, keys))
 
 
 class Pusher:
@@ -109,14 +108,15 @@ class Pusher:
         """Send chunks to an edge in batches of at most BATCH_BYTES; returns chunks sent."""
         async def flush(batch):
             async with sem:
-                chunks = await asyncio.to_thread(outgoing, self.store, batch)
+                chunks = await asyncio.to_thread(outgoing, self.store, batch, self.store.map)
                 ok = await self.call(edge, "put_chunks", chunks, role=role, pin=pin, ttl_s=ttl_s)
                 return len(batch) if ok is not None else 0
 
         jobs, batch, size = [], [], 0
-        for k in keys:
+        sizes = await asyncio.to_thread(self.store.map, self.store.size_of, keys)   # off the loop:
+        for k, n in zip(keys, sizes):                                           # a HEAD each in a bucket
             batch.append(k)
-            size += self.store.size_of(k)
+            size += n
             if size >= BATCH_BYTES:
                 jobs.append(flush(batch))
                 batch, size = [], 0

@@ -1,49 +1,59 @@
-"""The origin's durable, content-addressed chunk store and KB manifest registry on local disk.
+"""The origin's durable, content-addressed chunk store and KB manifest registry.
+
+It keeps its objects in an origin/objects.py backend: a local directory or an S3-compatible
+bucket. Everything below holds on both, because it is written once, above that interface.
 
 A chunk is stored as its encoded frame (kdn/chunk.py: header with an xxh3 checksum, then the
-KV bytes) under its key: root/chunks/<2 hex>/<32 hex>.kdnc. Storing the frame, not a re-encoding,
+KV bytes) under its key: chunks/<2 hex>/<32 hex>.kdnc. Storing the frame, not a re-encoding,
 means a read can be pushed to an edge or an HTTP client as is, and every read re-verifies
-the checksum, so a rotted file raises CorruptChunk and is never served. Because the name is
+the checksum, so a rotted object raises CorruptChunk and is never served. Because the name is
 the content's key, a chunk shared by two KB versions is written once (dedup for free). A
 chunk counts as stored only while its frame verifies: has() checks it, and put() rewrites a
 corrupt copy, so re-publishing a KB repairs it. With codec= set (kdn.codecs: "zstd"
 lossless, "q8z"/"q4z" quantized) put() stores frames compressed; reads decode any codec.
 
-Every file is written by kdn.files (temp file beside it, fsync, rename, fsync the folder;
-files 0600, folders 0700). A crash therefore leaves whole files or temp files, and reopening
-the store deletes the temp files. A KB version's manifest
-(root/manifests/<ns hex>/<name>/<version:010d>.kdnm) is written last and only once every
-chunk it lists is stored, so a version is visible exactly when it is complete; a crashed
-publish leaves only unreferenced chunks, which collect() removes.
+Every object is written whole (on disk: temp file, fsync, rename, fsync the folder, files
+0600, folders 0700; in a bucket a PUT is whole or absent). A crash therefore leaves whole
+objects or temp files, and reopening a directory store deletes the temp files. A KB
+version's manifest (manifests/<ns hex>/<name>/<version:010d>.kdnm) is written last and only
+once every chunk it lists is stored, so a version is visible exactly when it is complete; a
+crashed publish leaves only unreferenced chunks, which collect() removes. The manifest is
+written with the backend's create-if-absent (a hard link; a PUT with If-None-Match: *), so
+two publishers, even two origin processes over one bucket, never both commit one version:
+the loser of an explicit number gets ManifestError, an automatic number takes the next.
 
 Version numbers are never reused (an edge that cached v3 must never see a different v3):
-retiring a version renames its manifest to .retired, a manifest that fails its checksum is
-renamed to .corrupt (quarantined: reported, never served, the KB's other versions and every
-other KB still are), and each KB keeps the highest number it ever committed in a file
-`last_version`, so even a deleted manifest file's number stays taken.
+retiring a version sets its manifest aside as .retired, a manifest that fails its checksum is
+set aside as .corrupt (quarantined: reported, never served, the KB's other versions and every
+other KB still are), and each KB keeps the highest number it ever committed in an object
+`last_version`, so even a deleted manifest's number stays taken. (On disk "set aside" is a
+rename; in a bucket it is a copy that leaves the .kdnm in place, so its name stays taken for
+the conditional write: a version is visible while its .kdnm exists and no .retired or
+.corrupt of the same number does.)
 
-One process owns a root. Inside it, a lock serialises manifest commits, retirements and
-collection; chunk writes run outside it (same-key writers each use their own temp file and
-the rename is atomic), and keys a publisher has put but not yet committed are protected
-from a concurrent collect() until it commits or release()s them. Calls block on disk I/O:
-an async caller runs them in a thread (asyncio.to_thread).
+One process owns a store. Inside it, a lock serialises manifest commits, retirements and
+collection; chunk writes run outside it (writers of one key wait for each other, so it is
+written once), and keys a publisher has put but not yet committed are protected from a
+concurrent collect() until it commits or release()s them. Calls block on I/O: an async
+caller runs them in a thread (asyncio.to_thread).
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
 import logging
-import os
 import re
 import threading
-from pathlib import Path
 
 from kdn.chunk import MAX_HEADER, Chunk, Encoded, decode, encode_parts, read_header
 from kdn.codecs import codecs
 from kdn.errors import (ChunkNotFound, CorruptChunk, FrameError, ManifestError, StoreError,
                         VersionNotFound)
-from kdn.files import DIR_MODE, TEMP_SUFFIX, fsync_dir, make_dirs, write_atomic, write_temp
+from kdn.files import make_dirs
 from kdn.keys import check_key
 from kdn.manifest import Manifest, check_name
+from kdn.origin.objects import LocalObjects, open_objects
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +62,15 @@ MANIFEST_SUFFIX = ".kdnm"
 RETIRED_SUFFIX = ".retired"
 CORRUPT_SUFFIX = ".corrupt"
 LAST_VERSION = "last_version"     # per KB: the highest version number ever committed
-_CHUNK_NAME = re.compile(r"[0-9a-f]{32}\.kdnc")
+COMMIT_TRIES = 8                  # automatic numbers tried when other publishers take them first
+IO_THREADS = 16                   # calls of one map() in flight at once: a bucket answers each in a
+                                  # round trip (10-100 ms), so one at a time would be slow
+_CHUNK_NAME = re.compile(r"chunks/[0-9a-f]{2}/([0-9a-f]{32})\.kdnc")
 _VERSION_NAME = re.compile(r"(\d{10})\.(kdnm|retired|corrupt)")
-_NS_DIR = re.compile(r"[0-9a-f]{32}")
+_MANIFEST_NAME = re.compile(r"manifests/([0-9a-f]{32})/([^/]+)/(\d{10})\.(kdnm|retired|corrupt)")
 # Counted from the start (0 until they happen), so stats() always names them.
 COUNTERS = ("reads", "writes", "deduplicated", "repaired", "corrupt_detected",
-            "cleaned_partials", "manifests_quarantined")
+            "cleaned_partials", "manifests_quarantined", "commit_conflicts")
 
 
 def _key(key) -> bytes:
@@ -68,80 +81,84 @@ def _ns(ns) -> bytes:
     return check_key(ns, "namespace digest", error=StoreError)
 
 
-def _identity(path: Path):
-    """What tells one file at path from another (None when there is none)."""
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
+def _chunk_name(key: bytes) -> str:
+    h = key.hex()
+    return f"chunks/{h[:2]}/{h}{CHUNK_SUFFIX}"
+
+
+def _visible(names) -> list:
+    """Committed version numbers among a KB's object names: a .kdnm with no .retired or
+    .corrupt of the same number, ascending."""
+    found = collections.defaultdict(set)
+    for n in names:
+        m = _VERSION_NAME.fullmatch(n)
+        if m:
+            found[m.group(2)].add(int(m.group(1)))
+    return sorted(found["kdnm"] - found["retired"] - found["corrupt"])
 
 
 class ChunkStore:
-    """Chunks (as verified frames) and KB manifests under one root directory."""
+    """Chunks (as verified frames) and KB manifests in one backend: a root directory, an
+    s3://bucket/prefix, or an origin.objects backend."""
 
     def __init__(self, root, fsync: bool = True, codec: str = "raw"):
         if codec not in codecs():
             raise StoreError(f"codec {codec!r} is not registered; known: {', '.join(codecs())}")
-        self.root = make_dirs(root)
-        os.chmod(self.root, DIR_MODE)    # a store made before files were private: close it now
+        self.objects = open_objects(root, fsync=fsync)
+        self.root = self.objects.where()
         self.fsync = fsync
         self.codec = codec        # how put() encodes chunks (kdn.codecs); reads decode any codec
-        self._chunks_dir = make_dirs(self.root / "chunks")
-        self._manifests_dir = make_dirs(self.root / "manifests")
+        if isinstance(self.objects, LocalObjects):
+            for d in ("chunks", "manifests"):
+                make_dirs(self.objects.path(d))
         self._lock = threading.RLock()
+        self._writing: dict = {}     # key -> [lock, users]: writers of one key take turns
         self._pending: set = set()   # keys put but not yet referenced by a commit
+        self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="store-io")
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
-        self.counters["cleaned_partials"] = self._clean_partials()
+        self.counters["cleaned_partials"] = self.objects.clean_partials()
         self._count, self._bytes = self._scan_chunks()
 
     # --- opening -----------------------------------------------------------------------
-    def _clean_partials(self) -> int:
-        """Delete temp files a crashed writer left behind; return how many."""
-        n = 0
-        for dirpath, _, files in os.walk(self.root):
-            for f in files:
-                if f.endswith(TEMP_SUFFIX):
-                    os.unlink(os.path.join(dirpath, f))
-                    n += 1
-        return n
-
     def _scan_chunks(self):
         count = size = 0
-        for path in self._chunk_files():
+        for _, n in self._chunk_objects():
             count += 1
-            size += path.stat().st_size
+            size += n
         return count, size
 
-    def _chunk_files(self):
-        for sub in sorted(self._chunks_dir.iterdir()):
-            if sub.is_dir():
-                for path in sorted(sub.iterdir()):
-                    if _CHUNK_NAME.fullmatch(path.name):
-                        yield path
+    def _chunk_objects(self):
+        """(key, size) of every stored chunk object, by hex name."""
+        for name, size in self.objects.list("chunks/"):
+            m = _CHUNK_NAME.fullmatch(name)
+            if m:
+                yield bytes.fromhex(m.group(1)), size
 
-    # --- files -------------------------------------------------------------------------
-    def _chunk_path(self, key: bytes) -> Path:
-        h = key.hex()
-        return self._chunks_dir / h[:2] / (h + CHUNK_SUFFIX)
-
-    def _write_temp(self, path: Path, parts) -> tuple:
-        try:
-            return write_temp(path, parts, self.fsync)
-        except OSError as e:     # disk full, quota, I/O error: kdn.files left nothing behind
-            raise StoreError(f"cannot write {path.name} under {self.root}: {e.strerror or e} "
-                             f"(errno {e.errno}); nothing was stored") from None
-
-    def _write_atomic(self, path: Path, data: bytes) -> int:
-        try:
-            return write_atomic(path, data, self.fsync)
-        except OSError as e:
-            raise StoreError(f"cannot write {path.name} under {self.root}: {e.strerror or e} "
-                             f"(errno {e.errno}); nothing was stored") from None
+    def map(self, fn, items) -> list:
+        """[fn(x) for x in items], IO_THREADS at a time (the first error raised is raised)."""
+        items = list(items)
+        if len(items) < 2:
+            return [fn(x) for x in items]
+        return list(self._io.map(fn, items))
 
     def _bump(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
+
+    @contextlib.contextmanager
+    def _turn(self, key: bytes):
+        """Writers of one key, one at a time (the others then find it stored)."""
+        with self._lock:
+            slot = self._writing.setdefault(key, [threading.Lock(), 0])
+            slot[1] += 1
+        try:
+            with slot[0]:
+                yield
+        finally:
+            with self._lock:
+                slot[1] -= 1
+                if not slot[1]:
+                    del self._writing[key]
 
     # --- chunks ------------------------------------------------------------------------
     def put(self, chunk: Chunk) -> bool:
@@ -160,54 +177,46 @@ class ChunkStore:
         return key, self._store(key, lambda: [frame])
 
     def _store(self, key: bytes, parts) -> bool:
-        path = self._chunk_path(key)
+        name = _chunk_name(key)
         with self._lock:
             self._pending.add(key)   # from here on a concurrent collect() leaves this key alone
-        seen = _identity(path)
-        if seen is not None and self._intact(key):
-            self._bump("deduplicated")
-            return False
-        tmp, n = self._write_temp(path, parts())
-        with self._lock:
-            now = _identity(path)
-            if now is not None and now != seen:   # a same-key writer renamed first: keep theirs
-                tmp.unlink()
-                self.counters["deduplicated"] += 1
+        with self._turn(key):
+            seen = self.objects.size(name)
+            if seen is not None and self._intact(key):
+                self._bump("deduplicated")
                 return False
-            os.replace(tmp, path)                  # over nothing, or over the corrupt copy seen
-            self.counters["writes"] += 1
-            if now is None:
-                self._count += 1
-            else:
-                self._bytes -= now[1]
-                self.counters["repaired"] += 1
-            self._bytes += n
-        if self.fsync:
-            fsync_dir(path.parent)
+            n = self.objects.put(name, parts())   # over nothing, or over the corrupt copy seen
+            with self._lock:
+                self.counters["writes"] += 1
+                if seen is None:
+                    self._count += 1
+                else:
+                    self._bytes -= seen
+                    self.counters["repaired"] += 1
+                self._bytes += n
         return True
 
-    def _file(self, key: bytes) -> tuple:
-        """(key, path, the file's bytes); ChunkNotFound if absent."""
+    def _object(self, key: bytes) -> tuple:
+        """(key, name, the object's bytes); ChunkNotFound if absent."""
         key = _key(key)
-        path = self._chunk_path(key)
+        name = _chunk_name(key)
         try:
-            with open(path, "rb") as f:
-                return key, path, f.read()
+            return key, name, self.objects.get(name)
         except FileNotFoundError:
             raise ChunkNotFound(f"chunk {key.hex()} is not stored") from None
 
-    def _corrupt(self, key, path, why) -> CorruptChunk:
+    def _corrupt(self, key, name, why) -> CorruptChunk:
         self._bump("corrupt_detected")
-        return CorruptChunk(f"chunk {key.hex()} is corrupt in {path}: {why}")
+        return CorruptChunk(f"chunk {key.hex()} is corrupt in {self.objects.where(name)}: {why}")
 
     def _read(self, key: bytes):
-        key, path, buf = self._file(key)
+        key, name, buf = self._object(key)
         try:
             chunk = decode(buf, verify=True)
         except FrameError as e:
-            raise self._corrupt(key, path, e) from None
+            raise self._corrupt(key, name, e) from None
         if chunk.key != key:
-            raise self._corrupt(key, path, f"the file holds key {chunk.key.hex()}")
+            raise self._corrupt(key, name, f"the file holds key {chunk.key.hex()}")
         self._bump("reads")
         return buf, chunk
 
@@ -223,14 +232,14 @@ class ChunkStore:
         return e
 
     def _checked(self, key: bytes) -> Encoded:
-        key, path, buf = self._file(key)
+        key, name, buf = self._object(key)
         try:
             e = Encoded.from_frame(buf)
             e.verify()
         except FrameError as ex:
-            raise self._corrupt(key, path, ex) from None
+            raise self._corrupt(key, name, ex) from None
         if e.key != key:
-            raise self._corrupt(key, path, f"the file holds key {e.key.hex()}")
+            raise self._corrupt(key, name, f"the file holds key {e.key.hex()}")
         return e
 
     def get_frame(self, key: bytes) -> bytes:
@@ -239,7 +248,8 @@ class ChunkStore:
 
     def _intact(self, key: bytes) -> bool:
         """The chunk is stored and its frame verifies (without decoding). A corrupt or
-        unreadable copy is counted and reported as absent."""
+        unreadable file is counted and reported as absent; an unreachable bucket raises
+        StoreError (absent would be a guess)."""
         try:
             self._checked(key)
         except (ChunkNotFound, CorruptChunk):
@@ -259,23 +269,19 @@ class ChunkStore:
         """The namespace digest in the chunk's frame header, without reading the payload (None
         when absent or unreadable): a cheap hint, not a verification."""
         try:
-            with open(self._chunk_path(_key(key)), "rb") as f:
-                head = f.read(8 + MAX_HEADER)
+            head = self.objects.head(_chunk_name(_key(key)), 8 + MAX_HEADER)
             return read_header(head)[0]["ns"]
         except (OSError, FrameError):
             return None
 
     def size_of(self, key: bytes) -> int:
         """Bytes of the chunk's stored frame (0 when absent)."""
-        try:
-            return self._chunk_path(_key(key)).stat().st_size
-        except FileNotFoundError:
-            return 0
+        return self.objects.size(_chunk_name(_key(key))) or 0
 
     def keys(self):
-        """Every stored chunk key (a directory scan; order by hex name)."""
-        for path in self._chunk_files():
-            yield bytes.fromhex(path.name[:32])
+        """Every stored chunk key (a listing; order by hex name)."""
+        for key, _ in self._chunk_objects():
+            yield key
 
     @property
     def chunk_count(self) -> int:
@@ -286,29 +292,28 @@ class ChunkStore:
         return self._bytes
 
     # --- manifests ---------------------------------------------------------------------
-    def _kb_dir(self, ns: bytes, name: str) -> Path:
-        return self._manifests_dir / _ns(ns).hex() / check_name(name, "KB name")
+    def _kb_prefix(self, ns: bytes, name: str) -> str:
+        return f"manifests/{_ns(ns).hex()}/{check_name(name, 'KB name')}/"
 
-    def _versions(self, kb_dir: Path) -> list:
-        """Committed (not retired, not quarantined) version numbers in kb_dir, ascending."""
-        if not kb_dir.is_dir():
-            return []
-        return sorted(int(m.group(1)) for m in map(_VERSION_NAME.fullmatch, os.listdir(kb_dir))
-                      if m and m.group(2) == "kdnm")
+    def _kb_names(self, prefix: str) -> list:
+        """The names (last path part) of a KB's objects."""
+        return [n[len(prefix):] for n, _ in self.objects.list(prefix)]
 
-    def _last_used(self, kb_dir: Path) -> int:
-        """The highest version number kb_dir's KB ever took (0 for none): committed, retired,
-        quarantined, or recorded in its last_version file though its manifest is gone."""
-        if not kb_dir.is_dir():
-            return 0
-        files = [int(m.group(1)) for m in map(_VERSION_NAME.fullmatch, os.listdir(kb_dir)) if m]
+    def _versions(self, prefix: str) -> list:
+        """Committed (not retired, not quarantined) version numbers of a KB, ascending."""
+        return _visible(self._kb_names(prefix))
+
+    def _last_used(self, prefix: str) -> int:
+        """The highest version number the KB ever took (0 for none): committed, retired,
+        quarantined, or recorded in its last_version object though its manifest is gone."""
+        files = [int(m.group(1)) for m in map(_VERSION_NAME.fullmatch, self._kb_names(prefix)) if m]
         try:
-            recorded = int((kb_dir / LAST_VERSION).read_text())
+            recorded = int(self.objects.get(prefix + LAST_VERSION))
         except FileNotFoundError:
             recorded = 0
-        except (ValueError, OSError) as e:   # the manifests on disk still name the numbers used
+        except (ValueError, OSError) as e:   # the manifests present still name the numbers used
             log.warning("%s is unreadable (%s); versions are numbered from the manifests present",
-                        kb_dir / LAST_VERSION, e)
+                        self.objects.where(prefix + LAST_VERSION), e)
             recorded = 0
         return max([recorded, *files])
 
@@ -316,66 +321,71 @@ class ChunkStore:
         """Make a KB version visible once all its chunks are stored; return it with its version."""
         if not isinstance(manifest, Manifest):
             raise ManifestError(f"commit() takes a Manifest, got {type(manifest).__name__}")
-        kb_dir = self._kb_dir(manifest.ns, manifest.name)
+        prefix = self._kb_prefix(manifest.ns, manifest.name)
         with self._lock:
-            missing = [k for k in dict.fromkeys(manifest.keys) if not self._chunk_path(k).exists()]
+            keys = list(dict.fromkeys(manifest.keys))
+            sizes = self.map(lambda k: self.objects.size(_chunk_name(k)), keys)
+            missing = [k for k, n in zip(keys, sizes) if n is None]
             if missing:
                 shown = ", ".join(k.hex() for k in missing[:3])
                 raise ManifestError(
                     f"cannot commit {manifest.label()}: {len(missing)} of {len(manifest.keys)} chunk(s) "
                     f"are not stored (first: {shown})")
-            last = self._last_used(kb_dir)
-            if manifest.version is None:
-                manifest = manifest.with_version(last + 1)
-            elif manifest.version <= last:
-                raise ManifestError(f"cannot commit {manifest.label()}: version {manifest.version} "
-                                    f"already exists or was used before (last: {last}); versions "
-                                    f"are never reused")
-            new_dir = not kb_dir.exists()
-            for d in (kb_dir.parent, kb_dir):   # one at a time: mkdir(parents=True) ignores mode
-                make_dirs(d)
-            self._write_atomic(kb_dir / f"{manifest.version:010d}{MANIFEST_SUFFIX}", manifest.to_bytes())
-            # Recorded after the manifest: until then the manifest file itself holds the number.
-            self._write_atomic(kb_dir / LAST_VERSION, str(manifest.version).encode())
-            if new_dir and self.fsync:   # make the new ns/name directories themselves durable
-                fsync_dir(kb_dir.parent)
-                fsync_dir(self._manifests_dir)
+            auto = manifest.version is None
+            for _ in range(COMMIT_TRIES):
+                last = self._last_used(prefix)
+                if auto:
+                    manifest = manifest.with_version(last + 1)
+                elif manifest.version <= last:
+                    raise ManifestError(f"cannot commit {manifest.label()}: version {manifest.version} "
+                                        f"already exists or was used before (last: {last}); versions "
+                                        f"are never reused")
+                name = f"{prefix}{manifest.version:010d}{MANIFEST_SUFFIX}"
+                if self.objects.put_new(name, manifest.to_bytes()):
+                    break
+                self.counters["commit_conflicts"] += 1    # another publisher took this number
+                if not auto:
+                    raise ManifestError(f"cannot commit {manifest.label()}: another publisher "
+                                        f"committed version {manifest.version} first")
+            else:
+                raise ManifestError(f"cannot commit {manifest.label()}: other publishers took "
+                                    f"{COMMIT_TRIES} version numbers in a row; try again")
+            # Recorded after the manifest: until then the manifest itself holds the number.
+            self.objects.put(prefix + LAST_VERSION, str(manifest.version).encode())
             self._pending.difference_update(manifest.keys)
             return manifest
 
-    def _load(self, path: Path, ns: bytes, name: str, version: int) -> Manifest:
-        """The manifest in path; a file that fails its checksum or holds another version is
-        quarantined (renamed .corrupt, counted, logged) and raises ManifestError."""
+    def _load(self, name: str, ns: bytes, kb: str, version: int) -> Manifest:
+        """The manifest in object `name`; one that fails its checksum or holds another version
+        is quarantined (set aside as .corrupt, counted, logged) and raises ManifestError."""
         try:
-            m = Manifest.from_bytes(path.read_bytes())
-            if (m.ns, m.name, m.version) != (ns, name, version):
-                raise ManifestError(f"it holds {m.label()} (ns {m.ns.hex()}), not {name}@v{version} "
+            m = Manifest.from_bytes(self.objects.get(name))
+            if (m.ns, m.name, m.version) != (ns, kb, version):
+                raise ManifestError(f"it holds {m.label()} (ns {m.ns.hex()}), not {kb}@v{version} "
                                     f"of ns {ns.hex()}")
         except ManifestError as e:
-            aside = self._quarantine(path, e)
-            raise ManifestError(f"manifest file {path} is unreadable: {e}; moved to {aside.name}") from None
+            aside = self._quarantine(name, e)
+            raise ManifestError(f"manifest file {self.objects.where(name)} is unreadable: {e}; "
+                                f"moved to {aside.rsplit('/', 1)[-1]}") from None
         return m
 
-    def _quarantine(self, path: Path, why) -> Path:
-        aside = path.with_suffix(CORRUPT_SUFFIX)
+    def _quarantine(self, name: str, why) -> str:
+        aside = name[:-len(MANIFEST_SUFFIX)] + CORRUPT_SUFFIX
         with self._lock:
-            try:
-                os.replace(path, aside)
-            except FileNotFoundError:   # another reader quarantined it first
+            if not self.objects.set_aside(name, aside):   # another reader quarantined it first
                 return aside
             self.counters["manifests_quarantined"] += 1
-        if self.fsync:
-            fsync_dir(path.parent)
-        log.error("quarantined corrupt manifest %s as %s: %s", path, aside.name, why)
+        log.error("quarantined corrupt manifest %s as %s: %s", self.objects.where(name),
+                  aside.rsplit("/", 1)[-1], why)
         return aside
 
     def manifest(self, ns: bytes, name: str, version: "int | None" = None) -> Manifest:
         """A committed version (the latest intact one when version is None); VersionNotFound
         if none. A corrupt manifest is quarantined: asked for by number it raises
         ManifestError naming the file, and it is no longer the latest."""
-        kb_dir = self._kb_dir(ns, name)
+        prefix = self._kb_prefix(ns, name)
         while True:
-            versions = self._versions(kb_dir)
+            versions = self._versions(prefix)
             if version is not None and version not in versions:
                 have = ", ".join(map(str, versions)) or "none"
                 raise VersionNotFound(f"KB {name!r} of ns {ns.hex()} has no committed version "
@@ -383,49 +393,50 @@ class ChunkStore:
             if not versions:
                 raise VersionNotFound(f"KB {name!r} of ns {ns.hex()} has no committed version")
             if version is not None:
-                return self._load(kb_dir / f"{version:010d}{MANIFEST_SUFFIX}", bytes(ns), name, version)
+                return self._load(f"{prefix}{version:010d}{MANIFEST_SUFFIX}", bytes(ns), name, version)
             try:
-                return self._load(kb_dir / f"{versions[-1]:010d}{MANIFEST_SUFFIX}", bytes(ns), name,
+                return self._load(f"{prefix}{versions[-1]:010d}{MANIFEST_SUFFIX}", bytes(ns), name,
                                   versions[-1])
             except (ManifestError, FileNotFoundError):
                 continue    # quarantined (or retired meanwhile): the latest intact one is next
 
+    def _manifest_objects(self, ns: "bytes | None" = None) -> dict:
+        """{(ns hex, name): [object names]} of every KB's version objects."""
+        prefix = "manifests/" + ("" if ns is None else _ns(ns).hex() + "/")
+        kbs = collections.defaultdict(list)
+        for obj, _ in self.objects.list(prefix):
+            m = _MANIFEST_NAME.fullmatch(obj)
+            if m:
+                kbs[m.group(1), m.group(2)].append(obj.rsplit("/", 1)[-1])
+        return kbs
+
     def manifests(self, ns: "bytes | None" = None) -> list:
         """Every committed (not retired) version, of one namespace or of all, in (ns, name,
         version) order. A corrupt manifest is quarantined and left out: the rest are served."""
-        if ns is not None:
-            ns_dirs = [self._manifests_dir / _ns(ns).hex()]
-        else:
-            ns_dirs = sorted(d for d in self._manifests_dir.iterdir() if _NS_DIR.fullmatch(d.name))
         out = []
-        for ns_dir in ns_dirs:
-            if not ns_dir.is_dir():
-                continue
-            for kb_dir in sorted(ns_dir.iterdir()):
-                for v in self._versions(kb_dir):
-                    try:
-                        out.append(self._load(kb_dir / f"{v:010d}{MANIFEST_SUFFIX}",
-                                              bytes.fromhex(ns_dir.name), kb_dir.name, v))
-                    except (ManifestError, FileNotFoundError):
-                        continue   # quarantined and logged by _load (or retired meanwhile)
+        for (ns_hex, kb), names in sorted(self._manifest_objects(ns).items()):
+            for v in _visible(names):
+                try:
+                    out.append(self._load(f"manifests/{ns_hex}/{kb}/{v:010d}{MANIFEST_SUFFIX}",
+                                          bytes.fromhex(ns_hex), kb, v))
+                except (ManifestError, FileNotFoundError):
+                    continue   # quarantined and logged by _load (or retired meanwhile)
         return out
 
     def quarantined(self) -> list:
-        """Paths of quarantined (corrupt) manifest files, relative to the manifests folder."""
-        return sorted(str(p.relative_to(self._manifests_dir))
-                      for p in self._manifests_dir.glob(f"*/*/*{CORRUPT_SUFFIX}"))
+        """Quarantined (corrupt) manifests, as ns/name/version.corrupt."""
+        return sorted(f"{ns_hex}/{kb}/{n}" for (ns_hex, kb), names in self._manifest_objects().items()
+                      for n in names if n.endswith(CORRUPT_SUFFIX))
 
     def delete_version(self, ns: bytes, name: str, version: int) -> None:
         """Retire a version: no longer visible, its number never reused, its chunks collectable."""
-        kb_dir = self._kb_dir(ns, name)
+        prefix = self._kb_prefix(ns, name)
         with self._lock:
-            if version not in self._versions(kb_dir):
+            if version not in self._versions(prefix):
                 raise VersionNotFound(f"KB {name!r} of ns {bytes(ns).hex()} has no committed version "
                                       f"{version!r} to delete")
-            path = kb_dir / f"{version:010d}{MANIFEST_SUFFIX}"
-            os.rename(path, path.with_suffix(RETIRED_SUFFIX))
-            if self.fsync:
-                fsync_dir(kb_dir)
+            self.objects.set_aside(f"{prefix}{version:010d}{MANIFEST_SUFFIX}",
+                                   f"{prefix}{version:010d}{RETIRED_SUFFIX}")
 
     # --- maintenance -------------------------------------------------------------------
     def collect(self) -> dict:
@@ -441,14 +452,14 @@ class ChunkStore:
             if held:
                 raise ManifestError(f"collect refused: {len(held)} quarantined manifest file(s) "
                                     f"({', '.join(held[:3])}) may reference chunks; restore or "
-                                    f"delete them under {self._manifests_dir} first")
+                                    f"delete them under {self.objects.where('manifests')} first")
             n = size = 0
-            for path in list(self._chunk_files()):
-                if bytes.fromhex(path.name[:32]) in live:
+            for key, nbytes in list(self._chunk_objects()):
+                if key in live:
                     continue
-                size += path.stat().st_size
-                path.unlink()
-                n += 1
+                if self.objects.delete(_chunk_name(key)):
+                    size += nbytes
+                    n += 1
             self._count -= n
             self._bytes -= size
             return dict(chunks=n, bytes=size)
@@ -482,8 +493,7 @@ class ChunkStore:
             return n
 
     def stats(self) -> dict:
-        versions = sum(1 for d, _, fs in os.walk(self._manifests_dir)
-                       for f in fs if _VERSION_NAME.fullmatch(f) and f.endswith(MANIFEST_SUFFIX))
+        versions = sum(len(_visible(names)) for names in self._manifest_objects().values())
         with self._lock:
             return dict(chunks=self._count, bytes=self._bytes, versions=versions, codec=self.codec,
-                        pending=len(self._pending), **self.counters)
+                        pending=len(self._pending), backend=self.objects.where(), **self.counters)

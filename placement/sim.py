@@ -10,6 +10,14 @@ region; (d) owners + demand-driven hot copies per region (ReplicationPolicy, our
 (e) oracle: every chunk at every reader's edge, no capacity limit; and (f) the budgeted
 oracle: (d)'s bytes, filled knowing the true popularity of each phase, the best any
 policy could do with the same storage (it tells a policy's loss from the workload's).
+With `--disk-capacity-factor F` (edges' disk bytes, all edges together, as a multiple of
+the catalog) a seventh: (g) (d) over an edge disk tier (edge/disk.py). Each chunk a region
+reads from elsewhere is kept on the region's disks (the pull-through fill, written in the
+background), LRU within the region's disk bytes, each chunk on one edge of the region (its
+key's in-region choice, as hot copies are placed), so a region's disks act as one cache; a
+disk hit costs its bytes at --disk-gbps on top of the in-region hop. A CDN's disks hold
+yesterday's working set: (g) replays the trace --disk-warm-passes times unmeasured first
+(time running on), and reports the cold first pass too (`local_share_cold`).
 
 A request's fetch time: the in-region hop that hands all its bytes to the worker, plus,
 for chunks its region lacks, the slowest source's latency and each source's bytes over
@@ -40,6 +48,7 @@ from kdn.placement.topology import Topology
 REGION_NAMES = ["us-east", "eu-west", "ap-south", "us-west", "sa-east", "eu-north",
                 "ap-east", "af-south"]
 POLICIES = ["a_origin", "b_ring", "c_ring_lru", "d_ring_hot", "e_oracle", "f_budget_oracle"]
+DISK_POLICY = "g_ring_hot_disk"
 MiB = 2**20
 
 
@@ -122,6 +131,32 @@ class Trace:
 
 
 # --- policies --------------------------------------------------------------------------
+class RegionDisks:
+    """(g)'s disk tier: per region, an LRU of chunk ids within the region's disk bytes."""
+
+    def __init__(self, region_chunks):
+        self.room = [int(x) for x in region_chunks]
+        self.lru = [OrderedDict() for _ in self.room]
+        self.hits = self.fills = 0
+
+    def read(self, d: int, c: int) -> bool:
+        """True on a hit in region d; on a miss the chunk, once fetched, is filled in."""
+        lru = self.lru[d]
+        if c in lru:
+            lru.move_to_end(c)
+            self.hits += 1
+            return True
+        if self.room[d] > 0:              # the fill, written in the background
+            lru[c] = True
+            self.fills += 1
+            if len(lru) > self.room[d]:
+                lru.popitem(last=False)
+        return False
+
+    def held(self) -> int:
+        return sum(len(x) for x in self.lru)
+
+
 class Sim:
     def __init__(self, tr: Trace, a):
         self.tr, self.a = tr, a
@@ -149,6 +184,13 @@ class Sim:
             for d in range(nr):
                 self.src[c, d] = min(regs, key=lambda s: (t1[s, d], s))
         self.origin = self.rix[topo.origin_region]
+        # the disk tier (g): all edges' disks = disk_capacity_factor x the catalog, spread by
+        # edge count; a region's disks act as one cache
+        n_e = np.bincount(self.edge_region, minlength=nr)
+        self.disk_region_bytes = (a.disk_capacity_factor * tr.catalog_bytes * n_e / len(self.edges)).astype(np.int64)
+        self.disk_bw = a.disk_gbps * 1e9
+        self.wan_push = sum(cb for c in range(tr.n_chunks) for r in self.edge_region[self.owners[c]]
+                            if r != self.origin)
 
     def best_hot(self, phase: int) -> list[set]:
         """Per region, the hot set (d) would pick knowing the true popularity: chunks not
@@ -214,7 +256,7 @@ class Sim:
             if name == "f_budget_oracle":
                 known = [self.best_hot(ph) for ph in range(2)]
                 peak = max(peak, int(self.main_bytes.sum()) + max(sum(len(h) for h in x) for x in known) * cb)
-            if name == "d_ring_hot":
+            if name in ("d_ring_hot", DISK_POLICY):
                 pol = ReplicationPolicy(half_life_s=self.a.half_life, promote_rate=self.a.promote_rate,
                                         demote_rate=self.a.demote_rate,
                                         hot_budget_fraction=self.a.hot_budget,
@@ -229,13 +271,26 @@ class Sim:
                 next_decide = self.a.decide_every
                 fills = 0
                 self._pol = pol
-            for i in range(n):
+            npass = 1
+            if name == DISK_POLICY:
+                disks = RegionDisks(self.disk_region_bytes // cb)
+                npass = self.a.disk_warm_passes + 1
+            for step in range(n * npass):
+                i, run = step % n, step // n        # (g): the trace again, time running on
+                if i == 0 and run > 0:
+                    if run == 1:                    # the cold first pass, for the record
+                        extra["cold"] = {"local_share_cold": local / total_bytes,
+                                         "mean_ms_cold": 1000 * float(times.mean())}
+                    if run == npass - 1:            # the measured pass counts afresh
+                        local = total_bytes = all_local = disks.hits = disks.fills = 0
+                        wan = int(self.wan_push)
                 d, k = int(tr.region[i]), int(tr.kb[i])
-                now = float(tr.t[i])
+                now = float(tr.t[i]) + run * tr.duration
                 s0, m = int(tr.kb_start[k]), int(tr.kb_chunks[k])
                 total = m * cb
                 remote: dict = {}
-                if name == "d_ring_hot":
+                from_disk = 0
+                if name in ("d_ring_hot", DISK_POLICY):
                     while now >= next_decide:
                         dec = pol.decide(now=next_decide, region_capacity_bytes=caps,
                                          owners_region=owner_names.__getitem__)
@@ -255,6 +310,9 @@ class Sim:
                     for c in range(s0, s0 + m):
                         pol.record(key_of[c], rname, cb, now=now, kb=kbname)
                         if d in self.owner_regions[c] or c in hd:
+                            continue
+                        if name == DISK_POLICY and disks.read(d, c):
+                            from_disk += cb
                             continue
                         s = int(self.src[c, d])
                         remote[s] = remote.get(s, 0) + cb
@@ -293,10 +351,17 @@ class Sim:
                 local += total - rb
                 all_local += not remote
                 total_bytes += total
-                times[i] = self.fetch_time(d, total, remote)
+                times[i] = self.fetch_time(d, total, remote) + from_disk / self.disk_bw
             if name == "c_ring_lru":
                 stored = int(self.main_bytes.sum()) + cached * cb
                 self._lru = lru
+            if name == DISK_POLICY:
+                cold = extra.pop("cold", {})
+                extra.update(cold, disk_hits=disks.hits, disk_fills=disks.fills,
+                             disk_gb=disks.held() * cb / 1e9,
+                             disk_capacity_gb=float(self.disk_region_bytes.sum()) / 1e9)
+                self._hot = hot
+                extra.update(hot_fills=fills)
             if name == "d_ring_hot":
                 self._hot = hot
                 extra = {"hot_fills": fills, "replication": pol.stats()}
@@ -356,7 +421,7 @@ class Sim:
         before = [set(x) for x in np.array(self.edges, dtype=object)[self.owners].tolist()]
         join = sum(len(a - b) for a, b in zip(owner_sets(ring_j), before)) * cb
         leave = sum(len(a - b) for a, b in zip(owner_sets(ring_l), before)) * cb
-        if name == "d_ring_hot":
+        if name in ("d_ring_hot", DISK_POLICY):
             copies = [(c, d) for d, h in enumerate(self._hot) for c in sorted(h)]
             join += in_region_moves(copies, ring_j)
             leave += in_region_moves(copies, ring_l)
@@ -367,7 +432,7 @@ def simulate(a) -> dict:
     t0 = time.perf_counter()
     tr = Trace(a)
     sim = Sim(tr, a)
-    res = {p: sim.run(p) for p in POLICIES}
+    res = {p: sim.run(p) for p in POLICIES + ([DISK_POLICY] if a.disk_capacity_factor > 0 else [])}
     b, d, e = res["b_ring"], res["d_ring_hot"], res["e_oracle"]
     targets = {"d_over_oracle_mean": d["mean_ms"] / e["mean_ms"],
                "d_over_b_mean": d["mean_ms"] / b["mean_ms"],
@@ -377,10 +442,15 @@ def simulate(a) -> dict:
     targets["f_over_oracle_mean"] = f["mean_ms"] / e["mean_ms"]
     targets["met"] = (targets["d_over_oracle_mean"] <= 1.3 and targets["d_over_b_mean"] <= 0.5
                       and targets["d_over_b_stored"] <= 1.5)
+    if DISK_POLICY in res:                   # issue 16: >= 90% in-region, mean <= 2x the oracle
+        g = res[DISK_POLICY]
+        targets.update(g_local_share=g["local_share"], g_over_oracle_mean=g["mean_ms"] / e["mean_ms"])
+        targets["g_met"] = g["local_share"] >= 0.9 and targets["g_over_oracle_mean"] <= 2.0
     params = {k: getattr(a, k) for k in ("regions", "edges_per_region", "kbs", "chunks_min", "chunks_max",
                                          "chunk_mib", "requests", "duration", "alpha", "regional", "replicas",
                                          "capacity_factor", "half_life", "promote_rate", "demote_rate",
-                                         "hot_budget", "decide_every", "displace_ratio", "seed", "topology")}
+                                         "hot_budget", "decide_every", "displace_ratio", "seed", "topology",
+                                         "disk_capacity_factor", "disk_gbps", "disk_warm_passes")}
     params.update(chunks=tr.n_chunks, catalog_gb=tr.catalog_bytes / 1e9, edges=len(sim.edges),
                   edge_capacity_gb=float(sim.cap.mean()) / 1e9,
                   main_overflow_gb=float(np.clip(sim.main_bytes - sim.cap, 0, None).sum()) / 1e9)
@@ -550,6 +620,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--displace-ratio", type=float, default=2.0)
     ap.add_argument("--ring-keys", type=int, default=1_000_000)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--disk-capacity-factor", type=float, default=0.0,
+                    help="edges' disk tier bytes, all edges together, as a multiple of the catalog "
+                         "(0: no disk tier; > 0 adds policy g_ring_hot_disk)")
+    ap.add_argument("--disk-gbps", type=float, default=4.0,
+                    help="an edge's disk read rate, GB/s (an NVMe drive: 3-7; see kdn bench tiers)")
+    ap.add_argument("--disk-warm-passes", type=int, default=1,
+                    help="unmeasured replays of the trace that fill the disks first (g only)")
     return ap
 
 
@@ -577,6 +654,12 @@ def main(argv=None, table=_table, emit_json=_emit_json) -> int:
               f"{t['d_over_b_mean']:.3f} (<= 0.5), stored vs (b) {t['d_over_b_stored']:.3f} (<= 1.5): "
               f"{'met' if t['met'] else 'NOT met'}; vs the budgeted oracle (f) {t['d_over_f_mean']:.3f}, "
               f"(f) vs oracle {t['f_over_oracle_mean']:.3f}   [{r['seconds']:.1f} s]")
+        if "g_met" in t:
+            g = r["policies"][DISK_POLICY]
+            print(f"(g) with edge disks ({p['disk_capacity_factor']:g}x the catalog, {p['disk_gbps']:g} GB/s): "
+                  f"in-region {t['g_local_share']:.3f} (target >= 0.9), mean vs oracle "
+                  f"{t['g_over_oracle_mean']:.3f} (<= 2): {'met' if t['g_met'] else 'NOT met'}; "
+                  f"cold first pass: in-region {g['local_share_cold']:.3f}, mean {g['mean_ms_cold']:.1f} ms")
         if a.plot:
             out["plot"] = plot(r, a.plot)
             print(f"plot: {out['plot']}")

@@ -27,6 +27,11 @@ Links are symmetric. Users write it as TOML:
     latency_ms = 40.0
     bandwidth_gbps = 1.0
 
+An edge may also name a disk tier beneath its memory (edge/disk.py): `disk_bytes` (an
+integer > 0) and optionally `disk_dir` (a directory on the edge's node; the edge keeps
+its records in disk_dir/<edge name>), e.g.
+`{ name = "use-1", capacity_bytes = 8_000_000_000, disk_bytes = 500_000_000_000 }`.
+
 Every problem is a TopologyError naming the file and the entry (`topo.toml: links[0]:
 unknown region 'eu-wset'`), so a typo is one read away from fixed.
 """
@@ -73,9 +78,11 @@ class Topology:
     """Regions, latency/bandwidth between them, edges and their capacities, the origin region."""
 
     def __init__(self, regions: dict[str, tuple[float, float]], links: dict[tuple[str, str], tuple[float, float]],
-                 edges: list[tuple[str, str, int]], origin_region: str, source: str = "<topology>"):
+                 edges: list[tuple[str, str, int]], origin_region: str, source: str = "<topology>",
+                 disks: dict | None = None):
         """regions: name -> (latency_ms, bandwidth_gbps) within it; links: (a, b) -> the same
-        between a and b (either order given once); edges: (name, region, capacity_bytes)."""
+        between a and b (either order given once); edges: (name, region, capacity_bytes);
+        disks: edge name -> {"disk_bytes": int, "disk_dir": str (optional)}."""
         self.source = source
         self._regions = dict(regions)
         self._links: dict[tuple[str, str], tuple[float, float]] = {}
@@ -89,6 +96,7 @@ class Topology:
         self.ranked = 0          # rank_sources() calls
         for name, region, cap in edges:
             self.add_edge(name, region, cap)
+        self.disks = {n: dict(v) for n, v in (disks or {}).items()}
         self._check()
 
     def _check(self):
@@ -143,7 +151,7 @@ class Topology:
         regs = d.get("regions")
         if not isinstance(regs, dict) or not regs:
             raise TopologyError(f"{src}: regions: must be a non-empty table of regions, got {regs!r:.80}")
-        regions, edges, seen = {}, [], {}
+        regions, edges, seen, disks = {}, [], {}, {}
         for rname, r in regs.items():
             where = f"regions.{rname}"
             _name(src, where, rname)
@@ -164,7 +172,7 @@ class Topology:
                 ew = f"{where}.edges[{i}]"
                 if not isinstance(e, dict):
                     raise TopologyError(f"{src}: {ew}: must be a table {{name, capacity_bytes}}, got {e!r:.80}")
-                extra = set(e) - {"name", "capacity_bytes"}
+                extra = set(e) - {"name", "capacity_bytes", "disk_bytes", "disk_dir"}
                 if extra:
                     raise TopologyError(f"{src}: {ew}: unknown key(s) {sorted(extra)}")
                 if "name" not in e:
@@ -179,6 +187,21 @@ class Topology:
                 if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
                     raise TopologyError(f"{src}: {ew}.capacity_bytes: must be an integer > 0, got {cap!r}")
                 edges.append((name, rname, cap))
+                disk = {}
+                if "disk_bytes" in e:
+                    db = e["disk_bytes"]
+                    if isinstance(db, bool) or not isinstance(db, int) or db <= 0:
+                        raise TopologyError(f"{src}: {ew}.disk_bytes: must be an integer > 0, got {db!r}")
+                    disk["disk_bytes"] = db
+                if "disk_dir" in e:
+                    dd = e["disk_dir"]
+                    if "disk_bytes" not in e:
+                        raise TopologyError(f"{src}: {ew}.disk_dir without disk_bytes for edge {name!r}")
+                    if not isinstance(dd, str) or not dd or "\0" in dd:
+                        raise TopologyError(f"{src}: {ew}.disk_dir: must be a directory path, got {dd!r:.80}")
+                    disk["disk_dir"] = dd
+                if disk:
+                    disks[name] = disk
         links = {}
         ls = d.get("links", [])
         if not isinstance(ls, list):
@@ -210,7 +233,7 @@ class Topology:
                           _num(src, f"{where}.bandwidth_gbps", link["bandwidth_gbps"], positive=True))
         if origin not in regions:
             raise TopologyError(f"{src}: origin_region: unknown region {origin!r} (regions: {sorted(regions)})")
-        return cls(regions, links, edges, origin, source=src)
+        return cls(regions, links, edges, origin, source=src, disks=disks)
 
     def to_dict(self) -> dict:
         """The TOML-shaped dict from_dict() reads back (round-trips)."""
@@ -218,7 +241,7 @@ class Topology:
         for r in sorted(self._regions):
             lat, bw = self._regions[r]
             regions[r] = {"latency_ms": lat, "bandwidth_gbps": bw,
-                          "edges": [{"name": n, "capacity_bytes": c}
+                          "edges": [{"name": n, "capacity_bytes": c, **self.disks.get(n, {})}
                                     for n, (reg, c) in sorted(self._edges.items()) if reg == r]}
         names = sorted(self._regions)
         links = [{"between": [a, b], "latency_ms": self._links[(a, b)][0],
@@ -234,7 +257,10 @@ class Topology:
         for r, v in d["regions"].items():
             out += [f'[regions.{q(r)}]', f'latency_ms = {v["latency_ms"]!r}',
                     f'bandwidth_gbps = {v["bandwidth_gbps"]!r}', "edges = ["]
-            out += [f'  {{ name = {q(e["name"])}, capacity_bytes = {e["capacity_bytes"]} }},' for e in v["edges"]]
+            out += [f'  {{ name = {q(e["name"])}, capacity_bytes = {e["capacity_bytes"]}'
+                    + (f', disk_bytes = {e["disk_bytes"]}' if "disk_bytes" in e else "")
+                    + (f', disk_dir = {q(e["disk_dir"])}' if "disk_dir" in e else "") + ' },'
+                    for e in v["edges"]]
             out += ["]", ""]
         for link in d["links"]:
             a, b = link["between"]
@@ -278,6 +304,12 @@ class Topology:
         if name not in self._edges:
             raise TopologyError(f"{self.source}: unknown edge {name!r}")
         del self._edges[name]
+        self.disks.pop(name, None)
+
+    def disk(self, edge_name: str) -> dict:
+        """The edge's disk tier settings from the file ({} when it names none)."""
+        self.region_of(edge_name)
+        return dict(self.disks.get(edge_name, {}))
 
     # --- queries ---------------------------------------------------------------------
     @property

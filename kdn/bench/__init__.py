@@ -9,7 +9,7 @@ import statistics
 import sys
 import time
 
-NAMES = ["keys", "codec", "store", "cache", "placement", "fetch", "ttft", "transport",
+NAMES = ["keys", "codec", "store", "cache", "tiers", "placement", "fetch", "ttft", "transport",
          "load", "codecs", "blend", "fuzz", "links", "quantlab", "vllm"]
 
 

@@ -87,6 +87,9 @@ def speed(model, pieces, questions, share, reps, log):
     segs = [(t, B.segment_kv(model, t)) for t in pieces]
     out = {"full": [], "blend": [], "naive": [], "top1": 0, "top1_naive": 0, "n": 0}
     breakdown = []
+    warm = B.prompt_tokens(model, [t for t, _ in segs], questions[0])   # warm against warm:
+    model.generate(warm, max_new_tokens=1)                              # each side once, untimed
+    B.generate_blended(model, segs, questions[0], share=share, max_new_tokens=1)
     for r in range(reps):
         q = questions[r % len(questions)]
         order = segs[r % len(segs):] + segs[:r % len(segs)]   # a different order each rep

@@ -6,9 +6,12 @@ a published KB of N chunks (default 32 chunks of 2 MiB = 64 MiB: 256 tokens x 16
 
 - ray:   Client.fetch(tokens) in a Ray worker process on the edge's node: keys computed in
          the worker, the edge's answer through the object store (mapped, not copied, on the
-         worker's side; no checksums: Ray is trusted).
+         worker's side), every chunk verified against its manifest checksum.
 - http:  EdgeHTTPClient.fetch_tokens(tokens) in this process (not a Ray call): the frames
-         received into one preallocated buffer and every frame verified (xxh3) into Chunks.
+         received into one reused buffer, each verified (xxh3) as soon as it is in.
+- socket: the HTTP path's ceiling: another process sends the same number of bytes from its
+         memory over one loopback TCP connection, received by recv_into into one reused
+         buffer here, with no protocol and no checksum.
 - redis: redis-server on loopback (Debian's, started and stopped here, no persistence)
          holding each chunk's frame under its key; one MGET of all keys, each value read into
          its own preallocated buffer over RESP on a raw socket (redis-py if installed is
@@ -151,6 +154,52 @@ def stop(proc):
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+# --- the socket's limit: bytes from memory to a reused buffer, nothing else --------------------
+SOCKET_SERVER = """
+import socket, sys
+import numpy as np
+n, reps = int(sys.argv[1]), int(sys.argv[2])
+src = np.ones(n, np.uint8)
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+s.listen(1)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept()
+for _ in range(reps):
+    if c.recv(1) != b"x":
+        break
+    c.sendall(memoryview(src))
+c.close()
+"""
+
+
+def bare_socket(nbytes: int, reps: int) -> list:
+    """Seconds per nbytes sent by another process over one loopback TCP connection from a
+    buffer in its memory, received by recv_into into one reused buffer here: what a socket
+    does with no protocol, no checksum and no allocation (the HTTP path's ceiling)."""
+    proc = subprocess.Popen([sys.executable, "-c", SOCKET_SERVER, str(nbytes), str(reps + 1)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        buf = np.ones(nbytes, np.uint8)                  # touched: no page faults in the timing
+        mv = memoryview(buf)
+        times = []
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                sock.sendall(b"x")
+                got = 0
+                while got < nbytes:
+                    r = sock.recv_into(mv[got:])
+                    if not r:
+                        raise RuntimeError(f"the socket server hung up after {got} of {nbytes} bytes")
+                    got += r
+                times.append(time.perf_counter() - t0)
+        return times[1:]
+    finally:
+        stop(proc)
 
 
 # --- the Ray side ----------------------------------------------------------------------------
@@ -307,6 +356,8 @@ def main(argv=None):
         record("http", "EdgeHTTPClient", times,
                f"one recv buffer, every frame verified; sources {','.join(sorted(sources))}")
         h.close()
+        record("socket", "recv_into", bare_socket(total, args.reps),
+               "bare TCP from another process's memory: the HTTP path's ceiling")
 
         # redis
         redis_proc, port = start_redis(tmp)
@@ -360,7 +411,8 @@ def main(argv=None):
     out = {"bench": "transport", "chunks": args.chunks, "chunk_bytes": total // args.chunks,
            "bytes": total, "reps": args.reps, "ray_gbps": res["ray"], "http_gbps": res["http"],
            "redis_gbps": res.get("redis"), "copy_gbps": res["copy"],
-           "http_over_ray": res["http"] / res["ray"],
+           "http_over_ray": res["http"] / res["ray"], "socket_gbps": res["socket"],
+           "http_over_socket": res["http"] / res["socket"],
            "http_over_redis": res["http"] / res["redis"] if "redis" in res else None}
     if "redis-py" in res:
         out["redis_py_gbps"] = res["redis-py"]

@@ -178,7 +178,6 @@ def run(lengths, reps: int, threads, log) -> tuple:
     model = load_model(log=log)
     texts = knowledge_texts(model, lengths)
     question = question_text(model)
-    model.generate(model.question_tokens("Hello"), max_new_tokens=2)      # warm-up
     kv_total = sum(lengths) * model.kv_bytes_per_token
     cluster = net = None
     root = tempfile.mkdtemp(prefix="kdn-bench-ttft-")

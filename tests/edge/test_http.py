@@ -253,18 +253,25 @@ def test_bad_input_gets_a_4xx_with_a_json_message_and_changes_nothing(net):
 
 # --- the client's receive path --------------------------------------------------------------
 def test_client_verifies_frames_and_keys(net):
+    from kdn.http_client import _Frames
     t = net.test
     h = EdgeHTTPClient(t["urls"]["us-east-0"])
+
+    def frames(body: bytes, keys):
+        got = _Frames(h.url, memoryview(body), keys, t["ns"])
+        got.take(len(body))
+        return got.done()
+
     chunks = [Chunk(k, t["ns"], np.ascontiguousarray(t["kv"][:, :, :, s:s + 256]), "float32")
               for k, s in zip(t["keys"][:2], (0, 256))]
     body = bytearray(b"".join(encode(c) for c in chunks))
-    assert [c.key for c in h._frames(memoryview(bytes(body)), t["keys"], t["ns"])[0]] == t["keys"][:2]
+    assert [c.key for c in frames(bytes(body), t["keys"])[0]] == t["keys"][:2]
     body[-100] ^= 1                                      # a flipped bit in the last payload
     with pytest.raises(ChecksumMismatch, match="payload checksum mismatch"):
-        h._frames(memoryview(bytes(body)), t["keys"], t["ns"])
+        frames(bytes(body), t["keys"])
     body[-100] ^= 1
     with pytest.raises(NetworkError, match="not the key asked for"):
-        h._frames(memoryview(bytes(body)), t["keys"][1:], t["ns"])
+        frames(bytes(body), t["keys"][1:])
 
 
 def test_receive_buffer_is_reused_only_when_no_chunk_views_it(net):

@@ -15,6 +15,10 @@ def samples(edge) -> dict:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+async def _resolve(helds):
+    return [await h.resolve() for h in helds]
+
+
 async def _as_stored(helds, sources):
     return list(helds), len(helds), False
 
@@ -86,3 +90,23 @@ def test_counters_that_depend_on_other_tenants_are_not_exported(kit):
     events = {dict(k[1])["event"] for k in s if k[0] == "kdn_edge_events_total"}
     assert not events & HIDDEN and "fetches" in events
     assert s[("kdn_edge_hits_total", (("tier", "main"),))] == 0, "another tenant's key is no hit"
+
+
+def test_an_edge_with_a_disk_tier_reports_it_beside_main_and_hot(kit, tmp_path):
+    cs = kit.make_chunks(3)
+    edge = kit.local_edge(capacity_bytes=2 * cs[0].nbytes, disk_bytes=1 << 20, disk_dir=str(tmp_path))
+    for c in cs:                                   # main holds one: two are victims
+        edge.tiers.put("main", c.key, kit.held(c))
+    assert asyncio.run(edge.tiers.drain_write_backs(edge.forms.intact)) == 2
+    got = asyncio.run(edge.reads.fetch([c.key for c in cs], kit.NS, None, None, _as_stored))
+    objs = asyncio.run(_resolve(got["out"]))       # in Ray's store if Ray is up, else here
+    assert [o.equal(c) for o, c in zip(objs, cs)] == [True] * 3
+    s = samples(edge)
+    assert s[("kdn_edge_hits_total", (("tier", "disk"),))] == 2
+    assert s[("kdn_edge_chunks", (("tier", "disk"),))] == 2
+    assert s[("kdn_edge_bytes", (("tier", "disk"),))] == sum(
+        p.stat().st_size for p in (tmp_path / "here-0").rglob("*.kdnc"))
+    assert s[("kdn_edge_capacity_bytes", (("tier", "disk"),))] == 1 << 20
+    assert s[("kdn_edge_write_backs_total", (("tier", "disk"),))] == 2
+    assert s[("kdn_edge_write_backs_dropped_total", (("reason", "full"), ("tier", "disk")))] == 0
+    assert s[("kdn_edge_chunks_served_total", (("source", "local"),))] == 3

@@ -65,3 +65,34 @@ def test_stats_report_both_tiers_and_the_kv_held(kit):
     s = t.stats()
     assert s["main"]["items"] == 2 and s["hot"]["items"] == 0
     assert s["held_raw_bytes"] == a.raw + b.raw and s["hot_copies"] == 0
+
+
+def test_memorys_victims_go_to_the_disk_tier_and_a_disk_hit_is_promoted(kit, tmp_path, loop):
+    from kdn.edge.disk import DiskTier
+    cs = kit.make_chunks(4)
+    t = Tiers(3 * cs[0].nbytes, policy="lru", hot_fraction=0.34, disk=DiskTier(tmp_path, 1 << 20))
+    for c in cs:                       # main holds one chunk: three are victims
+        t.put("main", c.key, kit.held(c))
+    assert len(t.main) == 1 and len(t.pending) == 3, "victims are queued, not written yet"
+    assert len(t.disk) == 0
+    assert loop.run(t.drain_write_backs(lambda obj: True)) == 3
+    assert len(t.disk) == 3 and t.pending_bytes == 0
+    assert t.holds(cs[0].key, kit.NS) and not t.holds(cs[0].key, OTHER)
+    got = loop.run(t.from_disk([cs[0].key], kit.NS, ["hot"]))
+    assert loop.run(got[0].resolve()).equal(cs[0]) and t.hot.peek(cs[0].key) is got[0]
+    assert t.counters["disk_hits"] == 1 and t.stats()["disk"]["write_backs"] == 3
+    assert t.drop(cs[1].key) and not t.disk.path(cs[1].key).exists()
+    # a full queue drops the write-back (counted) rather than hold memory for a slow disk
+    t.write_back_queue_bytes = 1
+    t.put("main", b"\7" * 16, kit.held(cs[3]))
+    assert t.counters["disk_write_back_dropped_busy"] == 1
+
+
+def test_a_victim_waiting_for_the_disk_is_still_served(kit, tmp_path):
+    from kdn.edge.disk import DiskTier
+    a, b = kit.make_chunks(2)
+    t = Tiers(2 * a.nbytes, policy="lru", hot_fraction=0.25, disk=DiskTier(tmp_path, 1 << 20))
+    t.put("main", a.key, kit.held(a))
+    t.put("main", b.key, kit.held(b))                  # a is the victim, queued
+    assert a.key in t.pending and t.get(a.key, kit.NS).obj.equal(a)
+    assert t.get(a.key, OTHER) is None and t.counters["write_back_queue_hits"] == 1

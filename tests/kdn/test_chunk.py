@@ -482,3 +482,13 @@ def test_verify_checks_the_manifest_sum_for_exact_kv_only():
     bad = Encoded(lossy.key, lossy.ns, lossy.codec, lossy.dtype, lossy.raw, lossy.exact, frame)
     with pytest.raises(ChecksumMismatch):
         bad.verify(None)                            # its own frame checksum still holds it
+
+
+def test_header_bytes_says_when_a_frame_header_can_be_read():
+    from kdn.chunk import header_bytes, read_header
+    frame = encode(Chunk(b"k" * 16, b"n" * 16, np.zeros((1, 2, 1, 4, 2), np.float32), "float32"))
+    need = header_bytes(frame)
+    assert [header_bytes(frame[:i]) for i in range(8)] == [None] * 8
+    assert header_bytes(frame[:8]) == need and 8 < need < len(frame)
+    header, off = read_header(frame[:need])              # exactly enough
+    assert off == need and header["tokens"] == 4

@@ -255,3 +255,16 @@ def test_status_of_a_dead_recorded_cluster_fails_at_once(tmp_path, capsys, monke
     assert main(["status"]) == 2
     assert time.perf_counter() - t0 < 5.0
     assert "is not running" in _one_error_line(capsys.readouterr().err)
+
+
+def test_status_shows_an_edges_disk_tier_beside_memory():
+    from kdn.cli import status_rows
+    tier = {"items": 2, "bytes": 3 << 20}
+    edge = {"name": "e-0", "region": "r", "main": tier, "hot": tier, "hot_copies": 2,
+            "counters": {"chunks_served": 4, "served_local": 4},
+            "disk": {"items": 7, "bytes": 5 << 30, "hits": 3, "write_backs": 9, "full_dropped": 1}}
+    row, = status_rows({"edges": [edge]})
+    assert row["chunks"] == 4 and row["disk chunks"] == 7 and row["disk"] == "5.00 GiB"
+    assert row["disk hits"] == 3 and row["write-backs"] == 9 and row["dropped (full)"] == 1
+    row, = status_rows({"edges": [dict(edge, disk=None)]})
+    assert "disk" not in row

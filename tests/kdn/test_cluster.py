@@ -31,6 +31,15 @@ def _ray_heads() -> set:
     ({}, {"edge_codec": "zstdd"}, BadRequest, "edge store codec"),
     ({}, {"origin_codec": "q8"}, BadRequest, "lossy codec"),
     ({}, {"topology_file": "/dev/zero"}, TopologyError, "not a regular file"),
+    ({}, {"edge_disk": "lots"}, BadRequest, "--edge-disk: 'lots' is not a size"),
+    ({}, {"edge_disk": "0G"}, BadRequest, "--edge-disk: must be more than 0 bytes"),
+    ({}, {"edge_disk_dir": "/tmp"}, BadRequest, "--edge-disk-dir needs --edge-disk"),
+    ({}, {"edge_disk": "1G", "edge_disk_dir": "/proc/kdn"}, BadRequest, "--edge-disk-dir /proc/kdn"),
+    ({}, {"origin": "gs://bucket/kdn"}, BadRequest, "only a directory or s3://bucket/prefix"),
+    ({}, {"origin": "/tmp/a", "root": "/tmp/b"}, BadRequest, "give the origin's store once"),
+    ({}, {"origin": "s3://x/kdn"}, KDNError, "'x' is not a valid bucket name"),
+    ({"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"},
+     {"origin": "s3://kdn-origin/kdn"}, KDNError, "origin bucket s3://kdn-origin/kdn is not usable"),
 ])
 def test_bad_settings_are_refused_before_anything_starts(home, monkeypatch, env, kw, error, match):
     for k, v in env.items():
@@ -94,3 +103,31 @@ def test_free_ports_are_distinct_and_bindable():
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_sizes_read_binary_and_decimal_units():
+    assert cluster.parse_size("200G") == 200 * 2**30 and cluster.parse_size("512MiB") == 512 * 2**20
+    assert cluster.parse_size("10GB") == 10**10 and cluster.parse_size("1.5T") == int(1.5 * 2**40)
+    assert cluster.parse_size("4096") == 4096
+
+
+def test_wrong_bucket_credentials_are_a_clear_error_at_up(home, monkeypatch):
+    """`kdn up --origin s3://...` lists the bucket with the AWS_* variables before it starts
+    anything: a wrong secret or a missing bucket names itself (a real S3 server on loopback)."""
+    from kdn.bench.store import LocalS3
+    s3 = LocalS3()
+    try:
+        for k, v in s3.env.items():
+            monkeypatch.setenv(k, v)
+        assert cluster.check_origin(origin=s3.url("kdn")) == (s3.url("kdn"), {"store_env": s3.env})
+        before = _ray_heads()
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+        with pytest.raises(KDNError, match="origin bucket s3://kdn-origin/kdn is not usable with the "
+                                           "endpoint and credentials of AWS_ENDPOINT_URL.*403"):
+            cluster.up(origin=s3.url("kdn"))
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.env["AWS_SECRET_ACCESS_KEY"])
+        with pytest.raises(KDNError, match="s3://no-such-bucket/kdn"):
+            cluster.up(origin="s3://no-such-bucket/kdn")
+        assert _ray_heads() == before and not cluster.state_path().exists()
+    finally:
+        s3.stop()

@@ -1,6 +1,7 @@
 """KDN's HTTP client against a canned edge: it follows X-KDN-More to the end of a long
-prefix, reads the run-length X-KDN-Sources of thousands of chunks, verifies every frame,
-and refuses headers that do not add up."""
+prefix, reads the run-length X-KDN-Sources of thousands of chunks, verifies every frame as
+it arrives (whatever the read boundaries), and refuses headers and bodies that do not add
+up."""
 import http.client
 import http.server
 import threading
@@ -11,7 +12,8 @@ import pytest
 
 from kdn.chunk import Chunk, encode
 from kdn.edge.wire import pack_sources
-from kdn.errors import NetworkError
+from kdn.errors import ChecksumMismatch, NetworkError
+from kdn import http_client
 from kdn.http_client import EdgeHTTPClient
 from kdn.keys import chunk_keys, namespace_digest
 
@@ -30,6 +32,7 @@ class Edge(http.server.BaseHTTPRequestHandler):
     comma sources, and records the keys of each request."""
     protocol_version = "HTTP/1.1"
     chunks, page, old_sources, asked = {}, 2, False, []
+    damage = None       # callable(body bytes) -> the bytes sent instead
 
     def do_POST(self):
         body = msgpack.unpackb(self.rfile.read(int(self.headers["Content-Length"])))
@@ -37,6 +40,8 @@ class Edge(http.server.BaseHTTPRequestHandler):
         type(self).asked.append(keys)
         sent = [self.chunks[k] for k in keys[:self.page]]
         data = b"".join(encode(c) for c in sent)
+        if self.damage is not None:
+            data = self.damage(data)
         sources = ["local"] * len(sent)
         self.send_response(200)
         self.send_header("Content-Type", "application/x-kdn-frames")
@@ -59,7 +64,7 @@ class QuietServer(http.server.ThreadingHTTPServer):
 
 @pytest.fixture
 def edge():
-    handler = type("CannedEdge", (Edge,), {"chunks": {}, "asked": []})
+    handler = type("CannedEdge", (Edge,), {"chunks": {}, "asked": [], "damage": None})
     server = QuietServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     handler.url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -104,4 +109,52 @@ def test_sources_that_do_not_match_the_frames_are_refused(edge, monkeypatch):
 
     monkeypatch.setattr(edge, "send_header", lying)
     with EdgeHTTPClient(edge.url) as h, pytest.raises(NetworkError, match="X-KDN-Sources entry"):
+        h.fetch([c.key for c in cs], NS)
+
+
+@pytest.mark.parametrize("step", [1, 7, 300, 1 << 20])
+def test_frames_are_verified_as_they_arrive_whatever_the_read_boundaries(edge, monkeypatch, step):
+    """Reads of `step` bytes cut prefixes, headers and payloads anywhere: every frame still
+    decodes, equal to what was sent, and the chunks are read-only views of one buffer."""
+    monkeypatch.setattr(http_client, "RECV_STEP", step)
+    cs = _chunks(6, tokens=3)
+    edge.chunks, edge.page = {c.key: c for c in cs}, 6
+    with EdgeHTTPClient(edge.url) as h:
+        f = h.fetch([c.key for c in cs], NS)
+        assert [c.key for c in f.chunks] == [c.key for c in cs]
+        assert all(a.equal(b) for a, b in zip(f.chunks, cs))
+        assert all(not c.kv.flags.writeable for c in f.chunks)
+        assert len({c.kv.base is not None for c in f.chunks}) == 1
+
+
+def test_a_corrupt_frame_mid_body_fails_the_fetch_and_the_connection_is_dropped(edge, monkeypatch):
+    monkeypatch.setattr(http_client, "RECV_STEP", 64)
+    cs = _chunks(4, tokens=4)
+    edge.chunks, edge.page = {c.key: c for c in cs}, 4
+    sizes = [len(encode(c)) for c in cs]
+
+    def flip_in_frame_2(data):
+        at = sizes[0] + sizes[1] + sizes[2] - 3          # inside frame 2's payload
+        return data[:at] + bytes([data[at] ^ 1]) + data[at + 1:]
+
+    edge.damage = staticmethod(flip_in_frame_2)
+    with EdgeHTTPClient(edge.url) as h:
+        with pytest.raises(ChecksumMismatch, match="payload checksum mismatch"):
+            h.fetch([c.key for c in cs], NS)
+        assert h._conn is None, "the unread rest of a bad body must not be taken for the next answer"
+        edge.damage = None
+        f = h.fetch([c.key for c in cs], NS)             # a new connection, a good answer
+        assert all(a.equal(b) for a, b in zip(f.chunks, cs)) and h.counters["requests"] == 2
+
+
+@pytest.mark.parametrize("cut,message", [
+    (lambda sizes: sum(sizes) - 5, "frame 2 ends at byte"),            # inside its payload
+    (lambda sizes: sizes[0] + sizes[1] + 10, "the body ends inside frame 2"),   # inside its prefix
+])
+def test_a_body_that_ends_inside_a_frame_is_refused(edge, cut, message):
+    cs = _chunks(3, tokens=2)
+    edge.chunks, edge.page = {c.key: c for c in cs}, 3
+    at = cut([len(encode(c)) for c in cs])
+    edge.damage = staticmethod(lambda data: data[:at])    # Content-Length says so, too
+    with EdgeHTTPClient(edge.url) as h, pytest.raises(NetworkError, match=message):
         h.fetch([c.key for c in cs], NS)

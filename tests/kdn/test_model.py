@@ -340,7 +340,7 @@ def test_load_model_errors(tmp_path):
 def test_reload_from_cache_is_fast(model):
     lines = []
     t0 = time.perf_counter()
-    again = load_model(log=lines.append)
+    again = load_model(log=lines.append, warm=False)     # loading alone; warm-up is tested apart
     took = time.perf_counter() - t0
     print(f"\nload_model from the converted cache: {took:.2f} s (first load this session: "
           f"{model.load_s:.1f} s, converted={model.converted})")
@@ -423,3 +423,23 @@ def test_bundled_knowledge_base(model):
     assert "National Archives" in sources and "Bliss copy" in sources
     questions = bundled_questions()
     assert len(questions) == 8 and all(q.endswith("?") for q in questions)
+
+
+def test_rebuilds_reuse_faulted_memory_but_never_a_live_cache(model):
+    part = lambda v: np.full((30, 2, 3, 256, 64), v, dtype=np.float32)   # noqa: E731
+    first = model.cache_from_kv([part(1)])
+    second = model.cache_from_kv([part(2)])
+    assert first.layers[0].keys.data_ptr() != second.layers[0].keys.data_ptr()
+    where = second.layers[29].values.data_ptr()
+    del second
+    third = model.cache_from_kv([part(3)])
+    assert third.layers[29].values.data_ptr() == where, "memory of a dead cache is lent again"
+    assert first.layers[29].values[0, 2, 255, 63].item() == 1.0, "a live cache is never written over"
+    assert third.layers[29].values[0, 2, 255, 63].item() == 3.0
+    assert model.stats()["arena"]["counters"]["reused"] >= 1
+
+
+def test_a_loaded_model_is_warmed_up(model):
+    assert model.counters["warm_up_s"] > 0
+    took = model.warm_up(tokens=16)
+    assert 0 < took < 30 and model.counters["warm_up_s"] > took

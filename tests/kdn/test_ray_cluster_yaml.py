@@ -202,3 +202,32 @@ def test_every_ray_process_gets_kdn_ray_env(load):
         opts = " ".join(cfg["docker"]["run_options"])
         for k in ENV_KEYS:
             assert f"--env {k}={RAY_ENV[k]}" in opts
+
+
+def load_s3() -> dict:
+    """The main config with the commented S3 variant's keys put in."""
+    lines = YAML_PATH.read_text().splitlines()
+    i, j = lines.index("# --- S3 variant ---"), lines.index("# --- end S3 variant ---")
+    assert all(ln.startswith("#") for ln in lines[i + 1:j]), "the S3 variant must stay commented"
+    body = yaml.safe_load("\n".join(ln[2:] if ln.startswith("# ") else ln.lstrip("#") for ln in lines[i + 1:j]))
+    cfg = load_main()
+    for name, node in body.pop("available_node_types").items():
+        cfg["available_node_types"][name] = node
+    cfg.update(body)
+    return cfg
+
+
+def test_s3_variant_passes_ray_schema_and_starts_the_origin_on_a_bucket():
+    cfg = load_s3()
+    jsonschema.validate(cfg, ray_schema())
+    validate_config(prepare_config(copy.deepcopy(cfg)))
+    types = cfg["available_node_types"]
+    assert not any(t["labels"].get("kdn-role") == "origin" for t in types.values()), \
+        "over a bucket nothing may pin the origin to one node"
+    assert types["worker.us-east"]["min_workers"] >= 1, "the origin needs a second node to restart on"
+    code, rest = kdn_up_code(cfg)
+    assert rest[:5] == ["&&", "kdn", "up", "--address", "auto"] and rest[5] == "--origin"
+    assert rest[6].startswith("s3://")
+    cmd = next(c for c in cfg["head_start_ray_commands"] if "kdn up" in c)
+    assert {"AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= exported(cmd).keys() | set(
+        re.findall(r"\b(AWS_\w+)=", cmd))

@@ -20,6 +20,7 @@ from kdn.knowledge import bundled_documents
 from kdn.model import load_model
 from kdn.publish import publish_documents
 from kdn.placement.topology import Topology
+from kdn.errors import ModelError
 from kdn.worker import answer
 
 REGIONS = ("us-east", "eu-west", "ap-south")
@@ -171,3 +172,15 @@ def test_an_older_version_is_still_served_whole(model, net, published, republish
                  version=first["version"])
     assert old.identical is True          # exact either way: only the reuse is lost
     _check_answer(model, old, "eu-west", first["tokens"], first["chunks"], question)
+
+
+@pytest.mark.parametrize("kdn_s,base_s,words", [
+    (0.5, 2.0, "KDN was 4.0x faster than a full prefill"),
+    (2.0, 1.0, "KDN was 2.0x SLOWER than a full prefill"),
+    (1.0, 1.0, "KDN took as long as a full prefill"),
+])
+def test_comparisons_say_which_side_was_faster_in_plain_words(kdn_s, base_s, words):
+    from kdn.worker import compared
+    assert compared(kdn_s, base_s) == words
+    with pytest.raises(ModelError, match="must be positive"):
+        compared(0.0, base_s)

@@ -101,3 +101,21 @@ class Edges:
 def edges():
     """Edges(names, token=None): stand-in edges answering as kdn.rpc.Actors would."""
     return Edges
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A real S3-compatible server on loopback (moto's threaded server, credentials checked),
+    started once per module: .url(prefix), .env (the AWS_* variables), .endpoint."""
+    from kdn.bench.store import LocalS3
+    server = LocalS3()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3):
+    """s3://bucket/<a prefix of this test's own>, and the settings that reach it."""
+    import types
+    import uuid
+    return types.SimpleNamespace(url=s3.url(f"t-{uuid.uuid4().hex[:8]}"), env=dict(s3.env), s3=s3)

@@ -575,3 +575,100 @@ def test_the_health_watch_outlives_a_refusal_and_reports_a_bug(tmp_path, edges):
     st = run(go())
     assert st["counters"]["health_errors"] == 1
     assert st["watch_failure"] == "TypeError: a bug"
+
+
+def test_an_origin_over_a_bucket_keeps_everything_there_and_restarts_from_it(bucket, edges):
+    """Nothing of the origin outside its bucket: a new origin over the same s3:// URL (as on
+    another node) finds every version, chunk, the membership and the overrides; a corrupt
+    membership object there is quarantined like a file."""
+    async def go():
+        fake = edges(EDGES, token=ADMIN)
+        node = OriginNode("t", bucket.url, TOPO.to_dict(), auth={"admin": ADMIN}, actors=fake,
+                          store_codec="zstd", store_env=bucket.env)
+        await node.set_members(MEMBERS[:2], token=ADMIN)
+        await node.set_members(MEMBERS, token=ADMIN)
+        v1 = await publish(node, kb())
+        v2 = await publish(node, kb(name="faq", tokens=range(5000, 5300)))
+        await node.set_override("acme", "handbook", replicas=3, ttl_s=60, token=ADMIN)
+        assert node.root == bucket.url
+        restarted = OriginNode("t", bucket.url, TOPO.to_dict(), auth={"admin": ADMIN}, actors=fake,
+                               store_codec="zstd", store_env=bucket.env)
+        assert restarted.roster.version == 2 and restarted.roster.members == MEMBERS
+        assert restarted.roster.overrides == {"acme/handbook": {"replicas": 3, "ttl_s": 60.0}}
+        ms = await restarted.manifests(token=ADMIN)
+        assert sorted((m["name"], m["version"]) for m in ms) == [("faq", 1), ("handbook", 1)]
+        assert (v1["version"], v2["version"]) == (1, 1)
+        m = kb()
+        got = await restarted.get_chunks(list(m.keys), token=ADMIN)
+        assert all(g.decode().equal(c) for g, c in zip(got, chunks_of(m)))
+        assert await restarted.missing(list(m.keys), token=ADMIN) == []
+        st = await restarted.stats(token=ADMIN)
+        assert st["store"]["backend"] == bucket.url + "/store" and st["store"]["versions"] == 2
+        restarted.objects.put("membership.msgpack", b"torn")
+        third = OriginNode("t", bucket.url, TOPO.to_dict(), auth={"admin": ADMIN}, actors=fake,
+                           store_env=bucket.env)
+        assert third.roster.recovering and third.roster.quarantined == bucket.url + "/membership.msgpack.corrupt"
+        assert third.objects.get("membership.msgpack.corrupt") == b"torn"
+    run(go())
+
+
+def test_an_origin_over_a_refusing_bucket_fails_the_publish_clearly(bucket, edges):
+    import socket
+
+    from kdn.origin.objects import S3Objects
+    async def go():
+        fake = edges(EDGES, token=ADMIN)
+        node = OriginNode("t", bucket.url, TOPO.to_dict(), auth={"admin": ADMIN}, actors=fake,
+                          store_env=bucket.env)
+        await node.set_members(MEMBERS, token=ADMIN)
+        await publish(node, kb())
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        node.store.objects = S3Objects("kdn-origin", bucket.url.split("/", 3)[3] + "/store",
+                                       {**bucket.env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"},
+                                       timeout_s=0.5, retries=0)
+        m2 = kb(name="faq", tokens=range(5000, 5300))
+        with pytest.raises(StoreError, match=f"bucket {bucket.url}/store: cannot read chunks/.*"
+                                             f"127.0.0.1:{port}"):
+            await publish(node, m2)
+        with pytest.raises(StoreError, match=f"bucket {bucket.url}/store: cannot list manifests/"):
+            await node.commit(m2.to_dict(), token=ADMIN)
+        fresh = OriginNode("t", bucket.url, TOPO.to_dict(), auth={"admin": ADMIN}, actors=fake,
+                           store_env=bucket.env)
+        assert [m["name"] for m in await fresh.manifests(token=ADMIN)] == ["handbook"]
+    run(go())
+
+
+def test_an_origin_restarting_while_its_bucket_is_away_waits_for_it(bucket, edges, monkeypatch):
+    """Ray never restarts an actor whose constructor raised: an origin that starts while its
+    bucket does not answer tries again, and opens with everything once the bucket is back."""
+    import socket
+    import threading
+
+    from moto.server import ThreadedMotoServer
+
+    import kdn.origin.node as node_mod
+    fake = edges(EDGES, token=ADMIN)
+    first = OriginNode("t", bucket.url, TOPO.to_dict(), auth={"admin": ADMIN}, actors=fake,
+                       store_env=bucket.env)
+    run(first.set_members(MEMBERS, token=ADMIN))
+    run(publish(first, kb()))
+    with socket.socket() as s:               # where the bucket will answer again, in a moment
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    later = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)   # same moto state
+    timer = threading.Timer(1.0, later.start)
+    timer.start()
+    monkeypatch.setattr(node_mod, "OPEN_WAITS_S", (0.5, 0.5, 1, 1, 2, 4))
+    try:
+        back = OriginNode("t", bucket.url, TOPO.to_dict(), auth={"admin": ADMIN}, actors=fake,
+                          store_env={**bucket.env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"})
+        assert back.roster.members == MEMBERS and back.store.manifest(kb().ns, "handbook").version == 1
+        monkeypatch.setattr(node_mod, "OPEN_WAITS_S", (0.2,))
+        with pytest.raises(StoreError, match="nothing answers at the endpoint"):
+            OriginNode("t", bucket.url, TOPO.to_dict(), auth={"admin": ADMIN}, actors=fake,
+                       store_env={**bucket.env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
+    finally:
+        timer.join()
+        later.stop()

@@ -1,6 +1,7 @@
 """The origin's durable chunk store: dedup, verified reads, atomic versions, crash recovery, GC."""
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,8 @@ from kdn.chunk import Chunk, encode
 from kdn.errors import (ChunkNotFound, CorruptChunk, ManifestError, StoreError,
                         VersionNotFound)
 from kdn.manifest import Manifest
-from kdn.origin.store import TEMP_SUFFIX, ChunkStore
+from kdn.files import TEMP_SUFFIX
+from kdn.origin.store import ChunkStore
 
 SHAPE = (2, 2, 2, 16, 8)   # layers, k/v, kv_heads, tokens, head_dim: 2 KiB of bf16
 
@@ -322,7 +324,7 @@ def test_a_full_disk_fails_the_write_cleanly_and_harms_nothing(tmp_path, monkeyp
     def no_space(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store_mod.os, "fsync", no_space)
+    monkeypatch.setattr(os, "fsync", no_space)   # kdn.files fsyncs every write
     m2 = Manifest.build("kb", "t", "fp", [("d", list(range(1000, 1300)))])
     c2 = Chunk(m2.keys[0], m2.ns, np.ones((2, 2, 2, 256, 8), np.float32), "float32")
     with pytest.raises(StoreError, match="No space left on device"):
@@ -436,3 +438,124 @@ def test_store_files_are_private(tmp_path):
     assert len(files) == len(v1.keys) + 2                # chunks, the manifest, last_version
     assert {modes[p] for p in files} == {0o600}
     assert {modes[p] for p in modes if os.path.isdir(p)} == {0o700}
+
+
+# --- the same store over an S3 bucket (a real S3 server on loopback: the `bucket` fixture) ---
+def s3_store(bucket, **kw):
+    from kdn.origin.objects import open_objects
+    return ChunkStore(open_objects(bucket.url, env=bucket.env), **kw)
+
+
+def test_an_s3_store_publishes_dedups_verifies_retires_and_collects(bucket):
+    s = s3_store(bucket, codec="zstd")
+    v1 = publish(s, kb())
+    v2 = publish(s, kb(docs=(("a", 0, 1000), ("b", 5000, 5300))))
+    assert (v1.version, v2.version) == (1, 2)
+    assert [s.put(c) for c in chunks_of(v1)] == [False] * len(v1.keys)       # dedup
+    again = s3_store(bucket)                    # a new process over the same bucket sees it all
+    assert [m.version for m in again.manifests()] == [1, 2] and again.manifest(v1.ns, "handbook") == v2
+    assert all(again.get(c.key).equal(c) for c in chunks_of(v2)) and again.verify() == []
+    assert again.chunk_count == s.chunk_count and again.bytes == s.bytes > 0
+    assert again.get_encoded(v1.keys[0]).codec == "zstd" and again.ns_of(v1.keys[0]) == v1.ns
+    again.delete_version(v1.ns, "handbook", 2)
+    names = [n for n, _ in again.objects.list(f"manifests/{v1.ns.hex()}/handbook/")]
+    assert [n.rsplit("/", 1)[1] for n in names] == ["0000000001.kdnm", "0000000002.kdnm",
+                                                    "0000000002.retired", "last_version"]
+    assert [m.version for m in again.manifests()] == [1] and again.stats()["versions"] == 1
+    gone = again.collect()
+    assert gone["chunks"] == len(set(v2.keys) - set(v1.keys)) and again.verify() == []
+    assert publish(again, kb(docs=(("c", 0, 100),))).version == 3     # 2 is never reused
+
+
+def test_a_corrupt_object_in_the_bucket_is_never_served_and_is_repaired(bucket):
+    s = s3_store(bucket)
+    v1 = publish(s, kb())
+    name = f"chunks/{v1.keys[3].hex()[:2]}/{v1.keys[3].hex()}.kdnc"
+    raw = bytearray(s.objects.get(name))
+    raw[-100] ^= 1
+    s.objects.put(name, bytes(raw))
+    assert not s.has(v1.keys[3])
+    with pytest.raises(CorruptChunk, match=f"is corrupt in {bucket.url}/{name}: payload checksum"):
+        s.get(v1.keys[3])
+    assert s.verify() == [v1.keys[3]]
+    assert s.put(chunks_of(v1)[3]) and s.verify() == [] and s.stats()["repaired"] == 1
+    mname = f"manifests/{v1.ns.hex()}/handbook/0000000001.kdnm"
+    raw = bytearray(s.objects.get(mname))
+    raw[40] ^= 0xFF
+    s.objects.put(mname, bytes(raw))
+    with pytest.raises(ManifestError, match=f"manifest file {bucket.url}/{mname} is unreadable.*"
+                                            f"moved to 0000000001.corrupt"):
+        s.manifest(v1.ns, "handbook", 1)
+    assert s.manifests() == [] and s.quarantined() == [f"{v1.ns.hex()}/handbook/0000000001.corrupt"]
+    with pytest.raises(ManifestError, match="collect refused"):
+        s.collect()
+    assert publish(s, kb()).version == 2
+
+
+def test_two_publishers_over_one_bucket_never_commit_the_same_version(bucket):
+    """Two origin processes (two stores) over one bucket: the manifest's conditional PUT lets
+    one take a number; the other gets a clear error (an explicit number) or the next one."""
+    a, b = s3_store(bucket), s3_store(bucket)
+    base = kb()
+    for c in chunks_of(base):
+        a.put(c)
+    ms = [kb(docs=(("a", 0, 1000), (f"d{i}", 9000 + 100 * i, 9050 + 100 * i))) for i in range(8)]
+    for m in ms:
+        for c in chunks_of(m):
+            a.put(c)
+    results, barrier = [], threading.Barrier(2)
+
+    def explicit(store, m):
+        barrier.wait()
+        try:
+            results.append(store.commit(m.with_version(1)).keys)
+        except ManifestError as e:
+            results.append(str(e))
+
+    ts = [threading.Thread(target=explicit, args=(st, m)) for st, m in ((a, ms[0]), (b, ms[1]))]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    won = [r for r in results if not isinstance(r, str)]
+    lost = [r for r in results if isinstance(r, str)]
+    assert len(won) == 1 and len(lost) == 1 and a.manifest(base.ns, "handbook", 1).keys == won[0]
+    assert "another publisher committed version 1 first" in lost[0] or "was used before" in lost[0]
+    committed, barrier = [], threading.Barrier(6)
+
+    def auto(store, m):
+        barrier.wait()
+        committed.append((store.commit(m).version, m.keys))
+
+    ts = [threading.Thread(target=auto, args=((a, b)[i % 2], ms[2 + i])) for i in range(6)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert sorted(v for v, _ in committed) == [2, 3, 4, 5, 6, 7]
+    for v, keys in committed:                          # each number holds its own publisher's KB
+        assert b.manifest(base.ns, "handbook", v).keys == keys
+
+
+def test_a_refusing_or_silent_bucket_fails_the_publish_and_shows_nothing(bucket):
+    from kdn.origin.objects import S3Objects
+    good = s3_store(bucket)
+    v1 = publish(good, kb())
+    m2 = kb(docs=(("a", 0, 1000), ("z", 7000, 7300)))
+    for c in chunks_of(m2)[:5]:
+        good.put(c)                                    # half a publish reached the bucket
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    try:
+        dead = S3Objects("kdn-origin", bucket.url.split("/", 3)[3],
+                         {**bucket.env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{silent.getsockname()[1]}"},
+                         timeout_s=0.5, retries=0)
+        with pytest.raises(StoreError, match=f"bucket {bucket.url}: cannot list chunks/"):
+            ChunkStore(dead)
+        store = s3_store(bucket)
+        store.objects = dead                            # opened while the bucket answered
+        with pytest.raises(StoreError, match="cannot read chunks/"):
+            store.put(chunks_of(m2)[5])
+        with pytest.raises(StoreError, match="cannot read chunks/"):
+            store.commit(m2)
+    finally:
+        silent.close()
+    assert [m.version for m in good.manifests()] == [1] and good.manifest(v1.ns, "handbook") == v1
+    assert good.verify() == []

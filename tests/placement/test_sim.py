@@ -41,3 +41,17 @@ def test_module_entry_point_ring_only(capsys):
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(res) == {"ring"} and res["ring"]["method"] == "rendezvous"
     assert {v["vnodes"] for v in res["ring"]["vnode_ring"]} == {100, 1000}
+
+
+def test_edge_disks_add_policy_g_that_serves_more_in_region(capsys):
+    assert sim.main(["--sim", "--quick", "--json", "--plot", "", "--disk-capacity-factor", "4"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["sim"]
+    pol = res["policies"]
+    assert set(pol) == POLICIES | {"g_ring_hot_disk"}
+    d, g = pol["d_ring_hot"], pol["g_ring_hot_disk"]
+    assert g["local_share"] > d["local_share"] and g["mean_ms"] < d["mean_ms"]
+    assert 0 < g["disk_gb"] <= g["disk_capacity_gb"] + 1e-9 and g["disk_hits"] > 0
+    assert 0 < g["local_share_cold"] <= g["local_share"] + 0.05
+    t = res["targets"]
+    assert t["g_local_share"] == g["local_share"] and isinstance(t["g_met"], bool)
+    assert res["params"]["disk_capacity_factor"] == 4.0

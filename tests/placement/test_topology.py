@@ -125,6 +125,10 @@ BAD = [
     ("latency_ms = 90.0", "latency_ms = true", ["links[1].latency_ms", "finite number, got True"]),
     ("[[links]]", "[[links]\n", ["not valid TOML"]),
     ('origin_region = "us-east"', 'origin_region = "us-east"\nzone = 3', ["unknown top-level key(s) ['zone']"]),
+    ("capacity_bytes = 4_000_000_000", "capacity_bytes = 4_000_000_000, disk_bytes = 0",
+     ["regions.us-east.edges[1].disk_bytes", "integer > 0, got 0"]),
+    ("capacity_bytes = 4_000_000_000", 'capacity_bytes = 4_000_000_000, disk_dir = "/d"',
+     ["regions.us-east.edges[1].disk_dir without disk_bytes"]),
 ]
 
 
@@ -174,3 +178,14 @@ def test_edge_and_region_names_are_plain_words(bad):
                             "regions": {"us-east": {"latency_ms": 0.1, "bandwidth_gbps": 1.0, "edges": []},
                                         bad: {"latency_ms": 0.1, "bandwidth_gbps": 1.0, "edges": []}},
                             "links": []})
+
+
+def test_an_edge_names_its_disk_tier_and_it_round_trips(tmp_path):
+    text = GOOD.replace('{ name = "use-2", capacity_bytes = 4_000_000_000 }',
+                        '{ name = "use-2", capacity_bytes = 4_000_000_000, disk_bytes = 500_000_000_000, '
+                        'disk_dir = "/mnt/nvme/kdn" }')
+    t = Topology.from_toml(write(tmp_path, text))
+    assert t.disk("use-2") == {"disk_bytes": 500_000_000_000, "disk_dir": "/mnt/nvme/kdn"}
+    assert t.disk("use-1") == {}
+    again = Topology.from_toml(write(tmp_path, t.to_toml(), "again.toml"))
+    assert again.to_dict() == t.to_dict() and again.disk("use-2") == t.disk("use-2")
