@@ -98,6 +98,17 @@ class LocalCluster:
             if node in nodes:
                 nodes.remove(node)
 
+    def await_dead(self, node, timeout_s: float = 60.0) -> None:
+        """Wait until Ray has declared a removed node dead (~15 s after a crash): until then
+        it may still place new actors there, which then die with it."""
+        import ray
+        deadline = time.monotonic() + timeout_s
+        while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
+            if time.monotonic() > deadline:
+                raise KDNError(f"Ray still lists node {node.node_id} as alive {timeout_s:.0f} s "
+                               "after it was removed")
+            time.sleep(0.5)
+
     def pids(self) -> list:
         out = []
         for nodes in self.nodes.values():

@@ -270,6 +270,46 @@ def load_model(cache_dir=None, dtype=torch.float32, gguf=None, log=None, warm: b
     return model
 
 
+_GROW = []
+
+
+def _in_place_layer():
+    """transformers' DynamicLayer, made to append in place into room it was given (None
+    where this transformers has no DynamicLayer: caches then concatenate as they always do)."""
+    if not _GROW:
+        try:
+            from transformers.cache_utils import DynamicLayer
+        except ImportError:
+            _GROW.append(None)
+            return None
+
+        class InPlaceLayer(DynamicLayer):
+            """A DynamicLayer whose keys and values are the first n positions of stores
+            [1, heads, capacity, head_dim]: update() writes new tokens after them, in place,
+            while they fit and the keys are still that prefix (a crop keeps it one), else it
+            concatenates like DynamicLayer."""
+
+            def __init__(self, k_store, v_store, n: int):
+                super().__init__()
+                self.lazy_initialization(k_store, v_store)
+                self._stores = (k_store, v_store)
+                self.keys, self.values = k_store[:, :, :n], v_store[:, :, :n]
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                k_store, v_store = self._stores
+                n, q = self.keys.shape[-2], key_states.shape[-2]
+                if self.keys.data_ptr() == k_store.data_ptr() and self.values.data_ptr() == v_store.data_ptr() \
+                        and n + q <= k_store.shape[-2]:
+                    k_store[:, :, n:n + q].copy_(key_states)
+                    v_store[:, :, n:n + q].copy_(value_states)
+                    self.keys, self.values = k_store[:, :, :n + q], v_store[:, :, :n + q]
+                    return self.keys, self.values
+                return super().update(key_states, value_states, *args, **kwargs)
+
+        _GROW.append(InPlaceLayer)
+    return _GROW[0]
+
+
 # --- KV arrays <-> KDN chunks --------------------------------------------------------------
 def kv_chunks(kv: np.ndarray, keys, ns: bytes, chunk_tokens: int = 256) -> list:
     """Cut kv [layers, 2, heads, T, hd] into kdn Chunks along tokens, one per key.
@@ -360,7 +400,7 @@ class Model:
         t0 = time.perf_counter()
         ids = (self.question_tokens("Warm up.") * tokens)[:tokens]
         p = self.prefill(ids[:-1])
-        self.generate(ids, cache=self.cache_from_kv([p.kv]), cached_tokens=len(ids) - 1, max_new_tokens=2)
+        self.generate(ids, cache=self.cache_from_kv([p.kv], 3), cached_tokens=len(ids) - 1, max_new_tokens=2)
         self.generate(ids, max_new_tokens=2)
         took = time.perf_counter() - t0
         self.counters["warm_up_s"] += took
@@ -506,21 +546,25 @@ class Model:
                                  f"(shape {tuple(part.shape)})")
         return part
 
-    def cache_from_kv(self, kv_parts):
+    def cache_from_kv(self, kv_parts, spare_tokens: int = 0):
         """An engine cache holding the concatenation of kv_parts along tokens.
 
         Each part is [layers, 2, kv_heads, tokens, head_dim] (numpy, torch or a Chunk). One
-        copy: every part goes once into a [layers, 2, 1, heads, T, hd] buffer lent by the
-        arena for the cache's life (memory already faulted in; converted to the model's
-        dtype on the way), and each layer's keys and values are contiguous views of it
-        handed to the cache as they are.
+        copy: every part goes once into a [layers, 2, 1, heads, T + spare, hd] buffer lent by
+        the arena for the cache's life (memory already faulted in; converted to the model's
+        dtype on the way), and each layer's keys and values are views of it handed to the
+        cache as they are. spare_tokens: room for the tokens the engine will append (the
+        question, the answer): they are written in place, where transformers would otherwise
+        concatenate, copying the whole KV again into fresh memory on the first forward.
         """
         t0 = time.perf_counter()
+        if isinstance(spare_tokens, bool) or not isinstance(spare_tokens, int) or spare_tokens < 0:
+            raise ModelError(f"spare_tokens must be a non-negative int, got {spare_tokens!r}")
         parts = [self.kv_tensor(p, i) for i, p in enumerate(kv_parts)]
         total = sum(p.shape[3] for p in parts)
         cache = self.new_cache()
         if total:
-            buf = self.arena.take((self.layers, 2, 1, self.kv_heads, total, self.head_dim),
+            buf = self.arena.take((self.layers, 2, 1, self.kv_heads, total + spare_tokens, self.head_dim),
                                   self.hf.dtype, owner=cache)
             with torch.inference_mode():
                 at = 0
@@ -528,27 +572,35 @@ class Model:
                     n = p.shape[3]
                     buf[:, :, 0, :, at:at + n].copy_(p)
                     at += n
-            self.fill_cache(cache, buf)
+            self.fill_cache(cache, buf, total)
         self.counters["cache_from_kv_calls"] += 1
         self.counters["cache_from_kv_bytes"] += total * self.kv_bytes_per_token
         self.counters["cache_from_kv_s"] += time.perf_counter() - t0
         return cache
 
-    def fill_cache(self, cache, buf) -> None:
-        """Hand buf [layers, 2, 1, kv_heads, T, head_dim] to an empty engine cache as its KV
-        (each layer's keys and values become views of buf: no copy where the cache allows)."""
+    def fill_cache(self, cache, buf, tokens: int = None) -> None:
+        """Hand the first `tokens` positions of buf [layers, 2, 1, kv_heads, capacity,
+        head_dim] (default all) to an empty engine cache as its KV: each layer's keys and
+        values become views of buf, no copy, and tokens the engine appends go into the rest
+        of buf in place while they fit (then it concatenates, as it always would)."""
+        n = buf.shape[4] if tokens is None else tokens
         layers = getattr(cache, "layers", None)
-        if layers and len(layers) == self.layers and all(hasattr(l, "lazy_initialization") for l in layers):
+        grow = _in_place_layer()
+        if layers and len(layers) == self.layers and grow is not None \
+                and all(type(l) is grow.__base__ for l in layers):
+            for i in range(self.layers):
+                layers[i] = grow(buf[i, 0], buf[i, 1], n)
+        elif layers and len(layers) == self.layers and all(hasattr(l, "lazy_initialization") for l in layers):
             for i, layer in enumerate(layers):
-                k, v = buf[i, 0], buf[i, 1]
+                k, v = buf[i, 0, :, :, :n], buf[i, 1, :, :, :n]
                 layer.lazy_initialization(k, v)
                 layer.keys, layer.values = k, v
         else:  # other cache layouts: the public update path (one more copy)
             for i in range(self.layers):
-                cache.update(buf[i, 0], buf[i, 1], i)
-        if self.cache_tokens(cache) != buf.shape[4]:
+                cache.update(buf[i, 0, :, :, :n], buf[i, 1, :, :, :n], i)
+        if self.cache_tokens(cache) != n:
             raise ModelError(f"engine cache reports {self.cache_tokens(cache)} tokens after loading "
-                             f"{buf.shape[4]}; this transformers version's cache API is not supported")
+                             f"{n}; this transformers version's cache API is not supported")
 
     def crop(self, cache, n: int) -> None:
         """Keep the first n cached tokens (the crop() signature changed across transformers versions)."""

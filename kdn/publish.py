@@ -255,7 +255,7 @@ def publish_documents(client, model, kb: str, documents, progress=None, meta=Non
         raise BadRequest(f"KB {kb!r} is {len(tokens)} tokens; the limit is {MAX_KB_TOKENS}")
     t0 = time.perf_counter()
     reused = publisher.reuse(tokens)
-    cache = model.cache_from_kv(reused.kv_parts()) if reused.tokens else None
+    cache = model.cache_from_kv(reused.kv_parts(), len(tokens) - reused.tokens) if reused.tokens else None
     t1 = time.perf_counter()
     parts = [np.concatenate(reused.kv_parts(), axis=3)] if reused.tokens else []
     if reused.tokens < len(tokens):

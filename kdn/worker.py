@@ -54,12 +54,13 @@ def answer(client, model, kb: str, question: str, max_new_tokens: int = 48, chec
     if check:    # warm against warm: the KDN side's first fetch and rebuild, untimed
         warm = client.fetch(prompt, kb=kb, version=m.version)
         if warm.tokens:
-            model.cache_from_kv(warm.kv_parts())
+            model.cache_from_kv(warm.kv_parts(), len(prompt) - warm.tokens + max_new_tokens)
         del warm
     t0 = time.perf_counter()
     f = client.fetch(prompt, kb=kb, version=m.version)
     t1 = time.perf_counter()
-    cache = model.cache_from_kv(f.kv_parts()) if f.tokens else None
+    # room for the question and the answer: the engine appends them in place
+    cache = model.cache_from_kv(f.kv_parts(), len(prompt) - f.tokens + max_new_tokens) if f.tokens else None
     rebuild_s = time.perf_counter() - t1
     gen = model.generate(prompt, cache=cache, cached_tokens=f.tokens, max_new_tokens=max_new_tokens)
     ttft = (t1 - t0) + rebuild_s + gen.ttft_s

@@ -160,8 +160,8 @@ def stop(proc):
 SOCKET_SERVER = """
 import socket, sys
 import numpy as np
-n, reps = int(sys.argv[1]), int(sys.argv[2])
-src = np.ones(n, np.uint8)
+n, reps, piece = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+src = memoryview(np.ones(n, np.uint8))
 s = socket.socket()
 s.bind(("127.0.0.1", 0))
 s.listen(1)
@@ -170,16 +170,18 @@ c, _ = s.accept()
 for _ in range(reps):
     if c.recv(1) != b"x":
         break
-    c.sendall(memoryview(src))
+    for at in range(0, n, piece):      # a chunk at a time, as an edge sends its frames
+        c.sendall(src[at:at + piece])
 c.close()
 """
 
 
-def bare_socket(nbytes: int, reps: int) -> list:
+def bare_socket(nbytes: int, reps: int, piece: int) -> list:
     """Seconds per nbytes sent by another process over one loopback TCP connection from a
-    buffer in its memory, received by recv_into into one reused buffer here: what a socket
-    does with no protocol, no checksum and no allocation (the HTTP path's ceiling)."""
-    proc = subprocess.Popen([sys.executable, "-c", SOCKET_SERVER, str(nbytes), str(reps + 1)],
+    buffer in its memory (`piece` bytes per send), received by recv_into into one reused
+    buffer here: what a socket does with no protocol, no checksum and no allocation (the
+    HTTP path's ceiling)."""
+    proc = subprocess.Popen([sys.executable, "-c", SOCKET_SERVER, str(nbytes), str(reps + 1), str(piece)],
                             stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline())
@@ -356,7 +358,7 @@ def main(argv=None):
         record("http", "EdgeHTTPClient", times,
                f"one recv buffer, every frame verified; sources {','.join(sorted(sources))}")
         h.close()
-        record("socket", "recv_into", bare_socket(total, args.reps),
+        record("socket", "recv_into", bare_socket(total, args.reps, total // args.chunks),
                "bare TCP from another process's memory: the HTTP path's ceiling")
 
         # redis

@@ -105,13 +105,14 @@ def measure(client, model, kb: str, question: str, reps: int, log) -> dict:
     m = client.manifest(kb)
     prompt = m.token_ids().tolist() + model.question_tokens(question)
     warm = client.fetch(prompt, kb=kb)         # untimed: pages and object-store paths warm
-    model.cache_from_kv(warm.kv_parts())
+    room = len(prompt) - warm.tokens + 1       # the question and the first token, appended in place
+    model.cache_from_kv(warm.kv_parts(), room)
     kdn, full, fetch, rebuild, same, question_only = [], [], [], [], [], []
     for i in range(reps):
         a = answer(client, model, kb, question, max_new_tokens=1, check=True)
         if a.cached_tokens != m.n_tokens:
             raise BadRequest(f"{kb}: fetched {a.cached_tokens} of {m.n_tokens} knowledge tokens")
-        cache = model.cache_from_kv(warm.kv_parts())        # the question over a cache already built
+        cache = model.cache_from_kv(warm.kv_parts(), room)  # the question over a cache already built
         g = model.generate(prompt, cache=cache, cached_tokens=warm.tokens, max_new_tokens=1)
         kdn.append(a.ttft_s)
         full.append(a.baseline_ttft_s)

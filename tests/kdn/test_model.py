@@ -443,3 +443,27 @@ def test_a_loaded_model_is_warmed_up(model):
     assert model.counters["warm_up_s"] > 0
     took = model.warm_up(tokens=16)
     assert 0 < took < 30 and model.counters["warm_up_s"] > took
+
+
+def test_tokens_appended_in_place_give_the_same_answer_with_no_new_memory(model, published):
+    """Room left after the rebuilt KV takes the question and the answer in place: the same
+    logits and tokens as a cache that concatenates, and the keys stay in the arena's buffer."""
+    tokens, pre, _ = published["k512"]
+    kv, n = pre.kv, len(tokens)
+    prompt = tokens + model.question_tokens("Who wrote it?")
+    plain = model.cache_from_kv([kv])
+    want = model.generate(prompt, cache=plain, cached_tokens=n, max_new_tokens=6)
+    room = model.cache_from_kv([kv], spare_tokens=len(prompt) - n + 6)
+    where = room.layers[5].keys.data_ptr()
+    got = model.generate(prompt, cache=room, cached_tokens=n, max_new_tokens=6)
+    assert got.tokens == want.tokens and torch.equal(got.logits, want.logits)
+    assert room.layers[5].keys.data_ptr() == where, "appended in place, not concatenated"
+    assert model.cache_tokens(room) == len(prompt) + len(got.tokens) - 1
+    assert np.array_equal(model.kv_from_cache(room, 0, n), kv)
+    full = model.generate(prompt, max_new_tokens=6)
+    assert got.tokens == full.tokens
+    tight = model.cache_from_kv([kv], spare_tokens=2)      # too little room: it concatenates
+    again = model.generate(prompt, cache=tight, cached_tokens=n, max_new_tokens=6)
+    assert again.tokens == want.tokens and tight.layers[5].keys.data_ptr() != where
+    with pytest.raises(ModelError, match="spare_tokens"):
+        model.cache_from_kv([kv], spare_tokens=-1)

@@ -66,6 +66,7 @@ def test_a_removed_ray_node_has_its_edge_keys_rehomed_and_no_fetch_fails(ray_clu
         assert np.array_equal(_kv(f), kv)
     finally:
         stop_network(net)
+        ray_cluster.await_dead(node)    # later tests must not be placed on a node about to be dead
 
 
 def test_origin_killed_mid_publish_never_shows_the_version_and_a_retry_completes(ray_cluster, tmp_path,

@@ -99,3 +99,5 @@ def test_the_origin_restarts_on_another_node_over_the_same_bucket(ray_cluster, s
         for node in nodes:
             if node in ray_cluster.nodes.get(ORIGIN_REGION, []):
                 ray_cluster.remove_node(node)
+        for node in nodes:          # later tests must not be placed on a node about to be dead
+            ray_cluster.await_dead(node)
