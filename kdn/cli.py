@@ -46,13 +46,16 @@ def _up(args, rest):
                edge_disk=args.edge_disk, edge_disk_dir=args.edge_disk_dir, origin=args.origin)
     where = "an embedded local cluster" if state["embedded"] else f"the cluster at {state['address']}"
     print(f"KDN network {state['network']!r} is up on {where}; origin store in {state['root']}")
-    print("next: kdn publish KB FILE...   kdn query KB \"question\"   kdn status   kdn down")
+    if args.serve:          # the OpenAI-compatible service too, with `kdn serve`'s defaults
+        return _deploy_service(state["network"], {})
+    print("next: kdn publish KB FILE...   kdn query KB \"question\"   kdn serve   kdn status   kdn down")
     return 0
 
 
 def _down(args, rest):
     from kdn.cluster import down
-    state = down()
+    from kdn.serve import undeploy
+    state = down(before_stop=undeploy)
     print(f"KDN network {state['network']!r} stopped" + (" and its embedded cluster shut down"
                                                         if state.get("embedded") else ""))
     return 0
@@ -63,7 +66,8 @@ def _gib(n):
 
 
 def status_rows(st: dict) -> list:
-    """One row per edge: the table `kdn status` prints."""
+    """One row per edge: the table `kdn status` prints; per tier (main, hot, and disk where
+    the edge has one) its chunks, bytes and hits, and the disk's write-backs."""
     rows = []
     for e in st["edges"]:
         if e.get("down"):
@@ -76,6 +80,8 @@ def status_rows(st: dict) -> list:
             "codec": e.get("store_codec", "raw"),
             "chunks": e["main"]["items"] + e["hot"]["items"],
             "bytes": _gib(e["main"]["bytes"] + e["hot"]["bytes"]),
+            **{f"{t}": f"{e[t]['items']} / {_gib(e[t]['bytes'])}" for t in ("main", "hot")},
+            **{f"{t} hits": e[t].get("hits", 0) for t in ("main", "hot")},
             "KV held": _gib(e.get("held_raw_bytes", e["main"]["bytes"] + e["hot"]["bytes"])),
             "hot copies": e["hot_copies"],
             "fetches": c.get("fetches", 0),
@@ -97,6 +103,8 @@ def _status(args, rest):
     from kdn.bench import table
     cl = _connect(args)
     st = cl.status()
+    from kdn.serve import running_info
+    st["service"] = running_info(cl.network) or None
     if args.json:
         import json
         print(json.dumps(st, default=str))
@@ -110,7 +118,51 @@ def _status(args, rest):
               f"in {s.get('backend', 'its store')}, {o['members']} edges "
               f"(membership v{o['membership_version']})")
     table(status_rows(st))
+    print("\n".join(_service_lines(st["service"])))
     return 0 if all(not e.get("down") for e in st["edges"]) and "unreachable" not in o else 1
+
+
+def _serve(args, rest):
+    from kdn import serve
+    from kdn.cluster import init_ray
+    address, network = _where(args)
+    init_ray(address)
+    if args.down:
+        gone = serve.undeploy(network)
+        print(f"service of network {network!r} " + ("stopped" if gone else "was not running"))
+        return 0
+    opts = serve.load_config(args.config) if args.config else {}
+    for key in serve.CONFIG_KEYS:
+        value = getattr(args, key, None)
+        if value is not None:
+            opts[key] = value.split(",") if key == "regions" else value
+    return _deploy_service(network, opts, args.json)
+
+
+def _deploy_service(network: str, opts: dict, as_json: bool = False) -> int:
+    """Deploy (or update) the network's OpenAI-compatible service and say where it is."""
+    import json
+    from kdn import serve
+    from kdn.auth import load_admin_token, read_tokens_from_env
+    info = serve.deploy(network, auth={"admin": load_admin_token(), "readers": read_tokens_from_env()}, **opts)
+    if as_json:
+        print(json.dumps(info))
+        return 0
+    print(f"KDN service of network {network!r}: {info['url']} (the caller's nearest region)")
+    for region, url in info["regions"].items():
+        print(f"  {region}: {url}")
+    return 0
+
+
+def _service_lines(info: dict) -> list:
+    if not info:
+        return ["service: not running (start it with `kdn serve`)"]
+    lines = [f"service: {info['status']} at {info['url']} (the caller's nearest region)"]
+    for region, url in info["regions"].items():
+        reps = info["deployments"][region]["replicas"]
+        lines.append(f"  {region}: {url}  replicas " + (", ".join(f"{n} {s}" for s, n in sorted(reps.items()))
+                                                        or "none"))
+    return lines
 
 
 def _where(args) -> tuple:
@@ -215,7 +267,8 @@ def _demo(args, rest):
 def build_parser():
     ap = argparse.ArgumentParser(prog="kdn", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for add in (_up_args, _down_args, _status_args, _publish_args, _query_args, _demo_args, _bench_args):
+    for add in (_up_args, _down_args, _status_args, _serve_args, _publish_args, _query_args, _demo_args,
+                _bench_args):
         add(sub)
     return ap
 
@@ -241,6 +294,8 @@ def _up_args(sub):
                    help="how edges store chunks: raw, zstd (lossless, ~1.2x), or a lossy codec "
                         "(q8z ~3.9x, k4v3z ~8x of fp32; see kdn bench codecs)")
     u.add_argument("--origin-codec", default="raw", help="how the origin stores chunks: raw or zstd")
+    u.add_argument("--serve", action="store_true",
+                   help="also start the OpenAI-compatible service (`kdn serve` with its defaults)")
     u.add_argument("--edge-disk", metavar="SIZE", default=None,
                    help="give every edge a disk tier of SIZE bytes beneath its memory (e.g. 200G, "
                         "512MiB; K/M/G/T binary, KB/MB/GB/TB decimal); per edge: disk_bytes in "
@@ -260,6 +315,26 @@ def _status_args(sub):
     _network_args(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_status)
+
+
+def _serve_args(sub):
+    s = sub.add_parser("serve", help="serve the network's KBs through an OpenAI-compatible API "
+                                     "(Ray Serve, one deployment per region), or stop it (--down)")
+    _network_args(s)
+    s.add_argument("--down", action="store_true", help="stop the service (the network keeps running)")
+    s.add_argument("--config", help="TOML with regions, port, min_replicas, max_replicas, "
+                                    "target_ongoing_requests, replica_cpus, max_queued_requests")
+    s.add_argument("--regions", help="regions to serve, comma-separated (default: all)")
+    s.add_argument("--port", type=int, help="the port on 127.0.0.1 (default 8000)")
+    s.add_argument("--min-replicas", dest="min_replicas", type=int, help="per region (default 1)")
+    s.add_argument("--max-replicas", dest="max_replicas", type=int, help="per region (default 1)")
+    s.add_argument("--target-ongoing-requests", dest="target_ongoing_requests", type=float,
+                   help="autoscaling target per replica (default 1)")
+    s.add_argument("--replica-cpus", dest="replica_cpus", type=float, help="CPUs per replica (default 1)")
+    s.add_argument("--max-queued-requests", dest="max_queued_requests", type=int,
+                   help="per region; more waiting requests are answered 429 (default 16)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_serve)
 
 
 def _publish_args(sub):

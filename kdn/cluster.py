@@ -493,11 +493,15 @@ def _stop_processes(pids, grace_s: float = 5.0) -> None:
             pass
 
 
-def down() -> dict:
-    """Stop what `kdn up` started: the network's actors, then the embedded cluster's processes."""
+def down(before_stop=None) -> dict:
+    """Stop what `kdn up` started: the network's actors, then the embedded cluster's processes.
+    before_stop(network), when given, runs first on a live cluster (`kdn down` stops the
+    network's `kdn serve` application with it)."""
     state = read_state()
     if cluster_alive(state):
         init_ray(state["address"])
+        if before_stop is not None:         # the CLI's: stop `kdn serve`'s application first
+            before_stop(state["network"])
         stop_network(state["network"])
         import ray
         ray.shutdown()

@@ -72,6 +72,10 @@ def run(questions_per_region: int = 2, max_new_tokens: int = 24, out=None,
         say("[5/5] results\n")
         _report(results, say, out)
         saved = _savings(client, model, results, say)
+        say("\n[+] the same KB through `kdn serve`, an OpenAI-compatible API on Ray Serve, with the openai client ...")
+        from kdn import serve_demo
+        from kdn.knowledge import bundled_questions
+        saved["service"] = serve_demo.run(net.name, KB, bundled_questions()[0], say, replica_cpus=0.5)
         say(f"\ndemo finished in {time.perf_counter() - t_start:.0f} s; shutting the network down.")
         stop_network(net)
         return {"results": results, "receipt": receipt, **saved}

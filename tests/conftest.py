@@ -65,3 +65,16 @@ def small_network(ray_cluster, tmp_path_factory):
     yield start
     for net in started:
         stop_network(net)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The real model (SmolLM2-135M-Instruct), warmed up. One intra-op thread: on a busy 2-core
+    machine two OpenMP threads fight other processes for the cores and a prefill gets several
+    times slower, not faster. Modules that need other settings define their own `model`."""
+    import torch
+    from kdn.model import load_model
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model()
+    torch.set_num_threads(threads)

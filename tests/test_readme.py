@@ -5,7 +5,8 @@ from the repository root, Python blocks with the venv's python), with a private 
 `kdn up` records its network, and its admin token, where the Python block's `connect()` and
 `load_admin_token()` then find them. Each block is placed in one group below, and a block
 that is in none fails the test, so a new README block cannot go untested by accident:
-- run here: `kdn up`, publish, query --check, status, the Python API, `kdn down`;
+- run here: `kdn up`, publish, query --check, status, the Python API, `kdn serve` and the
+  openai client against it, `kdn down`;
 - run only with KDN_README_ALL=1 (minutes each): `make demo` and the vLLM blocks;
 - not run: `make test` (it is the run this test is part of).
 Commands named in prose are checked too: every `kdn bench NAME` exists and every `--flag`
@@ -53,7 +54,7 @@ def run_block(lang: str, text: str, env: dict, timeout: int) -> str:
 def test_every_block_is_in_a_group():
     got = [(group(lang, text), lang, text.splitlines()[0]) for lang, text in blocks()]
     runs = [g for g, lang, _ in got if lang in ("bash", "python")]
-    assert runs.count("self") == 1 and runs.count("run") == 3, got
+    assert runs.count("self") == 1 and runs.count("run") == 5, got
     assert runs.count("slow") == 3, got     # make demo; vLLM in Python; vLLM on the command line
 
 
@@ -95,7 +96,8 @@ def test_readme_runs_as_written(tmp_path):
     finally:
         if (tmp_path / "kdn-home" / "cluster.json").exists():
             subprocess.run([str(KDN), "down"], cwd=ROOT, env=env, capture_output=True, timeout=120)
-    up, api, down = [out for text, out in outputs if "make demo" not in text and "vllm" not in text.lower()]
+    up, api, serve, openai, down = [out for text, out in outputs
+                                    if "make demo" not in text and "vllm" not in text.lower()]
     # the query's answer was checked against a full prefill, both warm, in plain words
     assert "generated tokens identical: yes" in up, up[-2000:]
     assert re.search(r"KDN was \d+(\.\d+)?x faster than a full prefill", up), up[-2000:]
@@ -104,6 +106,10 @@ def test_readme_runs_as_written(tmp_path):
     lines = api.strip().splitlines()
     assert lines[-1].split()[:2] == ["4520", "True"], api[-2000:]
     assert "AccessDenied" not in api and "Traceback" not in api
+    # the service answered through the openai client, the knowledge's KV from KDN
+    assert "http://127.0.0.1:8000/v1" in serve, serve[-2000:]
+    answer, cached = openai.strip().splitlines()[-2:]
+    assert answer.strip() and cached == "4520", openai[-2000:]
     assert "is down" in down or "stopped" in down, down
     assert not (tmp_path / "kdn-home" / "cluster.json").exists()
     shutil.rmtree(tmp_path / "kdn-home", ignore_errors=True)

@@ -265,6 +265,7 @@ def test_status_shows_an_edges_disk_tier_beside_memory():
             "disk": {"items": 7, "bytes": 5 << 30, "hits": 3, "write_backs": 9, "full_dropped": 1}}
     row, = status_rows({"edges": [edge]})
     assert row["chunks"] == 4 and row["disk chunks"] == 7 and row["disk"] == "5.00 GiB"
+    assert row["main"] == "2 / 3.0 MiB" and row["hot"] == "2 / 3.0 MiB" and row["main hits"] == 0
     assert row["disk hits"] == 3 and row["write-backs"] == 9 and row["dropped (full)"] == 1
     row, = status_rows({"edges": [dict(edge, disk=None)]})
     assert "disk" not in row

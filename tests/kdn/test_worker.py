@@ -11,13 +11,11 @@ chunk) and one that is exactly 512 tokens (it ends on a chunk boundary).
 import uuid
 
 import pytest
-import torch
 
 from kdn.client import Client
 from kdn.cluster import start_network, stop_network
 from kdn.keys import CHUNK_TOKENS
 from kdn.knowledge import bundled_documents
-from kdn.model import load_model
 from kdn.publish import publish_documents
 from kdn.placement.topology import Topology
 from kdn.errors import ModelError
@@ -28,14 +26,7 @@ NEW_TOKENS = 10
 SOURCES = {"local", "peer", "origin"}
 
 
-@pytest.fixture(scope="module")
-def model():
-    # One intra-op thread: on a busy 2-core machine two OpenMP threads fight other processes
-    # for the cores and a prefill gets several times slower, not faster.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_model()
-    torch.set_num_threads(threads)
+# `model`: tests/conftest.py (the real model, one intra-op thread)
 
 
 @pytest.fixture(scope="module")

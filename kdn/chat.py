@@ -1,0 +1,173 @@
+"""Chat over a knowledge base, token by token: the engine side of `kdn serve`.
+
+A chat request's prompt is the KB's knowledge tokens (its manifest's token ids: the system
+turn it was published in) followed by the request's messages rendered with the model's chat
+template and the assistant's generation prompt. The messages are rendered after a probe
+system turn and the probe's rendering is cut off (as Model.question_text does for one
+question), so the KB's tokens are an exact prefix of the full prompt and every one of them
+can come from KDN; a single user message renders exactly as `kdn query` renders its question.
+
+`stream()` generates one token at a time with the same computation as Model.generate (the
+KV fetched from the nearest edge rebuilt into a cache with room for the rest, the rest of
+the prompt in one forward pass, then one token per step), so greedy tokens are identical to
+`kdn query --check`; each token is yielded as soon as its logits are known. temperature > 0
+samples from softmax(logits / temperature) instead (seeded when the request gives a seed).
+"""
+import collections
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kdn.errors import BadRequest, ModelError
+
+ROLES = ("system", "user", "assistant")
+MAX_MESSAGES = 256
+MAX_MESSAGE_CHARS = 200_000
+_PROBE = "kdn-probe-knowledge"
+
+
+def check_messages(messages) -> list:
+    """[{"role", "content"}] with roles system/user/assistant and str content (or OpenAI's
+    list of text parts); BadRequest naming the first bad message otherwise."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects")
+    if len(messages) > MAX_MESSAGES:
+        raise BadRequest(f"messages has {len(messages)} entries; the limit is {MAX_MESSAGES}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}] must be an object, got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if role == "developer":          # OpenAI's newer name for the system role
+            role = "system"
+        if role not in ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r:.40}")
+        if isinstance(content, list):    # [{"type": "text", "text": ...}]
+            parts = []
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise BadRequest(f"messages[{i}].content[{j}] must be a text part "
+                                     "{\"type\": \"text\", \"text\": str} (this model reads text only)")
+                parts.append(p["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        if len(content) > MAX_MESSAGE_CHARS:
+            raise BadRequest(f"messages[{i}].content is {len(content)} characters; the limit is "
+                             f"{MAX_MESSAGE_CHARS}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def messages_tokens(model, messages) -> list:
+    """Token ids of the request's turns and the generation prompt, as they follow a system
+    turn in the full rendered prompt (a KB's knowledge turn ends where these begin)."""
+    msgs = check_messages(messages)
+    system = [{"role": "system", "content": _PROBE}]
+    head = model._render(system, False)
+    full = model._render(system + msgs, True)
+    if not full.startswith(head):
+        raise ModelError(f"{model.name}'s chat template does not render the system turn as a prefix "
+                         "of the prompt; knowledge cannot be cached as a prefix")
+    return model.encode(full[len(head):])
+
+
+@dataclass
+class Step:
+    token: int            # the new token id (None on the last step when it stopped at EOS)
+    text: str             # text this step adds (may be "" while a multi-byte character is incomplete)
+    finish: str = None    # "stop" or "length" on the last step, else None
+
+
+class Chat:
+    """One replica's engine: a loaded model and its KDN client; answers one request at a time
+    (the caller serialises: the model's arena lends one rebuild buffer per cache)."""
+
+    def __init__(self, model, client):
+        if client.reader.fingerprint != model.fingerprint:
+            raise ModelError(f"the client reads KV of model {client.reader.fingerprint!r}, "
+                             f"not of {model.fingerprint!r}")
+        self.model, self.client = model, client
+        # requests, prompt_tokens, cached_tokens, completion_tokens, fetch_s, rebuild_s
+        self.counters = collections.Counter()
+
+    def stats(self) -> dict:
+        return {"counters": dict(self.counters), "model": self.model.stats(), "client": self.client.stats()}
+
+    def prepare(self, manifest, messages, max_tokens: int):
+        """(prompt tokens, engine cache or None, cached tokens) for messages after the KB."""
+        ids = manifest.token_ids()
+        if manifest.layout != "prefix":
+            raise BadRequest(f"knowledge base {manifest.name!r} has layout {manifest.layout!r}; "
+                             "the service answers over 'prefix' KBs only")
+        if len(ids) == 0:
+            raise BadRequest(f"knowledge base {manifest.name!r} version {manifest.version} was "
+                             "published without its token ids; republish it to serve it")
+        prompt = ids.tolist() + messages_tokens(self.model, messages)
+        t0 = time.perf_counter()
+        f = self.client.fetch(prompt, kb=manifest.name, version=manifest.version)
+        t1 = time.perf_counter()
+        cache = (self.model.cache_from_kv(f.kv_parts(), len(prompt) - f.tokens + max_tokens)
+                 if f.tokens else None)
+        self.counters["fetch_s"] += t1 - t0
+        self.counters["rebuild_s"] += time.perf_counter() - t1
+        return prompt, cache, f.tokens
+
+    def stream(self, prompt, cache, cached_tokens: int, max_tokens: int, temperature: float = 0.0,
+               seed: int = None):
+        """Yield a Step per generated token, the first as soon as its logits are known (stream())."""
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += len(prompt)
+        self.counters["cached_tokens"] += cached_tokens
+        for step in stream(self.model, prompt, cache, cached_tokens, max_tokens, temperature, seed):
+            self.counters["completion_tokens"] += step.token is not None
+            yield step
+
+
+
+def stream(model, prompt, cache, cached_tokens: int, max_tokens: int, temperature: float = 0.0,
+           seed: int = None):
+    """Yield a Step per token generated after `prompt`, whose first cached_tokens have their
+    KV in `cache` (None: nothing cached), the first as soon as its logits are known: the
+    computation of Model.generate, one token at a time (see the module)."""
+    ids = model.check_tokens(prompt, "prompt tokens")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise BadRequest(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if model.cache_tokens(cache) != cached_tokens:
+        raise ModelError(f"cache holds {model.cache_tokens(cache)} tokens but cached_tokens={cached_tokens}")
+    cache = cache if cache is not None else model.new_cache()
+    start = cached_tokens
+    if start == len(ids):     # logits after the last prompt token are needed: recompute it
+        start -= 1
+        model.crop(cache, start)
+    sample = temperature is not None and temperature > 0
+    gen = torch.Generator().manual_seed(int(seed)) if sample and seed is not None else None
+    out, said = [], ""
+    with torch.inference_mode():
+        logits = model._forward(torch.tensor([ids[start:]], dtype=torch.long), cache).logits[0, -1]
+        while True:
+            if sample:
+                probs = torch.softmax(logits.float() / float(temperature), dim=-1)
+                nxt = int(torch.multinomial(probs, 1, generator=gen))
+            else:
+                nxt = int(torch.argmax(logits))
+            if nxt in model.eos_ids:
+                yield Step(None, _tail(model, out, said), "stop")
+                return
+            out.append(nxt)
+            text = model.tokenizer.decode(out, skip_special_tokens=True)
+            # hold back an incomplete multi-byte character until its last token arrives
+            new = text[len(said):] if not text.endswith("\ufffd") else ""
+            said += new
+            if len(out) >= max_tokens:
+                yield Step(nxt, new + _tail(model, out, said), "length")
+                return
+            yield Step(nxt, new)
+            logits = model._forward(torch.tensor([[nxt]], dtype=torch.long), cache).logits[0, -1]
+
+
+def _tail(model, out, said: str) -> str:
+    """Text not yet said when generation ends (a character held back, if any)."""
+    text = model.tokenizer.decode(out, skip_special_tokens=True)
+    return text[len(said):] if text.startswith(said) else ""

@@ -1,0 +1,220 @@
+"""The OpenAI-compatible wire format of `kdn serve`: requests checked, responses and errors shaped.
+
+Pure functions, no Ray and no model, so every rule is testable alone:
+- `parse_chat(body, base_model)` checks a POST /v1/chat/completions body and says which KB
+  it reads: "model": "<model>@<kb>" or "<model>@<kb>:<version>", or "model": "<model>" with
+  "kb": "<kb>[:<version>]" in the body (the openai client's extra_body). Anything malformed
+  is an `ApiError` 400 naming the field; another base model is 404 model_not_found.
+- `tenant_of(tokens, authorization)` maps the Authorization: Bearer token to a tenant with
+  the network's read tokens (kdn.auth.Tokens): a tenant's read token reads that tenant; the
+  admin token reads "default"; any other token, or none, reads "default" when that tenant
+  has no read token (as the edges let anyone read an open tenant; the openai client always
+  sends some api_key), else no token is 401 and a token that is nobody's is 403.
+- completion, chunk and model-list objects as OpenAI clients parse them; `usage` has
+  prompt_tokens, completion_tokens, total_tokens and prompt_tokens_details.cached_tokens
+  (the prompt tokens whose KV came from KDN).
+- `error_body` is OpenAI's {"error": {"message", "type", "code", "param"}}.
+"""
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from kdn.auth import _same
+from kdn.errors import KDNError
+
+DEFAULT_MAX_TOKENS = 256
+MAX_TOKENS_LIMIT = 4096
+DEFAULT_TENANT = "default"
+KNOWN_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "stream",
+                "kb", "seed", "stream_options", "n", "top_p", "user", "stop", "presence_penalty",
+                "frequency_penalty", "logprobs", "response_format", "tools", "tool_choice"}
+
+# status -> OpenAI error type
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+         429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+
+class ApiError(KDNError):
+    """An API request refused with an HTTP status and an OpenAI error code."""
+
+    def __init__(self, status: int, message: str, code: str, param: str = None, retry_after: float = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.code, self.param)
+
+    def headers(self) -> dict:
+        return {"Retry-After": str(max(1, int(round(self.retry_after))))} if self.retry_after else {}
+
+
+def error_body(status: int, message: str, code: str, param: str = None) -> dict:
+    return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"),
+                      "code": code, "param": param}}
+
+
+def bad(message: str, param: str = None, code: str = "invalid_request") -> ApiError:
+    return ApiError(400, message, code, param)
+
+
+def parse_json(raw: bytes) -> dict:
+    if len(raw) > 8 << 20:
+        raise ApiError(413, f"the request body is {len(raw)} bytes; the limit is {8 << 20}", "body_too_large")
+    try:
+        body = json.loads(raw or b"")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+@dataclass
+class ChatRequest:
+    model: str            # as the caller named it (echoed back)
+    kb: str
+    version: "int | None"
+    messages: list
+    max_tokens: int
+    temperature: float
+    stream: bool
+    include_usage: bool   # stream_options.include_usage (usage is always on the last chunk here)
+    seed: "int | None"
+
+
+def split_kb(text: str, param: str) -> tuple:
+    """'kb' or 'kb:3' -> (kb, version or None)."""
+    from kdn.manifest import check_name
+    kb, sep, ver = text.partition(":")
+    try:
+        check_name(kb, "knowledge base name")
+    except KDNError as e:
+        raise bad(str(e), param) from None
+    if not sep:
+        return kb, None
+    if not ver.isdigit() or int(ver) < 1:
+        raise bad(f"a KB version must be a positive integer, got {ver!r:.40} in {text!r:.80}", param)
+    return kb, int(ver)
+
+
+def _int(body, name, default, lo, hi):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise bad(f"{name} must be an integer in [{lo}, {hi}], got {v!r:.40}", name)
+    return v
+
+
+def parse_chat(body: dict, base_model: str) -> ChatRequest:
+    """A checked chat request (see the module); ApiError 400/404 otherwise."""
+    from kdn.chat import check_messages
+    from kdn.errors import BadRequest
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model is required: a string, '<model>@<kb>' or '<model>' with \"kb\" in the body", "model")
+    base, at, kb_text = model.partition("@")
+    if base != base_model:
+        raise ApiError(404, f"model {model!r:.120} does not exist: this service runs {base_model!r} "
+                       f"(name a KB as '{base_model}@<kb>')", "model_not_found", "model")
+    kb_field = body.get("kb")
+    if kb_field is not None and not isinstance(kb_field, str):
+        raise bad(f"kb must be a string '<kb>' or '<kb>:<version>', got {type(kb_field).__name__}", "kb")
+    if at and kb_field is not None and kb_field != kb_text:
+        raise bad(f"the model names KB {kb_text!r:.80} but kb says {kb_field!r:.80}: name it once", "kb")
+    kb_text = kb_text if at else kb_field
+    if not kb_text:
+        raise bad(f"no knowledge base named: use model '{base_model}@<kb>' or \"kb\": \"<kb>\"", "model")
+    kb, version = split_kb(kb_text, "model" if at else "kb")
+    try:
+        messages = check_messages(body.get("messages"))
+    except BadRequest as e:
+        raise bad(str(e), "messages") from None
+    if body.get("n") not in (None, 1):
+        raise bad(f"n must be 1 (one choice per request), got {body.get('n')!r:.20}", "n")
+    mct = _int(body, "max_completion_tokens", None, 1, MAX_TOKENS_LIMIT)
+    mt = _int(body, "max_tokens", None, 1, MAX_TOKENS_LIMIT)
+    temperature = body.get("temperature", 0.0)
+    if temperature is None:
+        temperature = 0.0
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
+        raise bad(f"temperature must be a number in [0, 2], got {temperature!r:.40}", "temperature")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad(f"stream must be true or false, got {stream!r:.40}", "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise bad("stream_options must be an object", "stream_options")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise bad(f"seed must be an integer, got {seed!r:.40}", "seed")
+    return ChatRequest(model=model, kb=kb, version=version, messages=messages,
+                       max_tokens=mct or mt or DEFAULT_MAX_TOKENS, temperature=float(temperature),
+                       stream=stream, include_usage=bool(opts.get("include_usage")), seed=seed)
+
+
+def tenant_of(tokens, authorization) -> str:
+    """The tenant a request reads as, from its Authorization header (see the module)."""
+    token = None
+    if authorization:
+        scheme, _, value = str(authorization).partition(" ")
+        if scheme.lower() != "bearer" or not value.strip():
+            raise ApiError(401, "Authorization must be 'Bearer <token>'", "invalid_authorization")
+        token = value.strip()
+    if token is None:
+        if tokens.readers.get(DEFAULT_TENANT) is not None:
+            raise ApiError(401, "a read token is required: send Authorization: Bearer <token> "
+                                "(the tenant's read token, as the edges take it)", "missing_token")
+        return DEFAULT_TENANT
+    for tenant, want in sorted(tokens.readers.items()):
+        if _same(token, want):
+            return tenant
+    if tokens.is_admin(token) or tokens.readers.get(DEFAULT_TENANT) is None:
+        return DEFAULT_TENANT
+    raise ApiError(403, "the bearer token is no tenant's read token", "invalid_token")
+
+
+def completion_id() -> str:
+    return "chatcmpl-" + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def completion(cid: str, model: str, text: str, finish: str, use: dict, created: int = None) -> dict:
+    return {"id": cid, "object": "chat.completion", "created": created or int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": finish, "logprobs": None}],
+            "usage": use}
+
+
+def chunk(cid: str, model: str, created: int, delta: dict, finish: str = None, use: dict = None) -> dict:
+    out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+           "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    if use is not None:
+        out["usage"] = use
+    return out
+
+
+def sse(obj) -> bytes:
+    """One server-sent event carrying obj as JSON (or the literal [DONE])."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+DONE = sse("[DONE]")
+
+
+def model_list(base_model: str, kbs, created: int = 0) -> dict:
+    """GET /v1/models: the base model, then '<model>@<kb>' per KB name (sorted)."""
+    ids = [base_model] + [f"{base_model}@{kb}" for kb in sorted(set(kbs))]
+    return {"object": "list",
+            "data": [{"id": i, "object": "model", "created": created, "owned_by": "kdn"} for i in ids]}

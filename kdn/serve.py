@@ -1,0 +1,393 @@
+"""`kdn serve`: knowledge-aware inference workers behind an OpenAI-compatible API, on Ray Serve.
+
+One Serve application per network (named `kdn-<network>`, route prefix "/"):
+- one deployment per region (`<region>`, class `RegionWorker`) whose replicas are placed on
+  that region's nodes by Ray's node label selector (ray_actor_options label_selector
+  {"region": <region>}); each replica loads the model (kdn.model.load_model, warmed up) and
+  reads KV for its region from the nearest live edge (kdn.client.Client with region=), and
+  answers with kdn.chat (the KB's tokens, then the request's messages; token by token);
+- an ingress deployment (`router`, class `Router`, no CPUs) that speaks HTTP: it checks the
+  token and the request (kdn.openai_api) before any replica is busy, picks the region and
+  relays the answer; a stream that breaks (a replica died) ends with an OpenAI error event,
+  which the openai client raises, never with a silent end a client could take as complete.
+
+Routes: /<region>/v1/... goes to that region's deployment; /v1/... goes to the caller's
+nearest region: the one named in an `X-KDN-Region` header (a regional load balancer or a
+client that knows where it runs sets it), else the region where the request entered the
+network — Serve's one proxy runs on the head node and the router is placed in the origin's
+region, which is the head's under `kdn up` — when it is served, else the served region
+nearest to it by the topology's latencies. The caller's address says nothing about its
+region here (every node of an embedded cluster is 127.0.0.1), so no guess is made from it.
+The proxy binds 127.0.0.1 (`kdn serve --port`, default 8000): nothing listens off loopback.
+
+Errors are OpenAI-shaped: unknown model or KB 404, bad input 400, token missing 401 / wrong
+403, overload (a full queue) 429 and no replica available 503, both with Retry-After.
+"""
+import collections
+import logging
+import threading
+import time
+
+from kdn.errors import AccessDenied, BadRequest, KDNError, ManifestError, NetworkError
+from kdn.openai_api import (DONE, ApiError, chunk, completion, completion_id, error_body, model_list,
+                            parse_chat, parse_json, sse, tenant_of, usage)
+
+log = logging.getLogger("kdn.serve")
+
+DEFAULT_PORT = 8000
+ROUTER = "router"
+REGION_HEADER = "x-kdn-region"
+RETRY_AFTER_S = 1
+
+
+def app_name(network: str) -> str:
+    return f"kdn-{network}"
+
+
+def api_error(e: KDNError) -> ApiError:
+    """The API's answer to an error KDN raised on purpose while serving a request."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, ManifestError) and str(e).startswith("no knowledge base"):
+        return ApiError(404, str(e), "kb_not_found", "model")
+    if isinstance(e, AccessDenied):
+        return ApiError(403, str(e), "access_denied")
+    if isinstance(e, NetworkError):
+        return ApiError(503, f"the KDN network did not answer: {e}", "network_unavailable",
+                        retry_after=RETRY_AFTER_S)
+    return ApiError(400, str(e), "invalid_request")   # BadRequest, ModelError, ManifestError, ...
+
+
+class RegionWorker:
+    """One replica of a region's deployment: the model, a KDN client per tenant, kdn.chat."""
+
+    def __init__(self, network: str, region: str, max_context: int = None):
+        from kdn.model import load_model
+        from kdn.view import node_region
+        where = node_region()
+        if where != region:     # the label selector placed us; say so loudly if it did not
+            raise NetworkError(f"a replica of region {region!r} started on a node of region {where!r}")
+        self.network, self.region = network, region
+        self.model = load_model()
+        self.max_context = max_context or int(getattr(self.model.hf.config, "max_position_embeddings", 8192))
+        self._chats = {}            # (tenant, token) -> kdn.chat.Chat
+        self._lock = threading.Lock()
+        # requests, streams, errors, models_calls
+        self.counters = collections.Counter()
+
+    def stats(self) -> dict:
+        return {"region": self.region, "counters": dict(self.counters),
+                "chats": {t: c.stats()["counters"] for (t, _), c in self._chats.items()}}
+
+    def _chat(self, tenant: str, token):
+        from kdn.chat import Chat
+        from kdn.client import Client
+        key = (tenant, token)
+        if key not in self._chats:
+            client = Client(network=self.network, region=self.region, tenant=tenant,
+                            fingerprint=self.model.fingerprint, token=token)
+            self._chats[key] = Chat(self.model, client)
+        return self._chats[key]
+
+    def models(self, tenant: str, token) -> dict:
+        """{"status", "body"}: the model list the tenant may read."""
+        self.counters["models_calls"] += 1
+        try:
+            names = [m.name for m in self._chat(tenant, token).client.manifests(refresh=True)]
+        except KDNError as e:
+            return self._error(api_error(e))
+        return {"status": 200, "body": model_list(self.model.name, names)}
+
+    def _error(self, e: ApiError) -> dict:
+        self.counters["errors"] += 1
+        return {"status": e.status, "body": e.body(), "headers": e.headers()}
+
+    def _start(self, req: dict, tenant: str, token):
+        """(chat, prompt, cache, cached tokens) for a checked request; KDNError otherwise."""
+        chat = self._chat(tenant, token)
+        m = chat.client.manifest(req["kb"], req["version"])
+        from kdn.chat import messages_tokens
+        total = len(m.token_ids()) + len(messages_tokens(self.model, req["messages"])) + req["max_tokens"]
+        if total > self.max_context:
+            raise ApiError(400, f"the KB's {len(m.token_ids())} tokens, the messages and max_tokens "
+                                f"({req['max_tokens']}) make {total} tokens; the model's context is "
+                                f"{self.max_context}", "context_length_exceeded", "messages")
+        prompt, cache, cached = chat.prepare(m, req["messages"], req["max_tokens"])
+        return chat, prompt, cache, cached
+
+    def complete(self, req: dict, tenant: str, token) -> dict:
+        """{"status", "body"[, "headers"]}: one plain chat completion."""
+        self.counters["requests"] += 1
+        with self._lock:
+            try:
+                chat, prompt, cache, cached = self._start(req, tenant, token)
+                steps = list(chat.stream(prompt, cache, cached, req["max_tokens"], req["temperature"],
+                                         req["seed"]))
+            except KDNError as e:
+                return self._error(api_error(e))
+        text = "".join(s.text for s in steps)
+        n = sum(1 for s in steps if s.token is not None)
+        body = completion(completion_id(), req["model"], text, steps[-1].finish,
+                          usage(len(prompt), n, cached))
+        return {"status": 200, "body": body, "region": self.region}
+
+    def stream(self, req: dict, tenant: str, token):
+        """Yields {"status", ...} first (200, or the error), then SSE bytes ending in [DONE]."""
+        self.counters["streams"] += 1
+        with self._lock:
+            try:
+                chat, prompt, cache, cached = self._start(req, tenant, token)
+            except KDNError as e:
+                yield self._error(api_error(e))
+                return
+            yield {"status": 200, "region": self.region}
+            cid, created, model = completion_id(), int(time.time()), req["model"]
+            yield sse(chunk(cid, model, created, {"role": "assistant", "content": ""}))
+            n, finish = 0, None
+            for step in chat.stream(prompt, cache, cached, req["max_tokens"], req["temperature"], req["seed"]):
+                n += step.token is not None
+                if step.text:
+                    yield sse(chunk(cid, model, created, {"content": step.text}))
+                finish = step.finish
+            yield sse(chunk(cid, model, created, {}, finish, usage(len(prompt), n, cached)))
+            yield DONE
+
+
+class Router:
+    """The ingress: HTTP in, a region's deployment chosen, the answer relayed (see the module)."""
+
+    def __init__(self, workers: dict, nearest: dict, auth: dict, base_model: str):
+        from kdn.auth import Tokens
+        from kdn.view import node_region
+        self.workers = workers                # region -> DeploymentHandle
+        self.nearest = nearest                # region -> [regions with a deployment, nearest first]
+        self.tokens = Tokens.from_dict(auth)
+        self.base_model = base_model
+        self.home = node_region()
+        # requests, streams, errors_<status>, broken_streams, region_<name>
+        self.counters = collections.Counter()
+
+    def stats(self) -> dict:
+        return {"home": self.home, "counters": dict(self.counters)}
+
+    def pick(self, request, path_region: str) -> str:
+        if path_region is not None:
+            if path_region not in self.workers:
+                raise ApiError(404, f"no service in region {path_region!r:.64} (regions: "
+                                    f"{', '.join(sorted(self.workers))})", "unknown_region")
+            return path_region
+        asked = request.headers.get(REGION_HEADER)
+        if asked:
+            if asked not in self.workers:
+                raise ApiError(400, f"{REGION_HEADER} names region {asked!r:.64}; the service runs in "
+                                    f"{', '.join(sorted(self.workers))}", "unknown_region")
+            return asked
+        order = self.nearest.get(self.home) or sorted(self.workers)
+        return order[0]
+
+    async def __call__(self, request):
+        from starlette.responses import JSONResponse
+        self.counters["requests"] += 1
+        try:
+            return await self._handle(request)
+        except ApiError as e:
+            self.counters[f"errors_{e.status}"] += 1
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+        except Exception:   # last resort: an unexpected error is logged and answered OpenAI-shaped
+            log.exception("kdn serve: unexpected error on %s %s", request.method, request.url.path)
+            self.counters["errors_500"] += 1
+            return JSONResponse(error_body(500, "internal error in the KDN service (logged)", "internal_error"),
+                                status_code=500)
+
+    def _route(self, path: str) -> tuple:
+        """(region or None, endpoint) for /v1/<endpoint> or /<region>/v1/<endpoint>."""
+        parts = [p for p in path.split("/") if p]
+        region = None
+        if parts and parts[0] != "v1":
+            region, parts = parts[0], parts[1:]
+        if not parts or parts[0] != "v1":
+            raise ApiError(404, f"no route {path!r:.120}: use /v1/... or /<region>/v1/...", "unknown_route")
+        return region, "/".join(parts[1:])
+
+    async def _handle(self, request):
+        from ray import serve
+        from ray.exceptions import RayActorError
+        region, endpoint = self._route(request.url.path)
+        routes = {"chat/completions": "POST", "models": "GET"}
+        if endpoint not in routes:
+            raise ApiError(404, f"no endpoint /v1/{endpoint:.80}: this service has /v1/chat/completions "
+                                "and /v1/models", "unknown_route")
+        if request.method != routes[endpoint]:
+            raise ApiError(405, f"/v1/{endpoint} takes {routes[endpoint]}, not {request.method}",
+                           "method_not_allowed")
+        tenant = tenant_of(self.tokens, request.headers.get("authorization"))
+        token = (request.headers.get("authorization") or "").partition(" ")[2].strip() or None
+        if endpoint == "chat/completions":
+            req = parse_chat(parse_json(await request.body()), self.base_model)
+        region = self.pick(request, region)
+        self.counters[f"region_{region}"] += 1
+        handle = self.workers[region]
+        try:
+            if endpoint == "models":
+                return self._reply(await handle.models.remote(tenant, token))
+            body = dict(req.__dict__)
+            if not req.stream:
+                return self._reply(await handle.complete.remote(body, tenant, token))
+            self.counters["streams"] += 1
+            gen = handle.options(stream=True).stream.remote(body, tenant, token)
+            head = await gen.__anext__()
+            if head["status"] != 200:
+                return self._reply(head)
+            return self._streaming(gen)
+        except serve.exceptions.BackPressureError:
+            raise ApiError(429, f"region {region}'s workers are all busy and their queues full; retry",
+                           "overloaded", retry_after=RETRY_AFTER_S) from None
+        except (serve.exceptions.DeploymentUnavailableError, serve.exceptions.ReplicaUnavailableError,
+                RayActorError, StopAsyncIteration) as e:
+            raise ApiError(503, f"no worker of region {region} could answer ({type(e).__name__}); retry",
+                           "unavailable", retry_after=RETRY_AFTER_S) from None
+
+    def _reply(self, r: dict):
+        from starlette.responses import JSONResponse
+        if r["status"] != 200:
+            self.counters[f"errors_{r['status']}"] += 1
+        return JSONResponse(r["body"], status_code=r["status"], headers=r.get("headers") or {})
+
+    def _streaming(self, gen):
+        from ray import serve
+        from ray.exceptions import RayActorError, RayTaskError
+        from starlette.responses import StreamingResponse
+
+        async def relay():
+            try:
+                async for piece in gen:
+                    yield piece
+            except (RayActorError, RayTaskError, serve.exceptions.RayServeException) as e:
+                # the worker died or failed mid-answer: end with an error event (the openai
+                # client raises APIError on it), never with an end that looks complete
+                self.counters["broken_streams"] += 1
+                yield sse(error_body(503, f"the answer broke off: its worker failed ({type(e).__name__}); "
+                                          "retry the request", "stream_broken"))
+        return StreamingResponse(relay(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+
+def nearest_regions(topology, regions) -> dict:
+    """region -> the served regions, nearest first by the topology's latency (itself first)."""
+    out = {}
+    for src in topology.regions:
+        out[src] = sorted(regions, key=lambda r: (0 if r == src else 1, topology.latency_ms(src, r), r))
+    return out
+
+
+def check_autoscaling(min_replicas: int = 1, max_replicas: int = 1, target_ongoing_requests: float = 1.0) -> dict:
+    for what, v in (("min_replicas", min_replicas), ("max_replicas", max_replicas)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise BadRequest(f"{what} must be a non-negative int, got {v!r}")
+    if max_replicas < max(1, min_replicas):
+        raise BadRequest(f"max_replicas ({max_replicas}) must be at least min_replicas ({min_replicas}) and 1")
+    if not isinstance(target_ongoing_requests, (int, float)) or target_ongoing_requests <= 0:
+        raise BadRequest(f"target_ongoing_requests must be a positive number, got {target_ongoing_requests!r}")
+    return {"min_replicas": min_replicas, "max_replicas": max_replicas,
+            "target_ongoing_requests": float(target_ongoing_requests)}
+
+
+def deploy(network: str = "kdn", regions=None, port: int = DEFAULT_PORT, auth: dict = None,
+           min_replicas: int = 1, max_replicas: int = 1, target_ongoing_requests: float = 1.0,
+           replica_cpus: float = 1.0, max_queued_requests: int = 16, base_model: str = None) -> dict:
+    """Deploy (or update) the service of `network` on the connected Ray cluster; returns
+    service_info(). regions: those to serve (default every region of the topology).
+    auth: the network's tokens ({"admin", "readers"}, as `kdn up` configured them)."""
+    from ray import serve
+    from kdn.client import Client
+    from kdn.model import MODEL_NAME
+    scaling = check_autoscaling(min_replicas, max_replicas, target_ongoing_requests)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise BadRequest(f"port must be an int in 1-65535, got {port!r}")
+    topo = Client(network=network).topology
+    regions = list(regions or topo.regions)
+    unknown = [r for r in regions if r not in topo.regions]
+    if unknown:
+        raise BadRequest(f"unknown region(s) {unknown}; the network has {topo.regions}")
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    workers = {}
+    for r in regions:
+        d = serve.deployment(RegionWorker).options(
+            name=r, max_ongoing_requests=1, max_queued_requests=max_queued_requests,
+            autoscaling_config=scaling, health_check_period_s=5, health_check_timeout_s=60,
+            graceful_shutdown_timeout_s=5,
+            ray_actor_options={"label_selector": {"region": r}, "num_cpus": replica_cpus})
+        workers[r] = d.bind(network, r)
+    router = serve.deployment(Router).options(
+        name=ROUTER, num_replicas=1, max_ongoing_requests=1000,
+        ray_actor_options={"num_cpus": 0, "label_selector": {"region": topo.origin_region}})
+    app = router.bind(workers, nearest_regions(topo, regions), auth or {}, base_model or MODEL_NAME)
+    serve.run(app, name=app_name(network), route_prefix="/")
+    return service_info(network)      # the port Serve listens on (a running Serve keeps its own)
+
+
+CONFIG_KEYS = {"regions", "port", "min_replicas", "max_replicas", "target_ongoing_requests",
+               "replica_cpus", "max_queued_requests"}
+
+
+def load_config(path) -> dict:
+    """deploy()'s settings from a TOML file (the keys of CONFIG_KEYS, top level); BadRequest
+    naming the file and the key otherwise."""
+    import tomllib
+    try:
+        with open(path, "rb") as f:
+            d = tomllib.load(f)
+    except FileNotFoundError:
+        raise BadRequest(f"serve config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise BadRequest(f"serve config {path}: not TOML: {e}") from None
+    unknown = sorted(set(d) - CONFIG_KEYS)
+    if unknown:
+        raise BadRequest(f"serve config {path}: unknown key(s) {unknown}; known: {sorted(CONFIG_KEYS)}")
+    if "regions" in d and (not isinstance(d["regions"], list) or not all(isinstance(r, str) for r in d["regions"])):
+        raise BadRequest(f"serve config {path}: regions must be a list of region names")
+    return d
+
+
+def running_info(network: str = "kdn") -> dict:
+    """service_info() when Serve runs on the connected cluster, else {} (starts nothing)."""
+    from ray.serve.context import _get_global_client
+    if _get_global_client(raise_if_no_controller_running=False) is None:
+        return {}
+    return service_info(network)
+
+
+def service_info(network: str = "kdn", port: int = None) -> dict:
+    """The service's URLs, regions and replicas ({} when none is deployed)."""
+    from ray import serve
+    st = serve.status()
+    app = st.applications.get(app_name(network))
+    if app is None:
+        return {}
+    if port is None:
+        from ray.serve.context import _get_global_client
+        port = _get_global_client().http_config.port
+    base = f"http://127.0.0.1:{port}"
+    deps = {name: {"status": str(d.status.value if hasattr(d.status, "value") else d.status),
+                   "replicas": {str(k.value if hasattr(k, "value") else k): v
+                                for k, v in (d.replica_states or {}).items()}}
+            for name, d in app.deployments.items()}
+    regions = sorted(n for n in deps if n != ROUTER)
+    return {"app": app_name(network), "status": str(app.status.value if hasattr(app.status, "value") else app.status),
+            "url": f"{base}/v1", "regions": {r: f"{base}/{r}/v1" for r in regions},
+            "deployments": deps}
+
+
+def undeploy(network: str = "kdn") -> bool:
+    """Delete the network's service; Serve itself stops when it serves nothing else. False
+    when there was none (starts nothing)."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    if _get_global_client(raise_if_no_controller_running=False) is None:
+        return False
+    if app_name(network) not in serve.status().applications:
+        return False
+    serve.delete(app_name(network))
+    if not serve.status().applications:
+        serve.shutdown()
+    return True

@@ -1,0 +1,114 @@
+"""The service's parts without Ray: requests checked (kdn.openai_api), chat prompts (kdn.chat).
+
+A KB's knowledge tokens must be an exact prefix of the full chat prompt, or the tokens KDN
+serves would not be the ones the model reads; and token-by-token generation must give the
+tokens Model.generate gives.
+"""
+import pytest
+
+from kdn.auth import Tokens
+from kdn.chat import check_messages, messages_tokens
+from kdn.errors import BadRequest
+from kdn.model import MODEL_NAME
+from kdn.openai_api import ApiError, model_list, parse_chat, tenant_of
+
+MSG = [{"role": "user", "content": "Who wrote it?"}]
+
+
+# `model`: tests/conftest.py (the real model, one intra-op thread)
+
+
+@pytest.mark.parametrize("body, kb, version", [
+    ({"model": f"{MODEL_NAME}@rights"}, "rights", None),
+    ({"model": f"{MODEL_NAME}@rights:3"}, "rights", 3),
+    ({"model": MODEL_NAME, "kb": "rights:2"}, "rights", 2),
+    ({"model": f"{MODEL_NAME}@rights", "kb": "rights"}, "rights", None),
+])
+def test_the_kb_is_named_by_model_or_by_kb(body, kb, version):
+    r = parse_chat({"messages": MSG, **body}, MODEL_NAME)
+    assert (r.kb, r.version, r.max_tokens, r.temperature, r.stream) == (kb, version, 256, 0.0, False)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "other@rights"}, 404, "model"),
+    ({"model": MODEL_NAME}, 400, "model"),
+    ({"model": f"{MODEL_NAME}@rights:0"}, 400, "model"),
+    ({"model": f"{MODEL_NAME}@rights", "kb": "courts"}, 400, "kb"),
+    ({"model": f"{MODEL_NAME}@rights", "messages": "hi"}, 400, "messages"),
+    ({"model": f"{MODEL_NAME}@rights", "messages": [{"role": "user", "content": 3}]}, 400, "messages"),
+    ({"model": f"{MODEL_NAME}@rights", "max_tokens": True}, 400, "max_tokens"),
+    ({"model": f"{MODEL_NAME}@rights", "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
+    ({"model": f"{MODEL_NAME}@rights", "stream": "yes"}, 400, "stream"),
+    ({"model": f"{MODEL_NAME}@rights", "n": 2}, 400, "n"),
+    ({"model": 7}, 400, "model"),
+])
+def test_bad_requests_name_the_field(body, status, param):
+    with pytest.raises(ApiError) as err:
+        parse_chat({"messages": MSG, **body}, MODEL_NAME)
+    assert (err.value.status, err.value.param) == (status, param)
+    assert err.value.body()["error"]["message"]
+
+
+def test_max_completion_tokens_wins_and_text_parts_join():
+    r = parse_chat({"model": f"{MODEL_NAME}@kb", "max_tokens": 5, "max_completion_tokens": 7,
+                    "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                   {"type": "text", "text": "b"}]}]},
+                   MODEL_NAME)
+    assert r.max_tokens == 7 and r.messages == [{"role": "system", "content": "ab"}]
+
+
+def test_tenants_from_bearer_tokens():
+    admin, read, acme = "a" * 20, "r" * 20, "c" * 20
+    locked = Tokens(admin, {"default": read, "acme": acme})
+    assert tenant_of(locked, f"Bearer {read}") == "default"
+    assert tenant_of(locked, f"Bearer {acme}") == "acme"
+    assert tenant_of(locked, f"Bearer {admin}") == "default"
+    for header, status in ((None, 401), ("Basic xyz", 401), ("Bearer " + "x" * 20, 403)):
+        with pytest.raises(ApiError) as err:
+            tenant_of(locked, header)
+        assert err.value.status == status
+    for header in (None, "Bearer sk-anything"):       # an open tenant reads with any token or none
+        assert tenant_of(Tokens(admin, {"acme": acme}), header) == "default"
+    assert tenant_of(Tokens(admin, {"acme": acme}), f"Bearer {acme}") == "acme"
+
+
+def test_model_list():
+    assert [m["id"] for m in model_list("m", ["b", "a", "a"])["data"]] == ["m", "m@a", "m@b"]
+
+
+def test_check_messages_refuses_unknown_roles():
+    with pytest.raises(BadRequest, match="role"):
+        check_messages([{"role": "tool", "content": "x"}])
+
+
+def test_knowledge_is_an_exact_prefix_of_the_chat_prompt(model):
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who wrote it?"}]
+    kb = model.knowledge_tokens("We the People of the United States.")
+    whole = model.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "We the People of the United States."}] + msgs,
+        tokenize=False, add_generation_prompt=True)
+    assert kb + messages_tokens(model, msgs) == model.encode(whole)
+    q = "Who wrote it?"       # one user message is exactly `kdn query`'s question turn
+    assert messages_tokens(model, [{"role": "user", "content": q}]) == model.question_tokens(q)
+
+
+def test_streamed_tokens_are_generate_tokens(model):
+    from kdn.chat import stream
+    prompt = model.prompt_tokens("The sky is blue. Grass is green.", "What colour is grass?")
+    want = model.generate(prompt, max_new_tokens=8)
+    steps = list(stream(model, prompt, None, 0, 8))
+    assert [s.token for s in steps if s.token is not None] == want.tokens
+    assert "".join(s.text for s in steps) == want.text
+    assert steps[-1].finish == ("length" if want.finish == "length" else "stop")
+    # from a cache holding the first part of the prompt, as a KDN fetch gives it
+    pre = model.prefill(prompt[:20])
+    steps = list(stream(model, prompt, model.cache_from_kv([pre.kv], len(prompt)), 20, 8))
+    assert [s.token for s in steps if s.token is not None] == want.tokens
+
+
+def test_sampling_with_a_seed_repeats(model):
+    from kdn.chat import stream
+    prompt = model.prompt_tokens("The sky is blue.", "Say something.")
+    runs = [[s.token for s in stream(model, prompt, None, 0, 6, temperature=1.0, seed=7)] for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0]

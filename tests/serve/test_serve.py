@@ -1,0 +1,273 @@
+"""`kdn serve` through the official openai client, on a real local network with the real model.
+
+A KB ('rights', the Bill of Rights: a partial last chunk) is published with SmolLM2 to a
+3-region network whose default tenant needs a read token; the service is deployed once for
+the module in two regions (us-east, eu-west), each with one replica placed by node label.
+Answers, plain and streamed, must be the tokens `kdn query --check` (kdn.worker.answer with
+check=True: both with KDN and with a full prefill) gives for the same KB and question, and
+usage.prompt_tokens_details.cached_tokens the KB's tokens. Then every error the API promises,
+concurrent clients in both regions, and a replica killed in the middle of a stream.
+"""
+import contextlib
+import io
+import json
+import os
+import threading
+import uuid
+
+import httpx
+import openai
+import pytest
+import ray
+
+from kdn.client import Client
+from kdn.cluster import free_ports, start_network, stop_network
+from kdn.knowledge import bundled_documents
+from kdn.model import MODEL_NAME
+from kdn.placement.topology import Topology
+from kdn.publish import publish_documents
+from kdn.worker import answer
+
+REGIONS = ("us-east", "eu-west", "ap-south")
+SERVED = ["us-east", "eu-west"]
+ADMIN = "admin-" + "a" * 32
+READ = "read-default-" + "r" * 24
+ACME = "read-acme-" + "c" * 24
+QUESTION = "What does the first amendment protect?"
+NEW_TOKENS = 12
+
+
+# `model`: tests/conftest.py (the real model, one intra-op thread)
+
+
+def kdn(*args) -> tuple:
+    """`kdn ARGS` in this process (the CLI's own main): (exit status, stdout)."""
+    from kdn.cli import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(list(args))
+    return rc, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, tmp_path_factory, model):
+    """The network, the KB, the expected answer and the service, deployed by `kdn serve`."""
+    auth = {"admin": ADMIN, "readers": {"default": READ, "acme": ACME}}
+    topo = Topology.default_local(list(REGIONS), edges_per_region=1, capacity_bytes=256 << 20)
+    name = f"s{uuid.uuid4().hex[:8]}"
+    net = start_network(topo, tmp_path_factory.mktemp(name), network=name, auth=auth)
+    pub = Client(network=name, region="us-east", fingerprint=model.fingerprint, admin_token=ADMIN)
+    docs = dict(bundled_documents())
+    receipt = publish_documents(pub, model, "rights", [("bill-of-rights", docs["bill-of-rights"])])
+    reader = Client(network=name, region="eu-west", fingerprint=model.fingerprint, token=READ)
+    expected = answer(reader, model, "rights", QUESTION, max_new_tokens=NEW_TOKENS, check=True)
+    assert expected.identical
+    port = free_ports(1)[0]
+    where = ["--address", ray_cluster.address, "--network", name]
+    env = {"KDN_ADMIN_TOKEN": ADMIN, "KDN_READ_TOKENS": f"default={READ},acme={ACME}"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        # one replica per region, 1 request at a time and 2 queued: more waiting ones are 429s
+        rc, out = kdn("serve", *where, "--regions", ",".join(SERVED), "--port", str(port),
+                      "--replica-cpus", "0", "--max-queued-requests", "2", "--json")
+        assert rc == 0, out
+        info = json.loads(out)
+        yield {"url": info["url"], "info": info, "network": name, "expected": expected,
+               "kb_tokens": receipt["tokens"], "port": port, "where": where}
+    finally:
+        rc, out = kdn("serve", *where, "--down")
+        stop_network(net)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert rc == 0 and "stopped" in out
+
+
+def _client(url, token=READ, **kw):
+    return openai.OpenAI(base_url=url, api_key=token, max_retries=0, timeout=120, **kw)
+
+
+def _text(model, tokens):
+    return model.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_service_info_names_routes_and_replicas(service):
+    info = service["info"]
+    assert info["url"] == f"http://127.0.0.1:{service['port']}/v1"
+    assert info["regions"] == {r: f"http://127.0.0.1:{service['port']}/{r}/v1" for r in SERVED}
+    for r in SERVED:
+        assert info["deployments"][r]["replicas"].get("RUNNING") == 1
+
+
+def test_status_json_has_the_service(service):
+    rc, out = kdn("status", "--json", *service["where"])
+    svc = json.loads(out)["service"]
+    assert svc["url"] == service["info"]["url"] and svc["url"].endswith("/v1")
+    assert sorted(svc["regions"]) == sorted(SERVED) and all(u.endswith("/v1") for u in svc["regions"].values())
+
+
+def test_overload_is_429_with_retry_after(service):
+    """Six long answers at once to one region: one runs, two wait, the rest are refused."""
+    results = []
+
+    def ask():
+        try:
+            r = httpx.post(service["info"]["regions"]["us-east"] + "/chat/completions", timeout=120,
+                           headers={"Authorization": f"Bearer {READ}"},
+                           json=dict(model=f"{MODEL_NAME}@rights", max_tokens=40,
+                                     messages=[{"role": "user", "content": QUESTION}]))
+            results.append((r.status_code, r.headers.get("retry-after"), r.json()))
+        except httpx.HTTPError as e:
+            results.append((None, None, repr(e)))
+    threads = [threading.Thread(target=ask) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    codes = sorted(r[0] for r in results)
+    assert codes.count(200) >= 1 and set(codes) <= {200, 429}, results
+    for status, retry, body in results:
+        if status == 429:
+            assert retry == "1" and body["error"]["type"] == "rate_limit_error"
+    assert 429 in codes, results
+
+
+def test_plain_answer_is_the_query_check_answer(service, model):
+    e = service["expected"]
+    r = _client(service["url"]).chat.completions.create(
+        model=f"{MODEL_NAME}@rights", messages=[{"role": "user", "content": QUESTION}], max_tokens=NEW_TOKENS)
+    assert r.choices[0].message.content == _text(model, e.baseline_tokens)
+    assert r.usage.completion_tokens == len(e.baseline_tokens)
+    assert r.usage.prompt_tokens == e.prompt_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens == service["kb_tokens"] == e.cached_tokens
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_answer_is_the_query_check_answer_and_kb_by_extra_body(service, model):
+    e = service["expected"]
+    url = service["info"]["regions"]["eu-west"]
+    stream = _client(url).chat.completions.create(
+        model=MODEL_NAME, extra_body={"kb": "rights:1"}, messages=[{"role": "user", "content": QUESTION}],
+        max_completion_tokens=NEW_TOKENS, stream=True)
+    pieces, finish, use = [], None, None
+    for c in stream:
+        assert c.object == "chat.completion.chunk"
+        if c.choices:
+            pieces.append(c.choices[0].delta.content or "")
+            finish = c.choices[0].finish_reason or finish
+        use = c.usage or use
+    assert "".join(pieces) == _text(model, e.baseline_tokens)
+    assert len([p for p in pieces if p]) >= 2, "tokens arrive one by one"
+    assert finish in ("stop", "length")
+    assert use.prompt_tokens_details.cached_tokens == service["kb_tokens"]
+    assert use.completion_tokens == len(e.baseline_tokens)
+
+
+def test_models_lists_what_the_tenant_may_read(service):
+    ids = [m.id for m in _client(service["url"]).models.list()]
+    assert ids == [MODEL_NAME, f"{MODEL_NAME}@rights"]
+    assert [m.id for m in _client(service["url"], ACME).models.list()] == [MODEL_NAME]
+
+
+@pytest.mark.parametrize("kwargs, status, code", [
+    (dict(model=f"{MODEL_NAME}@nope"), 404, "kb_not_found"),
+    (dict(model=f"{MODEL_NAME}@rights:99"), 404, "kb_not_found"),
+    (dict(model="gpt-4o@rights"), 404, "model_not_found"),
+    (dict(model=MODEL_NAME), 400, "invalid_request"),
+    (dict(model=f"{MODEL_NAME}@rights", messages=[]), 400, "invalid_request"),
+    (dict(model=f"{MODEL_NAME}@rights", messages=[{"role": "robot", "content": "hi"}]), 400, "invalid_request"),
+    (dict(model=f"{MODEL_NAME}@rights", temperature=7), 400, "invalid_request"),
+    (dict(model=f"{MODEL_NAME}@rights", max_tokens=0), 400, "invalid_request"),
+    (dict(model=f"{MODEL_NAME}@rights", extra_body={"kb": "other"}), 400, "invalid_request"),
+    (dict(model=f"{MODEL_NAME}@bad name!"), 400, "invalid_request"),
+])
+def test_errors_are_openai_shaped(service, kwargs, status, code):
+    args = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.APIStatusError) as err:
+        _client(service["url"]).chat.completions.create(**args)
+    assert err.value.status_code == status
+    assert err.value.body["code"] == code and err.value.body["message"]
+
+
+def test_tokens_missing_401_wrong_403_other_tenant_404(service):
+    msg = dict(model=f"{MODEL_NAME}@rights", messages=[{"role": "user", "content": QUESTION}], max_tokens=4)
+    r = httpx.post(service["url"] + "/chat/completions", json=msg, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.PermissionDeniedError) as err:
+        _client(service["url"], "not-a-token-of-anyone").chat.completions.create(**msg)
+    assert err.value.status_code == 403
+    with pytest.raises(openai.NotFoundError):       # acme has no KB 'rights'
+        _client(service["url"], ACME).chat.completions.create(**msg)
+
+
+def test_bad_json_route_and_method(service):
+    h = {"Authorization": f"Bearer {READ}"}
+    base = f"http://127.0.0.1:{service['port']}"
+    r = httpx.post(base + "/v1/chat/completions", content=b"{not json", headers=h, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.get(base + "/v1/chat/completions", headers=h, timeout=30)
+    assert r.status_code == 405
+    r = httpx.get(base + "/mars/v1/models", headers=h, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_region"
+    r = httpx.get(base + "/v1/models", headers={**h, "X-KDN-Region": "eu-west"}, timeout=30)
+    assert r.status_code == 200
+
+
+def test_concurrent_clients_in_two_regions(service, model):
+    want = _text(model, service["expected"].baseline_tokens)
+    got, errors = [], []
+
+    def ask(region, stream):
+        try:
+            c = _client(service["info"]["regions"][region])
+            args = dict(model=f"{MODEL_NAME}@rights", messages=[{"role": "user", "content": QUESTION}],
+                        max_tokens=NEW_TOKENS)
+            if stream:
+                got.append("".join((c.choices[0].delta.content or "") for c in
+                                   c.chat.completions.create(stream=True, **args) if c.choices))
+            else:
+                got.append(c.chat.completions.create(**args).choices[0].message.content)
+        except openai.OpenAIError as e:
+            errors.append(e)
+    threads = [threading.Thread(target=ask, args=(r, s)) for r in SERVED for s in (False, True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and got == [want] * 4
+
+
+def test_the_demo_step_answers_through_the_openai_client(service, model):
+    from kdn.serve_demo import ask
+    said = []
+    got = ask(service["info"], "rights", QUESTION, said.append, api_key=READ, max_tokens=NEW_TOKENS)
+    want = _text(model, service["expected"].baseline_tokens).strip()
+    assert got["streamed"] == want and got["regions"] == {r: want for r in SERVED}
+    assert got["cached_tokens"] == service["kb_tokens"] and len(said) == 2 + len(SERVED)
+
+
+def test_replica_killed_mid_stream_is_a_clear_error_never_a_cut_answer(service, model):
+    """Last in the module: the killed replica is replaced (it loads the model again). The
+    answer is long (200 tokens, seconds of decoding) so the kill lands mid-stream: the
+    client must get an error, never a cut answer that ends like a complete one."""
+    want = _text(model, service["expected"].baseline_tokens)
+    prefix = f"SERVE_REPLICA::kdn-{service['network']}#eu-west#"
+    victims = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    assert len(victims) == 1, victims
+    victim = ray.get_actor(victims[0]["name"], namespace="serve")
+    stream = _client(service["info"]["regions"]["eu-west"]).chat.completions.create(
+        model=f"{MODEL_NAME}@rights", messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=200, stream=True)
+    text, finish = "", None
+    with pytest.raises(openai.APIError) as err:
+        for i, c in enumerate(stream):
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                finish = c.choices[0].finish_reason or finish
+            if i == 2:
+                ray.kill(victim, no_restart=True)
+    assert "broke off" in str(err.value), err.value
+    assert finish is None and want.startswith(text[:len(want)]) and text
