@@ -74,6 +74,13 @@ class RegionWorker:
         self._lock = threading.Lock()
         # requests, streams, errors, models_calls
         self.counters = collections.Counter()
+        # Warm the way to the edge before the first request, as the model was warmed: the
+        # region's view of the network and the open tenant's KB list (a tenant that needs a
+        # token is warmed by its first request instead).
+        try:
+            self._chat("default", None).client.manifests(refresh=True)
+        except AccessDenied:
+            self._chats.clear()
 
     def stats(self) -> dict:
         return {"region": self.region, "counters": dict(self.counters),
