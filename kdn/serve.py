@@ -193,17 +193,19 @@ class Router:
         return order[0]
 
     async def __call__(self, request):
+        from ray.exceptions import RayTaskError
         from starlette.responses import JSONResponse
         self.counters["requests"] += 1
         try:
             return await self._handle(request)
-        except ApiError as e:
+        except KDNError as e:               # refusals: ApiError, or KDN's own named errors
+            e = api_error(e)
             self.counters[f"errors_{e.status}"] += 1
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
-        except Exception:   # last resort: an unexpected error is logged and answered OpenAI-shaped
-            log.exception("kdn serve: unexpected error on %s %s", request.method, request.url.path)
+        except RayTaskError:                # a worker failed on a bug: logged, answered OpenAI-shaped
+            log.exception("kdn serve: a worker failed on %s %s", request.method, request.url.path)
             self.counters["errors_500"] += 1
-            return JSONResponse(error_body(500, "internal error in the KDN service (logged)", "internal_error"),
+            return JSONResponse(error_body(500, "a worker of the KDN service failed (logged)", "internal_error"),
                                 status_code=500)
 
     def _route(self, path: str) -> tuple:
