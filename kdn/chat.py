@@ -20,44 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from kdn.errors import BadRequest, ModelError
+from kdn.openai_api import check_messages
 
-ROLES = ("system", "user", "assistant")
-MAX_MESSAGES = 256
-MAX_MESSAGE_CHARS = 200_000
 _PROBE = "kdn-probe-knowledge"
-
-
-def check_messages(messages) -> list:
-    """[{"role", "content"}] with roles system/user/assistant and str content (or OpenAI's
-    list of text parts); BadRequest naming the first bad message otherwise."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list of {role, content} objects")
-    if len(messages) > MAX_MESSAGES:
-        raise BadRequest(f"messages has {len(messages)} entries; the limit is {MAX_MESSAGES}")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise BadRequest(f"messages[{i}] must be an object, got {type(m).__name__}")
-        role, content = m.get("role"), m.get("content")
-        if role == "developer":          # OpenAI's newer name for the system role
-            role = "system"
-        if role not in ROLES:
-            raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r:.40}")
-        if isinstance(content, list):    # [{"type": "text", "text": ...}]
-            parts = []
-            for j, p in enumerate(content):
-                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    raise BadRequest(f"messages[{i}].content[{j}] must be a text part "
-                                     "{\"type\": \"text\", \"text\": str} (this model reads text only)")
-                parts.append(p["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string, got {type(content).__name__}")
-        if len(content) > MAX_MESSAGE_CHARS:
-            raise BadRequest(f"messages[{i}].content is {len(content)} characters; the limit is "
-                             f"{MAX_MESSAGE_CHARS}")
-        out.append({"role": role, "content": content})
-    return out
 
 
 def messages_tokens(model, messages) -> list:
@@ -95,8 +60,9 @@ class Chat:
     def stats(self) -> dict:
         return {"counters": dict(self.counters), "model": self.model.stats(), "client": self.client.stats()}
 
-    def prepare(self, manifest, messages, max_tokens: int):
-        """(prompt tokens, engine cache or None, cached tokens) for messages after the KB."""
+    def prepare(self, manifest, messages, max_tokens: int, fetch: bool = True):
+        """(prompt tokens, engine cache or None, cached tokens) for messages after the KB.
+        fetch=False: nothing is fetched, the whole prompt is computed (no KDN, for comparisons)."""
         ids = manifest.token_ids()
         if manifest.layout != "prefix":
             raise BadRequest(f"knowledge base {manifest.name!r} has layout {manifest.layout!r}; "
@@ -105,6 +71,8 @@ class Chat:
             raise BadRequest(f"knowledge base {manifest.name!r} version {manifest.version} was "
                              "published without its token ids; republish it to serve it")
         prompt = ids.tolist() + messages_tokens(self.model, messages)
+        if not fetch:
+            return prompt, None, 0
         t0 = time.perf_counter()
         f = self.client.fetch(prompt, kb=manifest.name, version=manifest.version)
         t1 = time.perf_counter()

@@ -125,13 +125,13 @@ def _status(args, rest):
 def _serve(args, rest):
     from kdn import serve
     from kdn.cluster import init_ray
+    opts = serve.load_config(args.config) if args.config and not args.down else {}  # a bad file: no connect
     address, network = _where(args)
     init_ray(address)
     if args.down:
         gone = serve.undeploy(network)
         print(f"service of network {network!r} " + ("stopped" if gone else "was not running"))
         return 0
-    opts = serve.load_config(args.config) if args.config else {}
     for key in serve.CONFIG_KEYS:
         value = getattr(args, key, None)
         if value is not None:
@@ -323,7 +323,8 @@ def _serve_args(sub):
     _network_args(s)
     s.add_argument("--down", action="store_true", help="stop the service (the network keeps running)")
     s.add_argument("--config", help="TOML with regions, port, min_replicas, max_replicas, "
-                                    "target_ongoing_requests, replica_cpus, max_queued_requests")
+                                    "target_ongoing_requests, replica_cpus, max_ongoing_requests, "
+                                    "max_queued_requests, engine, routers (flags given override it)")
     s.add_argument("--regions", help="regions to serve, comma-separated (default: all)")
     s.add_argument("--port", type=int, help="the port on 127.0.0.1 (default 8000)")
     s.add_argument("--min-replicas", dest="min_replicas", type=int, help="per region (default 1)")
@@ -331,8 +332,15 @@ def _serve_args(sub):
     s.add_argument("--target-ongoing-requests", dest="target_ongoing_requests", type=float,
                    help="autoscaling target per replica (default 1)")
     s.add_argument("--replica-cpus", dest="replica_cpus", type=float, help="CPUs per replica (default 1)")
+    s.add_argument("--max-ongoing-requests", dest="max_ongoing_requests", type=int,
+                   help="requests a replica admits, answered one at a time in arrival order (default 16)")
     s.add_argument("--max-queued-requests", dest="max_queued_requests", type=int,
-                   help="per region; more waiting requests are answered 429 (default 16)")
+                   help="per region and router replica, waiting beyond the replicas' admitted ones; more "
+                        "are answered 429 (default 16)")
+    s.add_argument("--engine", choices=("transformers", "vllm"),
+                   help="the replicas' engine (default transformers; vllm: vLLM with the KDN connector, "
+                        "where vLLM is installed; it reads KBs published with --engine vllm)")
+    s.add_argument("--routers", type=int, help="replicas of the ingress router (default 2)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_serve)
 

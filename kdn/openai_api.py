@@ -4,7 +4,11 @@ Pure functions, no Ray and no model, so every rule is testable alone:
 - `parse_chat(body, base_model)` checks a POST /v1/chat/completions body and says which KB
   it reads: "model": "<model>@<kb>" or "<model>@<kb>:<version>", or "model": "<model>" with
   "kb": "<kb>[:<version>]" in the body (the openai client's extra_body). Anything malformed
-  is an `ApiError` 400 naming the field; another base model is 404 model_not_found.
+  is an `ApiError` 400 naming the field; another base model is 404 model_not_found. What the
+  service does not do (tools, logprobs, stop, top_p, penalties, JSON response formats) is a
+  400 unsupported_parameter rather than an answer that silently ignores it.
+  "kdn_fetch": false (extra_body) computes the knowledge's KV in the worker instead of
+  fetching it: the same service without KDN, for comparisons (`kdn bench serve`).
 - `tenant_of(tokens, authorization)` maps the Authorization: Bearer token to a tenant with
   the network's read tokens (kdn.auth.Tokens): a tenant's read token reads that tenant; the
   admin token reads "default"; any other token, or none, reads "default" when that tenant
@@ -13,7 +17,8 @@ Pure functions, no Ray and no model, so every rule is testable alone:
 - completion, chunk and model-list objects as OpenAI clients parse them; `usage` has
   prompt_tokens, completion_tokens, total_tokens and prompt_tokens_details.cached_tokens
   (the prompt tokens whose KV came from KDN).
-- `error_body` is OpenAI's {"error": {"message", "type", "code", "param"}}.
+- `error_body` is OpenAI's {"error": {"message", "type", "code", "param"}}; `api_error` maps
+  KDN's own errors to the API's (unknown KB 404, access 403, network 503, the rest 400).
 """
 import json
 import time
@@ -21,14 +26,12 @@ import uuid
 from dataclasses import dataclass
 
 from kdn.auth import _same
-from kdn.errors import KDNError
+from kdn.errors import AccessDenied, BadRequest, KDNError, ManifestError, NetworkError
 
 DEFAULT_MAX_TOKENS = 256
 MAX_TOKENS_LIMIT = 4096
 DEFAULT_TENANT = "default"
-KNOWN_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "stream",
-                "kb", "seed", "stream_options", "n", "top_p", "user", "stop", "presence_penalty",
-                "frequency_penalty", "logprobs", "response_format", "tools", "tool_choice"}
+RETRY_AFTER_S = 1             # what a 429 or 503 asks the client to wait
 
 # status -> OpenAI error type
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -72,6 +75,44 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
+ROLES = ("system", "user", "assistant")
+MAX_MESSAGES = 256
+MAX_MESSAGE_CHARS = 200_000
+
+
+def check_messages(messages) -> list:
+    """[{"role", "content"}] with roles system/user/assistant and str content (or OpenAI's
+    list of text parts); BadRequest naming the first bad message otherwise."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects")
+    if len(messages) > MAX_MESSAGES:
+        raise BadRequest(f"messages has {len(messages)} entries; the limit is {MAX_MESSAGES}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}] must be an object, got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if role == "developer":          # OpenAI's newer name for the system role
+            role = "system"
+        if role not in ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r:.40}")
+        if isinstance(content, list):    # [{"type": "text", "text": ...}]
+            parts = []
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise BadRequest(f"messages[{i}].content[{j}] must be a text part "
+                                     "{\"type\": \"text\", \"text\": str} (this model reads text only)")
+                parts.append(p["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        if len(content) > MAX_MESSAGE_CHARS:
+            raise BadRequest(f"messages[{i}].content is {len(content)} characters; the limit is "
+                             f"{MAX_MESSAGE_CHARS}")
+        out.append({"role": role, "content": content})
+    return out
+
+
 @dataclass
 class ChatRequest:
     model: str            # as the caller named it (echoed back)
@@ -83,6 +124,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool   # stream_options.include_usage (usage is always on the last chunk here)
     seed: "int | None"
+    kdn_fetch: bool = True   # False: compute the knowledge's KV here, as if there were no KDN (comparisons)
 
 
 def split_kb(text: str, param: str) -> tuple:
@@ -109,10 +151,39 @@ def _int(body, name, default, lo, hi):
     return v
 
 
+# what the service does not do, with the value that asks for nothing (None is always fine)
+UNSUPPORTED = (("tools", None), ("tool_choice", "none"), ("logprobs", False), ("top_logprobs", None),
+               ("stop", None), ("top_p", 1), ("presence_penalty", 0), ("frequency_penalty", 0))
+
+
+def refuse_unsupported(body: dict) -> None:
+    """ApiError 400 unsupported_parameter for a field asking what the service does not do."""
+    for name, default in UNSUPPORTED:
+        if body.get(name) not in (None, default) and body.get(name) != []:
+            raise bad(f"{name} is not supported by this service (it answers plain text, greedy or "
+                      f"sampled by temperature); leave it out", name, "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad("response_format must be {\"type\": \"text\"}: this service answers plain text",
+                  "response_format", "unsupported_parameter")
+
+
+def api_error(e: KDNError) -> ApiError:
+    """The API's answer to an error KDN raised on purpose while serving a request."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, ManifestError) and str(e).startswith("no knowledge base"):
+        return ApiError(404, str(e), "kb_not_found", "model")
+    if isinstance(e, AccessDenied):
+        return ApiError(403, str(e), "access_denied")
+    if isinstance(e, NetworkError):
+        return ApiError(503, f"the KDN network did not answer: {e}", "network_unavailable",
+                        retry_after=RETRY_AFTER_S)
+    return ApiError(400, str(e), "invalid_request")   # BadRequest, ModelError, ManifestError, ...
+
+
 def parse_chat(body: dict, base_model: str) -> ChatRequest:
     """A checked chat request (see the module); ApiError 400/404 otherwise."""
-    from kdn.chat import check_messages
-    from kdn.errors import BadRequest
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model is required: a string, '<model>@<kb>' or '<model>' with \"kb\" in the body", "model")
@@ -133,6 +204,7 @@ def parse_chat(body: dict, base_model: str) -> ChatRequest:
         messages = check_messages(body.get("messages"))
     except BadRequest as e:
         raise bad(str(e), "messages") from None
+    refuse_unsupported(body)
     if body.get("n") not in (None, 1):
         raise bad(f"n must be 1 (one choice per request), got {body.get('n')!r:.20}", "n")
     mct = _int(body, "max_completion_tokens", None, 1, MAX_TOKENS_LIMIT)
@@ -153,9 +225,13 @@ def parse_chat(body: dict, base_model: str) -> ChatRequest:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise bad(f"seed must be an integer, got {seed!r:.40}", "seed")
+    fetch = body.get("kdn_fetch", True)
+    if not isinstance(fetch, bool):
+        raise bad(f"kdn_fetch must be true or false, got {fetch!r:.40}", "kdn_fetch")
     return ChatRequest(model=model, kb=kb, version=version, messages=messages,
                        max_tokens=mct or mt or DEFAULT_MAX_TOKENS, temperature=float(temperature),
-                       stream=stream, include_usage=bool(opts.get("include_usage")), seed=seed)
+                       stream=stream, include_usage=bool(opts.get("include_usage")), seed=seed,
+                       kdn_fetch=fetch)
 
 
 def tenant_of(tokens, authorization) -> str:
@@ -211,6 +287,22 @@ def sse(obj) -> bytes:
 
 
 DONE = sse("[DONE]")
+
+
+async def sse_answer(model: str, pieces, prompt_tokens: int, cached):
+    """The events of one streamed answer after its status: the role chunk, a chunk per piece
+    of text as it comes, the last chunk with the finish reason and usage, then [DONE].
+    pieces: an async iterator of (text, tokens it adds, finish reason or None); cached: the
+    prompt tokens whose KV was not computed, or a callable giving them when pieces end."""
+    cid, created = completion_id(), int(time.time())
+    yield sse(chunk(cid, model, created, {"role": "assistant", "content": ""}))
+    n, finish = 0, None
+    async for text, count, finish in pieces:
+        n += count
+        if text:
+            yield sse(chunk(cid, model, created, {"content": text}))
+    yield sse(chunk(cid, model, created, {}, finish, usage(prompt_tokens, n, cached() if callable(cached) else cached)))
+    yield DONE
 
 
 def model_list(base_model: str, kbs, created: int = 0) -> dict:

@@ -7,10 +7,10 @@ tokens Model.generate gives.
 import pytest
 
 from kdn.auth import Tokens
-from kdn.chat import check_messages, messages_tokens
+from kdn.chat import messages_tokens
 from kdn.errors import BadRequest
 from kdn.model import MODEL_NAME
-from kdn.openai_api import ApiError, model_list, parse_chat, tenant_of
+from kdn.openai_api import ApiError, check_messages, model_list, parse_chat, tenant_of
 
 MSG = [{"role": "user", "content": "Who wrote it?"}]
 
@@ -47,6 +47,29 @@ def test_bad_requests_name_the_field(body, status, param):
         parse_chat({"messages": MSG, **body}, MODEL_NAME)
     assert (err.value.status, err.value.param) == (status, param)
     assert err.value.body()["error"]["message"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("logprobs", True), ("top_logprobs", 2), ("stop", ["\n"]), ("stop", "END"), ("top_p", 0.5),
+    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("response_format", {"type": "json_object"}),
+])
+def test_what_the_service_does_not_do_is_refused_not_ignored(field, value):
+    with pytest.raises(ApiError) as err:
+        parse_chat({"model": f"{MODEL_NAME}@kb", "messages": MSG, field: value}, MODEL_NAME)
+    assert (err.value.status, err.value.param, err.value.code) == (400, field, "unsupported_parameter")
+
+
+def test_defaults_of_unsupported_fields_are_accepted_and_kdn_fetch_is_a_bool():
+    r = parse_chat({"model": f"{MODEL_NAME}@kb", "messages": MSG, "tools": [], "tool_choice": "none",
+                    "logprobs": False, "stop": None, "top_p": 1, "presence_penalty": 0,
+                    "response_format": {"type": "text"}, "user": "u-1"}, MODEL_NAME)
+    assert r.kdn_fetch is True
+    assert parse_chat({"model": f"{MODEL_NAME}@kb", "messages": MSG, "kdn_fetch": False},
+                      MODEL_NAME).kdn_fetch is False
+    with pytest.raises(ApiError) as err:
+        parse_chat({"model": f"{MODEL_NAME}@kb", "messages": MSG, "kdn_fetch": "no"}, MODEL_NAME)
+    assert err.value.param == "kdn_fetch"
 
 
 def test_max_completion_tokens_wins_and_text_parts_join():

@@ -8,11 +8,10 @@ check=True: both with KDN and with a full prefill) gives for the same KB and que
 usage.prompt_tokens_details.cached_tokens the KB's tokens. Then every error the API promises,
 concurrent clients in both regions, and a replica killed in the middle of a stream.
 """
-import contextlib
-import io
 import json
 import os
 import threading
+import time
 import uuid
 
 import httpx
@@ -35,22 +34,14 @@ READ = "read-default-" + "r" * 24
 ACME = "read-acme-" + "c" * 24
 QUESTION = "What does the first amendment protect?"
 NEW_TOKENS = 12
+ROUTERS = 3
 
 
 # `model`: tests/conftest.py (the real model, one intra-op thread)
 
 
-def kdn(*args) -> tuple:
-    """`kdn ARGS` in this process (the CLI's own main): (exit status, stdout)."""
-    from kdn.cli import main
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = main(list(args))
-    return rc, out.getvalue()
-
-
 @pytest.fixture(scope="module")
-def service(ray_cluster, tmp_path_factory, model):
+def service(ray_cluster, tmp_path_factory, model, kdn_cli):
     """The network, the KB, the expected answer and the service, deployed by `kdn serve`."""
     auth = {"admin": ADMIN, "readers": {"default": READ, "acme": ACME}}
     topo = Topology.default_local(list(REGIONS), edges_per_region=1, capacity_bytes=256 << 20)
@@ -67,16 +58,20 @@ def service(ray_cluster, tmp_path_factory, model):
     env = {"KDN_ADMIN_TOKEN": ADMIN, "KDN_READ_TOKENS": f"default={READ},acme={ACME}"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # the settings come from a config file (a flag overrides its port): one replica per
+    # region, 1 request admitted and 2 queued (more waiting ones are 429s), 3 routers
+    config = tmp_path_factory.mktemp("config") / "serve.toml"
+    config.write_text(f"regions = {json.dumps(SERVED)}\nport = 1\nreplica_cpus = 0\nrouters = {ROUTERS}\n"
+                      "max_ongoing_requests = 1\nmax_queued_requests = 2\nmin_replicas = 1\n"
+                      "max_replicas = 1\n")
     try:
-        # one replica per region, 1 request at a time and 2 queued: more waiting ones are 429s
-        rc, out = kdn("serve", *where, "--regions", ",".join(SERVED), "--port", str(port),
-                      "--replica-cpus", "0", "--max-queued-requests", "2", "--json")
+        rc, out = kdn_cli("serve", *where, "--config", str(config), "--port", str(port), "--json")
         assert rc == 0, out
         info = json.loads(out)
         yield {"url": info["url"], "info": info, "network": name, "expected": expected,
                "kb_tokens": receipt["tokens"], "port": port, "where": where}
     finally:
-        rc, out = kdn("serve", *where, "--down")
+        rc, out = kdn_cli("serve", *where, "--down")
         stop_network(net)
         for k, v in saved.items():
             if v is None:
@@ -102,15 +97,49 @@ def test_service_info_names_routes_and_replicas(service):
         assert info["deployments"][r]["replicas"].get("RUNNING") == 1
 
 
-def test_status_json_has_the_service(service):
-    rc, out = kdn("status", "--json", *service["where"])
+def test_the_config_file_was_read_and_flags_override_it(service):
+    """Regions, routers, admission and queue from the file; the port from the flag."""
+    info = service["info"]
+    assert sorted(info["regions"]) == sorted(SERVED)           # the file's regions, not all three
+    assert info["deployments"]["router"]["replicas"].get("RUNNING") == ROUTERS
+    assert info["url"].startswith(f"http://127.0.0.1:{service['port']}/")   # not the file's port 1
+    # max_ongoing_requests = 1 and max_queued_requests = 2 are what test_overload_is_429 sees
+
+
+@pytest.mark.parametrize("text, says", [
+    ("regions = 'us-east'", "regions must be a list"),
+    ("replicas = 3", "unknown key(s) ['replicas']"),
+    ("port = ", "not TOML"),
+    ("engine = 'tensorrt'", "engine must be one of"),
+    ("max_ongoing_requests = 0", "max_ongoing_requests must be a positive int"),
+])
+def test_a_bad_config_file_is_refused_naming_the_problem(service, tmp_path, capsys, kdn_cli, text,
+                                                          says):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text + "\n")
+    rc, out = kdn_cli("serve", *service["where"], "--config", str(bad))
+    assert rc == 2 and says in capsys.readouterr().err
+    assert kdn_cli("serve", *service["where"], "--config", str(tmp_path / "missing.toml"))[0] == 2
+    # the running service is untouched
+    assert serve_info(service)["deployments"]["router"]["replicas"].get("RUNNING") == ROUTERS
+
+
+def serve_info(service):
+    from kdn.serve import service_info
+    return service_info(service["network"])
+
+
+def test_status_json_has_the_service(service, kdn_cli):
+    rc, out = kdn_cli("status", "--json", *service["where"])
     svc = json.loads(out)["service"]
     assert svc["url"] == service["info"]["url"] and svc["url"].endswith("/v1")
     assert sorted(svc["regions"]) == sorted(SERVED) and all(u.endswith("/v1") for u in svc["regions"].values())
 
 
 def test_overload_is_429_with_retry_after(service):
-    """Six long answers at once to one region: one runs, two wait, the rest are refused."""
+    """Twelve long answers at once to one region: one runs, two wait in each router's queue
+    (Serve queues per caller, so 7 in all with 3 routers), and the rest are refused (a few
+    more get in when an answer ends while the twelve still arrive)."""
     results = []
 
     def ask():
@@ -122,7 +151,7 @@ def test_overload_is_429_with_retry_after(service):
             results.append((r.status_code, r.headers.get("retry-after"), r.json()))
         except httpx.HTTPError as e:
             results.append((None, None, repr(e)))
-    threads = [threading.Thread(target=ask) for _ in range(6)]
+    threads = [threading.Thread(target=ask) for _ in range(12)]
     for t in threads:
         t.start()
     for t in threads:
@@ -247,6 +276,73 @@ def test_the_demo_step_answers_through_the_openai_client(service, model):
     want = _text(model, service["expected"].baseline_tokens).strip()
     assert got["streamed"] == want and got["regions"] == {r: want for r in SERVED}
     assert got["cached_tokens"] == service["kb_tokens"] and len(said) == 2 + len(SERVED)
+
+
+def test_a_killed_router_is_no_outage(service, model):
+    """One of the ingress's replicas dies (its process killed): the others answer every
+    request meanwhile, and Serve starts a replacement."""
+    want = _text(model, service["expected"].baseline_tokens)
+    prefix = f"SERVE_REPLICA::kdn-{service['network']}#router#"
+    routers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    assert len(routers) == ROUTERS, routers
+    ray.kill(ray.get_actor(routers[0], namespace="serve"), no_restart=True)
+    c = _client(service["info"]["regions"]["us-east"])
+    for _ in range(2 * ROUTERS):
+        r = c.chat.completions.create(model=f"{MODEL_NAME}@rights", max_tokens=NEW_TOKENS,
+                                      messages=[{"role": "user", "content": QUESTION}])
+        assert r.choices[0].message.content == want
+    deadline = time.monotonic() + 60
+    while serve_info(service)["deployments"]["router"]["replicas"].get("RUNNING") != ROUTERS:
+        assert time.monotonic() < deadline, serve_info(service)["deployments"]["router"]
+        time.sleep(0.5)
+
+
+def test_a_stream_left_mid_answer_stops_and_the_next_is_answered(service, model):
+    """A caller that goes away after a few tokens of a long answer: the replica stops
+    generating (the rest would hold up every request behind it) and answers the next."""
+    from ray import serve as ray_serve
+    from kdn.serve import app_name
+    handle = ray_serve.get_deployment_handle("us-east", app_name=app_name(service["network"]))
+
+    def generated():
+        st = handle.stats.remote().result()
+        return st["counters"].get("aborted", 0), sum(c.get("completion_tokens", 0) for c in st["chats"].values())
+    aborted, tokens = generated()
+    c = _client(service["info"]["regions"]["us-east"])
+    stream = c.chat.completions.create(model=f"{MODEL_NAME}@rights", max_tokens=400, stream=True,
+                                       messages=[{"role": "user", "content": "Recite every amendment."}])
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    r = c.chat.completions.create(model=f"{MODEL_NAME}@rights", max_tokens=NEW_TOKENS,
+                                  messages=[{"role": "user", "content": QUESTION}])
+    assert r.choices[0].message.content == _text(model, service["expected"].baseline_tokens)
+    deadline = time.monotonic() + 30
+    while generated()[0] == aborted:
+        assert time.monotonic() < deadline, "the replica never saw its caller go"
+        time.sleep(0.2)
+    now_aborted, now_tokens = generated()
+    assert now_aborted == aborted + 1
+    assert now_tokens - tokens - r.usage.completion_tokens < 100     # not the 400 asked for
+
+
+def test_the_bench_measures_this_service(service):
+    """kdn bench serve's measurements, on this service: the API and the worker direct give
+    the same text with the KB's tokens cached; with KDN off nothing is cached and it is slower."""
+    from ray import serve as ray_serve
+    from kdn.bench.serve import load, measure_ttft
+    from kdn.serve import app_name
+    url = service["info"]["regions"]["eu-west"]
+    handle = ray_serve.get_deployment_handle("eu-west", app_name=app_name(service["network"]))
+    row = measure_ttft(url, handle, f"{MODEL_NAME}@rights", QUESTION, reps=2, max_tokens=4,
+                       kb_tokens=service["kb_tokens"], off_reps=1, token=READ)
+    assert row["same_text"] and len(row["api_all_s"]) == len(row["direct_all_s"]) == 2
+    assert len(row["no_kdn_all_s"]) == 1 and row["ttft_speedup"] > 1
+    assert 0 < row["direct_ttft_s"] and 0 < row["api_ttft_s"]
+    got = load(list(service["info"]["regions"].values()), f"{MODEL_NAME}@rights", QUESTION, clients=2,
+               per_client=1, max_tokens=4, kb_tokens=service["kb_tokens"], token=READ)
+    assert got["ok"] == got["requests"] == 2 and got["n_errors"] == 0 and got["rps"] > 0
 
 
 def test_replica_killed_mid_stream_is_a_clear_error_never_a_cut_answer(service, model):
