@@ -159,9 +159,13 @@ def _service_lines(info: dict) -> list:
         return ["service: not running (start it with `kdn serve`)"]
     lines = [f"service: {info['status']} at {info['url']} (the caller's nearest region)"]
     for region, url in info["regions"].items():
-        reps = info["deployments"][region]["replicas"]
-        lines.append(f"  {region}: {url}  replicas " + (", ".join(f"{n} {s}" for s, n in sorted(reps.items()))
-                                                        or "none"))
+        d = info["deployments"][region]
+        scale = d.get("autoscaling")
+        how = (f"autoscaling {scale['min_replicas']}-{scale['max_replicas']} at {scale['target_ongoing_requests']:g} "
+               f"ongoing" if scale else f"{d.get('num_replicas')} fixed")
+        lines.append(f"  {region}: {url}  replicas " + (", ".join(f"{n} {s}" for s, n in sorted(d["replicas"].items()))
+                                                        or "none")
+                     + f" ({how}; admits {d.get('max_ongoing_requests')}, queues {d.get('max_queued_requests')})")
     return lines
 
 

@@ -402,21 +402,34 @@ def running_info(network: str = "kdn") -> dict:
     return service_info(network)
 
 
+SETTINGS = ("max_ongoing_requests", "max_queued_requests")
+SCALING = ("min_replicas", "max_replicas", "target_ongoing_requests")
+
+
 def service_info(network: str = "kdn", port: int = None) -> dict:
-    """The service's URLs, regions and replicas ({} when none is deployed)."""
+    """The service's URLs, regions, and per deployment its replicas and the settings Serve
+    runs it with (admission, queue, autoscaling or a fixed count) ({} when none is deployed)."""
     from ray import serve
+    from ray.serve.context import _get_global_client
     st = serve.status()
     app = st.applications.get(app_name(network))
     if app is None:
         return {}
+    client = _get_global_client()
     if port is None:
-        from ray.serve.context import _get_global_client
-        port = _get_global_client().http_config.port
+        port = client.http_config.port
     base = f"http://127.0.0.1:{port}"
-    deps = {name: {"status": str(d.status.value if hasattr(d.status, "value") else d.status),
-                   "replicas": {str(k.value if hasattr(k, "value") else k): v
-                                for k, v in (d.replica_states or {}).items()}}
-            for name, d in app.deployments.items()}
+    details = client.get_serve_details().get("applications", {}).get(app_name(network), {})
+    deps = {}
+    for name, d in app.deployments.items():
+        cfg = details.get("deployments", {}).get(name, {}).get("deployment_config", {})
+        scaling = cfg.get("autoscaling_config")
+        deps[name] = {"status": str(d.status.value if hasattr(d.status, "value") else d.status),
+                      "replicas": {str(k.value if hasattr(k, "value") else k): v
+                                   for k, v in (d.replica_states or {}).items()},
+                      **{k: cfg.get(k) for k in SETTINGS},
+                      "autoscaling": {k: scaling.get(k) for k in SCALING} if scaling else None,
+                      "num_replicas": None if scaling else cfg.get("num_replicas")}
     regions = sorted(n for n in deps if n != ROUTER)
     return {"app": app_name(network), "status": str(app.status.value if hasattr(app.status, "value") else app.status),
             "url": f"{base}/v1", "regions": {r: f"{base}/{r}/v1" for r in regions},

@@ -63,7 +63,7 @@ def service(ray_cluster, tmp_path_factory, model, kdn_cli):
     config = tmp_path_factory.mktemp("config") / "serve.toml"
     config.write_text(f"regions = {json.dumps(SERVED)}\nport = 1\nreplica_cpus = 0\nrouters = {ROUTERS}\n"
                       "max_ongoing_requests = 1\nmax_queued_requests = 2\nmin_replicas = 1\n"
-                      "max_replicas = 1\n")
+                      "max_replicas = 1\ntarget_ongoing_requests = 3.0\n")
     try:
         rc, out = kdn_cli("serve", *where, "--config", str(config), "--port", str(port), "--json")
         assert rc == 0, out
@@ -103,7 +103,11 @@ def test_the_config_file_was_read_and_flags_override_it(service):
     assert sorted(info["regions"]) == sorted(SERVED)           # the file's regions, not all three
     assert info["deployments"]["router"]["replicas"].get("RUNNING") == ROUTERS
     assert info["url"].startswith(f"http://127.0.0.1:{service['port']}/")   # not the file's port 1
-    # max_ongoing_requests = 1 and max_queued_requests = 2 are what test_overload_is_429 sees
+    for r in SERVED:                                            # what Serve runs them with
+        d = info["deployments"][r]
+        assert (d["max_ongoing_requests"], d["max_queued_requests"]) == (1, 2)
+        assert d["autoscaling"] == {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 3.0}
+    assert info["deployments"]["router"]["num_replicas"] == ROUTERS
 
 
 @pytest.mark.parametrize("text, says", [
@@ -146,7 +150,7 @@ def test_overload_is_429_with_retry_after(service):
         try:
             r = httpx.post(service["info"]["regions"]["us-east"] + "/chat/completions", timeout=120,
                            headers={"Authorization": f"Bearer {READ}"},
-                           json=dict(model=f"{MODEL_NAME}@rights", max_tokens=40,
+                           json=dict(model=f"{MODEL_NAME}@rights", max_tokens=20,
                                      messages=[{"role": "user", "content": QUESTION}]))
             results.append((r.status_code, r.headers.get("retry-after"), r.json()))
         except httpx.HTTPError as e:
