@@ -53,7 +53,10 @@ def test_status_reports_every_node_and_a_dead_edge_as_down(net):
     assert not any(e.get("down") for e in st["edges"])
     anon = Client(network=net.name).status()                     # no admin: no KB names
     assert "overrides" not in anon["origin"] and "kb" not in repr(anon["origin"])
-    ray.kill(net.edge("ap-south-0"), no_restart=True)
+    victim = net.edge("ap-south-0")
+    ray.kill(victim, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):   # ray.kill returns before the actor is gone
+        ray.get(victim.stats.remote(), timeout=30)
     st = ops.status(timeout_s=3.0)
     down = [e["name"] for e in st["edges"] if e.get("down")]
     assert down == ["ap-south-0"]
