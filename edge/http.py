@@ -23,7 +23,9 @@ requests cannot make the edge hold more than a few replies' worth of encoded fra
 Input is untrusted: bodies over max_body_bytes are refused before they are read (413), so
 are requests over max_keys keys (413); a repeated key, bad gzip, a transfer coding other than
 chunked, anything malformed is a 400; every error is JSON {"error", "message"}; only a fault
-of the edge itself is a 500. A connection that sends no complete request within idle_s
+of the edge itself is a 500. With read tokens on (kdn.auth: a tenant is read with its token
+unless the operator left it open), a read sent without a token is 401 and one with a wrong
+token 403, each with the same message whether the namespace is locked or unknown. A connection that sends no complete request within idle_s
 (slow headers, an idle keep-alive socket) is closed. The server binds 127.0.0.1 unless told
 otherwise, and says loudly when it is not; given a port, it takes the same one again when
 the edge restarts (an HTTP client pinned to the URL finds it there).
@@ -194,8 +196,13 @@ class EdgeHTTP:
             if e.status < 400:
                 raise
             resp = _error(e.status, e.reason.lower().replace(" ", "_"), e.text or e.reason)
-        except AccessDenied as e:
-            resp = _error(403, "forbidden", str(e))
+        except AccessDenied as e:     # no token at all is 401; a wrong one 403 (either way
+            if _bearer(request):      # the same words for a locked and an unknown namespace)
+                resp = _error(403, "forbidden", str(e))
+            else:
+                resp = _error(401, "unauthorized", f"no read token sent (Authorization: Bearer "
+                                                   f"<token>): {e}")
+                resp.headers["WWW-Authenticate"] = "Bearer"
         except (BadRequest, BadTokens) as e:
             resp = _error(400, "bad_request", str(e))
         except (ConnectionResetError, asyncio.CancelledError):

@@ -1,10 +1,15 @@
 """Access control: an admin token for writes and operator calls, optional per-tenant read tokens.
 
 Publishing, deleting, operator controls and every node-to-node call (pushes, peer reads,
-membership) carry the network's admin token; reads of a tenant that has a read token carry
-that token. Tokens are compared in constant time (hmac.compare_digest). With no admin token
-configured the network is open, as a single-user development cluster; `kdn up` always
-configures one (kept in $KDN_HOME/admin_token, mode 0600).
+membership) carry the network's admin token. Tokens are compared in constant time
+(hmac.compare_digest). With no admin token configured the network is open, as a single-user
+development cluster; `kdn up` always configures one (kept in $KDN_HOME/admin_token, mode 0600).
+
+Read tokens (KDN_READ_TOKENS="tenant=token,..."): with none configured, anyone reads every
+tenant. Once any is configured, reading fails closed: a tenant is read with its own read token
+(or the admin token), and a tenant without one, the "default" tenant a publish without
+--tenant lands in included, is readable by nobody else, unless the operator leaves it open
+on purpose with `tenant=*` (OPEN): then anyone reads it, with any token or none.
 
 This sits on top of Ray's own token auth (which keeps strangers off the cluster): it keeps
 one tenant's workers from reading another tenant's knowledge and readers from writing.
@@ -17,6 +22,8 @@ from pathlib import Path
 
 from kdn.errors import AccessDenied, KDNError
 
+OPEN = "*"          # KDN_READ_TOKENS="default=*": the operator leaves that tenant open to anyone
+
 
 def _same(given, expected: str) -> bool:
     if not isinstance(given, str):
@@ -26,14 +33,33 @@ def _same(given, expected: str) -> bool:
 
 @dataclass(frozen=True)
 class Tokens:
-    """The secrets a node checks: admin (writes, operators, internal) and tenant -> read token."""
+    """The secrets a node checks: admin (writes, operators, internal) and tenant -> read token.
+
+    readers maps a tenant to its read token, or to OPEN ("*") for a tenant the operator
+    leaves open; `readers` keeps the tokens and `open` the open tenants (to_dict() gives the
+    one mapping back, as `kdn up` passes it to the nodes)."""
     admin: "str | None" = None
     readers: dict = field(default_factory=dict)
+    open: frozenset = frozenset()
 
     def __post_init__(self):
-        for what, t in [("admin token", self.admin)] + [(f"read token of {k!r}", v) for k, v in self.readers.items()]:
+        readers = dict(self.readers or {})
+        opened = frozenset(self.open or ()) | {t for t, v in readers.items() if v == OPEN}
+        readers = {t: v for t, v in readers.items() if v != OPEN}
+        for what, t in [("admin token", self.admin)] + [(f"read token of {k!r}", v) for k, v in readers.items()]:
             if t is not None and (not isinstance(t, str) or len(t) < 16):
-                raise KDNError(f"the {what} must be a string of at least 16 characters")
+                raise KDNError(f"the {what} must be a string of at least 16 characters "
+                               f"(or {OPEN!r} for a read token: that tenant open to anyone)")
+        both = sorted(opened & set(readers))
+        if both:
+            raise KDNError(f"tenant(s) {both} have a read token and are also left open ({OPEN!r}): choose one")
+        object.__setattr__(self, "readers", readers)
+        object.__setattr__(self, "open", opened)
+
+    @property
+    def reads_guarded(self) -> bool:
+        """Whether read tokens are on: some tenant has one (then a tenant needs its token)."""
+        return bool(self.readers)
 
     def check_admin(self, token, what: str) -> None:
         """AccessDenied unless token is the admin token; an open network (none set) lets all in."""
@@ -44,17 +70,29 @@ class Tokens:
         """Whether token is the configured admin token (on an open network nobody is)."""
         return self.admin is not None and _same(token, self.admin)
 
+    def is_open(self, tenant: str) -> bool:
+        """Whether anyone may read tenant: read tokens are off, or the operator left it open."""
+        return not self.readers or tenant in self.open
+
     def check_read(self, tenant: str, token, what: str) -> None:
-        """A tenant with a read token needs it (or the admin token); others read freely."""
-        want = self.readers.get(tenant)
-        if want is None:
+        """With read tokens on, a tenant is read with its read token or the admin token,
+        unless it is left open (OPEN); a tenant without a token is nobody's to read."""
+        if self.is_open(tenant):
             return
-        if _same(token, want) or (self.admin is not None and _same(token, self.admin)):
+        want = self.readers.get(tenant)
+        if (want is not None and _same(token, want)) or self.is_admin(token):
             return
         raise AccessDenied(f"{what} of tenant {tenant!r} needs that tenant's read token: missing or wrong")
 
+    def tenant_of_token(self, token):
+        """The tenant whose read token token is (None when it is nobody's)."""
+        for tenant, want in sorted(self.readers.items()):
+            if _same(token, want):
+                return tenant
+        return None
+
     def to_dict(self) -> dict:
-        return {"admin": self.admin, "readers": dict(self.readers)}
+        return {"admin": self.admin, "readers": {**self.readers, **{t: OPEN for t in sorted(self.open)}}}
 
     @classmethod
     def from_dict(cls, d) -> "Tokens":
@@ -63,7 +101,7 @@ class Tokens:
 
 
 def read_tokens_from_env() -> dict:
-    """KDN_READ_TOKENS="tenant=token,tenant2=token2" -> {tenant: token}."""
+    """KDN_READ_TOKENS="tenant=token,tenant2=token2" -> {tenant: token} ("tenant=*": OPEN)."""
     out = {}
     for part in filter(None, (os.environ.get("KDN_READ_TOKENS") or "").split(",")):
         tenant, sep, token = part.partition("=")

@@ -48,7 +48,7 @@ def _up(args, rest):
     print(f"KDN network {state['network']!r} is up on {where}; origin store in {state['root']}")
     if args.serve:          # the OpenAI-compatible service too, with `kdn serve`'s defaults
         return _deploy_service(state["network"], {})
-    print("next: kdn publish KB FILE...   kdn query KB \"question\"   kdn serve   kdn status   kdn down")
+    print("next: kdn publish KB PATH...   kdn query KB \"question\"   kdn serve   kdn status   kdn down")
     return 0
 
 
@@ -179,20 +179,40 @@ def _where(args) -> tuple:
     return address, network or "kdn"
 
 
+def _model_fingerprint(engine: str = "transformers"):
+    """The fingerprint KV of the model gets with `engine`, from the folder kdn.model converted,
+    without loading the weights (a few seconds less than load_model(), and no warm-up); None
+    before the first conversion. Lets a command refuse an unknown KB or a wrong admin token
+    before the model loads; whatever loads later is checked against it."""
+    from kdn import model as M
+    from kdn.engines.fingerprint import fingerprints
+    digest = M.file_digest(M.gguf_path())
+    folder = M.cache_root() / "models" / f"{M.MODEL_NAME}-{digest[:16]}"
+    if M._read_meta(folder, digest) is None:
+        return None
+    return fingerprints(folder)["vllm" if engine == "vllm" else "transformers"]
+
+
 def _publish(args, rest):
+    from kdn.documents import select_documents
     from kdn.manifest import check_name
-    from kdn.model import load_model
-    from kdn.publish import progress_bar, publish_documents, read_documents
-    # what can be refused is refused before the model loads (sizes, names; publish_documents
-    # checks the admin token before it tokenizes)
-    docs = read_documents(args.paths)
+    # what can be refused is refused before the model loads: names, the documents (sizes,
+    # binary content, an empty selection), the network and the admin token
     check_name(args.kb, "knowledge base name")
     check_name(args.tenant, "tenant")
+    selection = select_documents(args.paths, args.include, args.exclude)
+    print(f"documents: {selection.summary()}, named relative to {selection.root}")
+    fingerprint = _model_fingerprint(args.engine)
+    if fingerprint is not None:
+        _connect(args, tenant=args.tenant, fingerprint=fingerprint).publisher.check_access()
     if args.engine == "vllm":
-        return _publish_vllm(args, docs)
+        return _publish_vllm(args, selection.documents)
+    from kdn.model import load_model
+    from kdn.publish import progress_bar, publish_documents
     model = load_model()
     cl = _connect(args, tenant=args.tenant, fingerprint=model.fingerprint)
-    r = publish_documents(cl, model, args.kb, docs, progress=progress_bar())
+    _check_length(args, model, selection.documents)
+    r = publish_documents(cl, model, args.kb, selection.documents, progress=progress_bar())
     state = "unchanged, no new version" if r["unchanged"] else "committed"
     print(f"{r['tenant']}/{r['kb']} v{r['version']} {state}: {r['tokens']} tokens in {r['chunks']} chunks "
           f"({r['bytes'] / 2**20:.1f} MiB of KV); prefilled {r['prefilled_tokens']} tokens in "
@@ -201,11 +221,35 @@ def _publish(args, rest):
     return 0
 
 
+def _check_length(args, model, documents, context: int = None, context_name: str = None) -> int:
+    """The KB's tokens; BadRequest before any prefill when they exceed the origin's limit or
+    the model's context (kdn.documents.check_kb_tokens), a warning when they nearly fill it."""
+    from kdn.documents import check_kb_tokens, join_documents, model_context
+    tokens = len(model.knowledge_tokens(join_documents(documents)[0]))
+    if context is None:
+        context = model_context(model)
+        context_name = "max_position_embeddings"
+        override = "--allow-over-context"
+    else:
+        override = None
+    warning = check_kb_tokens(args.kb, tokens, context, allow_over_context=args.allow_over_context and bool(override),
+                              flag=override, context_name=context_name)
+    if warning:
+        print(warning, file=sys.stderr)
+    return tokens
+
+
 def _publish_vllm(args, docs):
     """vLLM prefills the KB and KDN publishes the KV vLLM computed (its own fingerprint)."""
     import os
     from kdn.auth import load_admin_token
-    from kdn.engines.vllm_run import run_publish
+    from kdn.engines.vllm_run import MAX_MODEL_LEN, run_publish
+    from kdn.documents import model_context
+    from kdn.model import load_model
+    model = load_model(warm=False)           # its tokenizer: the KB's length, before vLLM starts
+    context = min(MAX_MODEL_LEN, model_context(model) or MAX_MODEL_LEN)
+    _check_length(args, model, docs, context, "vLLM's max_model_len")
+    del model
     address, network = _where(args)
     r = run_publish(args.kb, docs, network=network, address=address, tenant=args.tenant,
                     admin_token=os.environ.get("KDN_ADMIN_TOKEN") or load_admin_token())
@@ -236,15 +280,39 @@ def _query_vllm(args):
     return 0
 
 
+def _check_query_args(args) -> list:
+    """The codecs --accept names (None: the lossless ones); BadRequest for a bad argument."""
+    from kdn.errors import BadRequest
+    from kdn.manifest import check_name
+    from kdn.transfer import check_accept
+    check_name(args.kb, "knowledge base name")
+    check_name(args.tenant, "tenant")
+    if not args.question.strip():
+        raise BadRequest("the question is empty")
+    if args.max_new_tokens < 1:
+        raise BadRequest(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    accept = [c for c in (args.accept or "").split(",") if c] or None
+    if accept is not None:
+        check_accept(accept)
+    return accept
+
+
 def _query(args, rest):
+    # bad arguments, an unknown region and an unknown KB fail before the model loads
+    accept = _check_query_args(args)
+    fingerprint = _model_fingerprint(args.engine)
+    cl = None
+    if fingerprint is not None:
+        cl = _connect(args, tenant=args.tenant, fingerprint=fingerprint, region=args.region, accept=accept)
+        cl.manifest(args.kb)                 # ManifestError naming the KB when there is none
     if args.engine == "vllm":
         return _query_vllm(args)
     from kdn.model import load_model
     from kdn.worker import answer
     model = load_model()
-    accept = [c for c in (args.accept or "").split(",") if c] or None
-    cl = _connect(args, tenant=args.tenant, fingerprint=model.fingerprint, region=args.region,
-                  accept=accept)
+    if cl is None or model.fingerprint != fingerprint:
+        cl = _connect(args, tenant=args.tenant, fingerprint=model.fingerprint, region=args.region,
+                      accept=accept)
     a = answer(cl, model, args.kb, args.question, max_new_tokens=args.max_new_tokens, check=args.check)
     print(a.text)
     src = ", ".join(f"{k} {v}" for k, v in sorted(a.sources.items())) or "none"
@@ -350,9 +418,22 @@ def _serve_args(sub):
 
 
 def _publish_args(sub):
-    p = sub.add_parser("publish", help="prefill text/markdown files with the model and publish them as a KB")
+    p = sub.add_parser("publish", help="prefill text files and folders (prose, code, data) with the model "
+                                       "and publish them as a KB")
     p.add_argument("kb", help="knowledge-base name")
-    p.add_argument("paths", nargs="+", help="text or markdown files, in order")
+    p.add_argument("paths", nargs="+", metavar="PATH",
+                   help="UTF-8 text files and folders, in order; a folder is walked recursively in "
+                        "sorted order (hidden entries, __pycache__ and node_modules skipped; binary and "
+                        "empty files skipped and counted); documents are named by their paths relative "
+                        "to the folder (or to the folder holding all the files named)")
+    p.add_argument("--include", action="append", default=[], metavar="GLOB",
+                   help="publish only the files of folders matching GLOB (repeatable; e.g. '*.py'; a "
+                        "glob without '/' also matches any file or folder name at any depth)")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="leave out files and folders matching GLOB (repeatable; e.g. 'tests/*', 'tests')")
+    p.add_argument("--allow-over-context", action="store_true",
+                   help="publish even a KB longer than the model's context (refused by default: no "
+                        "prompt can use it whole)")
     p.add_argument("--tenant", default="default")
     p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
                    help="which engine prefills the KB (vLLM's KV gets its own fingerprint)")

@@ -11,11 +11,14 @@ template, so the knowledge tokens are an exact prefix of every prompt built on t
 prefills chunk by chunk on a fixed grid of absolute positions, and converts KV between
 KDN's plain arrays [layers, 2, kv_heads, tokens, head_dim] and the engine's cache both ways.
 
-Why a fixed chunk grid: a token's KV then depends only on the tokens before it, so the KV
-of an unchanged prefix is bit-for-bit the same whatever follows (two versions of a
-knowledge base share chunks exactly). Chunked and one-pass prefills agree to ~1e-5 in fp32
-(layer 0 exactly); greedy continuations from fetched KV are token-identical to a plain full
-prefill (tests/kdn/test_model.py checks it). Rebuilding the engine's cache is one copy of
+Why a fixed chunk grid: a token's KV then depends only on the tokens before it, and a
+chunk is computed in the same batch shapes whatever follows it, so the first chunks of a
+prompt are bitwise the KB's own on any CPU. Where the shapes differ (a one-pass prefill, a
+prefill continued from a fetched prefix) the KV agrees within the engine's batch variance,
+~1e-5 in fp32: AVX-512/AMX matrix kernels block the work by the number of rows. KDN never
+relies on recomputing the same bytes: a key means the bytes stored first (origin/store.py),
+and greedy continuations from fetched KV are token-identical to a plain full prefill
+(tests/kdn/test_model.py; docs/architecture.md, "Exactness"). Rebuilding the engine's cache is one copy of
 the fetched KV into one buffer, lent by the model's `kdn.arena.Arena` (memory already faulted
 in, reused across requests), whose per-layer slices become the cache's tensors: it is on
 the time-to-first-token path. A loaded model is warmed up (`Model.warm_up`: one plain

@@ -10,10 +10,16 @@ Pure functions, no Ray and no model, so every rule is testable alone:
   "kdn_fetch": false (extra_body) computes the knowledge's KV in the worker instead of
   fetching it: the same service without KDN, for comparisons (`kdn bench serve`).
 - `tenant_of(tokens, authorization)` maps the Authorization: Bearer token to a tenant with
-  the network's read tokens (kdn.auth.Tokens): a tenant's read token reads that tenant; the
-  admin token reads "default"; any other token, or none, reads "default" when that tenant
-  has no read token (as the edges let anyone read an open tenant; the openai client always
-  sends some api_key), else no token is 401 and a token that is nobody's is 403.
+  the network's read tokens (kdn.auth.Tokens), as the edges decide reads: a tenant's read
+  token reads that tenant; the admin token reads "default". Any other token, or none, reads
+  "default" only where "default" is open: read tokens are off, or the operator said
+  `default=*` (the openai client always sends some api_key). Otherwise no token is 401 and
+  a token that is nobody's is 403, also when "default" has no read token of its own: with
+  read tokens on, a tenant without one is nobody's to read (kdn.auth).
+- `read_body(request, limit)` reads a body in bounded pieces: a Content-Length over the limit
+  is refused before anything is read, a body without one (chunked) as soon as it passes it
+  (413, and the connection is closed rather than drained); `parse_json` refuses a body
+  nested too deeply for the parser (400 json_too_deep) instead of failing on it.
 - completion, chunk and model-list objects as OpenAI clients parse them; `usage` has
   prompt_tokens, completion_tokens, total_tokens and prompt_tokens_details.cached_tokens
   (the prompt tokens whose KV came from KDN).
@@ -25,7 +31,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from kdn.auth import _same
 from kdn.errors import AccessDenied, BadRequest, KDNError, ManifestError, NetworkError
 
 DEFAULT_MAX_TOKENS = 256
@@ -42,16 +47,23 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
 class ApiError(KDNError):
     """An API request refused with an HTTP status and an OpenAI error code."""
 
-    def __init__(self, status: int, message: str, code: str, param: str = None, retry_after: float = None):
+    def __init__(self, status: int, message: str, code: str, param: str = None, retry_after: float = None,
+                 close: bool = False):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.retry_after = retry_after
+        self.close = close          # answer with Connection: close (a body left unread)
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.code, self.param)
 
     def headers(self) -> dict:
-        return {"Retry-After": str(max(1, int(round(self.retry_after))))} if self.retry_after else {}
+        h = {"Retry-After": str(max(1, int(round(self.retry_after))))} if self.retry_after else {}
+        if self.status == 401:
+            h["WWW-Authenticate"] = "Bearer"
+        if self.close:
+            h["Connection"] = "close"
+        return h
 
 
 def error_body(status: int, message: str, code: str, param: str = None) -> dict:
@@ -63,13 +75,43 @@ def bad(message: str, param: str = None, code: str = "invalid_request") -> ApiEr
     return ApiError(400, message, code, param)
 
 
+MAX_BODY_BYTES = 8 << 20      # a chat request: 256 messages of 200,000 characters fit in less
+
+
+def body_too_large(size_text: str, limit: int) -> ApiError:
+    return ApiError(413, f"the request body is {size_text}; the limit is {limit} bytes", "body_too_large",
+                    close=True)
+
+
+async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The body of a Starlette request, at most limit bytes: a declared Content-Length over
+    it is refused before a byte is read, a chunked body as soon as it passes it (the
+    pieces are kept only up to the limit); ApiError 413 (connection closed) or 400."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise bad(f"Content-Length must be a number of bytes, got {declared[:40]!r}", code="invalid_body")
+        if int(declared) > limit:
+            raise body_too_large(f"{int(declared)} bytes (Content-Length)", limit)
+    got, size = [], 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > limit:
+            raise body_too_large(f"over {limit} bytes (it was still arriving)", limit)
+        got.append(piece)
+    return b"".join(got)
+
+
 def parse_json(raw: bytes) -> dict:
-    if len(raw) > 8 << 20:
-        raise ApiError(413, f"the request body is {len(raw)} bytes; the limit is {8 << 20}", "body_too_large")
+    if len(raw) > MAX_BODY_BYTES:
+        raise body_too_large(f"{len(raw)} bytes", MAX_BODY_BYTES)
     try:
         body = json.loads(raw or b"")
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:          # the parser's own bound on nesting (~1,000 levels here)
+        raise bad("the request body nests JSON arrays or objects too deeply to parse (a chat "
+                  "request needs 4 levels)", code="json_too_deep") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
     return body
@@ -234,25 +276,33 @@ def parse_chat(body: dict, base_model: str) -> ChatRequest:
                        kdn_fetch=fetch)
 
 
-def tenant_of(tokens, authorization) -> str:
-    """The tenant a request reads as, from its Authorization header (see the module)."""
+def credentials(tokens, authorization) -> tuple:
+    """(tenant, token) a request reads with, from its Authorization header (see the module):
+    token is the one the edges are shown, the caller's read token or the admin token, or
+    None for an open tenant (whatever key the caller sent: an open tenant needs none)."""
     token = None
     if authorization:
         scheme, _, value = str(authorization).partition(" ")
         if scheme.lower() != "bearer" or not value.strip():
             raise ApiError(401, "Authorization must be 'Bearer <token>'", "invalid_authorization")
         token = value.strip()
+    if token is not None:
+        tenant = tokens.tenant_of_token(token)
+        if tenant is not None:
+            return tenant, token
+        if tokens.is_admin(token):
+            return DEFAULT_TENANT, token
+    if tokens.is_open(DEFAULT_TENANT):      # read tokens off, or the operator's default=*
+        return DEFAULT_TENANT, None
     if token is None:
-        if tokens.readers.get(DEFAULT_TENANT) is not None:
-            raise ApiError(401, "a read token is required: send Authorization: Bearer <token> "
-                                "(the tenant's read token, as the edges take it)", "missing_token")
-        return DEFAULT_TENANT
-    for tenant, want in sorted(tokens.readers.items()):
-        if _same(token, want):
-            return tenant
-    if tokens.is_admin(token) or tokens.readers.get(DEFAULT_TENANT) is None:
-        return DEFAULT_TENANT
+        raise ApiError(401, "a read token is required: send Authorization: Bearer <token> (the "
+                            "tenant's read token, as the edges take it)", "missing_token")
     raise ApiError(403, "the bearer token is no tenant's read token", "invalid_token")
+
+
+def tenant_of(tokens, authorization) -> str:
+    """The tenant a request reads as, from its Authorization header (see the module)."""
+    return credentials(tokens, authorization)[0]
 
 
 def completion_id() -> str:

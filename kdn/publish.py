@@ -10,105 +10,33 @@ Prefill is paid only for what the network lacks: the publisher first fetches the
 cached prefix of the new token stream (exactly, with the admin token: an unchanged KB is
 cached whole, an edited last document shares every chunk before the edit), rebuilds the
 model's cache from it and prefills only the rest. The KV of a prefix depends only on the
-tokens before it, so the reused part is what a fresh prefill computes. Only chunks the
-origin lacks travel; the manifest, with a checksum per chunk, is committed last.
+tokens before it, so the reused part is what a fresh prefill computes (within the engine's
+batch variance: kernels round by batch shape). Only chunks the origin lacks travel; where it
+holds a chunk already, its stored checksum is adopted (a key means the bytes stored first),
+and the manifest, with a checksum per chunk, is committed last.
 
 Everything that can be refused is checked before any tokenizing or prefill: the KB's name,
 the documents' sizes, and that the origin takes this publisher's admin token.
 """
 import collections
 import dataclasses
-import re
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from kdn.chunk import Chunk
 from kdn.errors import BadRequest
-from kdn.keys import CHUNK_TOKENS, MAX_TOKENS_PER_KB
+from kdn.documents import (MAX_KB_BYTES, MAX_KB_TOKENS, check_documents,  # noqa: F401
+                           check_kb_tokens, join_documents)
+from kdn.keys import CHUNK_TOKENS
 from kdn.manifest import Manifest, check_name
 from kdn.reader import Reader
 
-MAX_KB_TOKENS = MAX_TOKENS_PER_KB      # the origin refuses a longer KB
-# Text is bounded before it is tokenized (tokenizing 50 MB takes GBs and tens of seconds):
-# at 2 bytes per token, below what text averages (English ~4), a KB past this bound is far
-# past anything one prefill could compute (16M tokens of SmolLM2 KV are ~750 GB).
-BYTES_PER_TOKEN = 2
-MAX_KB_BYTES = MAX_KB_TOKENS * BYTES_PER_TOKEN
-TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst")
 BATCH_BYTES = 64 << 20        # chunks per put_chunks call: bounded in bytes ...
 BATCH_CHUNKS = 1024           # ... and in count (the origin takes at most 4096 a call)
 PUBLISH_TIMEOUT_S = 300.0
 LOG_INTERVAL_S = 5.0          # a progress line this often when stderr is a log, not a terminal
-
-
-# --- documents -------------------------------------------------------------------------
-def read_documents(paths) -> list:
-    """[(name, text)] from text/markdown files; clear errors for missing, binary, empty or
-    too large files, checked before any file is read whole."""
-    paths = [Path(p) for p in paths]
-    total = 0
-    for path in paths:
-        if not path.is_file():
-            raise BadRequest(f"{path}: no such file")
-        if path.suffix.lower() not in TEXT_SUFFIXES:
-            raise BadRequest(f"{path}: not a text or markdown file (expected one of {', '.join(TEXT_SUFFIXES)})")
-        total += path.stat().st_size
-        if total > MAX_KB_BYTES:
-            raise BadRequest(f"{path}: the documents reach {total} bytes, over the "
-                             f"{MAX_KB_BYTES}-byte limit of one knowledge base")
-    docs, names = [], set()
-    for path in paths:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise BadRequest(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        if not text.strip():
-            raise BadRequest(f"{path}: the document is empty")
-        name = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem).strip("-.") or "document"
-        base, i = name, 2
-        while name in names:
-            name, i = f"{base}-{i}", i + 1
-        names.add(name)
-        docs.append((name, text))
-    if not docs:
-        raise BadRequest("nothing to publish: give at least one document")
-    return docs
-
-
-def check_documents(documents) -> list:
-    """documents as [(name, text)], each a non-empty str, together within MAX_KB_BYTES."""
-    docs = list(documents)
-    if not docs:
-        raise BadRequest("nothing to publish: give at least one document")
-    total = 0
-    for i, item in enumerate(docs):
-        if not isinstance(item, (tuple, list)) or len(item) != 2 \
-                or not isinstance(item[0], str) or not isinstance(item[1], str):
-            raise BadRequest(f"documents[{i}] must be a (name, text) pair of str, got {item!r:.80}")
-        # characters first (a lower bound of the UTF-8 bytes, free), then the bytes themselves
-        total += len(item[1]) if len(item[1]) > MAX_KB_BYTES else len(item[1].encode("utf-8", "replace"))
-        if total > MAX_KB_BYTES:
-            raise BadRequest(f"documents[{i}] ({item[0]!r}): the documents reach {total} bytes, "
-                             f"over the {MAX_KB_BYTES}-byte limit of one knowledge base")
-        if not item[1].strip():
-            raise BadRequest(f"documents[{i}] ({item[0]!r}) is empty")
-    return [tuple(d) for d in docs]
-
-
-def join_documents(documents) -> tuple:
-    """(knowledge text, [(name, char start, char end)]) with documents separated by a blank line."""
-    parts, spans, pos = [], [], 0
-    for i, (name, text) in enumerate(documents):
-        if i:
-            parts.append("\n\n")
-            pos += 2
-        parts.append(text)
-        spans.append((name, pos, pos + len(text)))
-        pos += len(text)
-    return "".join(parts), spans
 
 
 def knowledge_documents(model, documents) -> list:
@@ -191,14 +119,14 @@ class Publisher:
         self.reader = Reader(view, tenant, fingerprint, token=view.admin_token, accept=None,
                              chunk_tokens=chunk_tokens)
         self.ns = self.reader.ns
-        self.counters = collections.Counter()   # publishes, sent_chunks, sent_bytes
+        self.counters = collections.Counter()   # publishes, sent_chunks, sent_bytes, adopted_chunks
 
     def stats(self) -> dict:
         return {"tenant": self.tenant, "counters": dict(self.counters)}
 
     def check_access(self) -> None:
         """AccessDenied now, not after a prefill, unless the origin takes this admin token."""
-        self.view.origin("missing", [])
+        self.view.origin("stored", [])
 
     def reuse(self, tokens):
         """The longest prefix of `tokens` the network already holds, exact (kdn.reader.Fetched)."""
@@ -217,26 +145,35 @@ class Publisher:
                            chunk_tokens=self.chunk_tokens, meta=meta)
         chunks = split_kv(m, kv, dtype)
         # Per-chunk checksums travel in the manifest: every reader verifies what it got
-        # against the publisher's bytes, whatever hops (disk, peers, object store) it crossed.
-        m = dataclasses.replace(m, sums=tuple(c.digest() for c in chunks))
-        missing = self.view.origin("missing", list(m.keys), timeout=timeout_s)
-        sent, sent_bytes = self._send([chunks[i] for i in missing], batch_bytes, timeout_s)
+        # against them, whatever hops (disk, peers, object store) it crossed. A key means the
+        # bytes stored first: where the origin already holds a chunk (or another publisher
+        # stores it first, meanwhile), its checksum is adopted, never this publisher's own
+        # (KV computed on another CPU or in another batch shape differs in the last bits).
+        sums = self.view.origin("stored", list(m.keys), timeout=timeout_s)
+        missing = [i for i, x in enumerate(sums) if x is None]
+        sent, sent_bytes, put_sums = self._send([chunks[i] for i in missing], batch_bytes, timeout_s)
+        for i, x in zip(missing, put_sums):
+            sums[i] = x
+        adopted = sum(x != c.digest() for x, c in zip(sums, chunks))
+        m = dataclasses.replace(m, sums=tuple(sums))
         receipt = self.view.origin("commit", m.to_dict(), timeout=timeout_s)
-        receipt.update(sent_chunks=sent, sent_bytes=sent_bytes)
-        self.counters.update(publishes=1, sent_chunks=sent, sent_bytes=sent_bytes)
+        receipt.update(sent_chunks=sent, sent_bytes=sent_bytes, adopted_chunks=adopted)
+        self.counters.update(publishes=1, sent_chunks=sent, sent_bytes=sent_bytes,
+                             adopted_chunks=adopted)
         self.reader.forget_manifests()
         return receipt
 
     def _send(self, chunks, batch_bytes: int, timeout_s: float) -> tuple:
-        """(chunks, bytes) sent to the origin, in batches bounded in bytes and count."""
-        batch, size, sent, sent_bytes = [], 0, 0, 0
+        """(chunks, bytes, the stored checksum of each) sent to the origin, in batches bounded
+        in bytes and count."""
+        batch, size, sent, sent_bytes, sums = [], 0, 0, 0, []
         for i, c in enumerate(chunks):
             batch.append(c)
             size += c.nbytes
             if size >= batch_bytes or len(batch) >= BATCH_CHUNKS or i == len(chunks) - 1:
-                self.view.origin("put_chunks", batch, timeout=timeout_s)
+                sums += self.view.origin("put_chunks", batch, timeout=timeout_s)["sums"]
                 sent, sent_bytes, batch, size = sent + len(batch), sent_bytes + size, [], 0
-        return sent, sent_bytes
+        return sent, sent_bytes, sums
 
 
 def publish_documents(client, model, kb: str, documents, progress=None, meta=None) -> dict:
@@ -251,8 +188,7 @@ def publish_documents(client, model, kb: str, documents, progress=None, meta=Non
     publisher.check_access()
     named = knowledge_documents(model, docs)
     tokens = [t for _, toks in named for t in toks]
-    if len(tokens) > MAX_KB_TOKENS:
-        raise BadRequest(f"KB {kb!r} is {len(tokens)} tokens; the limit is {MAX_KB_TOKENS}")
+    check_kb_tokens(kb, len(tokens))
     t0 = time.perf_counter()
     reused = publisher.reuse(tokens)
     cache = model.cache_from_kv(reused.kv_parts(), len(tokens) - reused.tokens) if reused.tokens else None

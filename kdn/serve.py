@@ -25,6 +25,18 @@ The proxy binds 127.0.0.1 (`kdn serve --port`, default 8000): nothing listens of
 
 Errors are OpenAI-shaped: unknown model or KB 404, bad input 400, token missing 401 / wrong
 403, overload (a full queue) 429 and no replica available 503, both with Retry-After.
+
+Hostile bodies: the router decides who asks (the token) before it reads a byte of the body,
+refuses a Content-Length over MAX_BODY_BYTES (8 MiB) unread and reads a chunked body in its
+pieces only up to the limit (kdn.openai_api.read_body), each a 413; a body refused unread is
+answered with Connection: close, so nobody reads the rest. Serve's HTTP proxy (Ray 2.60,
+ray/serve/_private/proxy.py) has no body limit of its own: from the moment a request arrives
+a task of the proxy reads the body off the socket as fast as it comes (uvicorn's flow control
+never pauses it) into an unbounded queue (http_util.MessageQueue) that the router drains
+with receive_asgi_messages, and only when the answer is complete does it stop (the task is
+cancelled) and drop the queue. So the proxy holds what arrives before the router answers:
+answering an oversized body at once, and closing its connection, is what bounds the proxy
+(tests/serve/rss_hostile_bodies.py measures each process).
 """
 import asyncio
 import collections
@@ -33,8 +45,9 @@ import contextlib
 import logging
 
 from kdn.errors import AccessDenied, BadRequest, KDNError, NetworkError
-from kdn.openai_api import (RETRY_AFTER_S, ApiError, api_error, completion, completion_id, error_body,
-                            model_list, parse_chat, parse_json, sse, sse_answer, tenant_of, usage)
+from kdn.openai_api import (MAX_BODY_BYTES, RETRY_AFTER_S, ApiError, api_error, completion, completion_id,
+                            credentials, error_body, model_list, parse_chat, parse_json, read_body, sse,
+                            sse_answer, usage)
 
 log = logging.getLogger("kdn.serve")
 
@@ -206,7 +219,10 @@ class Router:
         except KDNError as e:               # refusals: ApiError, or KDN's own named errors
             e = api_error(e)
             self.counters[f"errors_{e.status}"] += 1
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+            headers = e.headers()
+            if request.method == "POST" and not getattr(request.state, "body_read", False):
+                headers["Connection"] = "close"     # refused unread: not drained, not kept alive
+            return JSONResponse(e.body(), status_code=e.status, headers=headers)
         except RayTaskError:                # a worker failed on a bug: logged, answered OpenAI-shaped
             log.exception("kdn serve: a worker failed on %s %s", request.method, request.url.path)
             self.counters["errors_500"] += 1
@@ -234,10 +250,14 @@ class Router:
         if request.method != routes[endpoint]:
             raise ApiError(405, f"/v1/{endpoint} takes {routes[endpoint]}, not {request.method}",
                            "method_not_allowed")
-        tenant = tenant_of(self.tokens, request.headers.get("authorization"))
-        token = (request.headers.get("authorization") or "").partition(" ")[2].strip() or None
+        # who asks, before a byte of the body is read; token: what the edges are shown (the
+        # caller's read token or the admin's, None for an open tenant: replicas keep a client
+        # per token, so a caller's made-up keys must not each get one)
+        tenant, token = credentials(self.tokens, request.headers.get("authorization"))
         if endpoint == "chat/completions":
-            req = parse_chat(parse_json(await request.body()), self.base_model)
+            raw = await read_body(request, MAX_BODY_BYTES)
+            request.state.body_read = True
+            req = parse_chat(parse_json(raw), self.base_model)
         region = self.pick(request, region)
         self.counters[f"region_{region}"] += 1
         handle = self.workers[region]

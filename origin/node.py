@@ -243,14 +243,15 @@ class OriginNode:
         return await self.set_members([m for m in self.roster.members if m[0] != name], token=token)
 
     # --- publish -----------------------------------------------------------------------
-    async def missing(self, keys, token=None) -> list:
-        """Indices of `keys` the store lacks or holds corrupt (the publisher sends only those).
-        Reads and verifies every stored chunk of keys: 200 MB took 14 ms from the page cache
-        (a cold disk reads at its own speed)."""
-        self.tokens.check_admin(token, "publish (missing)")
+    async def stored(self, keys, token=None) -> list:
+        """Per key, the checksum of the KV stored under it (None where absent or corrupt): a
+        publisher sends only the None ones and records these checksums in its manifest, since
+        a key means the bytes stored first (its own KV may differ in the last bits). Reads
+        and verifies every stored chunk of keys: 200 MB took 14 ms from the page cache (a
+        cold disk reads at its own speed)."""
+        self.tokens.check_admin(token, "publish (stored)")
         keys = _keys(keys)
-        present = await self._each(self.store.has, keys)
-        return [i for i, h in enumerate(present) if not h]
+        return await self._each(self.store.sum_of, keys)
 
     async def has(self, keys, ns: bytes = None, token=None) -> list:
         """Which keys are stored intact; given ns, which are stored under that namespace by
@@ -273,10 +274,13 @@ class OriginNode:
             raise BadRequest(f"put_chunks: item {bad} is a {type(chunks[bad]).__name__}, not a Chunk")
         if sum(c.nbytes for c in chunks) > MAX_BYTES_PER_CALL:
             raise BadRequest(f"put_chunks carries more than {MAX_BYTES_PER_CALL} bytes: split it")
-        written = sum(await self._each(self.store.put, chunks))
+        results = await self._each(self.store.put_chunk, chunks)
+        written = sum(w for w, _ in results)
         self.counters["chunks_received"] += len(chunks)
         self.counters["chunks_written"] += written
-        return {"received": len(chunks), "written": written}
+        # sums: the checksum now stored under each key, the chunk's own or (deduplicated) the
+        # one stored first, which the publisher's manifest must carry
+        return {"received": len(chunks), "written": written, "sums": [x for _, x in results]}
 
     async def commit(self, manifest: dict, push: bool = True, token=None) -> dict:
         """Commit a manifest (all its chunks must be stored), push to owners, return a receipt."""

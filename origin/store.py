@@ -9,7 +9,16 @@ means a read can be pushed to an edge or an HTTP client as is, and every read re
 the checksum, so a rotted object raises CorruptChunk and is never served. Because the name is
 the content's key, a chunk shared by two KB versions is written once (dedup for free). A
 chunk counts as stored only while its frame verifies: has() checks it, and put() rewrites a
-corrupt copy, so re-publishing a KB repairs it. With codec= set (kdn.codecs: "zstd"
+corrupt copy, so re-publishing a KB repairs it.
+
+A key means one byte string, forever. A key names tokens and their prefix, not bytes: two
+publishers (two CPUs, two batch shapes, a GPU) can compute KV that differs in its last bits
+for the same key. The first bytes stored are the bytes: a later put of other bytes is
+deduplicated and answers the stored checksum (sum_of, the xxh3_64 of the stored KV that
+manifests record per chunk), the publisher adopts it in its manifest, and commit() refuses
+a manifest whose checksums are not those of the stored chunks. A corrupt copy is repaired
+only with the bytes the committed versions name, so no valid copy is ever reported corrupt
+because another machine computed it. With codec= set (kdn.codecs: "zstd"
 lossless, "q8z"/"q4z" quantized) put() stores frames compressed; reads decode any codec.
 
 Every object is written whole (on disk: temp file, fsync, rename, fsync the folder, files
@@ -70,7 +79,9 @@ _VERSION_NAME = re.compile(r"(\d{10})\.(kdnm|retired|corrupt)")
 _MANIFEST_NAME = re.compile(r"manifests/([0-9a-f]{32})/([^/]+)/(\d{10})\.(kdnm|retired|corrupt)")
 # Counted from the start (0 until they happen), so stats() always names them.
 COUNTERS = ("reads", "writes", "deduplicated", "repaired", "corrupt_detected",
-            "cleaned_partials", "manifests_quarantined", "commit_conflicts")
+            "cleaned_partials", "manifests_quarantined", "commit_conflicts", "sums_refused",
+            "repairs_refused")
+SUMS_KEPT = 1 << 18               # stored chunks' checksums remembered (immutable: never stale)
 
 
 def _key(key) -> bytes:
@@ -114,6 +125,7 @@ class ChunkStore:
         self._lock = threading.RLock()
         self._writing: dict = {}     # key -> [lock, users]: writers of one key take turns
         self._pending: set = set()   # keys put but not yet referenced by a commit
+        self._sums = collections.OrderedDict()   # key -> its stored KV's xxh3_64 (LRU, SUMS_KEPT)
         self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="store-io")
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self.counters["cleaned_partials"] = self.objects.clean_partials()
@@ -163,9 +175,14 @@ class ChunkStore:
     # --- chunks ------------------------------------------------------------------------
     def put(self, chunk: Chunk) -> bool:
         """Store chunk durably; False (and no write) when an intact copy is already stored."""
+        return self.put_chunk(chunk)[0]
+
+    def put_chunk(self, chunk: Chunk) -> tuple:
+        """Store chunk durably: (written, sum), sum the checksum of the bytes now stored under
+        its key (the chunk's own, or those already there when the put was deduplicated)."""
         if not isinstance(chunk, Chunk):
             raise StoreError(f"put() takes a Chunk, got {type(chunk).__name__}")
-        return self._store(_key(chunk.key), lambda: encode_parts(chunk, self.codec))
+        return self._store(_key(chunk.key), lambda: encode_parts(chunk, self.codec), chunk.digest)
 
     def put_frame(self, frame) -> tuple:
         """Verify an encoded frame (checksum included) and store it as is; return (key, written)."""
@@ -174,17 +191,22 @@ class ChunkStore:
         except FrameError as e:
             raise StoreError(f"refusing to store an invalid frame of {len(frame)} bytes: {e}") from None
         key = _key(chunk.key)
-        return key, self._store(key, lambda: [frame])
+        return key, self._store(key, lambda: [frame], chunk.digest)[0]
 
-    def _store(self, key: bytes, parts) -> bool:
+    def _store(self, key: bytes, parts, digest) -> tuple:
         name = _chunk_name(key)
         with self._lock:
             self._pending.add(key)   # from here on a concurrent collect() leaves this key alone
         with self._turn(key):
             seen = self.objects.size(name)
-            if seen is not None and self._intact(key):
-                self._bump("deduplicated")
-                return False
+            if seen is not None:
+                stored = self.sum_of(key)
+                if stored is not None:
+                    self._bump("deduplicated")
+                    return False, stored
+            ours = digest()
+            if seen is not None:
+                self._check_repair(key, ours)
             n = self.objects.put(name, parts())   # over nothing, or over the corrupt copy seen
             with self._lock:
                 self.counters["writes"] += 1
@@ -194,7 +216,55 @@ class ChunkStore:
                     self._bytes -= seen
                     self.counters["repaired"] += 1
                 self._bytes += n
-        return True
+                self._remember(key, ours)
+        return True, ours
+
+    def _check_repair(self, key: bytes, ours: int) -> None:
+        """A corrupt copy is replaced only by the bytes committed versions name for the key
+        (StoreError otherwise): a key never comes to mean a second byte string."""
+        named = {m.sum_of().get(key) for m in self.manifests()} - {None}
+        if named and ours not in named:
+            self._bump("repairs_refused")
+            raise StoreError(f"chunk {key.hex()} is corrupt in the store, and committed versions "
+                             f"name other bytes for it (checksum {min(named):016x}, these hash to "
+                             f"{ours:016x}: KV computed on another machine or batch shape); it is "
+                             f"not repaired with other bytes. Retire those versions and collect, "
+                             f"or re-publish from the KV they were computed with")
+
+    def _remember(self, key: bytes, xxh: int) -> None:
+        with self._lock:
+            self._sums[key] = xxh
+            self._sums.move_to_end(key)
+            while len(self._sums) > SUMS_KEPT:
+                self._sums.popitem(last=False)
+
+    def sum_of(self, key: bytes, fresh: bool = True) -> "int | None":
+        """The xxh3_64 of the KV stored under key, as manifests record it (Chunk.digest); None
+        when absent or corrupt. fresh: verify the stored frame now (else a checksum remembered
+        from an earlier read or write is trusted: stored bytes never change). A raw frame's
+        payload checksum is the sum; a compressed one is decoded once, then remembered."""
+        key = _key(key)
+        with self._lock:
+            known = self._sums.get(key)
+            if known is not None:
+                self._sums.move_to_end(key)
+        if known is not None and not fresh:
+            return known
+        try:
+            e = self._checked(key)
+            xxh = read_header(e.frame)[0]["xxh"] if e.codec == "raw" \
+                else known if known is not None else e.decode().digest()
+        except (ChunkNotFound, CorruptChunk):
+            return None
+        except FrameError:   # a lossy frame the store never writes, decoded: as good as corrupt
+            self._bump("corrupt_detected")
+            return None
+        except OSError as ex:   # EIO, permissions: as good as absent, and the operator is told
+            log.warning("chunk %s is unreadable: %s", key.hex(), ex)
+            self._bump("corrupt_detected")
+            return None
+        self._remember(key, xxh)
+        return xxh
 
     def _object(self, key: bytes) -> tuple:
         """(key, name, the object's bytes); ChunkNotFound if absent."""
@@ -207,6 +277,8 @@ class ChunkStore:
 
     def _corrupt(self, key, name, why) -> CorruptChunk:
         self._bump("corrupt_detected")
+        with self._lock:
+            self._sums.pop(key, None)
         return CorruptChunk(f"chunk {key.hex()} is corrupt in {self.objects.where(name)}: {why}")
 
     def _read(self, key: bytes):
@@ -322,6 +394,7 @@ class ChunkStore:
         if not isinstance(manifest, Manifest):
             raise ManifestError(f"commit() takes a Manifest, got {type(manifest).__name__}")
         prefix = self._kb_prefix(manifest.ns, manifest.name)
+        self._check_sums(manifest)
         with self._lock:
             keys = list(dict.fromkeys(manifest.keys))
             sizes = self.map(lambda k: self.objects.size(_chunk_name(k)), keys)
@@ -354,6 +427,22 @@ class ChunkStore:
             self.objects.put(prefix + LAST_VERSION, str(manifest.version).encode())
             self._pending.difference_update(manifest.keys)
             return manifest
+
+    def _check_sums(self, manifest: Manifest) -> None:
+        """ManifestError unless every checksum the manifest records is that of the chunk
+        stored under its key (a key means one byte string: readers verify against these).
+        Runs outside the store's lock: its reads run in the I/O threads, which take it."""
+        want = manifest.sum_of()
+        if not want:
+            return
+        keys = list(want)
+        for k, got in zip(keys, self.map(lambda k: self.sum_of(k, fresh=False), keys)):
+            if got is not None and got != want[k]:   # absent: the commit's own check names it
+                self.counters["sums_refused"] += 1
+                raise ManifestError(
+                    f"cannot commit {manifest.label()}: chunk {k.hex()} is stored with checksum "
+                    f"{got:016x} but the manifest says {want[k]:016x}; a key means the bytes "
+                    f"stored first, so the manifest must carry their checksum (kdn.publish adopts it)")
 
     def _load(self, name: str, ns: bytes, kb: str, version: int) -> Manifest:
         """The manifest in object `name`; one that fails its checksum or holds another version

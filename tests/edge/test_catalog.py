@@ -86,7 +86,8 @@ def test_unknown_namespaces_ask_the_origin_at_most_once_a_period():
     assert c.counters["manifest_refreshes"] == 1
     c._learned_at -= LEARN_PERIOD_S            # a period later: one more ask
     origin.manifests.append(_manifest("t3"))
-    asyncio.run(c.check_read(namespace_digest("t3", "fp"), None, "fetch"))   # t3 has no token: open
+    with pytest.raises(AccessDenied):          # t3 has no read token: nobody's to read without one
+        asyncio.run(c.check_read(namespace_digest("t3", "fp"), None, "fetch"))
     assert len(origin.asked) == 2
 
 

@@ -410,14 +410,51 @@ def test_a_stranger_cannot_tell_a_namespace_exists_from_the_refusal(kit, serve):
 
     edge.peers.ask = ask
     server = serve(edge)
-    answers = []
-    for ns, token in [(kit.NS, None), (kit.NS, "wrong-token-0123456789"),
-                      (namespace_digest("nobody", "x"), None), (namespace_digest("nobody", "y"), None)]:
-        status, _, raw = _post(server.url, "/v1/fetch", msgpack.packb({"ns": ns, "keys": [cs[0].key]}),
-                               token=token)
-        answers.append((status, json.loads(raw)["message"]))
-    assert len(set(answers)) == 1 and answers[0][0] == 403
+    for token, want in ((None, 401), ("wrong-token-0123456789", 403)):   # missing 401, wrong 403
+        answers = []
+        for ns in (kit.NS, namespace_digest("nobody", "x"), namespace_digest("nobody", "y")):
+            status, _, raw = _post(server.url, "/v1/fetch", msgpack.packb({"ns": ns, "keys": [cs[0].key]}),
+                                   token=token)
+            answers.append((status, json.loads(raw)["message"]))
+        assert len(set(answers)) == 1 and answers[0][0] == want, answers
     assert asked == ["manifests"], "unknown namespaces ask the origin once a period, not per request"
     status, _, _ = _post(server.url, "/v1/fetch", msgpack.packb({"ns": kit.NS, "keys": [cs[0].key]}),
                          token="read-token-0123456789")
     assert status == 200
+
+
+@pytest.mark.parametrize("readers, open_default", [
+    ({"acme": "acme-token-0123456789"}, False),                 # default has no token: closed
+    ({"acme": "acme-token-0123456789", "default": "read-token-0123456789"}, False),
+    ({"acme": "acme-token-0123456789", "default": "*"}, True),  # the operator left it open
+])
+def test_read_tokens_missing_401_wrong_403_right_200(kit, serve, readers, open_default):
+    """The default tenant (a KB published without --tenant) with read tokens on: no token
+    401, a wrong one 403, the right one 200, on fetch and on /v1/kbs; `default=*` opens it."""
+    cs = kit.make_chunks(1)
+    edge = kit.local_edge(cs, auth={"admin": "admin-token-0123456789abcdef", "readers": readers})
+    edge.catalog.add({"tenant": "default", "fingerprint": "edge-unit", "name": "kb", "version": 1,
+                      "keys": [cs[0].key], "sums": [cs[0].digest()]})
+
+    async def ask(node, method, *args, timeout=None, **kw):          # the origin: not reached
+        return None
+    edge.peers.ask = ask
+    server = serve(edge)
+    right = readers.get("default", "admin-token-0123456789abcdef")    # no token of its own: the admin's
+    right = "sk-anything-at-all" if right == "*" else right
+    body = msgpack.packb({"ns": kit.NS, "keys": [cs[0].key]})
+    kbs = "/v1/kbs?tenant=default&fingerprint=edge-unit"
+    for token, want in ((None, 401), ("wrong-token-0123456789", 403), ("acme-token-0123456789", 403),
+                        (right, 200)):
+        want = 200 if open_default else want
+        status, headers, raw = _post(server.url, "/v1/fetch", body, token=token)
+        assert status == want, (token, raw[:200])
+        if status == 200:
+            assert headers["X-KDN-Chunks"] == "1"
+        else:
+            assert "read token" in json.loads(raw)["message"]
+            assert (headers.get("WWW-Authenticate") == "Bearer") == (status == 401)
+        status, _, raw = _raw(server.url, "GET", kbs, headers={"Authorization": f"Bearer {token}"} if token else {})
+        assert status == want, (token, raw[:200])
+        if status == 200:
+            assert [m["name"] for m in json.loads(raw)["manifests"]] == ["kb"]

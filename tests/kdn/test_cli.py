@@ -11,7 +11,10 @@ Output goes to files, not pipes: the cluster's daemons must not hold a pipe of `
 
 The other tests call `kdn.cli.main` in-process against a network on the test cluster: publishing
 new namespaces with read tokens on, refusals that come before the model loads, and errors
-(remote ones included) printed as one clean line.
+(remote ones included) printed as one clean line. A real codebase, this repository's own
+`placement/` folder, is published with the real model (loaded once for the module) and
+queried: its documents are named by their paths, and the answer's prompt starts with the
+KB's tokens, whose KV comes from KDN.
 """
 import json
 import os
@@ -24,6 +27,8 @@ import psutil
 import pytest
 
 from kdn.knowledge import bundled_documents
+
+REPO = Path(__file__).resolve().parents[2]
 
 REGIONS = ("us-east", "eu-west", "ap-south")
 
@@ -206,10 +211,11 @@ def test_publish_command_with_read_tokens_on_publishes_new_namespaces(read_token
 def test_too_large_a_publish_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
     import kdn.model
     from kdn.cli import main
-    from kdn.publish import MAX_KB_BYTES
+    from kdn.documents import MAX_KB_BYTES
     monkeypatch.setattr(kdn.model, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     big = tmp_path / "big.txt"
-    with open(big, "wb") as f:
+    with open(big, "wb") as f:                 # text first (a NUL there is binary), then sparse
+        f.write(b"Some knowledge.\n" * 1000)
         f.truncate(MAX_KB_BYTES + 1)
     t0 = time.perf_counter()
     assert main(["publish", "kb", str(big), "--address", "127.0.0.1:1"]) == 2
@@ -269,3 +275,107 @@ def test_status_shows_an_edges_disk_tier_beside_memory():
     assert row["disk hits"] == 3 and row["write-backs"] == 9 and row["dropped (full)"] == 1
     row, = status_rows({"edges": [dict(edge, disk=None)]})
     assert "disk" not in row
+
+
+# --- a codebase: this repository's placement/ folder, with the real model --------------------
+@pytest.fixture(scope="module")
+def code_net(small_network, ray_cluster):
+    """A network with an admin token (no read tokens); the CLI's arguments to reach it."""
+    net = small_network(auth={"admin": ADMIN})
+    return ["--address", ray_cluster.address, "--network", net.name]
+
+
+@pytest.fixture
+def cli_env(tmp_path, monkeypatch, model):
+    """The CLI in-process: KDN_HOME in tmp_path, the admin token in the environment, and
+    load_model() answering the module's model (one load per module)."""
+    import kdn.model
+    monkeypatch.setenv("KDN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KDN_ADMIN_TOKEN", ADMIN)
+    monkeypatch.delenv("KDN_TOKEN", raising=False)
+    monkeypatch.setattr(kdn.model, "load_model", lambda *a, **k: model)
+    return model
+
+
+def _no_model(monkeypatch):
+    import kdn.model
+    monkeypatch.setattr(kdn.model, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+
+
+def test_the_cli_knows_the_models_fingerprint_without_loading_it(model):
+    from kdn.cli import _model_fingerprint
+    assert _model_fingerprint() == model.fingerprint
+
+
+def test_a_codebase_folder_is_published_by_relative_paths_and_answered_from_kdn(code_net, cli_env, capsys):
+    from kdn.cli import main
+    from kdn.client import Client
+    model = cli_env
+    placement = REPO / "placement"
+    # the whole folder (~26k tokens) is longer than SmolLM2's context: refused before any prefill
+    t0 = time.perf_counter()
+    assert main(["publish", "placement", str(placement)] + code_net) == 2
+    out, err = capsys.readouterr()
+    assert "documents: 5 documents" in out and f"named relative to {placement}" in out
+    line = _one_error_line(err)
+    context = model.hf.config.max_position_embeddings
+    assert f"the model's context is {context} tokens (max_position_embeddings)" in line
+    assert "no prompt could use it whole" in line and "--allow-over-context" in line and "several KBs" in line
+    assert time.perf_counter() - t0 < 15, "refused after tokenizing, before the prefill"
+
+    args = ["publish", "ring", str(placement), "--include", "ring.py", "--include", "__init__.py"]
+    assert main(args + code_net) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "documents: 2 documents" in out and "default/ring v1 committed" in out
+    cl = Client(network=code_net[3], region="eu-west", fingerprint=model.fingerprint, admin_token=ADMIN)
+    m = cl.manifest("ring")
+    assert [d.name for d in m.documents] == ["__init__.py", "ring.py"]
+    texts = [(placement / n).read_text() for n in ("__init__.py", "ring.py")]
+    kb_tokens = model.knowledge_tokens("\n\n".join(texts))
+    assert m.token_ids().tolist() == kb_tokens and m.n_tokens < context
+    assert model.tokenizer.decode(m.token_ids()[:40].tolist()).startswith("<|im_start|>system\n" + texts[0][:40])
+    # the question's prompt starts with the KB's tokens, and all of their KV comes from KDN
+    question = "Which function ranks the edges for a key?"
+    assert model.prompt_tokens("\n\n".join(texts), question)[:m.n_tokens] == kb_tokens
+    assert main(["query", "ring", question, "--region", "eu-west", "--max-new-tokens", "4"] + code_net) == 0
+    out, err = capsys.readouterr()
+    assert out.strip(), "the answer is printed"
+    prompt = len(kb_tokens) + len(model.question_tokens(question))
+    assert f"{m.n_tokens}/{prompt} prompt tokens from KDN" in err, err
+    # the same tree again: the same KB, no new version, nothing prefilled
+    assert main(args + code_net) == 0
+    out = capsys.readouterr().out
+    assert "default/ring v1 unchanged" in out and "prefilled 0 tokens" in out
+
+
+def test_query_and_publish_refusals_come_before_the_model_loads(code_net, tmp_path, capsys, monkeypatch):
+    from kdn.cli import main
+    monkeypatch.setenv("KDN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KDN_ADMIN_TOKEN", ADMIN)
+    monkeypatch.delenv("KDN_TOKEN", raising=False)
+    _no_model(monkeypatch)
+    for argv, problem in ((["no-such-kb", "Anything?"], "no knowledge base 'no-such-kb'"),
+                          (["kb", "Anything?", "--region", "mars"], "region 'mars' is not in the network's topology"),
+                          (["kb", "Anything?", "--accept", "gzip"], "unknown codec(s) 'gzip'"),
+                          (["kb", "Anything?", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+                          (["kb", "  "], "the question is empty"),
+                          (["../kb", "Anything?"], "knowledge base name must match")):
+        t0 = time.perf_counter()
+        assert main(["query"] + argv + code_net) == 2, argv
+        assert problem in _one_error_line(capsys.readouterr().err), argv
+        assert time.perf_counter() - t0 < 10, argv
+    # a folder with nothing to publish, a named binary file, a wrong admin token: no model either
+    folder = tmp_path / "assets"
+    folder.mkdir()
+    (folder / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(32))
+    (folder / "__init__.py").write_text("")
+    assert main(["publish", "kb", str(folder)] + code_net) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "nothing to publish" in line and "1 binary: logo.png" in line and "1 empty: __init__.py" in line
+    assert main(["publish", "kb", str(folder / "logo.png")] + code_net) == 2
+    assert "logo.png: not UTF-8 text (invalid start byte at byte 0)" in _one_error_line(capsys.readouterr().err)
+    (folder / "ok.md").write_text("Some knowledge.\n")
+    monkeypatch.setenv("KDN_ADMIN_TOKEN", "w" * 30)
+    assert main(["publish", "kb", str(folder)] + code_net) == 2
+    out, err = capsys.readouterr()
+    assert "skipped 1 binary, 1 empty" in out and "admin token" in _one_error_line(err)

@@ -184,7 +184,9 @@ def test_prefill_reports_progress_and_returns_new_kv_only(model, published):
 
 
 def test_prefix_kv_is_bitwise_independent_of_what_follows(model, published):
-    """Chunks sit on absolute positions: a KB's full chunks are identical inside any longer prompt."""
+    """Chunks sit on absolute positions: a KB's first chunk is computed by the same kernels on
+    the same shapes (256 tokens, no past) inside any longer prompt, so it is bitwise equal on
+    any CPU; later chunks differ only where the batch shapes do."""
     toks, pre, _ = published["k512"]
     longer = model.prefill(toks[:500] + model.question_tokens("And then?"))
     assert np.array_equal(longer.kv[:, :, :, :256], pre.kv[:, :, :, :256])
@@ -192,22 +194,45 @@ def test_prefix_kv_is_bitwise_independent_of_what_follows(model, published):
     assert np.abs(longer.kv[:, :, :, 256:500] - pre.kv[:, :, :, 256:500]).max() < 1e-4
 
 
-def test_continuing_from_rebuilt_cache_is_bitwise_equal_to_chunked_prefill(model, published):
-    """A new KB version that reuses an old one's chunks computes the rest exactly as from scratch."""
+def test_continuing_from_a_rebuilt_cache_is_bitwise_what_the_engines_own_cache_gives(model, published):
+    """A rebuilt cache is a copy of the KV, so what the model computes after it is bitwise what
+    it computes after the cache that produced the KV: the same kernels on the same shapes and
+    the same bytes, on any CPU (docs/architecture.md, "Exactness")."""
+    toks, _, _ = published["k1000"]
+    own = model.prefill(toks[:600])
+    rebuilt = model.cache_from_kv(per_chunk_arrays(own.kv))
+    assert np.array_equal(model.kv_from_cache(rebuilt), own.kv)
+    a = model.prefill(toks[600:], past=own.cache)
+    b = model.prefill(toks[600:], past=rebuilt)
+    assert np.array_equal(a.kv, b.kv) and torch.equal(a.logits, b.logits)
+
+
+def test_continuing_from_rebuilt_cache_matches_chunked_prefill_within_batch_variance(model, published):
+    """A new KB version that reuses an old one's chunks computes the rest from a cache rebuilt
+    from fetched KV. The tokens after it pass through the model in other batch shapes than a
+    from-scratch prefill (here 168 tokens, then a chunk, instead of 256-token chunks), and
+    AVX-512/AMX matrix kernels block the work by the number of rows: the KV agrees within the
+    engine's batch variance (~1e-5 measured), bitwise only on CPUs whose kernels do not block
+    by rows (AVX2). What is guaranteed is the generated tokens' identity, checked by the
+    greedy tests above and by kdn query --check."""
     toks, pre, _ = published["k1000"]
     cont = model.prefill(toks[600:], past=model.cache_from_kv(per_chunk_arrays(pre.kv, 600)))
     assert cont.kv.shape[3] == len(toks) - 600
-    assert np.array_equal(cont.kv[:, :, :, 168:], pre.kv[:, :, :, 768:])  # grid-aligned chunk 3
-    assert np.abs(cont.kv - pre.kv[:, :, :, 600:]).max() < 1e-4
+    diff = np.abs(cont.kv - pre.kv[:, :, :, 600:]).max()
+    print(f"\ncontinued vs from-scratch prefill, KV max abs diff: {diff:.2e}")
+    assert diff < 1e-4
 
 
 def test_one_pass_and_chunked_prefill_agree(model, published):
+    """Different batch shapes (one 512-token pass vs two 256-token chunks): equal within the
+    engine's batch variance, not bitwise (a matrix kernel may block rows, or split the
+    reduction across threads, by the number of rows it is given)."""
     toks, pre, _ = published["k512"]
     one = model.prefill(toks, chunk_tokens=len(toks))
     diff = np.abs(one.kv - pre.kv).max()
     print(f"\nKV max abs diff, one pass vs 256-token chunks (512 tokens): {diff:.2e}")
     assert diff < 1e-4
-    assert np.array_equal(one.kv[0], pre.kv[0])            # layer 0 sees no attention output
+    assert np.abs(one.kv[0] - pre.kv[0]).max() < 1e-5     # layer 0: a projection, no attention
 
 
 # --- cache conversion ----------------------------------------------------------------------

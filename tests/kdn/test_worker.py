@@ -16,7 +16,7 @@ from kdn.client import Client
 from kdn.cluster import start_network, stop_network
 from kdn.keys import CHUNK_TOKENS
 from kdn.knowledge import bundled_documents
-from kdn.publish import publish_documents
+from kdn.publish import knowledge_documents, publish_documents
 from kdn.placement.topology import Topology
 from kdn.errors import ModelError
 from kdn.worker import answer
@@ -163,6 +163,33 @@ def test_an_older_version_is_still_served_whole(model, net, published, republish
                  version=first["version"])
     assert old.identical is True          # exact either way: only the reuse is lost
     _check_answer(model, old, "eu-west", first["tokens"], first["chunks"], question)
+
+
+def test_a_publisher_that_computed_other_bytes_adopts_the_stored_ones(model, net, kbs, published):
+    """The same knowledge computed in another batch shape (here the whole KB in one forward
+    pass, not 256-token chunks; on another CPU or a GPU, any prefill) has other bytes under the
+    same keys. The second publisher sends nothing, its manifest adopts the stored checksums, and
+    a reader of its KB takes every token from KDN with no copy reported corrupt."""
+    import numpy as np
+    import xxhash
+    named = knowledge_documents(model, kbs["rights"])
+    tokens = [t for _, toks in named for t in toks]
+    one_pass = model.prefill(tokens, chunk_tokens=len(tokens)).kv
+    cl = Client(network=net.name, region="us-east", fingerprint=model.fingerprint)
+    stored = cl.manifest("rights", published["rights"]["version"])
+    ours = [xxhash.xxh3_64_intdigest(np.ascontiguousarray(one_pass[:, :, :, s:s + CHUNK_TOKENS]))
+            for s in range(0, len(tokens), CHUNK_TOKENS)]
+    differ = sum(a != b for a, b in zip(ours, stored.sums))
+    print(f"\none forward pass vs 256-token chunks: {differ} of {len(ours)} chunks differ in bytes")
+    r = cl.publish("rights-one-pass", named, one_pass)
+    assert (r["sent_chunks"], r["adopted_chunks"]) == (0, differ)
+    assert cl.manifest("rights-one-pass").sums == stored.sums
+    question = "What does the Fourth Amendment protect against?"
+    worker = Client(network=net.name, region="ap-south", fingerprint=model.fingerprint)
+    a = answer(worker, model, "rights-one-pass", question, max_new_tokens=NEW_TOKENS, check=True)
+    _check_answer(model, a, "ap-south", len(tokens), len(ours), question)
+    assert worker.stats()["counters"].get("corrupt_chunks", 0) == 0
+    assert sum(e["counters"].get("corrupt_reported", 0) for e in cl.status()["edges"]) == 0
 
 
 @pytest.mark.parametrize("kdn_s,base_s,words", [

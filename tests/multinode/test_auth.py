@@ -20,7 +20,7 @@ ACME = "acme-read-token-0123456789"
 def net(ray_cluster, tmp_path, network_name):
     topo = Topology.default_local(["us-east", "eu-west"], edges_per_region=1, capacity_bytes=128 << 20)
     n = start_network(topo, tmp_path / "origin", network=network_name, http=True,
-                      auth={"admin": ADMIN, "readers": {"acme": ACME}})
+                      auth={"admin": ADMIN, "readers": {"acme": ACME, "open": "*"}})
     yield n
     stop_network(n)
 
@@ -46,9 +46,13 @@ def test_publishing_and_operator_calls_need_the_admin_token(net, synth):
         anon.set_replicas("kb", 2)
     with pytest.raises(AccessDenied):
         anon.pin("kb", ["eu-west"])
-    # an open tenant (no read token configured) reads freely
+    # a tenant the operator left open ("open=*") reads freely; one without a token is closed
     f = anon.fetch(toks)
     assert f.tokens == 300 and np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
+    Client(network=net.name, region="us-east", tenant="closed", fingerprint=FP,
+           admin_token=ADMIN).publish("kb", [("d", toks)], kv)
+    with pytest.raises(AccessDenied, match="read token"):
+        Client(network=net.name, region="us-east", tenant="closed", fingerprint=FP).fetch(toks)
     # node-to-node calls are admin calls too: nobody pushes chunks into an edge directly
     with pytest.raises(ray.exceptions.RayTaskError) as e:
         ray.get(net.edge("us-east-0").put_chunks.remote([], role="main"))
@@ -73,7 +77,10 @@ def test_a_tenant_with_a_read_token_needs_it_on_ray_and_http(net, synth):
     f = ok.fetch(toks)
     assert f.tokens == 600 and np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
     url = ray.get(net.edge("eu-west-0").ping.remote())["http"]
-    with EdgeHTTPClient(url) as hc:
+    with EdgeHTTPClient(url) as hc:                       # no token: 401
+        with pytest.raises(AccessDenied, match="401"):
+            hc.fetch_tokens(toks, "acme", FP)
+    with EdgeHTTPClient(url, token="not-the-token-0123456789") as hc:   # a wrong one: 403
         with pytest.raises(AccessDenied, match="403"):
             hc.fetch_tokens(toks, "acme", FP)
     with EdgeHTTPClient(url, token=ACME) as hc:
@@ -91,7 +98,10 @@ def test_token_rules():
         t.check_admin(None, "x")
     t.check_read("acme", ACME, "x")
     t.check_read("acme", ADMIN, "x")           # the admin reads everything
-    t.check_read("other", None, "x")           # no read token configured: open
+    with pytest.raises(AccessDenied):          # read tokens on: a tenant without one is closed
+        t.check_read("other", None, "x")
+    Tokens(admin=ADMIN, readers={"acme": ACME, "pub": "*"}).check_read("pub", None, "x")  # left open
+    Tokens(admin=ADMIN).check_read("other", None, "x")    # no read tokens at all: everyone reads
     with pytest.raises(AccessDenied):
         t.check_read("acme", 12345, "x")
     with pytest.raises(KDNError, match="at least 16"):

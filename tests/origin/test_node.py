@@ -48,9 +48,14 @@ def make_origin(tmp_path, edges, names=EDGES, **kw):
     return node, fake
 
 
+async def absent(node, keys, token=ADMIN) -> list:
+    """Indices of keys the origin does not hold intact (stored() answers None for them)."""
+    return [i for i, x in enumerate(await node.stored(list(keys), token=token)) if x is None]
+
+
 async def publish(node, m, token=ADMIN) -> dict:
     cs = chunks_of(m)
-    missing = await node.missing(list(m.keys), token=token)
+    missing = await absent(node, m.keys, token=token)
     if missing:
         await node.put_chunks([cs[i] for i in missing], token=token)
     return await node.commit(m.to_dict(), token=token)
@@ -76,7 +81,7 @@ def test_publish_stores_commits_and_pushes_to_ring_owners(tmp_path, edges):
         assert sum(receipt["pushed"].values()) == 2 * 16
         again = await publish(node, m)                   # nothing missing, no new version, no push
         assert (again["version"], again["unchanged"], sum(again["pushed"].values())) == (1, True, 0)
-        assert await node.missing(list(m.keys), token=ADMIN) == []
+        assert await absent(node, m.keys) == []
         st = await node.stats(token=ADMIN)
         assert st["counters"]["chunks_written"] == 16 and st["counters"]["versions_committed"] == 1
         assert st["store"]["versions"] == 1
@@ -92,7 +97,7 @@ def test_a_corrupt_stored_chunk_is_missing_and_a_republish_repairs_it(tmp_path, 
         raw = bytearray(path.read_bytes())
         raw[-50] ^= 0x10
         path.write_bytes(bytes(raw))
-        assert await node.missing(list(m.keys), token=ADMIN) == [5]
+        assert await absent(node, m.keys) == [5]
         assert await node.has(list(m.keys[4:7]), token=ADMIN) == [True, False, True]
         # with ns: the lookup hint, by header only (cheap for any reader's lookup)
         assert await node.has(list(m.keys[4:7]), m.ns, token=ADMIN) == [True, True, True]
@@ -100,7 +105,7 @@ def test_a_corrupt_stored_chunk_is_missing_and_a_republish_repairs_it(tmp_path, 
         assert (await node.get_chunks([m.keys[5]], token=ADMIN)) == [None]    # never served
         receipt = await publish(node, m)
         assert receipt["unchanged"] and receipt["version"] == 1
-        assert await node.missing(list(m.keys), token=ADMIN) == []
+        assert await absent(node, m.keys) == []
         (got,) = await node.get_chunks([m.keys[5]], token=ADMIN)
         assert got.equal(chunks_of(m)[5])
         st = await node.stats(token=ADMIN)
@@ -108,8 +113,8 @@ def test_a_corrupt_stored_chunk_is_missing_and_a_republish_repairs_it(tmp_path, 
     run(go())
 
 
-def test_missing_verifies_a_large_kb_quickly(tmp_path, edges):
-    """missing() reads every stored chunk: 16 MiB of KV here, measured and bounded loosely."""
+def test_stored_verifies_a_large_kb_quickly(tmp_path, edges):
+    """stored() reads every stored chunk: 16 MiB of KV here, measured and bounded loosely."""
     import time
 
     async def go():
@@ -120,7 +125,7 @@ def test_missing_verifies_a_large_kb_quickly(tmp_path, edges):
               for k in m.keys]   # 64 chunks of 256 KiB
         await node.put_chunks(cs, token=ADMIN)
         t0 = time.perf_counter()
-        assert await node.missing(list(m.keys), token=ADMIN) == []
+        assert await absent(node, m.keys) == []
         return time.perf_counter() - t0
 
     assert run(go()) < 2.0
@@ -131,9 +136,9 @@ def test_publish_refuses_bad_input_with_bad_request(tmp_path, edges):
         node, _ = make_origin(tmp_path, edges)
         m = kb()
         with pytest.raises(BadRequest, match="a key must be 16 bytes, got 3 bytes"):
-            await node.missing([b"abc"], token=ADMIN)
+            await node.stored([b"abc"], token=ADMIN)
         with pytest.raises(BadRequest, match="keys must be a list of at most"):
-            await node.missing(b"x" * 16, token=ADMIN)
+            await node.stored(b"x" * 16, token=ADMIN)
         with pytest.raises(BadRequest, match="item 1 is a str, not a Chunk"):
             await node.put_chunks([chunks_of(m)[0], "chunk"], token=ADMIN)
         with pytest.raises(BadRequest, match="push must be True or False, got 1"):
@@ -155,7 +160,7 @@ def test_every_method_but_ping_membership_and_stats_needs_the_admin_token(tmp_pa
     async def go():
         node, _ = make_origin(tmp_path, edges)
         m = kb()
-        calls = {"missing": ([m.keys[0]],), "has": ([m.keys[0]],), "put_chunks": ([],),
+        calls = {"stored": ([m.keys[0]],), "has": ([m.keys[0]],), "put_chunks": ([],),
                  "commit": (m.to_dict(),), "get_chunks": ([m.keys[0]],), "manifests": (),
                  "manifest": (m.ns, "handbook"), "delete_version": (m.ns, "handbook", 1),
                  "collect": (), "set_members": (MEMBERS,), "add_edge": ("x-1", "us-east"),
@@ -531,8 +536,9 @@ def test_the_origin_over_ray(ray_cluster, tmp_path, network_name):
 
         m = kb()
         cs = chunks_of(m)
-        assert actors.call_sync(None, "missing", list(m.keys), timeout=30) == list(range(16))
-        assert actors.call_sync(None, "put_chunks", cs, timeout=30) == {"received": 16, "written": 16}
+        assert actors.call_sync(None, "stored", list(m.keys), timeout=30) == [None] * 16
+        assert actors.call_sync(None, "put_chunks", cs, timeout=30) == \
+            {"received": 16, "written": 16, "sums": [c.digest() for c in cs]}
         receipt = actors.call_sync(None, "commit", m.to_dict(), timeout=30)
         assert receipt["version"] == 1 and sum(receipt["pushed"].values()) == 32
         reports = {n: ray.get(h.report.remote(), timeout=30) for n, h in stand_ins.items()}
@@ -601,7 +607,7 @@ def test_an_origin_over_a_bucket_keeps_everything_there_and_restarts_from_it(buc
         m = kb()
         got = await restarted.get_chunks(list(m.keys), token=ADMIN)
         assert all(g.decode().equal(c) for g, c in zip(got, chunks_of(m)))
-        assert await restarted.missing(list(m.keys), token=ADMIN) == []
+        assert await absent(restarted, m.keys) == []
         st = await restarted.stats(token=ADMIN)
         assert st["store"]["backend"] == bucket.url + "/store" and st["store"]["versions"] == 2
         restarted.objects.put("membership.msgpack", b"torn")

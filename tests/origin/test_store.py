@@ -378,6 +378,58 @@ def test_a_corrupt_chunk_is_missing_and_a_second_put_repairs_it(tmp_path):
     assert not s.has(cs[6].key) and not s.has(cs[7].key)
 
 
+def other_bytes(c: Chunk) -> Chunk:
+    """The same key with KV that differs in one last bit, as another CPU or batch shape computes it."""
+    kv = c.kv.copy()
+    kv.reshape(-1)[0] ^= 1
+    return Chunk(c.key, c.ns, kv, c.dtype)
+
+
+def with_sums(m: Manifest, cs) -> Manifest:
+    import dataclasses
+    return dataclasses.replace(m, sums=tuple(c.digest() for c in cs))
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_a_key_keeps_the_bytes_stored_first_and_commit_refuses_other_checksums(tmp_path, codec):
+    s = ChunkStore(tmp_path, codec=codec)
+    m = kb()
+    first = chunks_of(m)
+    second = [other_bytes(c) for c in first]
+    assert all(a.digest() != b.digest() for a, b in zip(first, second))
+    assert [s.put_chunk(c) for c in first] == [(True, c.digest()) for c in first]
+    # another publisher's bytes are deduplicated and answered with the stored checksum
+    assert [s.put_chunk(c) for c in second] == [(False, c.digest()) for c in first]
+    assert all(s.get(c.key).equal(c) for c in first), "the bytes stored first stay"
+    assert [s.sum_of(k) for k in m.keys] == [c.digest() for c in first]
+    s2 = ChunkStore(tmp_path, codec=codec)     # a restarted origin computes them from the frames
+    assert [s2.sum_of(k) for k in m.keys] == [c.digest() for c in first]
+    assert s2.sum_of(bytes(16)) is None
+    with pytest.raises(ManifestError, match=r"chunk [0-9a-f]{32} is stored with checksum "
+                                            r"[0-9a-f]{16} but the manifest says [0-9a-f]{16}; a key "
+                                            r"means the bytes stored first"):
+        s.commit(with_sums(m, second))
+    assert s.manifests() == [] and s.stats()["sums_refused"] == 1
+    v1 = s.commit(with_sums(m, first))
+    assert v1.version == 1 and v1.sums == tuple(c.digest() for c in first)
+
+
+def test_a_corrupt_chunk_is_repaired_only_with_the_bytes_committed_versions_name(tmp_path):
+    s = ChunkStore(tmp_path)
+    m = kb()
+    cs = chunks_of(m)
+    for c in cs:
+        s.put(c)
+    s.commit(with_sums(m, cs))
+    flip_byte(chunk_file(tmp_path, cs[3].key))
+    assert s.sum_of(cs[3].key) is None                   # corrupt: absent, so it is sent again
+    with pytest.raises(StoreError, match=r"committed versions name other bytes for it"):
+        s.put_chunk(other_bytes(cs[3]))
+    assert s.stats()["repairs_refused"] == 1 and not s.has(cs[3].key)
+    assert s.put_chunk(cs[3]) == (True, cs[3].digest())   # the named bytes repair it
+    assert s.get(cs[3].key).equal(cs[3]) and s.verify() == []
+
+
 def test_many_writers_repair_a_corrupt_chunk_once(tmp_path):
     s = ChunkStore(tmp_path)
     c = chunks_of(kb())[0]

@@ -10,7 +10,8 @@ from kdn.auth import Tokens
 from kdn.chat import messages_tokens
 from kdn.errors import BadRequest
 from kdn.model import MODEL_NAME
-from kdn.openai_api import ApiError, check_messages, model_list, parse_chat, tenant_of
+from kdn.openai_api import (MAX_BODY_BYTES, ApiError, check_messages, credentials, model_list, parse_chat,
+                            parse_json, tenant_of)
 
 MSG = [{"role": "user", "content": "Who wrote it?"}]
 
@@ -90,9 +91,40 @@ def test_tenants_from_bearer_tokens():
         with pytest.raises(ApiError) as err:
             tenant_of(locked, header)
         assert err.value.status == status
-    for header in (None, "Bearer sk-anything"):       # an open tenant reads with any token or none
-        assert tenant_of(Tokens(admin, {"acme": acme}), header) == "default"
     assert tenant_of(Tokens(admin, {"acme": acme}), f"Bearer {acme}") == "acme"
+    for header in (None, "Bearer sk-anything"):       # read tokens off: anyone reads "default"
+        assert tenant_of(Tokens(admin), header) == "default"
+
+
+def test_with_read_tokens_on_the_default_tenant_is_closed_unless_left_open():
+    """A KB published without --tenant is not readable with any token or none just because
+    "default" has no read token of its own: 401 without one, 403 for a wrong one, unless
+    the operator says default=* (then any key, or none, reads it, as the edges let it)."""
+    admin, acme = "a" * 20, "c" * 20
+    no_default = Tokens(admin, {"acme": acme})
+    for header, status, code in ((None, 401, "missing_token"), ("Bearer sk-anything", 403, "invalid_token")):
+        with pytest.raises(ApiError) as err:
+            tenant_of(no_default, header)
+        assert (err.value.status, err.value.code) == (status, code)
+        assert err.value.body()["error"]["message"]
+    assert credentials(no_default, f"Bearer {acme}") == ("acme", acme)
+    assert credentials(no_default, f"Bearer {admin}") == ("default", admin)
+    left_open = Tokens.from_dict({"admin": admin, "readers": {"acme": acme, "default": "*"}})
+    for header in (None, "Bearer sk-anything"):       # the token is not passed on: an open tenant needs none
+        assert credentials(left_open, header) == ("default", None)
+    assert credentials(left_open, f"Bearer {acme}") == ("acme", acme)
+
+
+def test_deeply_nested_and_oversized_bodies_are_refused_naming_the_problem():
+    for raw in (b"[" * 100_000, b'{"a":' * 100_000, b'{"model": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"):
+        with pytest.raises(ApiError) as err:
+            parse_json(raw)
+        assert (err.value.status, err.value.code) == (400, "json_too_deep")
+        assert "nests JSON" in err.value.body()["error"]["message"]
+    assert parse_json(b'{"a": ' + b"[" * 200 + b"]" * 200 + b"}") == {"a": eval("[" * 200 + "]" * 200)}
+    with pytest.raises(ApiError) as err:
+        parse_json(b" " * (MAX_BODY_BYTES + 1))
+    assert (err.value.status, err.value.code, err.value.headers()) == (413, "body_too_large", {"Connection": "close"})
 
 
 def test_model_list():

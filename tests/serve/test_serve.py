@@ -8,6 +8,7 @@ check=True: both with KDN and with a full prefill) gives for the same KB and que
 usage.prompt_tokens_details.cached_tokens the KB's tokens. Then every error the API promises,
 concurrent clients in both regions, and a replica killed in the middle of a stream.
 """
+import collections
 import json
 import os
 import threading
@@ -371,3 +372,68 @@ def test_replica_killed_mid_stream_is_a_clear_error_never_a_cut_answer(service, 
                 ray.kill(victim, no_restart=True)
     assert "broke off" in str(err.value), err.value
     assert finish is None and want.startswith(text[:len(want)]) and text
+
+
+def test_a_deeply_nested_body_is_a_400_naming_the_problem(service):
+    """100,000 levels of nesting: Python's json gives up (RecursionError); the API answers
+    400 json_too_deep, OpenAI-shaped, and the router keeps answering."""
+    h = {"Authorization": f"Bearer {READ}", "Content-Type": "application/json"}
+    for raw in (b"[" * 100_000, b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"):
+        r = httpx.post(service["url"] + "/chat/completions", content=raw, headers=h, timeout=30)
+        assert r.status_code == 400, r.text[:200]
+        err = r.json()["error"]
+        assert err["code"] == "json_too_deep" and "nests JSON" in err["message"]
+        assert err["type"] == "invalid_request_error"
+
+
+def test_a_chunked_body_is_read_in_pieces_and_answered(service, model):
+    """A body without Content-Length (chunked) within the limit is read and answered."""
+    msg = json.dumps(dict(model=f"{MODEL_NAME}@rights", max_tokens=NEW_TOKENS,
+                          messages=[{"role": "user", "content": QUESTION}])).encode()
+    r = httpx.post(service["url"] + "/chat/completions", timeout=120,
+                   content=(msg[i:i + 7] for i in range(0, len(msg), 7)),
+                   headers={"Authorization": f"Bearer {READ}", "Content-Type": "application/json"})
+    assert r.status_code == 200 and "content-length" not in r.request.headers
+    assert r.json()["choices"][0]["message"]["content"] == _text(model, service["expected"].baseline_tokens)
+
+
+def test_oversized_bodies_are_refused_before_they_are_read_and_memory_stays_bounded(service):
+    """8 concurrent 300 MB bodies, with a Content-Length and chunked: each a 413, sent before
+    the body is read (Content-Length) or once 8 MiB arrived (chunked), the connection closed
+    so nobody reads the rest; neither Serve's proxy nor a router nor a replica keeps the
+    bodies (RSS grows by less than BOUND_MIB, BOUND_CHUNKED_MIB chunked)."""
+    hostile_bodies = _rss_helpers().hostile_bodies
+    for chunked in (False, True):
+        t0 = time.monotonic()
+        rep = hostile_bodies(service["network"], service["url"] + "/chat/completions", 8, 300 * 10**6,
+                             chunked, settle_s=0.5)
+        assert [r[:2] for r in rep["results"]] == [(413, "body_too_large")] * 8, rep["results"]
+        assert time.monotonic() - t0 < 30, rep["results"]
+        grew = {k: v["grew"] for k, v in rep["rss_mib"].items()}
+        # the proxy, every router (a killed one's replacement too) and every replica measured
+        kinds = collections.Counter(k.split("#")[0] for k in grew)
+        assert kinds["proxy"] == 1 and kinds["router"] >= ROUTERS and len(grew) - \
+            kinds["proxy"] - kinds["router"] >= len(SERVED), grew
+        assert max(grew.values()) < (BOUND_CHUNKED_MIB if chunked else BOUND_MIB), rep["rss_mib"]
+
+
+# RSS growth allowed per process (8 x 300 MB bodies; before the fix a router grew 1,130-1,280
+# MiB and the proxy 260 with Content-Length). Chunked, Serve's proxy reads ahead of the router
+# into an unbounded queue until the 413 is sent (see kdn/serve.py): measured +113 MiB proxy,
+# +60-72 MiB per router (tests/serve/rss_hostile_bodies.py)
+BOUND_MIB = 32
+BOUND_CHUNKED_MIB = 192
+
+
+def _rss_helpers():
+    """tests/serve/rss_hostile_bodies.py (not a test module; pytest imports in importlib mode,
+    so it is loaded by path)."""
+    import importlib.util
+    import pathlib
+    import sys
+    if "rss_hostile_bodies" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "rss_hostile_bodies", pathlib.Path(__file__).with_name("rss_hostile_bodies.py"))
+        sys.modules["rss_hostile_bodies"] = mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    return sys.modules["rss_hostile_bodies"]
