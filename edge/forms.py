@@ -168,7 +168,7 @@ class Forms:
 
     def frames(self, objs, codecs) -> tuple:
         """([prefix, payload] per frame, index of the first corrupt object or None). CPU work
-        unless every frame is raw from a raw chunk: from a thread then."""
+        (hashing, coding) unless nothing_to_compute(): from a thread then."""
         out = []
         for obj, codec in zip(objs, codecs):
             parts = self._frame(obj, codec)
@@ -177,8 +177,10 @@ class Forms:
             out.append(parts)
         return out, None
 
-    def all_raw(self, objs, codecs) -> bool:
-        return all(c == "raw" and o.codec == "raw" for o, c in zip(objs, codecs))
+    def nothing_to_compute(self, objs, codecs) -> bool:
+        """Whether framing objs costs no hashing or coding: every frame raw from a raw chunk
+        whose checksum is already known (frames() may then run on the event loop)."""
+        return all(c == "raw" and o.codec == "raw" and o._xxh is not None for o, c in zip(objs, codecs))
 
     def _frame(self, obj, codec):
         if obj.codec == codec and codec != "raw":

@@ -364,7 +364,7 @@ class EdgeHTTP:
         objs = list(await asyncio.gather(*(h.resolve() for h in helds)))
         want = forms.frame_codecs(objs, region, asked)
         n = self._fitting(objs, sources)
-        if forms.all_raw(objs[:n], want[:n]):      # views and cached hashes: stay on the loop
+        if forms.nothing_to_compute(objs[:n], want[:n]):   # views, known hashes: on the loop
             parts, bad = forms.frames(objs[:n], want[:n])
         else:
             async with self._encoders:

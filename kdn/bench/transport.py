@@ -177,11 +177,13 @@ c.close()
 """
 
 
-def bare_socket(nbytes: int, reps: int, piece: int) -> list:
+def bare_socket(nbytes: int, reps: int, piece: int, verify: bool = False) -> list:
     """Seconds per nbytes sent by another process over one loopback TCP connection from a
     buffer in its memory (`piece` bytes per send), received by recv_into into one reused
     buffer here, RECV_STEP bytes at a time: what a socket does with no protocol, no checksum
-    and no allocation (the HTTP path's ceiling)."""
+    and no allocation (the HTTP path's ceiling). verify: each piece is also hashed (xxh3_64)
+    as soon as it is in, as a reader that trusts nothing does with each frame: the ceiling
+    of any verified read over one connection, on the reader's one core."""
     proc = subprocess.Popen([sys.executable, "-c", SOCKET_SERVER, str(nbytes), str(reps + 1), str(piece)],
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -193,16 +195,32 @@ def bare_socket(nbytes: int, reps: int, piece: int) -> list:
             for _ in range(reps + 1):
                 t0 = time.perf_counter()
                 sock.sendall(b"x")
-                got = 0
+                got = hashed = 0
                 while got < nbytes:       # in the HTTP client's steps (faster here than all at once)
                     r = sock.recv_into(mv[got:min(nbytes, got + RECV_STEP)])
                     if not r:
                         raise RuntimeError(f"the socket server hung up after {got} of {nbytes} bytes")
                     got += r
+                    while verify and (got - hashed >= piece or (got == nbytes and hashed < got)):
+                        end = min(hashed + piece, got)
+                        xxhash.xxh3_64_intdigest(mv[hashed:end])
+                        hashed = end
                 times.append(time.perf_counter() - t0)
         return times[1:]
     finally:
         stop(proc)
+
+
+def hash_only(kv: np.ndarray, reps: int, piece: int) -> list:
+    """Seconds to xxh3_64 kv piece by piece (what verifying a read costs the reader's core)."""
+    raw = memoryview(kv.reshape(-1).view(np.uint8))
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        for at in range(0, raw.nbytes, piece):
+            xxhash.xxh3_64_intdigest(raw[at:at + piece])
+        times.append(time.perf_counter() - t0)
+    return times[1:]
 
 
 # --- the Ray side ----------------------------------------------------------------------------
@@ -359,8 +377,12 @@ def main(argv=None):
         record("http", "EdgeHTTPClient", times,
                f"one recv buffer, every frame verified; sources {','.join(sorted(sources))}")
         h.close()
-        record("socket", "recv_into", bare_socket(total, args.reps, total // args.chunks),
+        piece = total // args.chunks
+        record("socket", "recv_into", bare_socket(total, args.reps, piece),
                "bare TCP from another process's memory: the HTTP path's ceiling")
+        record("socket+xxh3", "recv_into + xxh3", bare_socket(total, args.reps, piece, verify=True),
+               "the same, each piece hashed as it arrives: any verified read's ceiling")
+        record("xxh3", "xxh3_64", hash_only(kv, args.reps, piece), "hashing alone, one core")
 
         # redis
         redis_proc, port = start_redis(tmp)
@@ -416,6 +438,8 @@ def main(argv=None):
            "redis_gbps": res.get("redis"), "copy_gbps": res["copy"],
            "http_over_ray": res["http"] / res["ray"], "socket_gbps": res["socket"],
            "http_over_socket": res["http"] / res["socket"],
+           "verified_socket_gbps": res["socket+xxh3"], "xxh3_gbps": res["xxh3"],
+           "http_over_verified_socket": res["http"] / res["socket+xxh3"],
            "http_over_redis": res["http"] / res["redis"] if "redis" in res else None}
     if "redis-py" in res:
         out["redis_py_gbps"] = res["redis-py"]

@@ -2,7 +2,7 @@
 the form that reaches its reader soonest — the same decisions for Ray and HTTP."""
 import pytest
 
-from kdn.chunk import Encoded, decode
+from kdn.chunk import Chunk, Encoded, decode
 from kdn.edge.forms import Forms, corrupted, link_codec
 from kdn.errors import BadRequest
 from kdn.placement.topology import Topology
@@ -12,6 +12,13 @@ def _forms(kit, chunks, store_codec="raw", slow_gbps=0.01):
     sums = {c.key: c.digest() for c in chunks}
     topo = Topology.from_dict(kit.topology(slow_gbps))
     return Forms(store_codec, sums.get, lambda: topo, "here")
+
+
+def _read_only(kv):
+    """A read-only copy of kv, as chunks held in Ray's object store are."""
+    out = kv.copy()
+    out.flags.writeable = False
+    return out
 
 
 def _decoded(parts):
@@ -66,7 +73,12 @@ def test_frame_codecs_follow_the_asked_codec_or_the_link(kit):
 def test_frames_are_the_chunks_and_a_corrupt_copy_ends_them(kit):
     cs = kit.make_chunks(3)
     f = _forms(kit, cs)
-    assert f.all_raw(cs, ["raw"] * 3) and not f.all_raw(cs, ["raw", "zstd", "raw"])
+    # a chunk whose hash is not known yet must be hashed: not on the event loop
+    assert not f.nothing_to_compute(cs, ["raw"] * 3)
+    frozen = [Chunk(c.key, c.ns, _read_only(c.kv), c.dtype) for c in cs]
+    f.frames(frozen, ["raw"] * 3)                      # hashes them once (immutable: cached)
+    assert f.nothing_to_compute(frozen, ["raw"] * 3)
+    assert not f.nothing_to_compute(frozen, ["raw", "zstd", "raw"])
     parts, bad = f.frames(cs, ["raw", "zstd", "raw"])
     assert bad is None and [_decoded(p).equal(c) for p, c in zip(parts, cs)] == [True] * 3
     stored = Encoded.of(cs[1], "zstd")
