@@ -3,7 +3,8 @@
 Decided once here and used by the CLI, the demo, the tests and CI alike:
 - RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps every node on 127.0.0.1 (no traffic off loopback);
 - RAY_USAGE_STATS_ENABLED=0: nothing is reported anywhere;
-- RAY_AUTH_MODE=token: Ray's token auth on (token in ~/.ray/auth_token, made if missing).
+- RAY_AUTH_MODE=token: Ray's token auth on (token in ~/.ray/auth_token, made if missing);
+- RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH: Serve's proxy bounds request bodies (kdn/serve_proxy.py).
 """
 import ipaddress
 import os
@@ -15,6 +16,8 @@ RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "token",
     "RAY_DEDUP_LOGS": "0",
+    # Serve's HTTP proxy refuses oversized request bodies before reading them (kdn/serve_proxy.py)
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "kdn.serve_proxy:middlewares",
 }
 
 

@@ -34,9 +34,11 @@ ray/serve/_private/proxy.py) has no body limit of its own: from the moment a req
 a task of the proxy reads the body off the socket as fast as it comes (uvicorn's flow control
 never pauses it) into an unbounded queue (http_util.MessageQueue) that the router drains
 with receive_asgi_messages, and only when the answer is complete does it stop (the task is
-cancelled) and drop the queue. So the proxy holds what arrives before the router answers:
-answering an oversized body at once, and closing its connection, is what bounds the proxy
-(tests/serve/rss_hostile_bodies.py measures each process).
+cancelled) and drop the queue. So the body is bounded in the proxy itself, by an ASGI
+middleware Serve installs there (kdn/serve_proxy.py, through the environment kdn.env sets
+before Ray starts): an oversized Content-Length is answered before the proxy reads a byte,
+a chunked body once it passes the limit; the router's own check stays for a cluster started
+without it (tests/serve/rss_hostile_bodies.py measures each process).
 """
 import asyncio
 import collections

@@ -5,6 +5,7 @@ region=us-east / eu-west / ap-south. It is started once per session, only when a
 for it, and shut down at the end; each test module starts its own KDN network on it (its own
 actor names and origin directory), so tests never see each other's state.
 """
+import os
 import uuid
 
 import numpy as np
@@ -13,6 +14,11 @@ import pytest
 from kdn.env import prepare_ray_env
 
 prepare_ray_env()
+# Ray declares a crashed node dead after 5 missed health checks; at its default period (3 s)
+# that is ~15 s that the tests removing a node wait through, CPU idle. At 1 s it is ~5 s. A
+# node that is alive but slow still has the default 10 s per check to answer, 5 times running.
+for _k, _v in {"RAY_health_check_period_ms": "1000", "RAY_health_check_initial_delay_ms": "1000"}.items():
+    os.environ.setdefault(_k, _v)
 
 REGIONS = ("us-east", "eu-west", "ap-south")
 

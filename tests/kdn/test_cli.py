@@ -11,10 +11,12 @@ Output goes to files, not pipes: the cluster's daemons must not hold a pipe of `
 
 The other tests call `kdn.cli.main` in-process against a network on the test cluster: publishing
 new namespaces with read tokens on, refusals that come before the model loads, and errors
-(remote ones included) printed as one clean line. A real codebase, this repository's own
-`placement/` folder, is published with the real model (loaded once for the module) and
-queried: its documents are named by their paths, and the answer's prompt starts with the
-KB's tokens, whose KV comes from KDN.
+(remote ones included) printed as one clean line. A real codebase: this repository's own
+`placement/` folder is refused whole (longer than the model's context) before any prefill;
+two of the repository's small files, selected from its root by --include
+(`edge/wire.py`, `placement/__init__.py`), are published with the real model (loaded once
+for the module) and queried: the documents are named by their paths relative to the root,
+and the answer's prompt starts with the KB's tokens, whose KV comes from KDN.
 """
 import json
 import os
@@ -323,21 +325,25 @@ def test_a_codebase_folder_is_published_by_relative_paths_and_answered_from_kdn(
     assert "no prompt could use it whole" in line and "--allow-over-context" in line and "several KBs" in line
     assert time.perf_counter() - t0 < 15, "refused after tokenizing, before the prefill"
 
-    args = ["publish", "ring", str(placement), "--include", "ring.py", "--include", "__init__.py"]
+    # two small files picked from the repository's root by --include (a small KB: a short
+    # prefill), named by their paths relative to it; the walk skips .git and .venv
+    files = ["edge/wire.py", "placement/__init__.py"]
+    args = ["publish", "code", str(REPO)] + [a for f in files for a in ("--include", f)]
     assert main(args + code_net) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    assert "documents: 2 documents" in out and "default/ring v1 committed" in out
+    assert "documents: 2 documents" in out and f"named relative to {REPO}" in out
+    assert "default/code v1 committed" in out
     cl = Client(network=code_net[3], region="eu-west", fingerprint=model.fingerprint, admin_token=ADMIN)
-    m = cl.manifest("ring")
-    assert [d.name for d in m.documents] == ["__init__.py", "ring.py"]
-    texts = [(placement / n).read_text() for n in ("__init__.py", "ring.py")]
+    m = cl.manifest("code")
+    assert [d.name for d in m.documents] == files
+    texts = [(REPO / n).read_text() for n in files]
     kb_tokens = model.knowledge_tokens("\n\n".join(texts))
     assert m.token_ids().tolist() == kb_tokens and m.n_tokens < context
     assert model.tokenizer.decode(m.token_ids()[:40].tolist()).startswith("<|im_start|>system\n" + texts[0][:40])
     # the question's prompt starts with the KB's tokens, and all of their KV comes from KDN
-    question = "Which function ranks the edges for a key?"
+    question = "How does an edge say where each chunk came from?"
     assert model.prompt_tokens("\n\n".join(texts), question)[:m.n_tokens] == kb_tokens
-    assert main(["query", "ring", question, "--region", "eu-west", "--max-new-tokens", "4"] + code_net) == 0
+    assert main(["query", "code", question, "--region", "eu-west", "--max-new-tokens", "4"] + code_net) == 0
     out, err = capsys.readouterr()
     assert out.strip(), "the answer is printed"
     prompt = len(kb_tokens) + len(model.question_tokens(question))
@@ -345,7 +351,7 @@ def test_a_codebase_folder_is_published_by_relative_paths_and_answered_from_kdn(
     # the same tree again: the same KB, no new version, nothing prefilled
     assert main(args + code_net) == 0
     out = capsys.readouterr().out
-    assert "default/ring v1 unchanged" in out and "prefilled 0 tokens" in out
+    assert "default/code v1 unchanged" in out and "prefilled 0 tokens" in out
 
 
 def test_query_and_publish_refusals_come_before_the_model_loads(code_net, tmp_path, capsys, monkeypatch):

@@ -31,7 +31,7 @@ from kdn.placement.topology import Topology
 ROOT = Path(__file__).resolve().parents[2]
 YAML_PATH = ROOT / "ray_cluster.yaml"
 BEGIN, END = "# --- local provider variant ---", "# --- end local provider variant ---"
-ENV_KEYS = ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")
+ENV_KEYS = ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH")
 
 
 def load_main() -> dict:
