@@ -2,7 +2,11 @@
 
 Hops: an edge's own copy (object store), a peer's copy crossing to another edge, the origin's
 disk. The manifest carries each chunk's checksum, so the reader verifies end to end.
+
+The tests share one network (started once for the module): each publishes its own KV (its
+own keys) and counts what it caused as the change of the edges' and the origin's counters.
 """
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +23,22 @@ REGIONS = ("us-east", "eu-west", "ap-south")
 FP = "synthetic-model"
 
 
-@pytest.fixture
-def net(ray_cluster, tmp_path, network_name):
+@pytest.fixture(scope="module")
+def origin_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("integrity") / "origin"
+
+
+@pytest.fixture(scope="module")
+def net(ray_cluster, origin_root):
     topo = Topology.default_local(list(REGIONS), edges_per_region=1, capacity_bytes=256 << 20)
-    n = start_network(topo, tmp_path / "origin", network=network_name,
+    n = start_network(topo, origin_root, network=f"i{uuid.uuid4().hex[:8]}",
                       edge_options={"fault_injection": True})
     yield n
     stop_network(n)
+
+
+def _counter(handle, name):
+    return ray.get(handle.stats.remote())["counters"].get(name, 0)
 
 
 def _kv(f):
@@ -51,13 +64,13 @@ def test_a_corrupt_copy_on_the_local_edge_is_dropped_and_refetched(net, synth):
     key = cl.manifest("kb").keys[0]
     holder = next(r for r in REGIONS if ray.get(net.edge(f"{r}-0").have.remote([key]))[0])
     edge = net.edge(f"{holder}-0")
+    reported = _counter(edge, "corrupt_reported")
     assert ray.get(edge.inject_corruption.remote(key))
     reader = Client(network=net.name, region=holder, fingerprint=FP)
     f = reader.fetch(toks)
     assert f.tokens == 1024 and np.array_equal(_kv(f), kv), "a client must never receive wrong KV"
     assert reader.counters["corrupt_chunks"] == 1
-    st = ray.get(edge.stats.remote())
-    assert st["counters"]["corrupt_reported"] == 1
+    assert _counter(edge, "corrupt_reported") == reported + 1
     # the edge refilled a good copy (it owns the key) and serves it from then on
     f2 = reader.fetch(toks)
     assert np.array_equal(_kv(f2), kv) and reader.counters["corrupt_chunks"] == 1
@@ -69,20 +82,21 @@ def test_a_corrupt_peer_copy_is_caught_and_another_source_used(net, synth):
     # find a region whose edge does not own key 0: it must get it from a peer
     owners = cl.ring.owners(keys[0], 2)
     reader_region = next(r for r in REGIONS if f"{r}-0" not in owners)
+    before = sum(_counter(net.edge(o), "corrupt_reported") for o in owners)
     for o in owners:   # every owner's copy is corrupt: only the origin has good bytes
         assert ray.get(net.edge(o).inject_corruption.remote(keys[0]))
     reader = Client(network=net.name, region=reader_region, fingerprint=FP)
     f = reader.fetch(toks)
     assert f.tokens == 1024 and np.array_equal(_kv(f), kv)
     assert reader.counters["corrupt_chunks"] >= 1
-    reported = sum(ray.get(net.edge(o).stats.remote())["counters"].get("corrupt_reported", 0) for o in owners)
-    assert reported >= 1
+    assert sum(_counter(net.edge(o), "corrupt_reported") for o in owners) >= before + 1
 
 
-def test_a_corrupt_file_on_the_origin_disk_is_never_served(net, synth, tmp_path):
+def test_a_corrupt_file_on_the_origin_disk_is_never_served(net, synth, origin_root):
     cl, toks, kv = _publish(net, synth, seed=3)
     keys = list(cl.manifest("kb").keys)
-    path = next(Path(tmp_path / "origin").rglob(key_hex(keys[2]) + "*"))
+    detected = ray.get(net.origin.stats.remote())["store"]["corrupt_detected"]
+    path = next(Path(origin_root).rglob(key_hex(keys[2]) + "*"))
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x01
     path.write_bytes(bytes(data))
@@ -92,7 +106,7 @@ def test_a_corrupt_file_on_the_origin_disk_is_never_served(net, synth, tmp_path)
     assert f.tokens == 512, "the prefix stops before the chunk nobody holds a good copy of"
     assert np.array_equal(_kv(f), kv[:, :, :, :512])
     st = ray.get(net.origin.stats.remote())
-    assert st["store"]["corrupt_detected"] >= 1
+    assert st["store"]["corrupt_detected"] >= detected + 1
 
 
 def test_fault_injection_is_off_unless_enabled(ray_cluster, tmp_path, network_name, synth):

@@ -1,12 +1,16 @@
 """The network on a real 3-region Ray cluster on loopback: publish, fetch, faults, hot copies.
 
-Each test starts its own network (own actor names, own origin directory) on the session's
+The tests that touch only their own KBs share one network, started once for the module (each
+publishes its own KV, so its own keys; the republish test in a tenant of its own, as it lists
+the tenant's KBs). Each test that kills an edge or the origin, changes the membership or counts hot
+copies starts its own network (own actor names, own origin directory) on the session's
 cluster, and stops it at the end. KV is synthetic but real: numpy arrays checked byte for byte.
 """
 import os
 import signal
 import threading
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -21,10 +25,24 @@ FP = "synthetic-model"
 FAST_HOT = {"replication": {"half_life_s": 5.0, "promote_rate": 0.2}}
 
 
+def _start(root, name):
+    topo = Topology.default_local(list(REGIONS), edges_per_region=1, capacity_bytes=256 << 20)
+    return start_network(topo, root, network=name, edge_options=FAST_HOT)
+
+
 @pytest.fixture
 def net(ray_cluster, tmp_path, network_name):
-    topo = Topology.default_local(list(REGIONS), edges_per_region=1, capacity_bytes=256 << 20)
-    n = start_network(topo, tmp_path / "origin", network=network_name, edge_options=FAST_HOT)
+    """A network of this test's own."""
+    n = _start(tmp_path / "origin", network_name)
+    yield n
+    stop_network(n)
+
+
+@pytest.fixture(scope="module")
+def shared(ray_cluster, tmp_path_factory):
+    """The module's network, for the tests that touch only their own KBs."""
+    name = f"m{uuid.uuid4().hex[:8]}"
+    n = _start(tmp_path_factory.mktemp(name) / "origin", name)
     yield n
     stop_network(n)
 
@@ -51,7 +69,8 @@ def _worker_fetch(network, prompt, expected):
             "equal": bool(np.array_equal(got, expected))}
 
 
-def test_publish_then_fetch_from_a_worker_in_every_region(net, synth):
+def test_publish_then_fetch_from_a_worker_in_every_region(shared, synth):
+    net = shared
     toks, kv = synth.tokens(1000), synth.kv(1000)
     receipt = _client(net).publish("handbook", [("part1", toks[:600]), ("part2", toks[600:])], kv)
     assert receipt["version"] == 1 and receipt["chunks"] == 4 and receipt["tokens"] == 1000
@@ -69,8 +88,9 @@ def test_publish_then_fetch_from_a_worker_in_every_region(net, synth):
         assert "local" in got["sources"]
 
 
-def test_republishing_identical_chunks_transfers_nothing(net, synth):
-    cl = _client(net)
+def test_republishing_identical_chunks_transfers_nothing(shared, synth):
+    net = shared
+    cl = _client(net, tenant="republish")          # the tenant's KB list is this test's alone
     toks, kv = synth.tokens(700, seed=1), synth.kv(700, seed=1)
     first = cl.publish("kb", [("d", toks)], kv)
     again = cl.publish("kb", [("d", toks)], kv)
@@ -87,7 +107,8 @@ def test_republishing_identical_chunks_transfers_nothing(net, synth):
     assert f.tokens == 1000 and np.array_equal(_kv_of(f), kv2)
 
 
-def test_fetch_returns_longest_prefix_and_stops_at_first_unknown_chunk(net, synth):
+def test_fetch_returns_longest_prefix_and_stops_at_first_unknown_chunk(shared, synth):
+    net = shared
     cl = _client(net, "eu-west")
     toks, kv = synth.tokens(512, seed=3), synth.kv(512, seed=3)
     cl.publish("two-chunks", [("d", toks)], kv)
@@ -98,7 +119,8 @@ def test_fetch_returns_longest_prefix_and_stops_at_first_unknown_chunk(net, synt
     assert cl.lookup(toks + [1, 2])["tokens"] == 512
 
 
-def test_tenants_cannot_read_each_other(net, synth):
+def test_tenants_cannot_read_each_other(shared, synth):
+    net = shared
     toks, kv = synth.tokens(300, seed=5), synth.kv(300, seed=5)
     _client(net, tenant="acme").publish("secret", [("d", toks)], kv)
     other = _client(net, tenant="globex")
@@ -229,7 +251,8 @@ def test_membership_changes_while_serving_fail_no_fetch(net, synth):
             assert ray.get(h.have.remote([key]))[0], f"owner {o} lacks a chunk after re-homing"
 
 
-def test_operator_pin_replicas_warm_and_ttl(net, synth):
+def test_operator_pin_replicas_warm_and_ttl(shared, synth):
+    net = shared
     toks, kv = synth.tokens(900, seed=40), synth.kv(900, seed=40)
     cl = _client(net)
     cl.publish("ops", [("d", toks)], kv)
