@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(BIN)/kdn demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV)

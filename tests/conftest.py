@@ -23,32 +23,6 @@ for _k, _v in {"RAY_health_check_period_ms": "1000", "RAY_health_check_initial_d
 REGIONS = ("us-east", "eu-west", "ap-south")
 
 
-# `make test` runs the suite on two pytest-xdist workers (-n 2 --dist loadgroup), each with
-# its own session cluster. The tests are split in two fixed halves of about equal wall time
-# (measured on a 2-core machine), one per worker: a module always runs whole on one worker (its
-# module fixtures start once), the two vLLM modules on the same one (four vLLM engines at once
-# would crowd memory), and the two longest tests (the README's, the `kdn up` one) on different
-# ones. Without xdist (plain `pytest`) the mark does nothing.
-XDIST_HALF_A = ("tests/test_readme.py", "tests/engines/", "tests/serve/test_serve_vllm.py", "tests/origin/",
-                "tests/placement/", "tests/edge/", "tests/multinode/test_compressed.py",
-                "tests/multinode/test_auth.py")
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        rel = item.path.relative_to(config.rootpath).as_posix()
-        item.add_marker(pytest.mark.xdist_group("a" if rel.startswith(XDIST_HALF_A) else "b"))
-
-
-def pytest_configure(config):
-    """In xdist's controller, before any worker starts: Ray's auth token (~/.ray/auth_token),
-    so that two workers never both create it (and start clusters with different tokens)."""
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        from kdn.cluster import ensure_ray_token
-        ensure_ray_token()
-
-
 @pytest.fixture(scope="session")
 def ray_cluster():
     from kdn.cluster import LocalCluster, init_ray
