@@ -16,7 +16,7 @@ import collections
 import threading
 
 from kdn.edge.eviction import make_policy, policy_stats
-from kdn.errors import CacheError, PinCapacityError
+from kdn.core.errors import CacheError, PinCapacityError
 
 
 def _size_of(value, nbytes):

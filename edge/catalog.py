@@ -16,8 +16,8 @@ import collections
 import time
 
 from kdn.edge.peers import ORIGIN
-from kdn.errors import AccessDenied
-from kdn.keys import namespace_digest
+from kdn.core.errors import AccessDenied
+from kdn.core.keys import namespace_digest
 
 LEARN_PERIOD_S = 2.0       # the origin is asked about unknown namespaces at most this often
 LIST_TIMEOUT_S = 5.0

@@ -1,7 +1,7 @@
 """The edge's disk tier: a byte-bounded store of chunk frames on the node's local disk,
 beneath the memory tiers (main and hot).
 
-A record is one chunk's frame (kdn.chunk: magic, a header naming its key, namespace,
+A record is one chunk's frame (kdn.core.chunk: magic, a header naming its key, namespace,
 codec and sizes with the payload's checksum and the header's own, then the payload) in a
 file of its own, <dir>/<first two hex digits of the key>/<key hex>.kdnc. A file per chunk
 rather than slabs, by measurement (`kdn bench tiers`): a chunk is megabytes, so opening a
@@ -19,7 +19,7 @@ the same directory therefore comes back warm.
 A read takes the whole file into one buffer, hashing each block as it lands (while it is
 still in the CPU's cache, so checking costs almost nothing over the read itself), and
 checks the payload checksum, the key and the namespace; a record that fails is deleted and
-the read is a miss (counted), so a bad record is never served. Writes go to a new file renamed into place (kdn.files), without
+the read is a miss (counted), so a bad record is never served. Writes go to a new file renamed into place (kdn.core.files), without
 fsync: a cache need not survive a power cut, and a record torn by one is found and dropped
 at the next start or read. A write that finds no room on the device (ENOSPC, EDQUOT, or
 EFBIG past a file-size limit) is dropped and counted (`disk_full_dropped`), never raised:
@@ -37,13 +37,13 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kdn.chunk import Encoded, decode, encode_parts, frame_size, read_header
+from kdn.core.chunk import Encoded, decode, encode_parts, frame_size, read_header
 from kdn.edge.cache import ChunkCache
-from kdn.errors import BadRequest, ChecksumMismatch, FrameError, TruncatedFrame
-from kdn.files import TEMP_SUFFIX, make_dirs, write_atomic
+from kdn.core.errors import BadRequest, ChecksumMismatch, FrameError, TruncatedFrame
+from kdn.core.files import TEMP_SUFFIX, make_dirs, write_atomic
 
 SUFFIX = ".kdnc"
-HEADER_READ = 8 + 4096            # a frame's prefix and its longest header (kdn.chunk.MAX_HEADER)
+HEADER_READ = 8 + 4096            # a frame's prefix and its longest header (kdn.core.chunk.MAX_HEADER)
 NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 READ_BLOCK = 512 << 10            # read and hash in blocks that stay in the CPU's cache
 

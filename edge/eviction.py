@@ -19,7 +19,7 @@ Two policies, because edge traffic is skewed and full of one-hit wonders:
 """
 from collections import Counter, OrderedDict
 
-from kdn.errors import CacheError
+from kdn.core.errors import CacheError
 
 
 class LRU:

@@ -2,17 +2,17 @@
 the form that reaches its reader soonest. One place for the Ray path and HTTP alike.
 
 Verification: every copy that enters a tier is checked against the checksum its manifest
-records (kdn.chunk's verify: exact KV must hash to it; a lossy frame has only its own frame
+records (kdn.core.chunk's verify: exact KV must hash to it; a lossy frame has only its own frame
 checksums, because its KV is not the published KV by design). A copy that fails is never
 kept, and never encoded lossy for a reader (a reader cannot check lossy KV against its
 manifest, so it must never be encoded from wrong bytes).
 
-Store form: with store_codec set, an edge keeps chunks as compressed frames (kdn.chunk.Encoded):
+Store form: with store_codec set, an edge keeps chunks as compressed frames (kdn.core.chunk.Encoded):
 its byte capacity is charged the compressed size, so it holds more (zstd: lossless, ~1.2x on
 fp32 KV; q8z/k4v3z: lossy, 3.9x/8x, an operator's choice). Lossy KV stays as it is:
 expanding it restores nothing, and it must stay marked lossy.
 
-Link form (kdn.transfer.choose_codec): on the reader's own node the stored form as it is (raw
+Link form (kdn.core.transfer.choose_codec): on the reader's own node the stored form as it is (raw
 stays zero-copy; a compressed form is decoded by the reader, which costs no more than
 decoding it here); across a link the form that arrives soonest, counting encode and decode
 time against the bytes saved at the topology's bandwidth. Lossy codecs go only to readers
@@ -24,12 +24,12 @@ import collections
 import numpy as np
 import xxhash
 
-from kdn.chunk import Chunk, Encoded, encode_parts
-from kdn.codecs import LOSSLESS, LOSSY
+from kdn.core.chunk import Chunk, Encoded, encode_parts
+from kdn.core.codecs import LOSSLESS, LOSSY
 from kdn.edge.tiers import Held
-from kdn.errors import BadRequest, FrameError, TopologyError
-from kdn.rpc import failover_errors
-from kdn.transfer import PROFILE, check_store_codec, choose_codec
+from kdn.core.errors import BadRequest, FrameError, TopologyError
+from kdn.core.rpc import failover_errors
+from kdn.core.transfer import PROFILE, check_store_codec, choose_codec
 
 PEER_READ_S = 5.0        # a peer's object that does not arrive in time is sent as the peer sent it
 

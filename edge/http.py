@@ -9,13 +9,13 @@ against it (64 MiB fetches of 2 MiB chunks) and gave nothing back: 2.4-3.5 GB/s 
 2.5-3.3 GB/s, within the noise of a shared 2-core machine, because the GIL serializes the
 two loops anyway and the bytes move in the kernel. /health reports the loop class.
 
-A fetch answer is exactly kdn.chunk frames back to back (edge/wire.py), the longest prefix
+A fetch answer is exactly kdn.core.chunk frames back to back (kdn/core/wire.py), the longest prefix
 the edge holds, at most max_reply_bytes (X-KDN-More: 1 when the edge stopped there: ask
 again for the keys after those received). The edge knows every frame before it answers, so
 Content-Length is exact and the client receives the body into one preallocated buffer.
 A raw frame goes out as its small header bytes and a memoryview of the chunk's KV: uvloop
 sends what the socket takes and keeps a reference to the rest, so payloads are never copied
-in user space. A fetch may ask for a codec (a kdn.codecs name, or "auto": what pays on the
+in user space. A fetch may ask for a codec (a kdn.core.codecs name, or "auto": what pays on the
 link to the request's region; edge/forms.py chooses, as for Ray); X-KDN-Codec names the
 codecs used. Encoding is CPU work: it runs in threads, ENCODERS at a time, so concurrent
 requests cannot make the edge hold more than a few replies' worth of encoded frames.
@@ -23,7 +23,7 @@ requests cannot make the edge hold more than a few replies' worth of encoded fra
 Input is untrusted: bodies over max_body_bytes are refused before they are read (413), so
 are requests over max_keys keys (413); a repeated key, bad gzip, a transfer coding other than
 chunked, anything malformed is a 400; every error is JSON {"error", "message"}; only a fault
-of the edge itself is a 500. With read tokens on (kdn.auth: a tenant is read with its token
+of the edge itself is a 500. With read tokens on (kdn.core.auth: a tenant is read with its token
 unless the operator left it open), a read sent without a token is 401 and one with a wrong
 token 403, each with the same message whether the namespace is locked or unknown. A connection that sends no complete request within idle_s
 (slow headers, an idle keep-alive socket) is closed. The server binds 127.0.0.1 unless told
@@ -43,13 +43,13 @@ import msgpack
 from aiohttp import http_exceptions, web
 
 
-from kdn.chunk import codecs
+from kdn.core.chunk import codecs
 from kdn.edge.metrics import CONTENT_TYPE as METRICS_TYPE, EdgeMetrics
 from kdn.edge.reads import MAX_FETCH_KEYS
-from kdn.edge.wire import FRAMES_TYPE, MAX_SOURCE_RUNS, pack_sources
-from kdn.env import is_loopback
-from kdn.errors import AccessDenied, BadRequest, BadTokens
-from kdn.keys import KEY_BYTES, namespace_digest
+from kdn.core.wire import FRAMES_TYPE, MAX_SOURCE_RUNS, pack_sources
+from kdn.core.env import is_loopback
+from kdn.core.errors import AccessDenied, BadRequest, BadTokens
+from kdn.core.keys import KEY_BYTES, namespace_digest
 
 log = logging.getLogger("kdn.edge.http")
 

@@ -8,7 +8,7 @@ the origin broadcasts (edge/membership.py). A read is the same for Ray and HTTP
 (edge/reads.py); HTTP (edge/http.py) runs on this actor's own event loop.
 
 This class only wires those together and checks each caller's token: every method takes
-`token=` (kdn.rpc passes it on every call); writes and node-to-node calls need the admin
+`token=` (kdn.core.rpc passes it on every call); writes and node-to-node calls need the admin
 token, reads the namespace's read token when one is configured. A background loop applies
 the replication policy (hot copies in, cold ones out), expires TTLs and refreshes the
 membership from the origin every membership_refresh_s, so an edge that missed a broadcast
@@ -21,9 +21,9 @@ import logging
 import os
 import time
 
-from kdn.auth import Tokens
-from kdn.chunk import Chunk, Encoded
-from kdn.codecs import LOSSLESS
+from kdn.core.auth import Tokens
+from kdn.core.chunk import Chunk, Encoded
+from kdn.core.codecs import LOSSLESS
 from kdn.edge.catalog import Catalog
 from kdn.edge.disk import DiskTier
 from kdn.edge.forms import Forms, corrupted
@@ -32,11 +32,11 @@ from kdn.edge.peers import ORIGIN, PEER_TIMEOUT_S, Peers
 from kdn.edge.pull import Pull
 from kdn.edge.reads import MAX_FETCH_KEYS, MAX_REPLY_BYTES, Reads, check_keys
 from kdn.edge.tiers import ROLES, Held, Tiers
-from kdn.errors import AccessDenied, BadRequest, KDNError
-from kdn.keys import check_key
-from kdn.rpc import failover_errors
+from kdn.core.errors import AccessDenied, BadRequest, KDNError
+from kdn.core.keys import check_key
+from kdn.core.rpc import failover_errors
 from kdn.placement.replication import ReplicationPolicy
-from kdn.transfer import check_accept
+from kdn.core.transfer import check_accept
 
 log = logging.getLogger("kdn.edge")
 
@@ -375,5 +375,5 @@ class EdgeNode:
 
 def _default_disk_dir(network: str) -> str:
     """Where edges keep their disk tiers unless told: $KDN_HOME/edge-disk/<network>."""
-    from kdn.env import kdn_home
+    from kdn.core.env import kdn_home
     return str(kdn_home() / "edge-disk" / network)

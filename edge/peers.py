@@ -1,6 +1,6 @@
 """An edge's calls to the other edges and to the origin, with the admin token.
 
-Calls go through kdn.rpc.Actors, which fails over only when a node is dead, restarting,
+Calls go through kdn.core.rpc.Actors, which fails over only when a node is dead, restarting,
 missing or too slow: then ask() answers None and counts peer_failures or origin_failures, and
 the caller moves to its next source. Anything else (a remote KDNError, a wrong signature) is
 a bug or a refusal and raises: a broad except here once hid a membership refresh that never
@@ -11,7 +11,7 @@ import asyncio
 import collections
 import logging
 
-from kdn.rpc import Actors, Unreachable
+from kdn.core.rpc import Actors, Unreachable
 
 log = logging.getLogger("kdn.edge")
 

@@ -22,8 +22,8 @@ import collections
 from kdn.edge.peers import ORIGIN
 from kdn.edge.singleflight import Group
 from kdn.edge.tiers import Held
-from kdn.names import ORIGIN as FROM_ORIGIN, peer_source
-from kdn.rpc import failover_errors
+from kdn.core.names import ORIGIN as FROM_ORIGIN, peer_source
+from kdn.core.rpc import failover_errors
 
 PEER_READ_S = 5.0        # a peer's object to be kept must arrive within this
 

@@ -23,9 +23,9 @@ import collections
 import time
 
 from kdn.edge.peers import ORIGIN
-from kdn.errors import BadRequest
-from kdn.keys import MAX_FETCH_KEYS, check_key
-from kdn.names import LOCAL, source_kind
+from kdn.core.errors import BadRequest
+from kdn.core.keys import MAX_FETCH_KEYS, check_key
+from kdn.core.names import LOCAL, source_kind
 
 MAX_REPLY_BYTES = 1 << 30       # KV bytes one reply carries
 FIRST_ROUND_KEYS = 64           # keys loaded at once before any chunk size is known

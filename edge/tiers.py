@@ -22,7 +22,7 @@ import collections
 import time
 
 from kdn.edge.cache import ChunkCache
-from kdn.errors import PinCapacityError
+from kdn.core.errors import PinCapacityError
 
 ROLES = ("main", "hot")
 

@@ -3,7 +3,7 @@
 An edge that misses `down_after` pings in a row is taken out of the membership (its keys
 re-home to their next owners) and remembered as down; it rejoins when it answers again.
 A crashed Ray node takes ~15 s to be declared dead; this takes ~down_after periods and
-needs no Ray state. A ping fails over like any call (kdn.rpc): only a dead, missing or
+needs no Ray state. A ping fails over like any call (kdn.core.rpc): only a dead, missing or
 slow edge counts as a miss; any other error is a bug and raises.
 """
 import asyncio

@@ -16,8 +16,8 @@ import math
 
 import msgpack
 
-from kdn.errors import BadRequest, StoreError
-from kdn.names import check_node_name
+from kdn.core.errors import BadRequest, StoreError
+from kdn.core.names import check_node_name
 from kdn.origin.objects import open_objects
 from kdn.placement.ring import Edge, Ring
 

@@ -16,7 +16,7 @@ over a bucket it may restart on any node. With store_codec="zstd" its disk holds
 chunks losslessly compressed; lossy codecs are refused: the origin keeps the exact KV every
 copy is checked against.
 
-Every method takes `token=` (kdn.rpc's contract). All but ping, membership and stats need
+Every method takes `token=` (kdn.core.rpc's contract). All but ping, membership and stats need
 the admin token; those three answer anyone, but only the admin sees the operators'
 overrides and quarantined manifests, which name tenants' KBs. The Ray cluster itself is the
 operator's trust boundary: tenants outside it read over HTTP with their read tokens.
@@ -27,12 +27,12 @@ import logging
 import os
 import time
 
-from kdn.auth import Tokens
-from kdn.chunk import Chunk
-from kdn.errors import BadRequest, KDNError, ManifestError, StoreError, VersionNotFound
-from kdn.keys import MAX_TOKENS_PER_KB, check_key
-from kdn.manifest import Manifest, check_name
-from kdn.names import check_node_name
+from kdn.core.auth import Tokens
+from kdn.core.chunk import Chunk
+from kdn.core.errors import BadRequest, KDNError, ManifestError, StoreError, VersionNotFound
+from kdn.core.keys import MAX_TOKENS_PER_KB, check_key
+from kdn.core.manifest import Manifest, check_name
+from kdn.core.names import check_node_name
 from kdn.origin import overrides
 from kdn.origin.health import PERIOD_S, Health
 from kdn.origin.membership import Membership, check_members
@@ -40,8 +40,8 @@ from kdn.origin.objects import open_objects
 from kdn.origin.push import Pusher, outgoing
 from kdn.origin.store import ChunkStore
 from kdn.placement.topology import Topology
-from kdn.rpc import Actors
-from kdn.transfer import check_store_codec
+from kdn.core.rpc import Actors
+from kdn.core.transfer import check_store_codec
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class OriginNode:
                  store_codec: str = "raw", actors=None, store_env: dict = None):
         """root: a directory or s3://bucket/prefix; store_env: the AWS_* settings that reach
         the bucket (default: this process's environment). actors: how to call edges
-        (kdn.rpc.Actors of the network by default; tests pass stand-ins with its
+        (kdn.core.rpc.Actors of the network by default; tests pass stand-ins with its
         call/try_call/forget)."""
         self.network = network
         self.tokens = Tokens.from_dict(auth)

@@ -4,7 +4,7 @@ The origin's store, manifests and membership need only six things of their stora
 object whole (readers see the old bytes or the new, never a torn write), put one only if its
 name is still free (the one conditional write, which is what makes a version number taken
 by exactly one publisher), get, list a prefix, delete, and set an object aside under another
-name. `LocalObjects` does them on a directory (kdn.files: temp file, fsync, rename; a
+name. `LocalObjects` does them on a directory (kdn.core.files: temp file, fsync, rename; a
 create-if-absent is a hard link, which fails if the name exists). `S3Objects` does them on
 an S3-compatible bucket through obstore: maintained Python bindings of the Rust crate
 `object_store` (Apache Arrow's), chosen for throughput (each request runs in Rust with the GIL released, so
@@ -23,8 +23,8 @@ import re
 from pathlib import Path
 from urllib.parse import urlparse
 
-from kdn.errors import StoreError
-from kdn.files import DIR_MODE, TEMP_SUFFIX, fsync_dir, make_dirs, write_atomic, write_temp
+from kdn.core.errors import StoreError
+from kdn.core.files import DIR_MODE, TEMP_SUFFIX, fsync_dir, make_dirs, write_atomic, write_temp
 
 S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
           "AWS_SESSION_TOKEN")
@@ -75,7 +75,7 @@ class LocalObjects:
         """Write the object whole (atomic, durable); returns its size."""
         try:
             return write_atomic(self.root / name, parts, self.fsync)
-        except OSError as e:    # disk full, quota, I/O error: kdn.files left nothing behind
+        except OSError as e:    # disk full, quota, I/O error: kdn.core.files left nothing behind
             raise self._failed("write", Path(name).name, e) from None
 
     def put_new(self, name: str, data) -> bool:

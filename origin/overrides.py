@@ -7,7 +7,7 @@ is a real number (never True, NaN or inf) within a sane bound, regions are the t
 """
 import math
 
-from kdn.errors import BadRequest
+from kdn.core.errors import BadRequest
 
 MAX_TTL_S = 10 * 365 * 86400.0       # ten years: anything longer is a mistake, not a TTL
 

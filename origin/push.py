@@ -10,9 +10,9 @@ pull-through, and a publish never fails for it. Any other error from an edge rai
 import asyncio
 import collections
 
-from kdn.errors import StoreError
+from kdn.core.errors import StoreError
 from kdn.origin.overrides import kb_id
-from kdn.rpc import Unreachable
+from kdn.core.rpc import Unreachable
 
 BATCH_BYTES = 64 << 20          # one put_chunks call carries at most this much
 BATCHES_IN_FLIGHT = 4           # batches in flight at once, across all edges
@@ -22,7 +22,7 @@ QUICK_TIMEOUT_S = 10.0          # for the small calls: have, membership, manifes
 
 def outgoing(store, keys, each=map) -> list:
     """What goes to edges for keys: Chunks from a raw store; from a compressed one the stored
-    frames as they are (kdn.chunk.Encoded: fewer bytes on the wire, no decoding here, and an
+    frames as they are (kdn.core.chunk.Encoded: fewer bytes on the wire, no decoding here, and an
     edge storing the same codec keeps them without re-encoding). None where absent, corrupt or
     unreadable (never sent). Storage I/O: call it in a thread; each=store.map reads the keys
     several at once, which a bucket needs (each GET waits a round trip)."""

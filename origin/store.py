@@ -3,7 +3,7 @@
 It keeps its objects in an origin/objects.py backend: a local directory or an S3-compatible
 bucket. Everything below holds on both, because it is written once, above that interface.
 
-A chunk is stored as its encoded frame (kdn/chunk.py: header with an xxh3 checksum, then the
+A chunk is stored as its encoded frame (kdn/core/chunk.py: header with an xxh3 checksum, then the
 KV bytes) under its key: chunks/<2 hex>/<32 hex>.kdnc. Storing the frame, not a re-encoding,
 means a read can be pushed to an edge or an HTTP client as is, and every read re-verifies
 the checksum, so a rotted object raises CorruptChunk and is never served. Because the name is
@@ -18,7 +18,7 @@ deduplicated and answers the stored checksum (sum_of, the xxh3_64 of the stored 
 manifests record per chunk), the publisher adopts it in its manifest, and commit() refuses
 a manifest whose checksums are not those of the stored chunks. A corrupt copy is repaired
 only with the bytes the committed versions name, so no valid copy is ever reported corrupt
-because another machine computed it. With codec= set (kdn.codecs: "zstd"
+because another machine computed it. With codec= set (kdn.core.codecs: "zstd"
 lossless, "q8z"/"q4z" quantized) put() stores frames compressed; reads decode any codec.
 
 Every object is written whole (on disk: temp file, fsync, rename, fsync the folder, files
@@ -55,13 +55,13 @@ import logging
 import re
 import threading
 
-from kdn.chunk import MAX_HEADER, Chunk, Encoded, decode, encode_parts, read_header
-from kdn.codecs import codecs
-from kdn.errors import (ChunkNotFound, CorruptChunk, FrameError, ManifestError, StoreError,
-                        VersionNotFound)
-from kdn.files import make_dirs
-from kdn.keys import check_key
-from kdn.manifest import Manifest, check_name
+from kdn.core.chunk import MAX_HEADER, Chunk, Encoded, decode, encode_parts, read_header
+from kdn.core.codecs import codecs
+from kdn.core.errors import (ChunkNotFound, CorruptChunk, FrameError, ManifestError, StoreError,
+                             VersionNotFound)
+from kdn.core.files import make_dirs
+from kdn.core.keys import check_key
+from kdn.core.manifest import Manifest, check_name
 from kdn.origin.objects import LocalObjects, open_objects
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class ChunkStore:
         self.objects = open_objects(root, fsync=fsync)
         self.root = self.objects.where()
         self.fsync = fsync
-        self.codec = codec        # how put() encodes chunks (kdn.codecs); reads decode any codec
+        self.codec = codec        # how put() encodes chunks (kdn.core.codecs); reads decode any codec
         if isinstance(self.objects, LocalObjects):
             for d in ("chunks", "manifests"):
                 make_dirs(self.objects.path(d))
@@ -297,7 +297,7 @@ class ChunkStore:
         return self._read(key)[1]
 
     def get_encoded(self, key: bytes) -> Encoded:
-        """The chunk as its stored frame (kdn.chunk.Encoded), to send on in the codec it is
+        """The chunk as its stored frame (kdn.core.chunk.Encoded), to send on in the codec it is
         stored in: header and payload checksums verified, the payload not decoded."""
         e = self._checked(key)
         self._bump("reads")
@@ -442,7 +442,7 @@ class ChunkStore:
                 raise ManifestError(
                     f"cannot commit {manifest.label()}: chunk {k.hex()} is stored with checksum "
                     f"{got:016x} but the manifest says {want[k]:016x}; a key means the bytes "
-                    f"stored first, so the manifest must carry their checksum (kdn.publish adopts it)")
+                    f"stored first, so the manifest must carry their checksum (kdn.client.publish adopts it)")
 
     def _load(self, name: str, ns: bytes, kb: str, version: int) -> Manifest:
         """The manifest in object `name`; one that fails its checksum or holds another version

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from kdn.errors import PlacementError
+from kdn.core.errors import PlacementError
 
 LN2 = math.log(2.0)
 

@@ -35,7 +35,7 @@ from typing import Iterable
 import numpy as np
 import xxhash
 
-from kdn.errors import PlacementError
+from kdn.core.errors import PlacementError
 
 _BATCH = 65536                         # keys scored per numpy pass (bounds temporary memory)
 _M1 = np.uint64(0xFF51AFD7ED558CCD)    # murmur3 fmix64 constants

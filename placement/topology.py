@@ -45,7 +45,7 @@ import stat
 import tomllib
 from pathlib import Path
 
-from kdn.errors import TopologyError
+from kdn.core.errors import TopologyError
 from kdn.placement.ring import Edge
 
 GB = 1e9

@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 import pytest
 
-from kdn.env import prepare_ray_env
+from kdn.core.env import prepare_ray_env
 
 prepare_ray_env()
 # Ray declares a crashed node dead after 5 missed health checks; at its default period (3 s)
@@ -25,7 +25,8 @@ REGIONS = ("us-east", "eu-west", "ap-south")
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    from kdn.cluster import LocalCluster, init_ray
+    from kdn.launch.cluster import LocalCluster
+    from kdn.client.join import init_ray
     cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=768 << 20)
     init_ray(cluster.address)
     yield cluster
@@ -58,7 +59,7 @@ def synth():
 def small_network(ray_cluster, tmp_path_factory):
     """start(auth=None, **options) -> a KDN network with one edge in each of REGIONS, on the
     session's cluster; every network a module starts is stopped when the module ends."""
-    from kdn.cluster import start_network, stop_network
+    from kdn.launch.cluster import start_network, stop_network
     from kdn.placement.topology import Topology
     started = []
 
@@ -79,7 +80,7 @@ def model():
     machine two OpenMP threads fight other processes for the cores and a prefill gets several
     times slower, not faster. Modules that need other settings define their own `model`."""
     import torch
-    from kdn.model import load_model
+    from kdn.engines.transformers.model import load_model
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield load_model()

@@ -1,8 +1,11 @@
-"""Code-health figures for reviews: longest functions, broad excepts, import cycles.
+"""Code-health figures for reviews: layers, longest functions, broad excepts, import cycles.
 
     python tools/code_health.py [--json]
 
-- the ten longest functions outside benchmarks (kdn/bench) and tests, with line counts;
+- modules per folder, and imports that cross the layers the wrong way (LAYERS below);
+- the ten longest functions and largest classes outside benchmarks (kdn/bench) and tests;
+- constants defined under one name in several modules, and hand-written type checks
+  (`isinstance(x, bool) or not isinstance(...)`) that a shared validator should do;
 - `except Exception` clauses in the node, client and launch modules (the RPC paths), and
   how many of them carry a comment that says why (`# noqa: BLE001 - ...`);
 - import cycles between KDN's modules (module-level imports, as Python resolves them).
@@ -31,6 +34,85 @@ def modules():
                 continue
             out[name] = path
     return out
+
+
+# What each layer may import at module level (besides itself). The vocabulary imports no other
+# layer; edges and the origin meet only through it; the launcher imports the nodes, never the
+# reverse. Tooling (the CLI, benchmarks, test servers) may import anything.
+LAYERS = {
+    "kdn.core": (),
+    "kdn.placement": ("kdn.core",),
+    "kdn.edge": ("kdn.core", "kdn.placement"),
+    "kdn.origin": ("kdn.core", "kdn.placement"),
+    "kdn.client": ("kdn.core", "kdn.placement"),
+    "kdn.engines": ("kdn.core", "kdn.client"),
+    "kdn.serve": ("kdn.core", "kdn.client", "kdn.engines"),
+    "kdn.launch": ("kdn.core", "kdn.client", "kdn.placement", "kdn.edge", "kdn.origin"),
+}
+
+
+def layer_of(module: str):
+    for layer in sorted(LAYERS, key=len, reverse=True):
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    return None
+
+
+def layer_violations(graph) -> list:
+    """[(module, imported module)] for module-level imports a layer may not make."""
+    out = []
+    for mod, deps in graph.items():
+        layer = layer_of(mod)
+        if layer is None:
+            continue
+        for dep in deps:
+            other = layer_of(dep) or dep
+            if other != layer and other not in LAYERS[layer] and dep != "kdn":
+                out.append((mod, dep))
+    return out
+
+
+def modules_per_folder(mods) -> dict:
+    out = {}
+    for path in mods.values():
+        folder = str(path.parent.relative_to(ROOT))
+        out[folder] = out.get(folder, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def largest_classes(mods, n=10):
+    rows = []
+    for name, path in mods.items():
+        if ".bench" in name:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                rows.append((node.end_lineno - node.lineno + 1, f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"))
+    return sorted(rows, reverse=True)[:n]
+
+
+def repeated_constants(mods) -> dict:
+    """{NAME: [modules]} for module-level UPPER_CASE names bound in more than one module
+    (defined there, not imported): one constant under one name in one place."""
+    seen = {}
+    for name, path in mods.items():
+        if ".bench" in name:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) else []
+            for tgt in targets:
+                if isinstance(tgt, ast.Name) and tgt.id.isupper() and len(tgt.id) > 2 \
+                        and not tgt.id.startswith("_"):
+                    seen.setdefault(tgt.id, []).append(name)
+    return {k: v for k, v in sorted(seen.items()) if len(v) > 1}
+
+
+def hand_checks(mods) -> int:
+    """How many hand-written `isinstance(x, bool) or not isinstance(...)` checks remain."""
+    import re
+    rx = re.compile(r"isinstance\([^()]*,\s*bool\)\s*or\s*not\s*isinstance")
+    return sum(len(rx.findall(p.read_text())) for n, p in mods.items() if ".bench" not in n)
 
 
 def longest_functions(mods, n=10):
@@ -116,6 +198,24 @@ def main(argv=None):
     excepts = broad_excepts(mods)
     cyc = cycles(import_graph(mods))
     deferred = [c for c in cycles(import_graph(mods, deferred=True)) if c not in cyc]
+    folders = modules_per_folder(mods)
+    violations = layer_violations(import_graph(mods))
+    classes = largest_classes(mods)
+    repeated = repeated_constants(mods)
+    checks = hand_checks(mods)
+    print("modules per folder:")
+    for folder, n in folders.items():
+        print(f"  {n:4d}  {folder}")
+    print(f"imports across layers the wrong way: {len(violations)}")
+    for mod, dep in violations:
+        print(f"  {mod} -> {dep}")
+    print("ten largest classes (outside benchmarks):")
+    for n, where in classes:
+        print(f"  {n:4d}  {where}")
+    print(f"constants bound under one name in several modules: {len(repeated)}")
+    for name, where in repeated.items():
+        print(f"  {name}: {', '.join(where)}")
+    print(f"hand-written bool/int checks: {checks}")
     print("ten longest functions (outside benchmarks):")
     for n, where in longest:
         print(f"  {n:4d}  {where}")
@@ -129,7 +229,8 @@ def main(argv=None):
     for c in deferred:
         print("  " + " <-> ".join(c))
     if "--json" in argv:
-        print(json.dumps({"longest": longest, "broad_excepts": len(excepts), "cycles": cyc,
+        print(json.dumps({"folders": folders, "layer_violations": violations, "classes": classes,
+                          "repeated_constants": repeated, "hand_checks": checks, "longest": longest, "broad_excepts": len(excepts), "cycles": cyc,
                           "deferred_cycles": deferred}))
     return 0
 

@@ -44,7 +44,7 @@ def teacher_forced(model, cache, cached_tokens, prompt, targets):
 
 
 def quality(model, seg_tokens, seg_kv, prompts, shares, new_tokens, log):
-    from kdn import blend as B
+    from kdn.engines.transformers import blend as B
     per = {s: {"top1": 0, "pos_agree": 0, "positions": 0, "match": [], "ttft": [], "full": 0}
            for s in shares}
     full_ttft = []
@@ -52,7 +52,7 @@ def quality(model, seg_tokens, seg_kv, prompts, shares, new_tokens, log):
         segs = [seg_tokens[n] for n in names]
         prompt = B.prompt_tokens(model, segs, q)
         ref = model.generate(prompt, max_new_tokens=new_tokens)
-        targets = ref.tokens + ([min(model.eos_ids)] if ref.finish == "eos" else [])
+        targets = ref.tokens + ([min(model.eos_ids)] if ref.finish == "stop" else [])
         eos_ok = set(model.eos_ids)
         full_ttft.append(ref.ttft_s)
         for s in shares:
@@ -83,7 +83,7 @@ def quality(model, seg_tokens, seg_kv, prompts, shares, new_tokens, log):
 
 def speed(model, pieces, questions, share, reps, log):
     """TTFT of full prefill vs blending at `share` and naive, 4 x DOC_TOKENS documents."""
-    from kdn import blend as B
+    from kdn.engines.transformers import blend as B
     segs = [(t, B.segment_kv(model, t)) for t in pieces]
     out = {"full": [], "blend": [], "naive": [], "top1": 0, "top1_naive": 0, "n": 0}
     breakdown = []
@@ -146,9 +146,9 @@ def main(argv=None):
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
 
-    from kdn import blend as B
-    from kdn.knowledge import bundled_documents, bundled_questions
-    from kdn.model import load_model
+    from kdn.engines.transformers import blend as B
+    from kdn.cli.knowledge import bundled_documents, bundled_questions
+    from kdn.engines.transformers.model import load_model
 
     log = (lambda *a: print(*a, flush=True)) if args.verbose else (lambda *a: None)
     n_prompts = args.prompts or (12 if args.quick else 50)

@@ -16,8 +16,8 @@ import argparse
 import numpy as np
 
 from kdn.bench import emit_json, median, table, timeit
-from kdn.chunk import Chunk, decode, encode, encode_into, encode_parts
-from kdn.keys import chunk_keys, namespace_digest
+from kdn.core.chunk import Chunk, decode, encode, encode_into, encode_parts
+from kdn.core.keys import chunk_keys, namespace_digest
 
 ENCODE_TARGET = 0.5
 DECODE_TARGET = 0.8

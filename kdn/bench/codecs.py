@@ -35,8 +35,8 @@ import torch
 import xxhash
 
 from kdn.bench import emit_json, matching_prefix, table
-from kdn.chunk import _CODECS
-from kdn.codecs import LOSSLESS, LOSSY
+from kdn.core.chunk import _CODECS
+from kdn.core.codecs import LOSSLESS, LOSSY
 
 CHUNK = 256
 PACK_TOKENS = 512           # prompt tokens per packed forward pass
@@ -47,7 +47,7 @@ TARGET_DECODE_GBPS = 1.0
 
 def questions(docs, n: int) -> list:
     """n distinct questions on the documents: the bundled ones, then ones quoting sentences."""
-    from kdn.knowledge import bundled_questions
+    from kdn.cli.knowledge import bundled_questions
     out = list(bundled_questions())
     per_doc = [[s.strip() for s in re.split(r"(?<=[.;:?!])\s+|\n+", text) if len(s.split()) >= 8]
                for _, text in docs]
@@ -278,8 +278,8 @@ def main(argv=None):
     if unknown:
         ap.error(f"unknown codec(s) {', '.join(unknown)}; known: {', '.join(sorted(_CODECS))}")
 
-    from kdn.knowledge import bundled_documents
-    from kdn.model import load_model
+    from kdn.cli.knowledge import bundled_documents
+    from kdn.engines.transformers.model import load_model
     t_start = time.perf_counter()
     model = load_model(log=print)
     docs = bundled_documents()[:2] if args.quick else bundled_documents()

@@ -33,8 +33,8 @@ import uuid
 import numpy as np
 
 from kdn.bench import emit_json, median, p, table
-from kdn.errors import BadRequest, NetworkError
-from kdn.keys import CHUNK_TOKENS
+from kdn.core.errors import BadRequest, NetworkError
+from kdn.core.keys import CHUNK_TOKENS
 
 REGIONS = ("near", "far")
 FINGERPRINT = "bench-fetch-synthetic"
@@ -76,7 +76,7 @@ class FetchWorker:
         self.far = Client(network=network, region="far", fingerprint=FINGERPRINT)
 
     def where(self):
-        from kdn.view import node_region
+        from kdn.client.view import node_region
         return {"node_region": node_region(), "near_client": self.near.region,
                 "far_client": self.far.region}
 
@@ -187,7 +187,8 @@ def ensure_everywhere(client, net, kb, keys, log) -> dict:
 def run(args, log) -> dict:
     import ray
     from kdn.client import Client
-    from kdn.cluster import LocalCluster, init_ray, start_network, teardown
+    from kdn.launch.cluster import LocalCluster, start_network, teardown
+    from kdn.client.join import init_ray
     from kdn.placement.topology import Topology
 
     tokens, kv = synthetic(args.mib, args.layers, args.heads, args.head_dim, args.dtype)
@@ -303,7 +304,7 @@ def main(argv=None):
     def log(msg):
         print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    from kdn.env import prepare_ray_env
+    from kdn.core.env import prepare_ray_env
     prepare_ray_env()
     s = summarize(run(args, log), args)
     mib = s["bytes"] / 2**20

@@ -1,8 +1,8 @@
-"""`kdn bench fuzz`: hostile input against a real edge's HTTP API for --seconds (kdn.fuzz).
+"""`kdn bench fuzz`: hostile input against a real edge's HTTP API for --seconds (kdn.bench.fuzzer).
 
 It starts a network of its own (two regions, an admin token and a read token for the fuzzed
 tenant, so wrong and absent tokens are really refused, not merely ignored), publishes one
-KB, and fuzzes one edge with every kind of kdn.fuzz case while a thread samples the edge
+KB, and fuzzes one edge with every kind of kdn.bench.fuzzer case while a thread samples the edge
 process's memory (psutil, on the pid /health reports). A few idle connections (half a
 request line, or nothing) are held open meanwhile: the edge must close them within its
 idle bound. It reports cases by kind and status (0 answers may be 5xx), the edge's peak RSS
@@ -20,7 +20,7 @@ import numpy as np
 import xxhash
 
 from kdn.bench import emit_json, table
-from kdn.fuzz import Fuzzer
+from kdn.bench.fuzzer import Fuzzer
 
 MIB = 1 << 20
 
@@ -80,10 +80,11 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    from kdn.env import prepare_ray_env
+    from kdn.core.env import prepare_ray_env
     prepare_ray_env()                   # before Ray is imported: loopback, token auth
     import ray
-    from kdn.cluster import LocalCluster, init_ray, start_network, teardown
+    from kdn.launch.cluster import LocalCluster, start_network, teardown
+    from kdn.client.join import init_ray
     from kdn.placement.topology import Topology
     regions = ("us-east", "eu-west")
     root = tempfile.mkdtemp(prefix="kdn-bench-fuzz-")

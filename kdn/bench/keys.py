@@ -13,7 +13,7 @@ import torch
 import xxhash
 
 from kdn.bench import emit_json, median, table, timeit
-from kdn.keys import chunk_keys, namespace_digest
+from kdn.core.keys import chunk_keys, namespace_digest
 
 TARGET_MS = 50.0
 

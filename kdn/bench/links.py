@@ -69,7 +69,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="fetches per reader (median kept)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    from kdn.chunk import codecs as registered
+    from kdn.core.chunk import codecs as registered
     stores = [c for c in args.codecs.split(",") if c]
     lossy = [c for c in args.lossy.split(",") if c]
     bad = [c for c in stores + lossy if c not in registered()]
@@ -79,9 +79,10 @@ def main(argv=None):
     import ray
     import xxhash
     from kdn.client import Client
-    from kdn.cluster import LocalCluster, init_ray, start_network, teardown
-    from kdn.knowledge import bundled_documents
-    from kdn.model import load_model
+    from kdn.launch.cluster import LocalCluster, start_network, teardown
+    from kdn.client.join import init_ray
+    from kdn.cli.knowledge import bundled_documents
+    from kdn.engines.transformers.model import load_model
     from kdn.placement.topology import Topology
 
     model = load_model(log=print)

@@ -37,7 +37,7 @@ import numpy as np
 import xxhash
 
 from kdn.bench import emit_json, p, table
-from kdn.keys import CHUNK_TOKENS
+from kdn.core.keys import CHUNK_TOKENS
 
 REGIONS = ("us-east", "eu-west", "ap-south")
 TENANT = "bench-load"
@@ -196,8 +196,8 @@ class EdgeURLs:
 
 def http_fetch(urls: EdgeURLs, clients: dict, want: dict, token: str) -> tuple:
     """(Fetched, failovers): the first edge URL that answers; connection faults move on."""
-    from kdn.errors import NetworkError, NoLiveEdge
-    from kdn.http_client import EdgeHTTPClient
+    from kdn.core.errors import NetworkError, NoLiveEdge
+    from kdn.client.http import EdgeHTTPClient
     failovers, tried = 0, []
     for url in urls.ranked():
         client = clients.get(url)
@@ -282,7 +282,8 @@ def watch_restart(handle, old_pid: int, edge: str, urls: dict, order: dict, regi
 def run(args, log) -> dict:
     import ray
     from kdn.client import Client
-    from kdn.cluster import LocalCluster, init_ray, start_network, teardown
+    from kdn.launch.cluster import LocalCluster, start_network, teardown
+    from kdn.client.join import init_ray
     from kdn.placement.topology import Topology
 
     kbs = synthetic_kbs(args.kbs, args.max_chunks, args.layers, args.heads, args.head_dim, args.dtype,
@@ -429,7 +430,7 @@ def main(argv=None):
     def log(msg):
         print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    from kdn.env import prepare_ray_env
+    from kdn.core.env import prepare_ray_env
     prepare_ray_env()
     s = summarize(run(args, log), args.workers)
     table([{"transport": t, "workers": s[t]["workers"], "requests": s[t]["requests"],

@@ -6,14 +6,14 @@ knowledge's last --tokens tokens (teacher-forced): KL(exact || variant) of the n
 distribution (the least noisy measure), perplexity change, and top-1 agreement. Size is the
 zstd-compressed levels plus side information, against fp16. Variants:
 
-- k4v3 / k4v4: kdn.codecs' quantizer (keys per channel over 128 or 64 tokens, values per
+- k4v3 / k4v4: kdn.core.codecs' quantizer (keys per channel over 128 or 64 tokens, values per
   token over 64 channels), with and without each chunk's first token exact (format v2);
 - value codebooks: normal-float (NF, levels at normal quantiles) instead of uniform;
 - rotation: a random-sign 64x64 Hadamard applied to values (and keys) before quantizing;
 - per-layer bits: 4-bit values in the first third of the layers, 3-bit after;
 - --layers: per-layer sensitivity, one layer's K or V quantized (k4v3) at a time.
 
-The findings are in docs/figures.md (compressed KV) and in kdn/codecs.py's comments.
+The findings are in docs/figures.md (compressed KV) and in kdn/core/codecs.py's comments.
 """
 import argparse
 import math
@@ -29,7 +29,7 @@ CHUNK = 256
 
 
 def _uniform(axis, g, bits):
-    from kdn.codecs import _dequantize, _quantize
+    from kdn.core.codecs import _dequantize, _quantize
 
     def f(a):
         q, mn, sc = _quantize(np.ascontiguousarray(a), axis, g, (1 << bits) - 1)
@@ -136,8 +136,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not 1 <= args.docs <= 5:
         ap.error("--docs must be 1..5")
-    from kdn.knowledge import bundled_documents
-    from kdn.model import load_model
+    from kdn.cli.knowledge import bundled_documents
+    from kdn.engines.transformers.model import load_model
     t0 = time.perf_counter()
     model = load_model(log=print)
     docs = bundled_documents()[:args.docs]

@@ -31,7 +31,7 @@ import time
 import uuid
 
 from kdn.bench import emit_json, median, p, table
-from kdn.errors import BadRequest
+from kdn.core.errors import BadRequest
 
 REGIONS = ("us-east", "eu-west", "ap-south")
 KNOWLEDGE_TOKENS = 4096
@@ -94,7 +94,7 @@ def measure_ttft(base_url: str, handle, model: str, question: str, reps: int, ma
     first off_reps reps: a full prefill costs seconds); medians and ratios. token: the
     tenant's read token where the network has one (the API's key; handed to the worker direct)."""
     import openai
-    from kdn.openai_api import parse_chat
+    from kdn.serve.api import parse_chat
     client = openai.OpenAI(base_url=base_url, api_key=token or "none", max_retries=0, timeout=600)
     body = dict(parse_chat({"model": model, "messages": [{"role": "user", "content": question}],
                             "max_tokens": max_tokens, "stream": True}, model.partition("@")[0]).__dict__)
@@ -175,13 +175,14 @@ def run(regions, tokens: int, reps: int, off_reps: int, concurrency, per_client:
         log) -> dict:
     import ray
     from ray import serve as ray_serve
-    from kdn import serve
+    from kdn.serve.app import app as serve
     from kdn.bench.ttft import knowledge_texts
     from kdn.client import Client
-    from kdn.cluster import LocalCluster, free_ports, init_ray, start_network, teardown
-    from kdn.model import load_model
+    from kdn.launch.cluster import LocalCluster, free_ports, start_network, teardown
+    from kdn.client.join import init_ray
+    from kdn.engines.transformers.model import load_model
     from kdn.placement.topology import Topology
-    from kdn.publish import publish_documents
+    from kdn.client.publish import publish_documents
 
     model = load_model(log=log)
     text = knowledge_texts(model, [tokens])[tokens]

@@ -26,9 +26,9 @@ import tracemalloc
 import numpy as np
 
 from kdn.bench import emit_json, median, table
-from kdn.chunk import Chunk, encode
+from kdn.core.chunk import Chunk, encode
 from kdn.edge.disk import DiskTier
-from kdn.keys import chunk_keys, namespace_digest
+from kdn.core.keys import chunk_keys, namespace_digest
 
 NS = namespace_digest("bench", "tiers")
 GB = 1e9

@@ -41,8 +41,8 @@ import numpy as np
 import xxhash
 
 from kdn.bench import emit_json, median, table
-from kdn.chunk import decode, encode
-from kdn.http_client import RECV_STEP
+from kdn.core.chunk import decode, encode
+from kdn.client.http import RECV_STEP
 
 REGION = "bench"
 TENANT, FINGERPRINT = "default", "bench-transport"
@@ -308,11 +308,12 @@ def main(argv=None):
           f"({TOKENS} tokens x {layers} layers x {HEADS} heads x {HEAD_DIM} head_dim, float16) "
           f"= {total / 2**20:.0f} MiB; median of {args.reps} reps", flush=True)
 
-    from kdn.env import prepare_ray_env
+    from kdn.core.env import prepare_ray_env
     prepare_ray_env()                      # before Ray is imported: token auth, loopback
-    from kdn.cluster import LocalCluster, init_ray, start_network, stop_network
+    from kdn.launch.cluster import LocalCluster, start_network, stop_network
+    from kdn.client.join import init_ray
     from kdn.client import Client
-    from kdn.http_client import EdgeHTTPClient
+    from kdn.client.http import EdgeHTTPClient
     from kdn.placement.topology import Topology
     import ray
 
@@ -331,7 +332,7 @@ def main(argv=None):
         cl = Client(network=network, region=REGION, tenant=TENANT, fingerprint=FINGERPRINT)
         cl.publish("transport", [("blob", tokens)], kv)
         m = cl.manifest("transport")
-        from kdn.chunk import Chunk
+        from kdn.core.chunk import Chunk
         chunks = [Chunk(k, m.ns, np.ascontiguousarray(kv[:, :, :, s:s + TOKENS]), "float16")
                   for k, s in zip(m.keys, range(0, n_tokens, TOKENS))]
         digests = [xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")) for c in chunks]

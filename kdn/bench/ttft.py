@@ -34,7 +34,7 @@ import uuid
 import numpy as np
 
 from kdn.bench import emit_json, median, table
-from kdn.errors import BadRequest
+from kdn.core.errors import BadRequest
 
 LENGTHS = (1024, 2048, 4096, 8192)
 QUICK_LENGTHS = (1024, 2048)
@@ -74,7 +74,7 @@ def fit(count, text: str, n_tokens: int) -> str:
 
 def knowledge_texts(model, lengths) -> dict:
     """{n: text} whose knowledge turn is exactly n tokens; each a character prefix of the longest."""
-    from kdn.knowledge import bundled_documents
+    from kdn.cli.knowledge import bundled_documents
     base = "\n\n".join(text for _, text in bundled_documents())
     body = base
     while len(model.knowledge_tokens(body)) < max(lengths) + 64:
@@ -101,7 +101,7 @@ def memcpy_s(nbytes: int, reps: int = 5) -> float:
 
 def measure(client, model, kb: str, question: str, reps: int, log) -> dict:
     """One context length: KDN and full-prefill TTFT (interleaved reps) and the limit's terms."""
-    from kdn.worker import answer
+    from kdn.engines.transformers.worker import answer
     m = client.manifest(kb)
     prompt = m.token_ids().tolist() + model.question_tokens(question)
     warm = client.fetch(prompt, kb=kb)         # untimed: pages and object-store paths warm
@@ -169,9 +169,10 @@ def plot(rows, path: str) -> None:
 def run(lengths, reps: int, threads, log) -> tuple:
     import torch
     from kdn.client import Client
-    from kdn.cluster import LocalCluster, init_ray, start_network, teardown
-    from kdn.model import load_model
-    from kdn.publish import publish_documents
+    from kdn.launch.cluster import LocalCluster, start_network, teardown
+    from kdn.client.join import init_ray
+    from kdn.engines.transformers.model import load_model
+    from kdn.client.publish import publish_documents
     from kdn.placement.topology import Topology
 
     if threads:

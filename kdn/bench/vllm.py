@@ -17,7 +17,7 @@ published by vLLM itself (kv_both), so the KV it loads is the KV it computes; th
 generated token of KDN and of the full prefill is compared.
 
 --cross adds the cross-engine measurement: KV published by the transformers engine
-(kdn.model) read by vLLM, and KV published by vLLM read by the transformers worker, each
+(kdn.engines.transformers.model) read by vLLM, and KV published by vLLM read by the transformers worker, each
 against that engine's own full prefill, on the bundled KB and on a KB written for it
 (GREENHOUSE), over several questions; greedy tokens compared, 24 each.
 """
@@ -28,8 +28,8 @@ import time
 import uuid
 
 from kdn.bench import emit_json, median, table
-from kdn.engines.vllm_load import COPY_THREADS
-from kdn.errors import BadRequest
+from kdn.engines.vllm.load import COPY_THREADS
+from kdn.core.errors import BadRequest
 
 LENGTHS = (1024, 2048, 4096)
 TARGET_LENGTH, TARGET_RATIO = 4096, 1.25
@@ -80,7 +80,7 @@ def _log(msg):
 
 def measure(llm, client, kb: str, question_tokens, reps: int, log) -> dict:
     """One knowledge length: full, KDN and hit TTFT (interleaved reps) and the load path."""
-    from kdn.engines.vllm_run import generate
+    from kdn.engines.vllm.run import generate
     m = client.manifest(kb)
     prompt = m.token_ids().tolist() + list(question_tokens)
     full, kdn, hit, same, loads = [], [], [], [], []
@@ -125,10 +125,11 @@ def ttft(lengths, reps: int, layerwise: bool, copy_threads: int, log) -> tuple:
     """(rows, info): the TTFT table on a fresh one-region network."""
     from kdn.bench.ttft import knowledge_texts, question_text
     from kdn.client import Client
-    from kdn.cluster import LocalCluster, init_ray, start_network, teardown
+    from kdn.launch.cluster import LocalCluster, start_network, teardown
+    from kdn.client.join import init_ray
     from kdn.engines.fingerprint import fingerprints
-    from kdn.engines.vllm_run import publish_with_vllm, start_engine
-    from kdn.model import load_model
+    from kdn.engines.vllm.run import publish_with_vllm, start_engine
+    from kdn.engines.transformers.model import load_model
     from kdn.placement.topology import Topology
 
     model = load_model(log=log)
@@ -167,13 +168,14 @@ def cross_engine(log, questions=CROSS_QUESTIONS, n_tokens: int = CROSS_TOKENS) -
     import numpy as np
     from kdn.bench import matching_prefix
     from kdn.client import Client
-    from kdn.cluster import LocalCluster, init_ray, start_network, teardown
+    from kdn.launch.cluster import LocalCluster, start_network, teardown
+    from kdn.client.join import init_ray
     from kdn.engines.fingerprint import fingerprints
-    from kdn.engines.vllm_run import generate, publish_with_vllm, start_engine
-    from kdn.knowledge import bundled_documents
-    from kdn.model import load_model
+    from kdn.engines.vllm.run import generate, publish_with_vllm, start_engine
+    from kdn.cli.knowledge import bundled_documents
+    from kdn.engines.transformers.model import load_model
     from kdn.placement.topology import Topology
-    from kdn.publish import publish_documents
+    from kdn.client.publish import publish_documents
 
     model = load_model(log=log)
     fps = fingerprints(model.cache_path)

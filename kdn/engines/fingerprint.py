@@ -1,12 +1,12 @@
 """Engine fingerprints: which engine computed a KV cache is part of the model's name.
 
-kdn.model names a model by what makes two KV caches interchangeable (architecture, shapes,
+kdn.engines.transformers.model names a model by what makes two KV caches interchangeable (architecture, shapes,
 RoPE, KV dtype, a digest of the weights). Two engines running the same weights still
 compute KV that differs in the last bits (vLLM's CPU kernels against transformers' sdpa: about
 6e-5 in fp32, measured), so their caches are interchangeable only where a test shows
 token-identical output, and that is never proven in general. KV that vLLM computed is
 therefore published under its own fingerprint: the model's fields plus the engine and the
-device kind. "transformers" is the fingerprint kdn.model.Model gives the same weights, for
+device kind. "transformers" is the fingerprint kdn.engines.transformers.model.Model gives the same weights, for
 reading KV across engines on purpose (kdn bench vllm measures how often that agrees).
 
 Both are computed from the model folder alone (config.json and the weights), so a publisher,
@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kdn.dtypes import TORCH_NAMES
-from kdn.errors import ModelError
+from kdn.core.dtypes import DTYPES, name_of
+from kdn.core.errors import ModelError
 
-META_FILE = "kdn-model.json"      # kdn.model.META_FILE: a folder KDN converted names its weights
+META_FILE = "kdn-model.json"      # kdn.engines.transformers.model.META_FILE: a folder KDN converted names its weights
 
 
 def weights_of(folder: Path) -> str:
-    """The weights digest of a model folder: the one kdn.model recorded when it converted
-    the folder (the same digest kdn.model.Model computes), else xxh3 over its safetensors."""
+    """The weights digest of a model folder: the one kdn.engines.transformers.model recorded when it converted
+    the folder (the same digest kdn.engines.transformers.model.Model computes), else xxh3 over its safetensors."""
     meta = folder / META_FILE
     if meta.is_file():
         try:
@@ -46,19 +46,19 @@ def weights_of(folder: Path) -> str:
 
 
 def fingerprints(model_path, dtype=torch.float32, device: str = "cpu") -> dict:
-    """{"vllm": KV computed by vLLM on `device`, "transformers": KV computed by kdn.model}
+    """{"vllm": KV computed by vLLM on `device`, "transformers": KV computed by kdn.engines.transformers.model}
     for the model folder `model_path` with weights and KV in `dtype` ("transformers" is None
-    unless float32: kdn.model names a cast model by the digest of its cast weights)."""
+    unless float32: kdn.engines.transformers.model names a cast model by the digest of its cast weights)."""
     from transformers import AutoConfig
 
-    from kdn.model import fingerprint_fields, model_fingerprint
+    from kdn.engines.transformers.model import fingerprint_fields, model_fingerprint
     folder = Path(model_path)
     if not (folder / "config.json").is_file():
         raise ModelError(f"{model_path!r} is not a local model folder (config.json); KDN names a "
                          f"model by its files")
-    kv_dtype = TORCH_NAMES.get(dtype)
+    kv_dtype = name_of(dtype)
     if kv_dtype is None:
-        raise ModelError(f"KV dtype {dtype} is not one KDN stores ({', '.join(TORCH_NAMES.values())})")
+        raise ModelError(f"KV dtype {dtype} is not one KDN stores ({', '.join(DTYPES)})")
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     weights = weights_of(folder)
     fields = dict(fingerprint_fields(config, weights, kv_dtype), engine="vllm", device=device)

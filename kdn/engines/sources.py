@@ -19,9 +19,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kdn.errors import BadRequest, FrameError, ManifestError, NetworkError
-from kdn.keys import namespace_digest
-from kdn.manifest import best_prefix
+from kdn.core.errors import BadRequest, FrameError, ManifestError, NetworkError
+from kdn.core.keys import namespace_digest
+from kdn.core.manifest import best_prefix
 
 REFRESH_ON_MISS_S = 1.0       # a prompt that matches no KB re-lists the KBs at most this often
 LOOKUP_DEADLINE_S = 2.0       # a scheduler lookup; past it the prompt is computed
@@ -154,7 +154,7 @@ class RaySource:
 
 class HTTPSource:
     """match/fetch for one tenant from edges' HTTP servers, nearest first (one connection
-    per thread: kdn.http_client is one connection per client)."""
+    per thread: kdn.client.http is one connection per client)."""
 
     def __init__(self, urls, tenant: Tenant, fingerprint: str, allow_remote: bool = False):
         if not urls:
@@ -169,7 +169,7 @@ class HTTPSource:
 
     def _clients(self):
         if not hasattr(self._local, "clients"):
-            from kdn.http_client import EdgeHTTPClient
+            from kdn.client.http import EdgeHTTPClient
             self._local.clients = [EdgeHTTPClient(u, allow_remote=self.allow_remote,
                                                   token=self.tenant.token) for u in self.urls]
             self._local.generation = self._generation

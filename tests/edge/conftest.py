@@ -12,9 +12,9 @@ import types
 import numpy as np
 import pytest
 
-from kdn.chunk import Chunk
+from kdn.core.chunk import Chunk
 from kdn.edge.tiers import Held
-from kdn.keys import chunk_keys, namespace_digest
+from kdn.core.keys import chunk_keys, namespace_digest
 from kdn.placement.topology import Topology
 
 NS = namespace_digest("default", "edge-unit")

@@ -6,7 +6,7 @@ import pytest
 
 from kdn.edge.cache import ChunkCache
 from kdn.edge.eviction import S3FIFO
-from kdn.errors import CacheError, PinCapacityError
+from kdn.core.errors import CacheError, PinCapacityError
 
 
 def arr(n, fill=1):

@@ -4,10 +4,10 @@ import asyncio
 
 import pytest
 
-from kdn.auth import Tokens
+from kdn.core.auth import Tokens
 from kdn.edge.catalog import LEARN_PERIOD_S, Catalog
-from kdn.errors import AccessDenied
-from kdn.keys import namespace_digest
+from kdn.core.errors import AccessDenied
+from kdn.core.keys import namespace_digest
 
 ADMIN = "admin-token-0123456789abcdef"
 ACME = "acme-read-token-0123456789"

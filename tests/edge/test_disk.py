@@ -11,11 +11,11 @@ import subprocess
 import numpy as np
 import pytest
 
-from kdn.chunk import Encoded, encode_parts
+from kdn.core.chunk import Encoded, encode_parts
 from kdn.edge.disk import SUFFIX, DiskTier
-from kdn.errors import BadRequest
-from kdn.files import TEMP_SUFFIX
-from kdn.keys import namespace_digest
+from kdn.core.errors import BadRequest
+from kdn.core.files import TEMP_SUFFIX
+from kdn.core.keys import namespace_digest
 
 OTHER = namespace_digest("other", "edge-unit")
 
@@ -146,7 +146,7 @@ def _network(tmp_path, disk_dir, n_chunks: int, memory_chunks: float = 2.0):
     disk_dir, and a published KB of n_chunks; returns (net, keys, ns, kv)."""
     import uuid
     from kdn.client import Client
-    from kdn.cluster import start_network
+    from kdn.launch.cluster import start_network
     from kdn.placement.topology import Topology
     topo = Topology.default_local(["us-east"], capacity_bytes=int(memory_chunks * CHUNK_BYTES))
     net = start_network(topo, tmp_path / "origin", network=f"disk{uuid.uuid4().hex[:8]}",
@@ -183,7 +183,7 @@ def test_an_edge_restarted_on_its_disk_comes_back_warm_and_serves_only_verified_
         ray_cluster, tmp_path):
     import time
     import ray
-    from kdn.cluster import stop_network
+    from kdn.launch.cluster import stop_network
     net, keys, ns, kv = _network(tmp_path, tmp_path / "edges", n_chunks=6)
     try:
         h = net.edge("us-east-0")
@@ -232,7 +232,7 @@ def test_an_edge_restarted_on_its_disk_comes_back_warm_and_serves_only_verified_
 
 def test_a_full_disk_drops_write_backs_counted_and_every_read_is_served(ray_cluster, tiny_tmpfs,
                                                                        tmp_path):
-    from kdn.cluster import stop_network
+    from kdn.launch.cluster import stop_network
     net, keys, ns, kv = _network(tmp_path, tiny_tmpfs, n_chunks=16)   # 512 KiB > 256 KiB
     try:
         h = net.edge("us-east-0")

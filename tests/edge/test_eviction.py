@@ -2,7 +2,7 @@
 import pytest
 
 from kdn.edge.eviction import LRU, S3FIFO, make_policy, policy_stats
-from kdn.errors import CacheError
+from kdn.core.errors import CacheError
 
 
 def test_s3fifo_ghost_sends_returning_key_to_main():

@@ -2,9 +2,9 @@
 the form that reaches its reader soonest — the same decisions for Ray and HTTP."""
 import pytest
 
-from kdn.chunk import Chunk, Encoded, decode
+from kdn.core.chunk import Chunk, Encoded, decode
 from kdn.edge.forms import Forms, corrupted, link_codec
-from kdn.errors import BadRequest
+from kdn.core.errors import BadRequest
 from kdn.placement.topology import Topology
 
 

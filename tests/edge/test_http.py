@@ -21,15 +21,15 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from kdn.chunk import Chunk, encode
+from kdn.core.chunk import Chunk, encode
 from kdn.client import Client
-from kdn.cluster import start_network, stop_network
+from kdn.launch.cluster import start_network, stop_network
 from kdn.edge.http import IDLE_S, MAX_BODY_BYTES, MAX_KEYS, EdgeHTTP, is_loopback
 from kdn.edge.reads import MAX_REPLY_BYTES
-from kdn.edge.wire import unpack_sources
-from kdn.errors import BadRequest, ChecksumMismatch, ManifestError, NetworkError
-from kdn.http_client import EdgeHTTPClient
-from kdn.keys import namespace_digest
+from kdn.core.wire import unpack_sources
+from kdn.core.errors import BadRequest, ChecksumMismatch, ManifestError, NetworkError
+from kdn.client.http import EdgeHTTPClient
+from kdn.core.keys import namespace_digest
 from kdn.placement.topology import Topology
 
 REGIONS = ("us-east", "eu-west", "ap-south")
@@ -253,7 +253,7 @@ def test_bad_input_gets_a_4xx_with_a_json_message_and_changes_nothing(net):
 
 # --- the client's receive path --------------------------------------------------------------
 def test_client_verifies_frames_and_keys(net):
-    from kdn.http_client import _Frames
+    from kdn.client.http import _Frames
     t = net.test
     h = EdgeHTTPClient(t["urls"]["us-east-0"])
 

@@ -2,7 +2,7 @@
 import pytest
 
 from kdn.edge.membership import Membership
-from kdn.errors import TopologyError
+from kdn.core.errors import TopologyError
 
 
 def _m(kit, version, members):

@@ -5,7 +5,7 @@ import asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from kdn.edge.metrics import HIDDEN, EdgeMetrics
-from kdn.keys import namespace_digest
+from kdn.core.keys import namespace_digest
 
 
 def samples(edge) -> dict:

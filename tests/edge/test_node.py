@@ -14,10 +14,10 @@ import pytest
 import ray
 
 from kdn.client import Client
-from kdn.cluster import start_edge, start_network, stop_network
-from kdn.errors import AccessDenied, BadRequest
-from kdn.http_client import EdgeHTTPClient
-from kdn.keys import namespace_digest
+from kdn.launch.cluster import start_edge, start_network, stop_network
+from kdn.core.errors import AccessDenied, BadRequest
+from kdn.client.http import EdgeHTTPClient
+from kdn.core.keys import namespace_digest
 from kdn.placement.topology import Topology
 
 REGIONS = ("us-east", "eu-west")
@@ -207,7 +207,7 @@ def test_a_restarted_edge_serves_http_on_the_same_port(net):
 
 # --- the RPC surface (no Ray) -------------------------------------------------------------------
 def test_every_rpc_method_takes_a_token_and_no_private_flag():
-    """kdn.rpc passes token= on every call; a method without it once failed silently."""
+    """kdn.core.rpc passes token= on every call; a method without it once failed silently."""
     import inspect
     from kdn.edge.node import EdgeNode
     methods = {n: f for n, f in inspect.getmembers(EdgeNode, inspect.isfunction) if not n.startswith("_")}
@@ -237,7 +237,7 @@ def test_the_background_loop_outlives_a_refusal_and_reports_a_bug(kit):
     instead of leaving an edge that silently never refreshes."""
     import asyncio
     from kdn.edge import node as edge_node
-    from kdn.errors import NetworkError
+    from kdn.core.errors import NetworkError
     edge = kit.local_edge()
     raised = iter([NetworkError("origin refused"), TypeError("a bug")])
 

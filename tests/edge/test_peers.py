@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from kdn.edge.peers import ORIGIN, Peers
-from kdn.errors import AccessDenied
-from kdn.rpc import Unreachable
+from kdn.core.errors import AccessDenied
+from kdn.core.rpc import Unreachable
 
 
 class Actors:

@@ -6,7 +6,7 @@ import pytest
 
 from kdn.edge.forms import corrupted
 from kdn.edge.tiers import Held
-from kdn.keys import namespace_digest
+from kdn.core.keys import namespace_digest
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from kdn.edge.reads import FIRST_ROUND_KEYS, MAX_FETCH_KEYS, check_keys
-from kdn.errors import BadRequest
-from kdn.keys import namespace_digest
+from kdn.core.errors import BadRequest
+from kdn.core.keys import namespace_digest
 
 
 async def _as_stored(helds, sources):

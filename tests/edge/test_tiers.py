@@ -2,7 +2,7 @@
 import time
 
 from kdn.edge.tiers import Held, Tiers
-from kdn.keys import namespace_digest
+from kdn.core.keys import namespace_digest
 
 OTHER = namespace_digest("other", "edge-unit")
 

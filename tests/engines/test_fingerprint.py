@@ -1,11 +1,11 @@
 """kdn.engines.fingerprint: vLLM's KV is named apart from transformers' KV of the same weights,
-and the "transformers" name is exactly kdn.model's, computed from the folder alone."""
+and the "transformers" name is exactly kdn.engines.transformers.model's, computed from the folder alone."""
 import pytest
 import torch
 
 from kdn.engines.fingerprint import fingerprints, weights_of
-from kdn.errors import ModelError
-from kdn.model import load_model
+from kdn.core.errors import ModelError
+from kdn.engines.transformers.model import load_model
 
 
 @pytest.fixture(scope="module")

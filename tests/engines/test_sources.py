@@ -7,9 +7,9 @@ import pytest
 import ray
 
 from kdn.client import Client
-from kdn.cluster import start_network, stop_network
+from kdn.launch.cluster import start_network, stop_network
 from kdn.engines.sources import NO_MATCH, Deadline, HTTPSource, RaySource, Tenant, Tenants
-from kdn.errors import BadRequest, NetworkError
+from kdn.core.errors import BadRequest, NetworkError
 from kdn.placement.topology import Topology
 
 REGIONS = ("us-east", "eu-west", "ap-south")

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import ray
 
-from kdn.auth import Tokens, ensure_admin_token
+from kdn.core.auth import Tokens, ensure_admin_token
 from kdn.client import Client
-from kdn.cluster import start_network, stop_network
-from kdn.errors import AccessDenied, KDNError
-from kdn.http_client import EdgeHTTPClient
+from kdn.launch.cluster import start_network, stop_network
+from kdn.core.errors import AccessDenied, KDNError
+from kdn.client.http import EdgeHTTPClient
 from kdn.placement.topology import Topology
 
 FP = "synthetic-model"

@@ -1,6 +1,6 @@
 """Compressed KV in the network: stored compressed at the origin and edges, sent per link.
 
-A real 3-region Ray cluster on loopback (conftest), real actors, real codecs (kdn.codecs).
+A real 3-region Ray cluster on loopback (conftest), real actors, real codecs (kdn.core.codecs).
 The KV is synthetic but shaped like a model's: float32 values with fp16 precision, so the
 byte planes that carry no information compress (real SmolLM2 fp32 KV: 1.19x; this: ~2x).
 """
@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import ray
 
-from kdn.chunk import Chunk, Encoded, as_chunk, encode
+from kdn.core.chunk import Chunk, Encoded, as_chunk, encode
 from kdn.client import Client
-from kdn.cluster import start_network, stop_network
-from kdn.transfer import check_accept
-from kdn.errors import BadRequest, ChecksumMismatch
-from kdn.http_client import EdgeHTTPClient
-from kdn.keys import namespace_digest
+from kdn.launch.cluster import start_network, stop_network
+from kdn.core.transfer import check_accept
+from kdn.core.errors import BadRequest, ChecksumMismatch
+from kdn.client.http import EdgeHTTPClient
+from kdn.core.keys import namespace_digest
 from kdn.placement.topology import Topology
 
 FP = "synthetic-model"

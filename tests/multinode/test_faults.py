@@ -9,10 +9,10 @@ import pytest
 import ray
 
 from kdn.client import Client
-from kdn.cluster import start_network, stop_network
-from kdn.errors import KDNError
+from kdn.launch.cluster import start_network, stop_network
+from kdn.core.errors import KDNError
 from kdn.placement.topology import Topology
-from kdn.publish import split_kv
+from kdn.client.publish import split_kv
 
 FP = "synthetic-model"
 
@@ -79,7 +79,7 @@ def test_origin_killed_mid_publish_never_shows_the_version_and_a_retry_completes
         cl.publish("old", [("d", old_toks)], old_kv)
         toks, kv = synth.tokens(3000, seed=61), synth.kv(3000, seed=61)
         # the publish's first half: half of the chunks reach the origin, then it dies
-        from kdn.manifest import Manifest
+        from kdn.core.manifest import Manifest
         m = Manifest.build("new", cl.tenant, cl.fingerprint, [("d", toks)])
         chunks = split_kv(m, kv)
         cl.view.origin("put_chunks", chunks[:6])

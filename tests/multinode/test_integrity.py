@@ -14,9 +14,9 @@ import pytest
 import ray
 
 from kdn.client import Client
-from kdn.cluster import start_network, stop_network
-from kdn.errors import AccessDenied
-from kdn.keys import key_hex
+from kdn.launch.cluster import start_network, stop_network
+from kdn.core.errors import AccessDenied
+from kdn.core.keys import key_hex
 from kdn.placement.topology import Topology
 
 REGIONS = ("us-east", "eu-west", "ap-south")

@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from kdn.client import Client
-from kdn.cluster import start_network, stop_network
+from kdn.launch.cluster import start_network, stop_network
 from kdn.placement.topology import Topology
 
 REGIONS = ("us-east", "eu-west", "ap-south")

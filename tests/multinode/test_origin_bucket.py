@@ -10,10 +10,10 @@ import pytest
 import ray
 
 from kdn.client import Client
-from kdn.cluster import start_network, stop_network
-from kdn.errors import KDNError
+from kdn.launch.cluster import start_network, stop_network
+from kdn.core.errors import KDNError
 from kdn.placement.topology import Topology
-from kdn.publish import split_kv
+from kdn.client.publish import split_kv
 
 FP = "synthetic-model"
 ORIGIN_REGION = "kdn-ob"      # a region of its own, on two nodes the test adds and removes
@@ -21,7 +21,7 @@ ORIGIN_REGION = "kdn-ob"      # a region of its own, on two nodes the test adds 
 
 @pytest.fixture(scope="module")
 def s3():
-    from kdn.bench.store import LocalS3
+    from kdn.testing.s3 import LocalS3
     server = LocalS3()
     yield server
     server.stop()

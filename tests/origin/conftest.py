@@ -1,4 +1,4 @@
-"""Stand-in edges for the origin's unit tests (fixture `edges`): kdn.rpc.Actors' interface,
+"""Stand-in edges for the origin's unit tests (fixture `edges`): kdn.core.rpc.Actors' interface,
 in one process.
 
 The origin meets its edges only through `call(node, method, *args, timeout, **kw)` (and
@@ -9,7 +9,7 @@ import collections
 
 import pytest
 
-from kdn.rpc import Unreachable
+from kdn.core.rpc import Unreachable
 
 
 class Edge:
@@ -99,7 +99,7 @@ class Edges:
 
 @pytest.fixture
 def edges():
-    """Edges(names, token=None): stand-in edges answering as kdn.rpc.Actors would."""
+    """Edges(names, token=None): stand-in edges answering as kdn.core.rpc.Actors would."""
     return Edges
 
 
@@ -107,7 +107,7 @@ def edges():
 def s3():
     """A real S3-compatible server on loopback (moto's threaded server, credentials checked),
     started once per module: .url(prefix), .env (the AWS_* variables), .endpoint."""
-    from kdn.bench.store import LocalS3
+    from kdn.testing.s3 import LocalS3
     server = LocalS3()
     yield server
     server.stop()

@@ -7,7 +7,7 @@ import os
 import msgpack
 import pytest
 
-from kdn.errors import BadRequest, StoreError
+from kdn.core.errors import BadRequest, StoreError
 from kdn.origin.membership import FILE, Membership, check_members
 from kdn.placement.topology import Topology
 

@@ -1,7 +1,7 @@
 """The origin actor: publish, membership, operator controls, input checks, faults.
 
 Most tests run the actor's methods in this process against stand-in edges (the `edges`
-fixture: the origin meets edges only through kdn.rpc.Actors' interface). The last ones run
+fixture: the origin meets edges only through kdn.core.rpc.Actors' interface). The last ones run
 it as a real Ray actor on the `ray_cluster`, where arguments and errors cross Ray.
 """
 import asyncio
@@ -13,9 +13,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from kdn.chunk import Chunk
-from kdn.errors import (AccessDenied, BadRequest, ManifestError, StoreError, VersionNotFound)
-from kdn.manifest import Manifest
+from kdn.core.chunk import Chunk
+from kdn.core.errors import (AccessDenied, BadRequest, ManifestError, StoreError, VersionNotFound)
+from kdn.core.manifest import Manifest
 from kdn.origin.node import OriginNode
 from kdn.placement.ring import Edge, Ring
 from kdn.placement.topology import Topology
@@ -513,8 +513,8 @@ def test_the_origin_over_ray(ray_cluster, tmp_path, network_name):
 
     import ray
 
-    from kdn.names import NAMESPACE, edge_actor_name, origin_name
-    from kdn.rpc import Actors
+    from kdn.core.names import NAMESPACE, edge_actor_name, origin_name
+    from kdn.core.rpc import Actors
 
     opts = dict(namespace=NAMESPACE, max_concurrency=1000, num_cpus=0)
     origin = ray.remote(OriginNode).options(name=origin_name(network_name), **opts).remote(
@@ -565,7 +565,7 @@ def test_the_origin_over_ray(ray_cluster, tmp_path, network_name):
 
 
 def test_the_health_watch_outlives_a_refusal_and_reports_a_bug(tmp_path, edges):
-    from kdn.errors import StoreError
+    from kdn.core.errors import StoreError
     from kdn.origin.health import PERIOD_S
     raised = iter([StoreError("disk full"), TypeError("a bug")])
 

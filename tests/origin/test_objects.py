@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kdn.errors import StoreError
+from kdn.core.errors import StoreError
 from kdn.origin.objects import LocalObjects, S3Objects, open_objects, parse_url
 
 

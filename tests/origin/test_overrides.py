@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from kdn.errors import BadRequest
+from kdn.core.errors import BadRequest
 from kdn.origin.overrides import MAX_TTL_S, kb_id, updated
 
 REGIONS = ["us-east", "eu-west"]

@@ -5,8 +5,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from kdn.chunk import Chunk, Encoded
-from kdn.manifest import Manifest
+from kdn.core.chunk import Chunk, Encoded
+from kdn.core.manifest import Manifest
 from kdn.origin import push
 from kdn.origin.membership import Membership
 from kdn.origin.push import Pusher, outgoing

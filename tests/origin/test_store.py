@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kdn.chunk import Chunk, encode
-from kdn.errors import (ChunkNotFound, CorruptChunk, ManifestError, StoreError,
-                        VersionNotFound)
-from kdn.manifest import Manifest
-from kdn.files import TEMP_SUFFIX
+from kdn.core.chunk import Chunk, encode
+from kdn.core.errors import (ChunkNotFound, CorruptChunk, ManifestError, StoreError,
+                             VersionNotFound)
+from kdn.core.manifest import Manifest
+from kdn.core.files import TEMP_SUFFIX
 from kdn.origin.store import ChunkStore
 
 SHAPE = (2, 2, 2, 16, 8)   # layers, k/v, kv_heads, tokens, head_dim: 2 KiB of bf16
@@ -306,9 +306,9 @@ def test_a_full_disk_fails_the_write_cleanly_and_harms_nothing(tmp_path, monkeyp
     """ENOSPC in the middle of a publish: a clear StoreError, no temp file, old versions intact."""
     import errno
     import numpy as np
-    from kdn.chunk import Chunk
-    from kdn.errors import StoreError
-    from kdn.manifest import Manifest
+    from kdn.core.chunk import Chunk
+    from kdn.core.errors import StoreError
+    from kdn.core.manifest import Manifest
     import kdn.origin.store as store_mod
 
     store = store_mod.ChunkStore(tmp_path)
@@ -324,7 +324,7 @@ def test_a_full_disk_fails_the_write_cleanly_and_harms_nothing(tmp_path, monkeyp
     def no_space(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "fsync", no_space)   # kdn.files fsyncs every write
+    monkeypatch.setattr(os, "fsync", no_space)   # kdn.core.files fsyncs every write
     m2 = Manifest.build("kb", "t", "fp", [("d", list(range(1000, 1300)))])
     c2 = Chunk(m2.keys[0], m2.ns, np.ones((2, 2, 2, 256, 8), np.float32), "float32")
     with pytest.raises(StoreError, match="No space left on device"):

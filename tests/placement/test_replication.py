@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from kdn.errors import PlacementError
+from kdn.core.errors import PlacementError
 from kdn.placement import Decision, ReplicationPolicy
 
 LN2 = math.log(2)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kdn.errors import PlacementError
+from kdn.core.errors import PlacementError
 from kdn.placement import Edge, Ring, Topology
 
 SETTINGS = settings(max_examples=25, deadline=None)

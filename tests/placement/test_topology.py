@@ -1,7 +1,7 @@
 """Topology: the TOML a user writes, every way it can be wrong, and source ranking by time."""
 import pytest
 
-from kdn.errors import TopologyError
+from kdn.core.errors import TopologyError
 from kdn.placement import Edge, Topology
 
 GOOD = """

@@ -43,7 +43,7 @@ def service_processes(network: str, port: int = None) -> dict:
     HTTP proxy: the one listening on port, the service's), 'router#<pid>' and
     '<region>#<pid>' (replicas), found by the titles Ray gives its workers
     ('ray::ProxyActor', 'ray::ServeReplica:<app>:<deployment>')."""
-    from kdn.serve import app_name
+    from kdn.serve.app import app_name
     prefix = f"ray::ServeReplica:{app_name(network)}:"
     out = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
@@ -144,7 +144,7 @@ def abandoned_streams(network: str, urls: list, n: int, every: int, token: str =
     RSS in MiB before and after every `every` streams: [{"streams", label: MiB, ...}]."""
     import openai
     from urllib.parse import urlsplit
-    from kdn.model import MODEL_NAME
+    from kdn.engines.transformers.model import MODEL_NAME
     procs = service_processes(network, urlsplit(urls[0]).port)
     rows = [{"streams": 0, **rss_mib(procs)}]
     for i in range(n):
@@ -182,15 +182,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import tempfile
     import uuid
-    from kdn.env import prepare_ray_env
+    from kdn.core.env import prepare_ray_env
     prepare_ray_env()
     from kdn.client import Client
-    from kdn.cluster import LocalCluster, free_ports, init_ray, start_network
-    from kdn.knowledge import bundled_documents
-    from kdn.model import load_model
+    from kdn.launch.cluster import LocalCluster, free_ports, start_network
+    from kdn.client.join import init_ray
+    from kdn.cli.knowledge import bundled_documents
+    from kdn.engines.transformers.model import load_model
     from kdn.placement.topology import Topology
-    from kdn.publish import publish_documents
-    from kdn import serve
+    from kdn.client.publish import publish_documents
+    from kdn.serve.app import app as serve
     regions = ["us-east", "eu-west", "ap-south"]
     cluster = LocalCluster(regions, cpus=2, object_store_bytes=768 << 20)
     init_ray(cluster.address)

@@ -3,7 +3,7 @@
 A KB ('rights', the Bill of Rights: a partial last chunk) is published with SmolLM2 to a
 3-region network whose default tenant needs a read token; the service is deployed once for
 the module in two regions (us-east, eu-west), each with one replica placed by node label.
-Answers, plain and streamed, must be the tokens `kdn query --check` (kdn.worker.answer with
+Answers, plain and streamed, must be the tokens `kdn query --check` (kdn.engines.transformers.worker.answer with
 check=True: both with KDN and with a full prefill) gives for the same KB and question, and
 usage.prompt_tokens_details.cached_tokens the KB's tokens. Then every error the API promises,
 concurrent clients in both regions, and a replica killed in the middle of a stream.
@@ -21,12 +21,12 @@ import pytest
 import ray
 
 from kdn.client import Client
-from kdn.cluster import free_ports, start_network, stop_network
-from kdn.knowledge import bundled_documents
-from kdn.model import MODEL_NAME
+from kdn.launch.cluster import free_ports, start_network, stop_network
+from kdn.cli.knowledge import bundled_documents
+from kdn.engines.transformers.model import MODEL_NAME
 from kdn.placement.topology import Topology
-from kdn.publish import publish_documents
-from kdn.worker import answer
+from kdn.client.publish import publish_documents
+from kdn.engines.transformers.worker import answer
 
 REGIONS = ("us-east", "eu-west", "ap-south")
 SERVED = ["us-east", "eu-west"]
@@ -130,7 +130,7 @@ def test_a_bad_config_file_is_refused_naming_the_problem(service, tmp_path, caps
 
 
 def serve_info(service):
-    from kdn.serve import service_info
+    from kdn.serve.app import service_info
     return service_info(service["network"])
 
 
@@ -275,7 +275,7 @@ def test_concurrent_clients_in_two_regions(service, model):
 
 
 def test_the_demo_step_answers_through_the_openai_client(service, model):
-    from kdn.serve_demo import ask
+    from kdn.serve.demo import ask
     said = []
     got = ask(service["info"], "rights", QUESTION, said.append, api_key=READ, max_tokens=NEW_TOKENS)
     want = _text(model, service["expected"].baseline_tokens).strip()
@@ -306,7 +306,7 @@ def test_a_stream_left_mid_answer_stops_and_the_next_is_answered(service, model)
     """A caller that goes away after a few tokens of a long answer: the replica stops
     generating (the rest would hold up every request behind it) and answers the next."""
     from ray import serve as ray_serve
-    from kdn.serve import app_name
+    from kdn.serve.app import app_name
     handle = ray_serve.get_deployment_handle("us-east", app_name=app_name(service["network"]))
 
     def generated():
@@ -337,7 +337,7 @@ def test_the_bench_measures_this_service(service):
     the same text with the KB's tokens cached; with KDN off nothing is cached and it is slower."""
     from ray import serve as ray_serve
     from kdn.bench.serve import load, measure_ttft
-    from kdn.serve import app_name
+    from kdn.serve.app import app_name
     url = service["info"]["regions"]["eu-west"]
     handle = ray_serve.get_deployment_handle("eu-west", app_name=app_name(service["network"]))
     row = measure_ttft(url, handle, f"{MODEL_NAME}@rights", QUESTION, reps=2, max_tokens=4,
@@ -426,7 +426,7 @@ def test_oversized_bodies_are_refused_before_they_are_read_and_memory_stays_boun
 
 # RSS growth allowed per process (8 x 300 MB bodies; before the fix a router grew 1,130-1,280
 # MiB and the proxy 260 with Content-Length). Now Serve's proxy refuses them itself
-# (kdn/serve_proxy.py): with Content-Length nothing is read (measured +0.5 MiB proxy, <0.5
+# (kdn/serve/proxy.py): with Content-Length nothing is read (measured +0.5 MiB proxy, <0.5
 # per router); chunked, each body reaches the 8 MiB limit in the proxy before its 413, so
 # 8 x 8 MiB is the bound there (measured +69 MiB proxy, <13 MiB per router;
 # tests/serve/rss_hostile_bodies.py)

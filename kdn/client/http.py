@@ -1,0 +1,357 @@
+"""A worker outside Ray reads an edge over HTTP and gets the very bytes a Ray client gets.
+
+`EdgeHTTPClient(url)` speaks to one edge's HTTP server (kdn.edge.http). A fetch answer is
+kdn.core.chunk frames back to back with an exact Content-Length, so the whole body is received
+straight into ONE preallocated buffer (http.client's readinto: the socket's recv_into
+writes into it, no intermediate bytes objects), made read-only, and cut into Chunks
+without copying: each chunk's kv is a view of that buffer, verified by decode() (header
+and payload checksums) before it is returned. That is the receive path of LMCache's own
+KV server, the fastest peer measured on this machine; a bytes-per-chunk client (redis-py)
+copies every payload twice more.
+
+One keep-alive connection per client (so one client per thread); a connection the server
+closed is reopened once and the (idempotent) request repeated. The receive buffer is reused
+by the next fetch only once nothing views it any more (no live Chunk of the last answer).
+An edge bounds one answer: while it says X-KDN-More: 1, fetch() asks for the keys after
+those received, so a long prefix arrives in a few answers (X-KDN-Sources is run-length
+coded, kdn.core.wire). Only loopback edges are accepted unless allow_remote is set,
+mirroring the server, which binds 127.0.0.1 unless told otherwise.
+"""
+import collections
+import http.client
+import json
+import sys
+import time
+from dataclasses import dataclass
+from urllib.parse import urlencode, urlsplit
+
+import msgpack
+import numpy as np
+
+from kdn.core.chunk import codecs, decode, frame_size, header_bytes, read_header
+from kdn.core.codecs import LOSSY
+from kdn.core.wire import unpack_sources
+from kdn.core.errors import AccessDenied, BadRequest, KDNError, ManifestError, NetworkError
+from kdn.core.keys import KEY_BYTES, as_token_array, namespace_digest
+from kdn.core.env import is_loopback
+from kdn.core.manifest import Manifest, best_prefix
+from kdn.client.reader import Fetched
+
+MANIFEST_TTL_S = 5.0
+MAX_RESPONSE_BYTES = 64 << 30
+RECV_STEP = 1 << 20         # bytes received between looks for completed frames
+
+
+@dataclass
+class _Page:
+    """One fetch answer: an edge bounds its size and says whether more remains."""
+    chunks: list
+    sources: list
+    codecs: list
+    exact: list
+    wire_bytes: int
+    edge: str
+    more: bool
+
+
+class EdgeHTTPClient:
+    """lookup / fetch / kbs / health against one edge's HTTP server."""
+
+    def __init__(self, base_url: str, timeout_s: float = 30.0, allow_remote: bool = False,
+                 max_response_bytes: int = MAX_RESPONSE_BYTES, reuse_buffer: bool = True,
+                 token: str = None):
+        u = urlsplit(base_url)
+        if u.scheme != "http" or not u.hostname or u.port is None:
+            raise BadRequest(f"an edge URL is http://HOST:PORT, got {base_url!r}")
+        if not allow_remote and not is_loopback(u.hostname):
+            raise BadRequest(f"edge URL {base_url!r} is not on loopback; pass allow_remote=True "
+                             f"to read an edge on another machine")
+        self.url = base_url.rstrip("/")
+        self.token = token          # sent as `Authorization: Bearer` (a tenant's read token)
+        self.host, self.port = u.hostname, u.port
+        self.timeout_s = float(timeout_s)
+        self.max_response_bytes = int(max_response_bytes)
+        self._conn = None
+        self.reuse_buffer = reuse_buffer
+        self._buffer = None         # the last receive buffer, reused once nothing views it
+        self._manifests = {}        # (tenant, fingerprint) -> (fetched at, [Manifest])
+        # requests, reconnects, fetches, chunks, bytes (received), kv_bytes, buffers_reused
+        self.counters = collections.Counter()
+        self.codecs = collections.Counter()      # codec -> frames received in it
+
+    def stats(self) -> dict:
+        return {**self.counters, "codecs": dict(self.codecs)}
+
+    # --- plumbing -----------------------------------------------------------------------
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _request(self, method: str, path: str, body: bytes = None, content_type: str = None):
+        """(response, connection) with the status line and headers read, the body not yet."""
+        headers = {"Content-Type": content_type} if content_type else {}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        for attempt in (0, 1):
+            if self._conn is None:
+                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+            try:
+                self._conn.request(method, path, body=body, headers=headers)
+                resp = self._conn.getresponse()
+                self.counters["requests"] += 1
+                return resp
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
+                    http.client.CannotSendRequest, http.client.BadStatusLine) as e:
+                self.close()
+                if attempt:
+                    raise NetworkError(f"edge {self.url} closed the connection on "
+                                       f"{method} {path}: {e}") from None
+                self.counters["reconnects"] += 1
+            except OSError as e:
+                self.close()
+                raise NetworkError(f"edge {self.url} unreachable on {method} {path}: {e}") from None
+
+    def _refuse(self, resp, method, path):
+        raw = resp.read()
+        try:
+            message = json.loads(raw)["message"]
+        except (ValueError, KeyError, TypeError):
+            message = raw[:200].decode("utf-8", "replace")
+        if resp.status in (401, 403):
+            raise AccessDenied(f"edge {self.url} refused {method} {path}: {resp.status} {message}")
+        if 400 <= resp.status < 500:
+            raise BadRequest(f"edge {self.url} refused {method} {path}: {resp.status} {message}")
+        raise NetworkError(f"edge {self.url} failed {method} {path}: {resp.status} {message}")
+
+    def _json(self, method, path, body=None, content_type=None):
+        resp = self._request(method, path, body, content_type)
+        if resp.status != 200:
+            self._refuse(resp, method, path)
+        try:
+            return json.loads(resp.read())
+        except ValueError as e:
+            raise NetworkError(f"edge {self.url} answered {path} with invalid JSON: {e}") from None
+
+    @staticmethod
+    def _keys_body(keys, ns, region=None, codec=None) -> bytes:
+        ks = [bytes(k) for k in keys]
+        if not isinstance(ns, (bytes, bytearray)) or len(ns) != KEY_BYTES \
+                or any(len(k) != KEY_BYTES for k in ks):
+            raise BadRequest(f"ns and every key must be {KEY_BYTES} bytes")
+        body = {"ns": bytes(ns), "keys": ks}
+        if region is not None:
+            body["region"] = region
+        if codec is not None:
+            if codec != "auto" and codec not in codecs():
+                raise BadRequest(f"codec {codec!r} is not 'auto' or one of {', '.join(codecs())}")
+            body["codec"] = codec
+        return msgpack.packb(body, use_bin_type=True)
+
+    # --- endpoints ----------------------------------------------------------------------
+    def health(self) -> dict:
+        return self._json("GET", "/health")
+
+    def metrics(self) -> str:
+        resp = self._request("GET", "/metrics")
+        if resp.status != 200:
+            self._refuse(resp, "GET", "/metrics")
+        return resp.read().decode("utf-8")
+
+    def kbs(self, tenant: str, fingerprint: str, refresh: bool = True) -> list:
+        """Committed KB manifests of the namespace (tenant, fingerprint), as Manifests."""
+        at, ms = self._manifests.get((tenant, fingerprint), (0.0, None))
+        if refresh or ms is None or time.monotonic() - at > MANIFEST_TTL_S:
+            got = self._json("GET", "/v1/kbs?" + urlencode({"tenant": tenant,
+                                                             "fingerprint": fingerprint}))
+            ms = []
+            for d in got["manifests"]:
+                d = dict(d, keys=[bytes.fromhex(k) for k in d["keys"]],
+                         tokens=bytes.fromhex(d.get("tokens") or ""))
+                ms.append(Manifest.from_dict(d))
+            self._manifests[(tenant, fingerprint)] = (time.monotonic(), ms)
+        return ms
+
+    def lookup(self, keys, ns: bytes) -> dict:
+        """{"chunks": n, ...}: how long a prefix of keys the network holds; no KV moves."""
+        return self._json("POST", "/v1/lookup", self._keys_body(keys, ns), "application/msgpack")
+
+    def fetch(self, keys, ns: bytes, region: str = None, codec: str = None) -> Fetched:
+        """The longest held prefix of keys as verified Chunks (views of the received buffers).
+
+        codec: how the edge should encode the frames (a kdn.core.codecs name, or "auto": what
+        pays on the link to `region`); None asks for raw. Compressed frames decode into
+        fresh arrays; raw ones stay views of the receive buffer. An edge bounds one answer
+        (X-KDN-More: 1); the rest is asked for with the keys after those received.
+        """
+        t0 = time.perf_counter()
+        keys = [bytes(k) for k in keys]
+        pages = [self._fetch_page(keys, ns, region, codec)]
+        got = len(pages[0].chunks)
+        while pages[-1].more and pages[-1].chunks and got < len(keys):
+            pages.append(self._fetch_page(keys[got:], ns, region, codec))
+            got += len(pages[-1].chunks)
+        chunks = [c for p in pages for c in p.chunks]
+        used = collections.Counter(c for p in pages for c in p.codecs)
+        self.counters["fetches"] += 1
+        self.counters["chunks"] += len(chunks)
+        self.counters["kv_bytes"] += sum(c.nbytes for c in chunks)
+        self.codecs.update(used)
+        return Fetched(keys=keys[:len(chunks)], chunks=chunks,
+                       sources=[s for p in pages for s in p.sources],
+                       tokens=sum(c.tokens for c in chunks), nbytes=sum(c.nbytes for c in chunks),
+                       edge=pages[-1].edge, seconds=time.perf_counter() - t0,
+                       exact=all(e for p in pages for e in p.exact),
+                       wire_bytes=sum(p.wire_bytes for p in pages), codecs=dict(used))
+
+    def _fetch_page(self, keys, ns, region, codec) -> "_Page":
+        """One fetch answer: its verified chunks and what its headers say."""
+        resp = self._request("POST", "/v1/fetch", self._keys_body(keys, ns, region, codec),
+                             "application/msgpack")
+        if resp.status != 200:
+            self._refuse(resp, "POST", "/v1/fetch")
+        buf, (chunks, used, exact) = self._receive(resp, keys, ns)
+        try:
+            sources = unpack_sources(resp.getheader("X-KDN-Sources"), len(keys))
+        except BadRequest as e:
+            raise NetworkError(f"edge {self.url}: {e}") from None
+        if len(sources) != len(chunks) or resp.getheader("X-KDN-Chunks") != str(len(chunks)):
+            raise NetworkError(f"edge {self.url} sent {len(chunks)} frames but headers say "
+                               f"{resp.getheader('X-KDN-Chunks')} chunks from {len(sources)} sources")
+        self.counters["bytes"] += buf.nbytes
+        return _Page(chunks, sources, used, exact, buf.nbytes, resp.getheader("X-KDN-Edge"),
+                     resp.getheader("X-KDN-More") == "1")
+
+    def _receive(self, resp, keys, ns) -> tuple:
+        """(buffer, (chunks, codecs, exact)): the whole body of resp received into one buffer
+        (its exact Content-Length), each frame verified as soon as its last byte is in.
+
+        The body is read RECV_STEP bytes at a time straight into the buffer (readinto: the
+        socket's recv_into writes there); between reads, the frames completed so far are
+        decoded and their checksums checked while the kernel goes on receiving the rest,
+        so verifying overlaps the transfer and reads bytes still in the CPU's cache.
+        """
+        n = resp.length
+        if n is None:
+            resp.close()
+            self.close()
+            raise NetworkError(f"edge {self.url} answered a fetch without Content-Length")
+        if n > self.max_response_bytes:
+            self.close()
+            raise NetworkError(f"edge {self.url} answers {n} bytes, over max_response_bytes "
+                               f"{self.max_response_bytes}")
+        buf = self._receive_buffer(n)
+        view = memoryview(buf)
+        frames = _Frames(self.url, view.toreadonly(), keys, ns)   # chunks are read-only views
+        got = 0
+        try:
+            while got < n:
+                r = resp.readinto(view[got:min(n, got + RECV_STEP)])
+                if not r:
+                    break
+                got += r
+                frames.take(got)
+        except OSError as e:
+            self.close()
+            raise NetworkError(f"edge {self.url}: fetch body broken after {got} of {n} bytes: "
+                               f"{e}") from None
+        except KDNError:
+            self.close()            # the rest of a bad body must not be read as the next answer
+            raise
+        if got != n:
+            self.close()
+            raise NetworkError(f"edge {self.url}: fetch body ended after {got} of {n} bytes")
+        buf.flags.writeable = False
+        return buf, frames.done()
+
+    def _receive_buffer(self, n: int) -> np.ndarray:
+        """A writable n-byte buffer: the previous one if no chunk (or anything) still views it.
+
+        A fresh 64 MiB buffer costs its page faults on every fetch, about as long as the
+        copy out of the socket itself; a buffer nobody references any more can be written
+        again safely (every view of it, a Chunk's kv included, holds a reference to it).
+        """
+        b = self._buffer
+        # 3 references: self._buffer, b, getrefcount's argument; any more is a live view.
+        if self.reuse_buffer and b is not None and b.nbytes >= n and sys.getrefcount(b) <= 3:
+            b.flags.writeable = True
+            self.counters["buffers_reused"] += 1
+            return b[:n]
+        b = np.empty(max(n, 1), np.uint8)
+        if self.reuse_buffer:
+            self._buffer = b
+        return b[:n]
+
+    def fetch_tokens(self, tokens, tenant: str, fingerprint: str, kb: str = None,
+                     region: str = None, codec: str = None) -> Fetched:
+        """The longest cached prefix of a prompt's tokens (keys computed here, as a Ray client does).
+
+        The prompt is keyed with the chunking of the KB it starts with (its n_tokens boundary
+        from kbs(), cached a few seconds), so a KB's trailing partial chunk is found too.
+        """
+        t0 = time.perf_counter()
+        ns = namespace_digest(tenant, fingerprint)
+        manifests = self.kbs(tenant, fingerprint, refresh=False)
+        keys, m = best_prefix(tokens, ns, manifests, kb)
+        if kb is not None and m is None:
+            manifests = self.kbs(tenant, fingerprint, refresh=True)
+            if not any(x.name == kb for x in manifests):
+                raise ManifestError(f"no knowledge base {kb!r} for tenant {tenant!r} and "
+                                    f"fingerprint {fingerprint!r} at edge {self.url}")
+            keys, m = best_prefix(tokens, ns, manifests, kb)
+        f = self.fetch(keys, ns, region, codec) if keys else \
+            Fetched([], [], [], 0, 0, None, 0.0)
+        n = len(f.chunks)
+        total = len(as_token_array(tokens))
+        f.tokens = m.n_tokens if m is not None and n == len(m.keys) else min(f.tokens, total)
+        f.kb = m
+        f.seconds = time.perf_counter() - t0
+        return f
+
+
+class _Frames:
+    """The frames of one fetch body, decoded and verified as they complete."""
+
+    def __init__(self, url: str, mv: memoryview, keys, ns: bytes):
+        self.url, self.mv, self.keys, self.ns = url, mv, keys, ns
+        self.chunks, self.used, self.exact = [], [], []
+        self.off = 0                # where the next frame starts
+        self.header = None          # (header, payload offset) of the frame at off, once read
+
+    def take(self, got: int) -> None:
+        """Decode every frame that ends within the first `got` bytes received."""
+        while self.off < got:
+            if self.header is None:
+                need = header_bytes(self.mv[self.off:got])
+                if need is None or self.off + need > got:
+                    return          # its header is not all in yet
+                self.header = read_header(self.mv[self.off:got])
+            header, poff = self.header
+            end = self.off + frame_size(header, poff)
+            if end > len(self.mv):
+                raise NetworkError(f"edge {self.url}: frame {len(self.chunks)} ends at byte {end}, "
+                                   f"after the {len(self.mv)}-byte body")
+            if end > got:
+                return
+            chunk = decode(self.mv[self.off:end])        # verifies the payload checksum too
+            i = len(self.chunks)
+            if i >= len(self.keys) or chunk.key != self.keys[i] or chunk.ns != self.ns:
+                raise NetworkError(f"edge {self.url} sent frame {i} for key {chunk.key.hex()}, "
+                                   f"not the key asked for")
+            self.chunks.append(chunk)
+            self.used.append(header["codec"])
+            self.exact.append(header["codec"] not in LOSSY or header["nbytes"] == header["raw"])
+            self.off, self.header = end, None
+
+    def done(self) -> tuple:
+        """(chunks, codecs, exact flags) once the whole body is in."""
+        if self.off != len(self.mv):
+            raise NetworkError(f"edge {self.url}: the body ends inside frame {len(self.chunks)} "
+                               f"(byte {self.off} of {len(self.mv)})")
+        return self.chunks, self.used, self.exact

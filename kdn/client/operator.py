@@ -1,0 +1,107 @@
+"""Operator calls: placement overrides, warming, deleting versions, growing and shrinking the
+ring, and the status of every node.
+
+They need the network's admin token but no model: an override names a tenant's KB, not a
+namespace, so `kdn status` and `kdn pin` work from a process that never loads a model. The
+origin decides and applies every override (it holds the membership and the manifests);
+these calls only carry them there, retried while the origin restarts (kdn.client.view). Status
+asks every node at once and reports one that does not answer in time as down.
+"""
+import time
+
+from kdn.core.errors import BadRequest, NetworkError
+from kdn.placement.topology import Topology
+from kdn.core.rpc import Unreachable
+
+OVERRIDE_TIMEOUT_S = 120.0    # an override moves chunks between edges before it answers
+RING_TIMEOUT_S = 300.0        # adding or removing an edge re-homes its keys first
+EDGE_START_TIMEOUT_S = 60.0
+STATUS_TIMEOUT_S = 3.0
+
+
+class Operator:
+    """Operator controls of one network, for KBs of `tenant`, through `view` (kdn.client.view)."""
+
+    def __init__(self, view, tenant: str):
+        self.view, self.tenant = view, tenant
+
+    # --- overrides -------------------------------------------------------------------------
+    def pin(self, kb: str, regions) -> dict:
+        """Keep a copy of every chunk of `kb` in each of `regions` (besides its ring owners)."""
+        if not isinstance(regions, (list, tuple)) or not all(isinstance(r, str) for r in regions):
+            raise BadRequest(f"pin takes a list of region names, got {regions!r:.80}")
+        return self._override(kb, pin_regions=list(regions))
+
+    def set_replicas(self, kb: str, n: int) -> dict:
+        return self._override(kb, replicas=n)
+
+    def set_ttl(self, kb: str, seconds: float) -> dict:
+        """Chunks of `kb` expire from edges `seconds` after they arrive (those held now too)."""
+        return self._override(kb, ttl_s=seconds)
+
+    def _override(self, kb: str, **setting) -> dict:
+        return self.view.origin("set_override", self.tenant, kb, timeout=OVERRIDE_TIMEOUT_S, **setting)
+
+    def warm(self, kb: str, region: str) -> dict:
+        """Copy every chunk of `kb` to the edges of `region` now (before its readers ask)."""
+        return self.view.origin("warm", self.tenant, kb, region, timeout=OVERRIDE_TIMEOUT_S)
+
+    def delete(self, ns: bytes, kb: str, version: int) -> dict:
+        """Retire one version of a KB of namespace `ns` (its chunks are collected later)."""
+        return self.view.origin("delete_version", ns, kb, version)
+
+    # --- ring ----------------------------------------------------------------------------
+    def add_edge(self, name: str, region: str, capacity_bytes: int = 2 << 30, **edge_options) -> dict:
+        """Start an edge actor in `region` and add it to the ring (keys move to it)."""
+        from kdn.launch.cluster import start_edge
+        topo = Topology.from_dict(self.view.membership["topology"])
+        edge = topo.add_edge(name, region, int(capacity_bytes))
+        auth = self.view.origin("auth_config")
+        # detached: the edge belongs to the network, not to this process (stop_network kills it)
+        start_edge(self.view.network, edge, topo, capacity_bytes=capacity_bytes, detached=True,
+                   auth=auth, replicas=self.view.membership.get("replicas", 2), **edge_options)
+        self.view.edge_at(name, "ping", timeout=EDGE_START_TIMEOUT_S)
+        m = self.view.origin("add_edge", name, region, edge.weight, timeout=RING_TIMEOUT_S)
+        self.view.refresh()
+        return m
+
+    def remove_edge(self, name: str, kill: bool = True) -> dict:
+        """Take an edge out of the ring (its keys re-homed first), then stop it."""
+        import ray
+        m = self.view.origin("remove_edge", name, timeout=RING_TIMEOUT_S)
+        if kill:
+            try:
+                ray.kill(self.view.actors.handle(name), no_restart=True)
+            except Unreachable:
+                pass                 # no actor by that name: already gone
+        self.view.actors.forget(name)
+        self.view.refresh()
+        return m
+
+    # --- status --------------------------------------------------------------------------
+    def status(self, timeout_s: float = STATUS_TIMEOUT_S) -> dict:
+        """Origin and every edge's stats; a node that does not answer in time is reported down."""
+        out = {"network": self.view.network, "region": self.view.region, "edges": []}
+        asked = {e.name: self._ask_stats(e.name) for e in self.view.ring.edges}
+        try:
+            out["origin"] = self.view.origin("stats", timeout=timeout_s)
+        except NetworkError as e:
+            out["origin"] = {"unreachable": str(e)}
+        deadline = time.monotonic() + timeout_s
+        for e in self.view.ring.edges:
+            st = None
+            if asked[e.name] is not None:
+                try:
+                    st = self.view.actors.get_sync(e.name, asked[e.name],
+                                                   timeout=max(0.1, deadline - time.monotonic()))
+                except Unreachable:
+                    pass
+            out["edges"].append(st or {"name": e.name, "region": e.region, "down": True})
+        return out
+
+    def _ask_stats(self, edge: str):
+        """An edge's stats call in flight (all edges are asked at once), None if it has no actor."""
+        try:
+            return self.view.actors.handle(edge).stats.remote(token=self.view.admin_token)
+        except Unreachable:
+            return None

@@ -1,0 +1,148 @@
+"""A client process's view of one KDN network: who the members are, and how to reach them.
+
+The view reads the membership and topology once (from the origin, else from any edge that
+answers) and from then on routes every call itself. A read goes to the nearest live edge
+from the client's region; a call that fails over (kdn.core.rpc.Unreachable: the edge died, is
+restarting, is missing or too slow) moves to the next edge at once, so a dead edge costs
+one timeout, never Ray's ~15 s node-death detection, and is tried last for SUSPECT_S. An
+origin call is retried until its deadline while the origin restarts (Ray brings it back
+from disk; every origin method is idempotent). Any other error raises: a KDNError the
+remote raised on purpose as itself, anything else as the bug it is.
+"""
+import time
+
+from kdn.core.errors import BadRequest, NetworkError, NoLiveEdge
+from kdn.core.names import NAMESPACE, edge_actor_name
+from kdn.placement.ring import Edge, Ring
+from kdn.placement.topology import Topology
+from kdn.core.rpc import Actors, Unreachable
+
+CALL_TIMEOUT_S = 5.0          # a control call
+SUSPECT_S = 10.0              # a failed edge is tried last for this long
+RETRY_PAUSE_S = 0.2           # between tries of a restarting origin
+EDGE_MEMBERSHIP_TIMEOUT_S = 2.0
+
+
+def node_region() -> "str | None":
+    """The `region` label of the Ray node this process runs on (None when unlabelled)."""
+    import ray
+    labels = ray.get_runtime_context().get_node_labels() or {}
+    return labels.get("region")
+
+
+def node_id() -> str:
+    """The Ray node this process runs on (an edge sends raw, zero-copy, to its own node)."""
+    import ray
+    return ray.get_runtime_context().get_node_id()
+
+
+class NetworkView:
+    """Membership, topology and ring of network `network` seen from `region`, and calls
+    routed by them.
+
+    region: where this process is (default its Ray node's `region` label, else the origin's
+    region). admin_token: what origin calls carry (publishing and operator controls); an
+    edge call carries the token its caller names (a tenant's read token for reads).
+    """
+
+    def __init__(self, network: str, region: str = None, admin_token: str = None):
+        self.network = network
+        self.admin_token = admin_token
+        self.actors = Actors(network)
+        self._suspect = {}           # edge -> monotonic time until which it is tried last
+        self.membership = self.topology = self.ring = None
+        self.refresh()
+        self.node_id = node_id()
+        self.region = region or node_region() or self.topology.origin_region
+        if self.region not in self.topology.regions:
+            raise BadRequest(f"region {self.region!r} is not in the network's topology "
+                             f"(regions: {', '.join(self.topology.regions)})")
+
+    # --- membership ----------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Re-read membership and topology (from the origin, else the newest an edge has)."""
+        try:
+            m = self.origin("membership")
+        except Unreachable:
+            m = self._membership_from_edges()
+        self.membership = m
+        self.topology = Topology.from_dict(m["topology"])
+        self.ring = Ring([Edge(*e) for e in m["members"]])
+
+    def _membership_from_edges(self) -> dict:
+        """The newest membership any live edge holds (the origin is down or restarting)."""
+        import ray
+        prefix = edge_actor_name(self.network, "")
+        names = [a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == NAMESPACE and a["name"].startswith(prefix)]
+        best = None
+        for name in names:
+            try:
+                got = self.actors.call_sync(name, "membership", timeout=EDGE_MEMBERSHIP_TIMEOUT_S)
+            except Unreachable:
+                continue                 # dead or restarting edge: ask the next
+            if best is None or got["version"] > best["version"]:
+                best = got
+        if best is None:
+            raise NetworkError(f"network {self.network!r}: neither the origin nor any edge answers")
+        return best
+
+    def follow(self, ring_version: int) -> None:
+        """An edge answered with a newer ring than ours: re-read membership (best effort:
+        the answer in hand stays good if nobody answers now)."""
+        if ring_version > self.membership.get("version", 0):
+            try:
+                self.refresh()
+            except NetworkError:
+                pass
+
+    # --- calls ---------------------------------------------------------------------------
+    def origin(self, method: str, *args, timeout: float = CALL_TIMEOUT_S, **kw):
+        """The origin's answer, with the admin token. While the origin is unreachable (it
+        restarts from disk) the call is retried until `timeout`; then Unreachable."""
+        kw.setdefault("token", self.admin_token)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.actors.call_sync(None, method, *args, timeout=max(0.1, left), **kw)
+            except Unreachable as e:
+                if time.monotonic() + RETRY_PAUSE_S >= deadline:
+                    raise Unreachable(f"the origin of network {self.network!r} did not answer "
+                                      f"{method} within {timeout:.0f} s ({e})") from None
+            time.sleep(RETRY_PAUSE_S)
+
+    def ranked_edges(self) -> list:
+        """Edge names nearest first from this process's region; recently failed ones last."""
+        now = time.monotonic()
+        cands = [(e.name, e.region) for e in self.ring.edges]
+        ranked = self.topology.rank_sources(self.region, cands, 1 << 20)
+        return sorted(ranked, key=lambda n: self._suspect.get(n, 0) > now)
+
+    def edge(self, method: str, *args, timeout: float = CALL_TIMEOUT_S,
+             resolve_refs: bool = False, **kw) -> tuple:
+        """(reply, edge, [edges that failed]) from the nearest live edge that answers.
+
+        With resolve_refs, the reply's object references ("refs") are fetched into
+        reply["chunks"] inside the same failover: an edge that dies between answering and
+        the transfer costs a retry on the next edge.
+        """
+        failed = []
+        for edge in self.ranked_edges():
+            t0 = time.monotonic()
+            try:
+                reply = self.actors.call_sync(edge, method, *args, timeout=timeout, **kw)
+                if resolve_refs:
+                    left = max(0.5, timeout - (time.monotonic() - t0))
+                    refs = reply.pop("refs")
+                    reply["chunks"] = self.actors.get_sync(edge, refs, timeout=left) if refs else []
+                return reply, edge, failed
+            except Unreachable:
+                failed.append(edge)
+                self._suspect[edge] = time.monotonic() + SUSPECT_S
+        raise NoLiveEdge(f"no edge of network {self.network!r} answered {method} "
+                         f"(tried {', '.join(failed) or 'none'})")
+
+    def edge_at(self, edge: str, method: str, *args, timeout: float = CALL_TIMEOUT_S, **kw):
+        """One named edge's answer (Unreachable if it does not give one)."""
+        return self.actors.call_sync(edge, method, *args, timeout=timeout, **kw)

@@ -1,0 +1,51 @@
+"""Process environment KDN needs before Ray starts: loopback only, no usage stats, token auth.
+
+Decided once here and used by the CLI, the demo, the tests and CI alike:
+- RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps every node on 127.0.0.1 (no traffic off loopback);
+- RAY_USAGE_STATS_ENABLED=0: nothing is reported anywhere;
+- RAY_AUTH_MODE=token: Ray's token auth on (token in ~/.ray/auth_token, made if missing);
+- RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH: Serve's proxy bounds request bodies (kdn/serve/proxy.py).
+"""
+import ipaddress
+import os
+import sys
+from pathlib import Path
+
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "token",
+    "RAY_DEDUP_LOGS": "0",
+    # Serve's HTTP proxy refuses oversized request bodies before reading them (kdn/serve/proxy.py)
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "kdn.serve.proxy:middlewares",
+}
+
+
+def prepare_ray_env() -> None:
+    """Set KDN's Ray environment in this process (and so in every process it starts)."""
+    for k, v in RAY_ENV.items():
+        os.environ.setdefault(k, v)
+    if "ray" in sys.modules:
+        # ray was imported first: its constants were read from the environment before we
+        # set it. Re-read the ones KDN depends on, or a driver resolves a non-loopback node
+        # address and hangs (ENABLE_RAY_CLUSTER), and re-read the auth mode.
+        from ray._private import ray_constants
+        from ray._raylet import Config
+        ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(
+            ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, not ray_constants.IS_WINDOWS_OR_OSX)
+        Config.initialize("")
+
+
+def kdn_home() -> Path:
+    """Where KDN keeps state by default: $KDN_HOME, else ~/.cache/kdn."""
+    return Path(os.environ.get("KDN_HOME") or Path.home() / ".cache" / "kdn")
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and 127.0.0.0/8 / ::1: where KDN serves and connects by default."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

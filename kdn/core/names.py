@@ -1,0 +1,51 @@
+"""Names every process agrees on: the Ray namespace, actor names, where a chunk came from.
+
+The launcher (kdn.launch.cluster), the nodes (kdn.edge, kdn.origin) and the client all find each
+other by these names, so they live here in the vocabulary rather than in any one of them:
+the launcher imports the nodes, never the reverse.
+"""
+import re
+
+NAMESPACE = "kdn"                # the Ray namespace every KDN actor is named in
+MAX_NAME = 64
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+# Where a served chunk came from (Fetched.sources, X-KDN-Sources): one of these, or PEER + edge.
+LOCAL, ORIGIN, PEER = "local", "origin", "peer:"
+
+
+def check_node_name(value, what: str = "edge name") -> str:
+    """A network or edge name: letters, digits, '.', '_', '-' (it is part of actor names and
+    of source strings, so ':' and '/' are refused)."""
+    from kdn.core.errors import BadRequest
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME or not _NAME.fullmatch(value):
+        raise BadRequest(f"{what} must be 1-{MAX_NAME} letters, digits, '.', '_' or '-' "
+                         f"(starting with a letter or digit), got {value!r:.80}")
+    return value
+
+
+def origin_name(network: str) -> str:
+    return f"{network}:origin"
+
+
+def edge_actor_name(network: str, edge: str) -> str:
+    return f"{network}:edge:{edge}"
+
+
+def actor_name(network: str, node) -> str:
+    """The Ray actor name of node in network: an edge's name, or None for the origin."""
+    return origin_name(network) if node is None else edge_actor_name(network, node)
+
+
+def peer_source(edge: str) -> str:
+    return PEER + edge
+
+
+def source_kind(source: str) -> str:
+    """local, peer or origin."""
+    return "peer" if source.startswith(PEER) else source
+
+
+def source_holder(source: str, edge: str) -> str:
+    """The edge holding the copy a fetch through `edge` served from `source`."""
+    return source[len(PEER):] if source.startswith(PEER) else edge

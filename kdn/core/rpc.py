@@ -1,0 +1,117 @@
+"""Calls between KDN's actors and from clients: one helper that fails over, and only then.
+
+A call fails over — the caller tries the next owner, skips an edge for a while, retries the
+origin — on exactly these: the actor is dead or restarting (Ray's RayActorError, with its
+ActorDiedError and ActorUnavailableError), no actor has that name (never started, or
+killed), it did not answer in time (GetTimeoutError, asyncio's TimeoutError), or an object
+it handed out was lost with its node (ObjectLostError). Each becomes `Unreachable`.
+
+Everything else raises to the caller. An error the remote raised on purpose (a KDNError:
+AccessDenied, BadRequest, ...) arrives as that error, without Ray's remote traceback; any
+other remote error (a TypeError from a wrong signature) arrives as Ray raised it, because
+it is a bug. A broad `except` here once hid an edge's membership refresh that never ran:
+the origin's `membership()` did not take the `token=` every call passes.
+
+Every KDN actor method takes `token=` (the admin token for node-to-node calls, a tenant's
+read token for reads); `Actors` passes the one it holds unless a call names another.
+"""
+import asyncio
+
+from kdn.core.errors import KDNError, NetworkError
+from kdn.core.names import NAMESPACE, actor_name
+
+
+class Unreachable(NetworkError):
+    """An actor is dead, restarting, missing or too slow: the caller fails over."""
+
+
+def failover_errors() -> tuple:
+    """The exceptions a call fails over on (Ray imported lazily: pure modules import this)."""
+    import ray.exceptions as rex
+    return (rex.RayActorError, rex.GetTimeoutError, rex.ObjectLostError, TimeoutError,
+            Unreachable)
+
+
+def remote_error(e: BaseException) -> BaseException:
+    """The KDNError a remote method raised, as itself (not wrapped in Ray's RayTaskError
+    with a remote traceback full of terminal escapes); any other error unchanged."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, KDNError) else e
+
+
+class Actors:
+    """Handles of one network's named actors, by node: an edge's name, or None for the origin.
+
+    A handle is looked up once and cached; a call that fails over forgets it, so the next
+    call looks the name up again (a restarted actor answers under the same name).
+    """
+
+    def __init__(self, network: str, token: str = None):
+        self.network, self.token = network, token
+        self._handles = {}
+
+    def label(self, node) -> str:
+        return "the origin" if node is None else f"edge {node!r}"
+
+    def handle(self, node):
+        h = self._handles.get(node)
+        if h is None:
+            import ray
+            name = actor_name(self.network, node)
+            try:
+                h = ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                raise Unreachable(f"no actor {name!r} in Ray namespace {NAMESPACE!r}: is "
+                                  f"network {self.network!r} up?") from None
+            self._handles[node] = h
+        return h
+
+    def forget(self, node) -> None:
+        self._handles.pop(node, None)
+
+    def _remote(self, node, method, args, kw):
+        kw.setdefault("token", self.token)
+        return getattr(self.handle(node), method).remote(*args, **kw)
+
+    def _failed(self, node, method, e) -> Unreachable:
+        self.forget(node)
+        if isinstance(e, Unreachable):
+            return e
+        return Unreachable(f"{self.label(node)} of network {self.network!r} did not answer "
+                           f"{method}: {type(e).__name__}")
+
+    async def call(self, node, method, /, *args, timeout: float, **kw):
+        """The answer of node's method; Unreachable when the call fails over."""
+        import ray.exceptions as rex
+        try:
+            return await asyncio.wait_for(self._remote(node, method, args, kw), timeout)
+        except rex.RayTaskError as e:
+            raise remote_error(e) from None
+        except failover_errors() as e:
+            raise self._failed(node, method, e) from None
+
+    async def try_call(self, node, method, /, *args, timeout: float, **kw):
+        """call(), but None when it fails over (the caller moves to its next source)."""
+        try:
+            return await self.call(node, method, *args, timeout=timeout, **kw)
+        except Unreachable:
+            return None
+
+    def call_sync(self, node, method, /, *args, timeout: float, **kw):
+        """call() from a plain (non-async) caller: a driver, a worker, the CLI."""
+        import ray
+        import ray.exceptions as rex
+        try:
+            return ray.get(self._remote(node, method, args, kw), timeout=timeout)
+        except rex.RayTaskError as e:
+            raise remote_error(e) from None
+        except failover_errors() as e:
+            raise self._failed(node, method, e) from None
+
+    def get_sync(self, node, refs, timeout: float):
+        """ray.get of object refs node handed out, failing over like a call."""
+        import ray
+        try:
+            return ray.get(refs, timeout=timeout)
+        except failover_errors() as e:
+            raise self._failed(node, "a transfer", e) from None

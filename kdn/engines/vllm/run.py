@@ -1,0 +1,257 @@
+"""Running vLLM with KDN: an engine wired to a network, publishing through it, answering with it.
+
+- `kv_transfer_config(role, **settings)`: the dict vLLM takes to load KDNConnector.
+- `start_engine(settings)`: SmolLM2 (the folder kdn.engines.transformers.model converted) in vLLM with the
+  connector, run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): scheduler, worker and
+  connector then share this process's Ray connection and node, so a worker placed in a
+  region reads from that region's edge, and nothing needs an `if __name__ == "__main__"`.
+- `publish_with_vllm(llm, kb, documents)`: vLLM prefills the knowledge (the system turn
+  kdn.engines.transformers.model renders, so prompts built by either engine start with the same tokens) and its
+  connector publishes the KV vLLM computed (kv_both); the origin's receipt comes back.
+- `query_with_vllm(llm, client, kb, question, check=True)`: the greedy answer with KDN and,
+  with check, vLLM's own full prefill of the same prompt (its prefix cache skipped), and
+  whether the tokens are identical.
+- `run_publish(kb, documents, ...)` and `run_query(kb, question, ...)`: the same from a
+  command line: join the network, start an engine, do it (`kdn publish/query --engine vllm`).
+- `EngineWorker`: an engine in a Ray actor, to place it in a region; `demo_answers` runs one
+  beside the demo's transformers workers.
+"""
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+
+from kdn.core.errors import KDNError, ModelError
+from kdn.client.publish import check_documents, knowledge_documents
+
+MAX_MODEL_LEN = 8192
+KV_CACHE_BYTES = 1 << 30      # ~22k tokens of SmolLM2 KV in fp32: several KBs at once
+ENGINE_DEFAULTS = dict(dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+                       kv_cache_memory_bytes=KV_CACHE_BYTES, disable_log_stats=False,
+                       enable_prefix_caching=True)
+
+
+def kv_transfer_config(role: str = "kv_consumer", **settings) -> dict:
+    """vLLM's kv_transfer_config for KDNConnector; settings: kdn.engines.vllm.Settings."""
+    if role not in ("kv_consumer", "kv_both", "kv_producer"):
+        raise ModelError(f"role must be kv_consumer, kv_both or kv_producer, got {role!r}")
+    return {"kv_connector": "KDNConnector", "kv_connector_module_path": "kdn.engines.vllm",
+            "kv_role": role, "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {k: v for k, v in settings.items() if v is not None}}
+
+
+def model_folder() -> str:
+    """The SmolLM2 folder kdn.engines.transformers.model converted (converting it on first use)."""
+    from kdn.engines.transformers.model import load_model
+    return str(load_model().cache_path)
+
+
+def start_engine(role: str = "kv_consumer", model_path: str = None, engine: dict = None, **settings):
+    """A vLLM LLM with KDNConnector in this process; engine: LLM arguments over ENGINE_DEFAULTS."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+    args = dict(ENGINE_DEFAULTS, **(engine or {}))
+    return LLM(model=model_path or model_folder(),
+               kv_transfer_config=kv_transfer_config(role, **settings), **args)
+
+
+def greedy(max_tokens: int, **extra):
+    from vllm import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
+
+
+def generate(llm, tokens, max_tokens: int, salt: str = None, full: bool = False,
+             kdn_params: dict = None, exactly: bool = False) -> dict:
+    """One greedy generation: {tokens, text, ttft_s, cached, kdn}. full: vLLM's own full
+    prefill (its prefix cache and so KDN skipped). exactly: max_tokens tokens, no stop."""
+    prompt = {"prompt_token_ids": list(tokens)}
+    if salt is not None:
+        prompt["cache_salt"] = salt
+    extra = {"skip_reading_prefix_cache": True} if full else {}
+    if exactly:
+        extra.update(min_tokens=max_tokens, ignore_eos=True)
+    if kdn_params:
+        extra["extra_args"] = {"kv_transfer_params": kdn_params}
+    t0 = time.perf_counter()
+    out = llm.generate(prompt, greedy(max_tokens, **extra), use_tqdm=False)[0]
+    wall = time.perf_counter() - t0
+    metrics = getattr(out, "metrics", None)
+    ttft = getattr(metrics, "first_token_latency", 0.0) or wall
+    return {"tokens": list(out.outputs[0].token_ids), "text": out.outputs[0].text, "ttft_s": ttft,
+            "wall_s": wall, "cached": out.num_cached_tokens,
+            "kdn": (out.kv_transfer_params or {}).get("kdn", {})}
+
+
+def publish_with_vllm(llm, kb: str, documents, model=None, salt: str = None, meta: dict = None) -> dict:
+    """Publish documents [(name, text)] as KB `kb` with the KV vLLM computes for them.
+
+    llm: an engine started with role kv_both and the admin token. model: a kdn.engines.transformers.model.Model,
+    for the chat template and tokenizer (default load_model()). Exactly two tokens are
+    generated (no stop token may end it sooner): the connector's receipt reaches the
+    scheduler one step after the capture, and goes out when the request finishes.
+    """
+    from kdn.engines.transformers.model import load_model
+    model = model or load_model()
+    named = knowledge_documents(model, check_documents(documents))
+    tokens = [t for _, toks in named for t in toks]
+    spec = {"kb": kb, "documents": [[n, len(t)] for n, t in named], "meta": meta or {}}
+    t0 = time.perf_counter()
+    got = generate(llm, tokens, 2, salt=salt, kdn_params={"kdn_publish": spec}, exactly=True)
+    report = got["kdn"]
+    receipt = report.get("publish")
+    if receipt is None or "error" in receipt or "error" in report:
+        why = (receipt or {}).get("error") or report.get("error") or "the connector sent no receipt"
+        raise KDNError(f"publishing {kb!r} through vLLM failed: {why}")
+    return dict(receipt, tokens=len(tokens), engine="vllm", reused_tokens=report.get("external", 0),
+                prefilled_tokens=len(tokens) - report.get("external", 0) - report.get("local", 0),
+                total_s=time.perf_counter() - t0, documents=[n for n, _ in named])
+
+
+@dataclass
+class VLLMAnswer:
+    question: str
+    text: str
+    tokens: list
+    prompt_tokens: int
+    ttft_s: float                      # with KDN
+    kdn: dict                          # the connector's report: held, local, external, loaded, ...
+    baseline_tokens: list = None       # vLLM's own full prefill (check=True)
+    baseline_ttft_s: float = None
+    identical: bool = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def speedup(self):
+        return None if not self.baseline_ttft_s else self.baseline_ttft_s / self.ttft_s
+
+
+def query_with_vllm(llm, client, kb: str, question: str, model=None, check: bool = True,
+                    max_tokens: int = 32, salt: str = None, forget_local: bool = False) -> VLLMAnswer:
+    """Answer `question` over KB `kb` through vLLM with KDN; with check, also with vLLM's
+    own full prefill, and whether the greedy tokens are identical. With check, the KDN side
+    runs once untimed first (vLLM warms its model when it starts), and vLLM's prefix cache is
+    emptied before the timed answer so its knowledge still comes from KDN.
+
+    client: a kdn Client of the engine's namespace (its fingerprint), for the KB's tokens.
+    forget_local: empty vLLM's prefix cache first, so the knowledge comes from KDN even if
+    this engine computed it before.
+    """
+    from kdn.engines.transformers.model import load_model
+    model = model or load_model()
+    prompt = client.manifest(kb).token_ids().tolist() + model.question_tokens(question)
+    if check:    # warm against warm: the connector's first lookup and load, untimed
+        generate(llm, prompt, 1, salt=salt)
+        forget_local = True      # so the timed answer still reads its knowledge from KDN
+    if forget_local:
+        llm.reset_prefix_cache()
+    got = generate(llm, prompt, max_tokens, salt=salt)
+    a = VLLMAnswer(question=question, text=got["text"].strip(), tokens=got["tokens"],
+                   prompt_tokens=len(prompt), ttft_s=got["ttft_s"], kdn=got["kdn"],
+                   extra={"cached": got["cached"]})
+    if check:
+        base = generate(llm, prompt, max_tokens, salt=salt, full=True)
+        a.baseline_tokens, a.baseline_ttft_s = base["tokens"], base["ttft_s"]
+        a.identical = base["tokens"] == got["tokens"]
+    return a
+
+
+def _join(address: str = None) -> None:
+    import ray
+    from kdn.client.join import init_ray
+    if not ray.is_initialized():
+        init_ray(address or "auto")
+
+
+def run_publish(kb: str, documents, network: str = "kdn", region: str = None, address: str = None,
+                admin_token: str = None, tenant: str = "default") -> dict:
+    """`kdn publish KB FILES --engine vllm`: publish documents [(name, text)] with the KV
+    vLLM computes; the receipt (kdn.client.publish receipts' fields, plus engine="vllm")."""
+    _join(address)
+    llm = start_engine("kv_both", network=network, region=region, tenant=tenant, admin_token=admin_token)
+    return publish_with_vllm(llm, kb, documents)
+
+
+def run_query(kb: str, question: str, network: str = "kdn", region: str = None, address: str = None,
+              tenant: str = "default", token: str = None, check: bool = True,
+              max_tokens: int = 48) -> VLLMAnswer:
+    """`kdn query KB "question" --engine vllm [--region R] --check`: the answer through vLLM
+    with KDN and, with check, whether its tokens equal vLLM's own full prefill's
+    (answer.identical; a command exits non-zero when it is False)."""
+    from kdn.client import connect
+    from kdn.engines.fingerprint import fingerprints
+    from kdn.engines.transformers.model import load_model
+    _join(address)
+    model = load_model()
+    llm = start_engine("kv_consumer", str(model.cache_path), network=network, region=region,
+                       tenant=tenant, token=token)
+    client = connect(region=region, network=network, tenant=tenant, token=token,
+                     fingerprint=fingerprints(model.cache_path)["vllm"])
+    return query_with_vllm(llm, client, kb, question, model=model, check=check, max_tokens=max_tokens)
+
+
+def demo_answers(network: str, region: str, kb: str, documents, questions,
+                 max_new_tokens: int = 24) -> list:
+    """A vLLM worker in `region` (a Ray actor there) publishes `documents` as `kb` through
+    vLLM, then answers `questions` from its edge, the first one checked against vLLM's own
+    full prefill. Rows in kdn.cli.demo's answer format (region, edge, question, cached_tokens,
+    prompt_tokens, ttft_s, baseline_ttft_s, sources, bytes_moved, identical, text)."""
+    import ray
+    worker = ray.remote(num_cpus=1)(EngineWorker).options(label_selector={"region": region}).remote(
+        "kv_both", network=network, region=region)
+    try:
+        ray.get(worker.publish.remote(kb, documents), timeout=900)
+        rows = []
+        for i, q in enumerate(questions):
+            a = ray.get(worker.query.remote({"network": network, "region": region}, kb, q,
+                                            check=(i == 0), max_tokens=max_new_tokens,
+                                            forget_local=True), timeout=900)
+            k = a["kdn"]
+            rows.append({"region": region, "engine": "vllm", "edge": k.get("fetched_from") or k.get("edge"),
+                         "question": q, "cached_tokens": k.get("local", 0) + k.get("loaded", 0),
+                         "prompt_tokens": a["prompt_tokens"], "ttft_s": a["ttft_s"],
+                         "baseline_ttft_s": a["baseline_ttft_s"], "sources": {},
+                         "bytes_moved": k.get("bytes", 0), "identical": a["identical"],
+                         "text": a["text"]})
+        return rows
+    finally:
+        ray.kill(worker)
+
+
+class EngineWorker:
+    """A vLLM engine with KDN in a Ray actor (ray.remote(EngineWorker).options(label_selector=
+    {"region": R})): the region's reader. Methods return plain dicts."""
+
+    def __init__(self, role: str = "kv_consumer", engine: dict = None, **settings):
+        import torch
+        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+        from kdn.engines.transformers.model import load_model
+        self.model = load_model()
+        self.llm = start_engine(role, str(self.model.cache_path), engine, **settings)
+        self.settings = settings
+
+    def fingerprint(self) -> str:
+        from kdn.engines.fingerprint import fingerprints
+        fp = self.settings.get("fingerprint", "vllm")
+        return fingerprints(self.model.cache_path).get(fp, fp)
+
+    def generate(self, tokens, max_tokens: int = 16, salt: str = None, full: bool = False,
+                 forget_local: bool = False) -> dict:
+        if forget_local:
+            self.llm.reset_prefix_cache()
+        return generate(self.llm, tokens, max_tokens, salt=salt, full=full)
+
+    def publish(self, kb: str, documents, salt: str = None) -> dict:
+        return publish_with_vllm(self.llm, kb, documents, model=self.model, salt=salt)
+
+    def client(self, client_args: dict):
+        from kdn.client import Client
+        return Client(fingerprint=self.fingerprint(), **client_args)
+
+    def prompt(self, client_args: dict, kb: str, question: str) -> list:
+        """The tokens of KB `kb` (read as client_args' tenant) followed by the question's turn."""
+        m = self.client(client_args).manifest(kb)
+        return m.token_ids().tolist() + self.model.question_tokens(question)
+
+    def query(self, client_args: dict, kb: str, question: str, **kw) -> dict:
+        a = query_with_vllm(self.llm, self.client(client_args), kb, question, model=self.model, **kw)
+        return dataclasses.asdict(a)

@@ -1,0 +1,473 @@
+"""`kdn serve`: knowledge-aware inference workers behind an OpenAI-compatible API, on Ray Serve.
+
+One Serve application per network (named `kdn-<network>`, route prefix "/"):
+- one deployment per region (`<region>`, class `RegionWorker`) whose replicas are placed on
+  that region's nodes by Ray's node label selector (ray_actor_options label_selector
+  {"region": <region>}); each replica loads the model (kdn.engines.transformers.model.load_model, warmed up) and
+  reads KV for its region from the nearest live edge (kdn.client.Client with region=), and
+  answers with kdn.serve.chat (the KB's tokens, then the request's messages; token by token). It
+  admits a few requests and answers them one at a time in arrival order, the model in a
+  thread of its own; a caller that goes away stops its answer at the next token. With
+  engine "vllm" the replicas are kdn.serve.vllm.VllmRegionWorker (vLLM and KDN's connector);
+- an ingress deployment (`router`, class `Router`, no CPUs, 2 replicas) that speaks HTTP: it checks the
+  token and the request (kdn.serve.api) before any replica is busy, picks the region and
+  relays the answer; a stream that breaks (a replica died) ends with an OpenAI error event,
+  which the openai client raises, never with a silent end a client could take as complete.
+
+Routes: /<region>/v1/... goes to that region's deployment; /v1/... goes to the caller's
+nearest region: the one named in an `X-KDN-Region` header (a regional load balancer or a
+client that knows where it runs sets it), else the region where the request entered the
+network — Serve's one proxy runs on the head node and the router is placed in the origin's
+region, which is the head's under `kdn up` — when it is served, else the served region
+nearest to it by the topology's latencies. The caller's address says nothing about its
+region here (every node of an embedded cluster is 127.0.0.1), so no guess is made from it.
+The proxy binds 127.0.0.1 (`kdn serve --port`, default 8000): nothing listens off loopback.
+
+Errors are OpenAI-shaped: unknown model or KB 404, bad input 400, token missing 401 / wrong
+403, overload (a full queue) 429 and no replica available 503, both with Retry-After.
+
+Hostile bodies: the router decides who asks (the token) before it reads a byte of the body,
+refuses a Content-Length over MAX_BODY_BYTES (8 MiB) unread and reads a chunked body in its
+pieces only up to the limit (kdn.serve.api.read_body), each a 413; a body refused unread is
+answered with Connection: close, so nobody reads the rest. Serve's HTTP proxy (Ray 2.60,
+ray/serve/_private/proxy.py) has no body limit of its own: from the moment a request arrives
+a task of the proxy reads the body off the socket as fast as it comes (uvicorn's flow control
+never pauses it) into an unbounded queue (http_util.MessageQueue) that the router drains
+with receive_asgi_messages, and only when the answer is complete does it stop (the task is
+cancelled) and drop the queue. So the body is bounded in the proxy itself, by an ASGI
+middleware Serve installs there (kdn/serve/proxy.py, through the environment kdn.core.env sets
+before Ray starts): an oversized Content-Length is answered before the proxy reads a byte,
+a chunked body once it passes the limit; the router's own check stays for a cluster started
+without it (tests/serve/rss_hostile_bodies.py measures each process).
+"""
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import logging
+
+from kdn.core.errors import AccessDenied, BadRequest, KDNError, NetworkError
+from kdn.serve.api import (MAX_BODY_BYTES, RETRY_AFTER_S, ApiError, api_error, completion, completion_id,
+                           credentials, error_body, model_list, parse_chat, parse_json, read_body, sse,
+                           sse_answer, usage)
+
+log = logging.getLogger("kdn.serve.app")
+
+DEFAULT_PORT = 8000
+ROUTER = "router"
+REGION_HEADER = "x-kdn-region"
+
+
+def app_name(network: str) -> str:
+    return f"kdn-{network}"
+
+
+class RegionWorker:
+    """One replica of a region's deployment: the model, a KDN client per tenant, kdn.serve.chat."""
+
+    def __init__(self, network: str, region: str, max_context: int = None):
+        from kdn.engines.transformers.model import load_model
+        from kdn.client.view import node_region
+        where = node_region()
+        if where != region:     # the label selector placed us; say so loudly if it did not
+            raise NetworkError(f"a replica of region {region!r} started on a node of region {where!r}")
+        self.network, self.region = network, region
+        self.model = load_model()
+        self.max_context = max_context or int(getattr(self.model.hf.config, "max_position_embeddings", 8192))
+        self._chats = {}            # (tenant, token) -> kdn.serve.chat.Chat
+        # The model runs in one thread of its own; requests take it one at a time in arrival
+        # order (asyncio.Lock wakes its waiters first come, first served).
+        self._model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdn-model")
+        self._turn = asyncio.Lock()
+        # requests, streams, errors, models_calls, aborted (answers cut short: the caller left)
+        self.counters = collections.Counter()
+        # Warm the way to the edge before the first request, as the model was warmed: the
+        # region's view of the network and the open tenant's KB list (a tenant that needs a
+        # token is warmed by its first request instead).
+        try:
+            self._chat("default", None).client.manifests(refresh=True)
+        except AccessDenied:
+            self._chats.clear()
+
+    def stats(self) -> dict:
+        return {"region": self.region, "counters": dict(self.counters),
+                "chats": {t: c.stats()["counters"] for (t, _), c in self._chats.items()}}
+
+    def _chat(self, tenant: str, token):
+        from kdn.serve.chat import Chat
+        from kdn.client import Client
+        key = (tenant, token)
+        if key not in self._chats:
+            client = Client(network=self.network, region=self.region, tenant=tenant,
+                            fingerprint=self.model.fingerprint, token=token)
+            self._chats[key] = Chat(self.model, client)
+        return self._chats[key]
+
+    def models(self, tenant: str, token) -> dict:
+        """{"status", "body"}: the model list the tenant may read."""
+        self.counters["models_calls"] += 1
+        try:
+            names = [m.name for m in self._chat(tenant, token).client.manifests(refresh=True)]
+        except KDNError as e:
+            return self._error(api_error(e))
+        return {"status": 200, "body": model_list(self.model.name, names)}
+
+    def _error(self, e: ApiError) -> dict:
+        self.counters["errors"] += 1
+        return {"status": e.status, "body": e.body(), "headers": e.headers()}
+
+    def _start(self, req: dict, tenant: str, token):
+        """(chat, prompt, cache, cached tokens) for a checked request; KDNError otherwise."""
+        chat = self._chat(tenant, token)
+        m = chat.client.manifest(req["kb"], req["version"])
+        from kdn.serve.chat import messages_tokens
+        total = len(m.token_ids()) + len(messages_tokens(self.model, req["messages"])) + req["max_tokens"]
+        if total > self.max_context:
+            raise ApiError(400, f"the KB's {len(m.token_ids())} tokens, the messages and max_tokens "
+                                f"({req['max_tokens']}) make {total} tokens; the model's context is "
+                                f"{self.max_context}", "context_length_exceeded", "messages")
+        prompt, cache, cached = chat.prepare(m, req["messages"], req["max_tokens"], req.get("kdn_fetch", True))
+        return chat, prompt, cache, cached
+
+    async def _on_model(self, fn, *args):
+        """await fn(*args) in the model's own thread (the replica's event loop stays free)."""
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
+
+    async def _steps(self, chat, prompt, cache, cached: int, req: dict):
+        """kdn.serve.chat's Steps, each computed in the model's thread. A caller that goes away
+        (Serve cancels its request) stops the generation at the next token: the rest of the
+        answer is not computed while later requests wait."""
+        gen = chat.stream(prompt, cache, cached, req["max_tokens"], req["temperature"], req["seed"])
+        done = False
+        try:
+            while (step := await self._on_model(next, gen, None)) is not None:
+                done = step.finish is not None
+                yield step
+        finally:
+            if not done:
+                self.counters["aborted"] += 1
+            self._model_thread.submit(gen.close)     # in its thread: never while a step runs
+
+    async def complete(self, req: dict, tenant: str, token) -> dict:
+        """{"status", "body"[, "headers"]}: one plain chat completion."""
+        self.counters["requests"] += 1
+        async with self._turn:
+            try:
+                chat, prompt, cache, cached = await self._on_model(self._start, req, tenant, token)
+                async with contextlib.aclosing(self._steps(chat, prompt, cache, cached, req)) as gen:
+                    steps = [s async for s in gen]
+            except KDNError as e:
+                return self._error(api_error(e))
+        text = "".join(s.text for s in steps)
+        n = sum(1 for s in steps if s.token is not None)
+        body = completion(completion_id(), req["model"], text, steps[-1].finish,
+                          usage(len(prompt), n, cached))
+        return {"status": 200, "body": body, "region": self.region}
+
+    async def stream(self, req: dict, tenant: str, token):
+        """Yields {"status", ...} first (200, or the error), then SSE bytes ending in [DONE]."""
+        self.counters["streams"] += 1
+        async with self._turn:
+            try:
+                chat, prompt, cache, cached = await self._on_model(self._start, req, tenant, token)
+            except KDNError as e:
+                yield self._error(api_error(e))
+                return
+            yield {"status": 200, "region": self.region}
+            async with contextlib.aclosing(self._steps(chat, prompt, cache, cached, req)) as gen:
+                pieces = ((s.text, int(s.token is not None), s.finish) async for s in gen)
+                async for event in sse_answer(req["model"], pieces, len(prompt), cached):
+                    yield event
+
+
+class Router:
+    """The ingress: HTTP in, a region's deployment chosen, the answer relayed (see the module)."""
+
+    def __init__(self, workers: dict, nearest: dict, auth: dict, base_model: str):
+        from kdn.core.auth import Tokens
+        from kdn.client.view import node_region
+        self.workers = workers                # region -> DeploymentHandle
+        self.nearest = nearest                # region -> [regions with a deployment, nearest first]
+        self.tokens = Tokens.from_dict(auth)
+        self.base_model = base_model
+        self.home = node_region()
+        # requests, streams, errors_<status>, broken_streams, region_<name>
+        self.counters = collections.Counter()
+
+    def stats(self) -> dict:
+        return {"home": self.home, "counters": dict(self.counters)}
+
+    def pick(self, request, path_region: str) -> str:
+        if path_region is not None:
+            if path_region not in self.workers:
+                raise ApiError(404, f"no service in region {path_region!r:.64} (regions: "
+                                    f"{', '.join(sorted(self.workers))})", "unknown_region")
+            return path_region
+        asked = request.headers.get(REGION_HEADER)
+        if asked:
+            if asked not in self.workers:
+                raise ApiError(400, f"{REGION_HEADER} names region {asked!r:.64}; the service runs in "
+                                    f"{', '.join(sorted(self.workers))}", "unknown_region")
+            return asked
+        order = self.nearest.get(self.home) or sorted(self.workers)
+        return order[0]
+
+    async def __call__(self, request):
+        from ray.exceptions import RayTaskError
+        from starlette.responses import JSONResponse
+        self.counters["requests"] += 1
+        try:
+            return await self._handle(request)
+        except KDNError as e:               # refusals: ApiError, or KDN's own named errors
+            e = api_error(e)
+            self.counters[f"errors_{e.status}"] += 1
+            headers = e.headers()
+            if request.method == "POST" and not getattr(request.state, "body_read", False):
+                headers["Connection"] = "close"     # refused unread: not drained, not kept alive
+            return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        except RayTaskError:                # a worker failed on a bug: logged, answered OpenAI-shaped
+            log.exception("kdn serve: a worker failed on %s %s", request.method, request.url.path)
+            self.counters["errors_500"] += 1
+            return JSONResponse(error_body(500, "a worker of the KDN service failed (logged)", "internal_error"),
+                                status_code=500)
+
+    def _route(self, path: str) -> tuple:
+        """(region or None, endpoint) for /v1/<endpoint> or /<region>/v1/<endpoint>."""
+        parts = [p for p in path.split("/") if p]
+        region = None
+        if parts and parts[0] != "v1":
+            region, parts = parts[0], parts[1:]
+        if not parts or parts[0] != "v1":
+            raise ApiError(404, f"no route {path!r:.120}: use /v1/... or /<region>/v1/...", "unknown_route")
+        return region, "/".join(parts[1:])
+
+    async def _handle(self, request):
+        from ray import serve
+        from ray.exceptions import RayActorError
+        region, endpoint = self._route(request.url.path)
+        routes = {"chat/completions": "POST", "models": "GET"}
+        if endpoint not in routes:
+            raise ApiError(404, f"no endpoint /v1/{endpoint:.80}: this service has /v1/chat/completions "
+                                "and /v1/models", "unknown_route")
+        if request.method != routes[endpoint]:
+            raise ApiError(405, f"/v1/{endpoint} takes {routes[endpoint]}, not {request.method}",
+                           "method_not_allowed")
+        # who asks, before a byte of the body is read; token: what the edges are shown (the
+        # caller's read token or the admin's, None for an open tenant: replicas keep a client
+        # per token, so a caller's made-up keys must not each get one)
+        tenant, token = credentials(self.tokens, request.headers.get("authorization"))
+        if endpoint == "chat/completions":
+            raw = await read_body(request, MAX_BODY_BYTES)
+            request.state.body_read = True
+            req = parse_chat(parse_json(raw), self.base_model)
+        region = self.pick(request, region)
+        self.counters[f"region_{region}"] += 1
+        handle = self.workers[region]
+        try:
+            if endpoint == "models":
+                return self._reply(await handle.models.remote(tenant, token))
+            body = dict(req.__dict__)
+            if not req.stream:
+                return self._reply(await handle.complete.remote(body, tenant, token))
+            self.counters["streams"] += 1
+            gen = handle.options(stream=True).stream.remote(body, tenant, token)
+            head = await gen.__anext__()
+            if head["status"] != 200:
+                return self._reply(head)
+            return self._streaming(gen)
+        except serve.exceptions.BackPressureError:
+            raise ApiError(429, f"region {region}'s workers are all busy and their queues full; retry",
+                           "overloaded", retry_after=RETRY_AFTER_S) from None
+        except (serve.exceptions.DeploymentUnavailableError, serve.exceptions.ReplicaUnavailableError,
+                RayActorError, StopAsyncIteration) as e:
+            raise ApiError(503, f"no worker of region {region} could answer ({type(e).__name__}); retry",
+                           "unavailable", retry_after=RETRY_AFTER_S) from None
+
+    def _reply(self, r: dict):
+        from starlette.responses import JSONResponse
+        if r["status"] != 200:
+            self.counters[f"errors_{r['status']}"] += 1
+        return JSONResponse(r["body"], status_code=r["status"], headers=r.get("headers") or {})
+
+    def _streaming(self, gen):
+        from ray import serve
+        from ray.exceptions import RayActorError, RayTaskError
+        from starlette.responses import StreamingResponse
+
+        async def relay():
+            try:
+                async for piece in gen:
+                    yield piece
+            except (RayActorError, RayTaskError, serve.exceptions.RayServeException) as e:
+                # the worker died or failed mid-answer: end with an error event (the openai
+                # client raises APIError on it), never with an end that looks complete
+                self.counters["broken_streams"] += 1
+                yield sse(error_body(503, f"the answer broke off: its worker failed ({type(e).__name__}); "
+                                          "retry the request", "stream_broken"))
+        return StreamingResponse(relay(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+
+def nearest_regions(topology, regions) -> dict:
+    """region -> the served regions, nearest first by the topology's latency (itself first)."""
+    out = {}
+    for src in topology.regions:
+        out[src] = sorted(regions, key=lambda r: (0 if r == src else 1, topology.latency_ms(src, r), r))
+    return out
+
+
+def check_autoscaling(min_replicas: int = 1, max_replicas: int = 1, target_ongoing_requests: float = 1.0) -> dict:
+    for what, v in (("min_replicas", min_replicas), ("max_replicas", max_replicas)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise BadRequest(f"{what} must be a non-negative int, got {v!r}")
+    if max_replicas < max(1, min_replicas):
+        raise BadRequest(f"max_replicas ({max_replicas}) must be at least min_replicas ({min_replicas}) and 1")
+    if not isinstance(target_ongoing_requests, (int, float)) or target_ongoing_requests <= 0:
+        raise BadRequest(f"target_ongoing_requests must be a positive number, got {target_ongoing_requests!r}")
+    return {"min_replicas": min_replicas, "max_replicas": max_replicas,
+            "target_ongoing_requests": float(target_ongoing_requests)}
+
+
+ENGINES = ("transformers", "vllm")
+
+
+def worker_class(engine: str):
+    """The replica class of an engine: RegionWorker (transformers, kdn.serve.chat) or, where vLLM is
+    installed, kdn.serve.vllm.VllmRegionWorker (vLLM with the KDN connector)."""
+    if engine == "transformers":
+        return RegionWorker
+    if engine == "vllm":
+        import importlib.util
+        if importlib.util.find_spec("vllm") is None:
+            raise BadRequest("engine 'vllm' needs vLLM, which is not installed here (the vllm extra: "
+                             "see the README); the default engine is 'transformers'")
+        from kdn.serve.vllm import VllmRegionWorker
+        return VllmRegionWorker
+    raise BadRequest(f"engine must be one of {', '.join(ENGINES)}, got {engine!r:.40}")
+
+
+def deploy(network: str = "kdn", regions=None, port: int = DEFAULT_PORT, auth: dict = None,
+           min_replicas: int = 1, max_replicas: int = 1, target_ongoing_requests: float = 1.0,
+           replica_cpus: float = 1.0, max_queued_requests: int = 16, base_model: str = None,
+           engine: str = "transformers", routers: int = 2, max_ongoing_requests: int = 16) -> dict:
+    """Deploy (or update) the service of `network` on the connected Ray cluster; returns
+    service_info(). regions: those to serve (default every region of the topology).
+    auth: the network's tokens ({"admin", "readers"}, as `kdn up` configured them).
+    engine: "transformers" (default) or "vllm" (worker_class). routers: replicas of the
+    ingress, so one that dies does not take the API down while Serve replaces it.
+    max_ongoing_requests: requests a replica admits; it answers them one at a time in arrival
+    order. Past them, up to max_queued_requests per region wait in each router's queue
+    (Serve queues per caller); more are answered 429. Admitting many keeps the order fair:
+    Serve retries a full replica with backoff, out of order. 16 clients on one replica
+    (`kdn bench serve`): p50/p99 12.5/13.0 s admitting 16, 7.2/19.2 s admitting 4."""
+    from ray import serve
+    from kdn.client import Client
+    from kdn.engines.transformers.model import MODEL_NAME
+    scaling = check_autoscaling(min_replicas, max_replicas, target_ongoing_requests)
+    worker = worker_class(engine)
+    for what, v in (("routers", routers), ("max_ongoing_requests", max_ongoing_requests),
+                    ("max_queued_requests", max_queued_requests)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise BadRequest(f"{what} must be a positive int, got {v!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise BadRequest(f"port must be an int in 1-65535, got {port!r}")
+    topo = Client(network=network).topology
+    regions = list(regions or topo.regions)
+    unknown = [r for r in regions if r not in topo.regions]
+    if unknown:
+        raise BadRequest(f"unknown region(s) {unknown}; the network has {topo.regions}")
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    workers = {}
+    for r in regions:
+        d = serve.deployment(worker).options(
+            name=r, max_ongoing_requests=max_ongoing_requests, max_queued_requests=max_queued_requests,
+            autoscaling_config=scaling, health_check_period_s=5, health_check_timeout_s=60,
+            graceful_shutdown_timeout_s=5,
+            ray_actor_options={"label_selector": {"region": r}, "num_cpus": replica_cpus})
+        workers[r] = d.bind(network, r, **({"auth": auth or {}} if engine == "vllm" else {}))
+    router = serve.deployment(Router).options(
+        name=ROUTER, num_replicas=routers, max_ongoing_requests=1000,
+        ray_actor_options={"num_cpus": 0, "label_selector": {"region": topo.origin_region}})
+    app = router.bind(workers, nearest_regions(topo, regions), auth or {}, base_model or MODEL_NAME)
+    serve.run(app, name=app_name(network), route_prefix="/")
+    return service_info(network)      # the port Serve listens on (a running Serve keeps its own)
+
+
+CONFIG_KEYS = {"regions", "port", "min_replicas", "max_replicas", "target_ongoing_requests",
+               "replica_cpus", "max_ongoing_requests", "max_queued_requests", "engine", "routers"}
+
+
+def load_config(path) -> dict:
+    """deploy()'s settings from a TOML file (the keys of CONFIG_KEYS, top level); BadRequest
+    naming the file and the key otherwise."""
+    import tomllib
+    try:
+        with open(path, "rb") as f:
+            d = tomllib.load(f)
+    except FileNotFoundError:
+        raise BadRequest(f"serve config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise BadRequest(f"serve config {path}: not TOML: {e}") from None
+    unknown = sorted(set(d) - CONFIG_KEYS)
+    if unknown:
+        raise BadRequest(f"serve config {path}: unknown key(s) {unknown}; known: {sorted(CONFIG_KEYS)}")
+    if "regions" in d and (not isinstance(d["regions"], list) or not all(isinstance(r, str) for r in d["regions"])):
+        raise BadRequest(f"serve config {path}: regions must be a list of region names")
+    return d
+
+
+def running_info(network: str = "kdn") -> dict:
+    """service_info() when Serve runs on the connected cluster, else {} (starts nothing)."""
+    from ray.serve.context import _get_global_client
+    if _get_global_client(raise_if_no_controller_running=False) is None:
+        return {}
+    return service_info(network)
+
+
+SETTINGS = ("max_ongoing_requests", "max_queued_requests")
+SCALING = ("min_replicas", "max_replicas", "target_ongoing_requests")
+
+
+def service_info(network: str = "kdn", port: int = None) -> dict:
+    """The service's URLs, regions, and per deployment its replicas and the settings Serve
+    runs it with (admission, queue, autoscaling or a fixed count) ({} when none is deployed)."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    st = serve.status()
+    app = st.applications.get(app_name(network))
+    if app is None:
+        return {}
+    client = _get_global_client()
+    if port is None:
+        port = client.http_config.port
+    base = f"http://127.0.0.1:{port}"
+    details = client.get_serve_details().get("applications", {}).get(app_name(network), {})
+    deps = {}
+    for name, d in app.deployments.items():
+        cfg = details.get("deployments", {}).get(name, {}).get("deployment_config", {})
+        scaling = cfg.get("autoscaling_config")
+        deps[name] = {"status": str(d.status.value if hasattr(d.status, "value") else d.status),
+                      "replicas": {str(k.value if hasattr(k, "value") else k): v
+                                   for k, v in (d.replica_states or {}).items()},
+                      **{k: cfg.get(k) for k in SETTINGS},
+                      "autoscaling": {k: scaling.get(k) for k in SCALING} if scaling else None,
+                      "num_replicas": None if scaling else cfg.get("num_replicas")}
+    regions = sorted(n for n in deps if n != ROUTER)
+    return {"app": app_name(network), "status": str(app.status.value if hasattr(app.status, "value") else app.status),
+            "url": f"{base}/v1", "regions": {r: f"{base}/{r}/v1" for r in regions},
+            "deployments": deps}
+
+
+def undeploy(network: str = "kdn") -> bool:
+    """Delete the network's service; Serve itself stops when it serves nothing else. False
+    when there was none (starts nothing)."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    if _get_global_client(raise_if_no_controller_running=False) is None:
+        return False
+    if app_name(network) not in serve.status().applications:
+        return False
+    serve.delete(app_name(network))
+    if not serve.status().applications:
+        serve.shutdown()
+    return True

@@ -1,0 +1,387 @@
+"""The `kdn` command as a user runs it: separate processes, one embedded cluster, real model.
+
+`kdn up` starts a 3-region cluster whose processes outlive it; every later command is a new
+process that finds the network through $KDN_HOME/cluster.json (a temporary KDN_HOME here, so
+nothing touches the user's own state), with edges and the origin storing chunks zstd-compressed
+(after two bad codec settings are refused). The test publishes a small markdown file, publishes
+it again (no prefill), queries it with --check, checks the errors a user meets (unknown KB,
+missing file: exit status 2 and one line naming the culprit), and ends with `kdn down`,
+after which no process of that cluster may remain. `kdn down` runs in a finally block.
+Output goes to files, not pipes: the cluster's daemons must not hold a pipe of `kdn up` open.
+
+The other tests call `kdn.cli.main` in-process against a network on the test cluster: publishing
+new namespaces with read tokens on, refusals that come before the model loads, and errors
+(remote ones included) printed as one clean line. A real codebase: this repository's own
+`placement/` folder is refused whole (longer than the model's context) before any prefill;
+two of the repository's small files, selected from its root by --include
+(`kdn/core/wire.py`, `placement/__init__.py`), are published with the real model (loaded once
+for the module) and queried: the documents are named by their paths relative to the root,
+and the answer's prompt starts with the KB's tokens, whose KV comes from KDN.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kdn.cli.knowledge import bundled_documents
+
+REPO = Path(__file__).resolve().parents[2]
+
+REGIONS = ("us-east", "eu-west", "ap-south")
+
+
+def _kdn_command() -> list:
+    script = Path(sys.executable).with_name("kdn")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kdn.cli"]
+
+
+class Runner:
+    """Runs `kdn ARGS` with KDN_HOME set; returns (exit status, stdout, stderr)."""
+
+    def __init__(self, home: Path, logs: Path):
+        # One torch thread: on a busy 2-core machine two OpenMP threads per process fight
+        # everything else for the cores and a prefill gets several times slower.
+        self.env = dict(os.environ, KDN_HOME=str(home), OMP_NUM_THREADS="1")
+        self.logs, self.n = logs, 0
+        self.seconds = []                      # (command, wall seconds): where the time went
+
+    def __call__(self, *args, timeout=180):
+        self.n += 1
+        out, err = self.logs / f"{self.n}.out", self.logs / f"{self.n}.err"
+        t0 = time.perf_counter()
+        with open(out, "w") as fo, open(err, "w") as fe:
+            rc = subprocess.run(_kdn_command() + list(args), stdout=fo, stderr=fe, env=self.env,
+                                stdin=subprocess.DEVNULL, timeout=timeout).returncode
+        self.seconds.append((args[0], round(time.perf_counter() - t0, 1)))
+        return rc, out.read_text(), err.read_text()
+
+
+def _recorded_pids(state: dict) -> list:
+    """The pids `kdn up` recorded (each as [pid, start time], or a bare pid)."""
+    return [r[0] if isinstance(r, (list, tuple)) else r for r in state.get("pids", [])]
+
+
+def _process_tree(pids) -> dict:
+    """{pid: create_time} of these processes and all their descendants (those alive now)."""
+    out = {}
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            for q in [p] + p.children(recursive=True):
+                out[q.pid] = q.create_time()
+        except psutil.Error:
+            continue
+    return out
+
+
+def _still_running(tree: dict) -> list:
+    alive = []
+    for pid, created in tree.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{pid} {p.name()}")
+        except psutil.Error:
+            continue
+    return alive
+
+
+def _error_lines(err: str) -> list:
+    return [line for line in err.splitlines() if line.startswith("kdn: error:")]
+
+
+def test_up_status_publish_query_errors_down(tmp_path):
+    home, logs = tmp_path / "home", tmp_path / "logs"
+    logs.mkdir()
+    kdn = Runner(home, logs)
+    doc = tmp_path / "rights.md"
+    doc.write_text(dict(bundled_documents())["bill-of-rights"], encoding="utf-8")
+    state_file = home / "cluster.json"
+    tree = {}
+    try:
+        rc, out, err = kdn("up", "--edge-codec", "gz")
+        assert rc == 2 and not state_file.exists(), "a bad codec is refused before anything starts"
+        lines = _error_lines(err)
+        assert len(lines) == 1 and "edge store codec must be one of" in lines[0] and "'gz'" in lines[0]
+        rc, out, err = kdn("up", "--origin-codec", "q8z")
+        assert rc == 2 and not state_file.exists() and "lossy codec 'q8z'" in err
+
+        # edges and the origin store chunks zstd-compressed (lossless: answers stay identical)
+        rc, out, err = kdn("up", "--edge-codec", "zstd", "--origin-codec", "zstd", timeout=240)
+        assert rc == 0, err
+        assert "is up on an embedded local cluster" in out
+        state = json.loads(state_file.read_text())
+        assert state["embedded"] and state["pids"] and state["network"] == "kdn"
+        assert Path(state["root"]) == home / "origin"
+        tree = _process_tree(_recorded_pids(state))
+        assert set(_recorded_pids(state)) <= set(tree), "every recorded process runs after `kdn up`"
+
+        rc, out, err = kdn("status")
+        assert rc == 0 and "origin: up" in out, out + err
+        edge_rows = [line.split() for line in out.splitlines() if line.split()[:1]
+                     and line.split()[0] in {f"{r}-0" for r in REGIONS}]
+        assert sorted((row[0], row[1], row[2], row[3]) for row in edge_rows) == sorted(
+            (f"{r}-0", r, "up", "zstd") for r in REGIONS), out
+
+        rc, out, err = kdn("publish", "rights", str(doc))
+        assert rc == 0, err
+        assert "default/rights v1 committed" in out and "reused 0 from the network" in out
+        rc, out, err = kdn("publish", "rights", str(doc))
+        assert rc == 0, err
+        assert "default/rights v1 unchanged" in out
+        assert "prefilled 0 tokens" in out and "sent 0 chunks" in out
+
+        rc, out, err = kdn("query", "rights", "What does the Eighth Amendment forbid?",
+                           "--check", "--max-new-tokens", "8")
+        assert rc == 0, err
+        assert out.strip(), "the answer is printed"
+        assert "identical: yes" in err
+        assert "prompt tokens from KDN" in err
+
+        rc, out, err = kdn("query", "no-such-kb", "Anything?", "--max-new-tokens", "4")
+        assert rc == 2
+        lines = _error_lines(err)
+        assert len(lines) == 1 and "'no-such-kb'" in lines[0], err
+
+        missing = tmp_path / "missing.md"
+        rc, out, err = kdn("publish", "rights", str(doc), str(missing))
+        assert rc == 2
+        lines = _error_lines(err)
+        assert len(lines) == 1 and str(missing) in lines[0] and "no such file" in lines[0], err
+    finally:
+        if state_file.exists():
+            tree.update(_process_tree(_recorded_pids(json.loads(state_file.read_text()))))
+            rc, out, err = kdn("down", timeout=120)
+            assert rc == 0, err
+    assert "stopped and its embedded cluster shut down" in out
+    assert not state_file.exists()
+    assert tree and not _still_running(tree), f"left running after `kdn down`: {_still_running(tree)}"
+    rc, out, err = kdn("status")
+    assert rc == 2 and "kdn up" in err
+    print("seconds per command:", kdn.seconds)
+
+
+# --- in-process: `kdn.cli.main` against a network on the test cluster ------------------------
+ADMIN = "admin-secret-0123456789abcdef"
+
+
+@pytest.fixture
+def read_tokens_net(ray_cluster, tmp_path, network_name, monkeypatch):
+    """A network with read tokens on (tenants a and b), as `KDN_READ_TOKENS=a=..,b=.. kdn up`
+    starts it; the CLI finds it by --address/--network and its admin token in the environment."""
+    from kdn.launch.cluster import start_network, stop_network
+    from kdn.placement.topology import Topology
+    topo = Topology.default_local(["us-east", "eu-west"], edges_per_region=1, capacity_bytes=128 << 20)
+    net = start_network(topo, tmp_path / "origin", network=network_name,
+                        auth={"admin": ADMIN, "readers": {"a": "a-read-token-0123456789",
+                                                          "b": "b-read-token-0123456789"}})
+    monkeypatch.setenv("KDN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KDN_ADMIN_TOKEN", ADMIN)
+    monkeypatch.delenv("KDN_TOKEN", raising=False)
+    yield ["--address", ray_cluster.address, "--network", net.name]
+    stop_network(net)
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kdn: error: "), err
+    assert "Traceback" not in err and "\x1b" not in err, err
+    return lines[0]
+
+
+def test_publish_command_with_read_tokens_on_publishes_new_namespaces(read_tokens_net, tmp_path, capsys,
+                                                                     monkeypatch):
+    from kdn.cli import main
+    doc = tmp_path / "gamma.txt"
+    doc.write_text(dict(bundled_documents())["gettysburg-address"], encoding="utf-8")
+    assert main(["publish", "gamma", str(doc)] + read_tokens_net) == 0, capsys.readouterr().err
+    assert "default/gamma v1 committed" in capsys.readouterr().out
+    assert main(["publish", "gamma", str(doc), "--tenant", "a"] + read_tokens_net) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "a/gamma v1 committed" in out and "reused 0 from the network" in out
+    # a wrong admin token: refused by the origin (a remote error) in one clean line
+    monkeypatch.setenv("KDN_ADMIN_TOKEN", "w" * 30)
+    assert main(["publish", "gamma", str(doc)] + read_tokens_net) == 2
+    assert "admin token" in _one_error_line(capsys.readouterr().err)
+
+
+def test_too_large_a_publish_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import kdn.engines.transformers.model
+    from kdn.cli import main
+    from kdn.client.documents import MAX_KB_BYTES
+    monkeypatch.setattr(kdn.engines.transformers.model, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:                 # text first (a NUL there is binary), then sparse
+        f.write(b"Some knowledge.\n" * 1000)
+        f.truncate(MAX_KB_BYTES + 1)
+    t0 = time.perf_counter()
+    assert main(["publish", "kb", str(big), "--address", "127.0.0.1:1"]) == 2
+    assert time.perf_counter() - t0 < 1.0
+    assert "over the" in _one_error_line(capsys.readouterr().err)
+    small = tmp_path / "small.txt"
+    small.write_text("Some knowledge.", encoding="utf-8")
+    assert main(["publish", "../kb", str(small), "--address", "127.0.0.1:1"]) == 2
+    assert "knowledge base name must match" in _one_error_line(capsys.readouterr().err)
+
+
+def test_errors_print_one_line_without_tracebacks_or_escape_codes(ray_cluster, capsys, monkeypatch):
+    import ray
+    import kdn.cli as cli
+    from kdn.core.errors import NetworkError
+
+    def refused(args, rest):
+        raise NetworkError("\x1b[31mred\x1b[0m alert\nsecond line\x07 \x1b]0;title\x07end")
+    monkeypatch.setattr(cli, "_status", refused)
+    assert cli.main(["status"]) == 2
+    assert _one_error_line(capsys.readouterr().err) == "kdn: error: red alert second line end"
+
+    @ray.remote
+    def buggy():
+        raise ValueError("\x1b[1mwrong\x1b[0m value\nin a node")
+
+    monkeypatch.setattr(cli, "_status", lambda args, rest: ray.get(buggy.remote()))
+    assert cli.main(["status"]) == 1
+    assert _one_error_line(capsys.readouterr().err) == \
+        "kdn: error: unexpected ValueError in a KDN node: wrong value in a node"
+
+
+def test_status_of_a_dead_recorded_cluster_fails_at_once(tmp_path, capsys, monkeypatch):
+    from kdn.cli import main
+    from kdn.launch.cluster import free_ports
+    home = tmp_path / "home"
+    home.mkdir()
+    port = free_ports(1)[0]                    # nobody listens there: the cluster died
+    (home / "cluster.json").write_text(json.dumps({"network": "kdn", "address": f"127.0.0.1:{port}",
+                                                   "root": str(tmp_path), "pids": [], "embedded": True}))
+    monkeypatch.setenv("KDN_HOME", str(home))
+    t0 = time.perf_counter()
+    assert main(["status"]) == 2
+    assert time.perf_counter() - t0 < 5.0
+    assert "is not running" in _one_error_line(capsys.readouterr().err)
+
+
+def test_status_shows_an_edges_disk_tier_beside_memory():
+    from kdn.cli import status_rows
+    tier = {"items": 2, "bytes": 3 << 20}
+    edge = {"name": "e-0", "region": "r", "main": tier, "hot": tier, "hot_copies": 2,
+            "counters": {"chunks_served": 4, "served_local": 4},
+            "disk": {"items": 7, "bytes": 5 << 30, "hits": 3, "write_backs": 9, "full_dropped": 1}}
+    row, = status_rows({"edges": [edge]})
+    assert row["chunks"] == 4 and row["disk chunks"] == 7 and row["disk"] == "5.00 GiB"
+    assert row["main"] == "2 / 3.0 MiB" and row["hot"] == "2 / 3.0 MiB" and row["main hits"] == 0
+    assert row["disk hits"] == 3 and row["write-backs"] == 9 and row["dropped (full)"] == 1
+    row, = status_rows({"edges": [dict(edge, disk=None)]})
+    assert "disk" not in row
+
+
+# --- a codebase: this repository's placement/ folder, with the real model --------------------
+@pytest.fixture(scope="module")
+def code_net(small_network, ray_cluster):
+    """A network with an admin token (no read tokens); the CLI's arguments to reach it."""
+    net = small_network(auth={"admin": ADMIN})
+    return ["--address", ray_cluster.address, "--network", net.name]
+
+
+@pytest.fixture
+def cli_env(tmp_path, monkeypatch, model):
+    """The CLI in-process: KDN_HOME in tmp_path, the admin token in the environment, and
+    load_model() answering the module's model (one load per module)."""
+    import kdn.engines.transformers.model
+    monkeypatch.setenv("KDN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KDN_ADMIN_TOKEN", ADMIN)
+    monkeypatch.delenv("KDN_TOKEN", raising=False)
+    monkeypatch.setattr(kdn.engines.transformers.model, "load_model", lambda *a, **k: model)
+    return model
+
+
+def _no_model(monkeypatch):
+    import kdn.engines.transformers.model
+    monkeypatch.setattr(kdn.engines.transformers.model, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+
+
+def test_the_cli_knows_the_models_fingerprint_without_loading_it(model):
+    from kdn.cli import _model_fingerprint
+    assert _model_fingerprint() == model.fingerprint
+
+
+def test_a_codebase_folder_is_published_by_relative_paths_and_answered_from_kdn(code_net, cli_env, capsys):
+    from kdn.cli import main
+    from kdn.client import Client
+    model = cli_env
+    placement = REPO / "placement"
+    # the whole folder (~26k tokens) is longer than SmolLM2's context: refused before any prefill
+    t0 = time.perf_counter()
+    assert main(["publish", "placement", str(placement)] + code_net) == 2
+    out, err = capsys.readouterr()
+    assert "documents: 5 documents" in out and f"named relative to {placement}" in out
+    line = _one_error_line(err)
+    context = model.hf.config.max_position_embeddings
+    assert f"the model's context is {context} tokens (max_position_embeddings)" in line
+    assert "no prompt could use it whole" in line and "--allow-over-context" in line and "several KBs" in line
+    assert time.perf_counter() - t0 < 15, "refused after tokenizing, before the prefill"
+
+    # two small files picked from the repository's root by --include (a small KB: a short
+    # prefill), named by their paths relative to it; the walk skips .git and .venv
+    files = ["kdn/core/wire.py", "placement/__init__.py"]
+    args = ["publish", "code", str(REPO)] + [a for f in files for a in ("--include", f)]
+    assert main(args + code_net) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "documents: 2 documents" in out and f"named relative to {REPO}" in out
+    assert "default/code v1 committed" in out
+    cl = Client(network=code_net[3], region="eu-west", fingerprint=model.fingerprint, admin_token=ADMIN)
+    m = cl.manifest("code")
+    assert [d.name for d in m.documents] == files
+    texts = [(REPO / n).read_text() for n in files]
+    kb_tokens = model.knowledge_tokens("\n\n".join(texts))
+    assert m.token_ids().tolist() == kb_tokens and m.n_tokens < context
+    assert model.tokenizer.decode(m.token_ids()[:40].tolist()).startswith("<|im_start|>system\n" + texts[0][:40])
+    # the question's prompt starts with the KB's tokens, and all of their KV comes from KDN
+    question = "How does an edge say where each chunk came from?"
+    assert model.prompt_tokens("\n\n".join(texts), question)[:m.n_tokens] == kb_tokens
+    assert main(["query", "code", question, "--region", "eu-west", "--max-new-tokens", "4"] + code_net) == 0
+    out, err = capsys.readouterr()
+    assert out.strip(), "the answer is printed"
+    prompt = len(kb_tokens) + len(model.question_tokens(question))
+    assert f"{m.n_tokens}/{prompt} prompt tokens from KDN" in err, err
+    # the same tree again: the same KB, no new version, nothing prefilled
+    assert main(args + code_net) == 0
+    out = capsys.readouterr().out
+    assert "default/code v1 unchanged" in out and "prefilled 0 tokens" in out
+
+
+def test_query_and_publish_refusals_come_before_the_model_loads(code_net, tmp_path, capsys, monkeypatch):
+    from kdn.cli import main
+    monkeypatch.setenv("KDN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KDN_ADMIN_TOKEN", ADMIN)
+    monkeypatch.delenv("KDN_TOKEN", raising=False)
+    _no_model(monkeypatch)
+    for argv, problem in ((["no-such-kb", "Anything?"], "no knowledge base 'no-such-kb'"),
+                          (["kb", "Anything?", "--region", "mars"], "region 'mars' is not in the network's topology"),
+                          (["kb", "Anything?", "--accept", "gzip"], "unknown codec(s) 'gzip'"),
+                          (["kb", "Anything?", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+                          (["kb", "  "], "the question is empty"),
+                          (["../kb", "Anything?"], "knowledge base name must match")):
+        t0 = time.perf_counter()
+        assert main(["query"] + argv + code_net) == 2, argv
+        assert problem in _one_error_line(capsys.readouterr().err), argv
+        assert time.perf_counter() - t0 < 10, argv
+    # a folder with nothing to publish, a named binary file, a wrong admin token: no model either
+    folder = tmp_path / "assets"
+    folder.mkdir()
+    (folder / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(32))
+    (folder / "__init__.py").write_text("")
+    assert main(["publish", "kb", str(folder)] + code_net) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "nothing to publish" in line and "1 binary: logo.png" in line and "1 empty: __init__.py" in line
+    assert main(["publish", "kb", str(folder / "logo.png")] + code_net) == 2
+    assert "logo.png: not UTF-8 text (invalid start byte at byte 0)" in _one_error_line(capsys.readouterr().err)
+    (folder / "ok.md").write_text("Some knowledge.\n")
+    monkeypatch.setenv("KDN_ADMIN_TOKEN", "w" * 30)
+    assert main(["publish", "kb", str(folder)] + code_net) == 2
+    out, err = capsys.readouterr()
+    assert "skipped 1 binary, 1 empty" in out and "admin token" in _one_error_line(err)

@@ -1,0 +1,51 @@
+"""A process's view of the network (kdn/client/view.py) on a real network: nearest edge first, a
+failed edge tried last, membership from the edges while the origin is away, origin calls
+retried until their deadline and then a clear Unreachable."""
+import time
+import uuid
+
+import pytest
+
+from kdn.core.errors import BadRequest, NetworkError
+from kdn.core.rpc import Actors, Unreachable
+from kdn.client.view import NetworkView
+
+REGIONS = ["us-east", "eu-west", "ap-south"]
+ADMIN = "admin-secret-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def net(small_network):
+    return small_network(auth={"admin": ADMIN, "readers": {}})
+
+
+def test_edges_are_ranked_nearest_first_and_a_failed_one_goes_last(net):
+    v = NetworkView(net.name, region="ap-south", admin_token=ADMIN)
+    assert v.ranked_edges()[0] == "ap-south-0"
+    assert v.membership["version"] >= 1 and len(v.ring) == 3
+    v._suspect["ap-south-0"] = time.monotonic() + 60
+    assert v.ranked_edges()[-1] == "ap-south-0"
+    reply, edge, failed = v.edge("membership", timeout=10)
+    assert edge != "ap-south-0" and failed == [] and reply["version"] == v.membership["version"]
+
+
+def test_an_unknown_region_is_a_clear_error(net):
+    with pytest.raises(BadRequest, match="region 'mars' is not in the network's topology"):
+        NetworkView(net.name, region="mars")
+
+
+def test_a_network_that_is_not_there_fails_fast_and_clearly(ray_cluster):
+    t0 = time.monotonic()
+    with pytest.raises(NetworkError, match="neither the origin nor any edge answers"):
+        NetworkView(f"missing{uuid.uuid4().hex[:6]}")
+    assert time.monotonic() - t0 < 15
+
+
+def test_origin_calls_carry_the_admin_token_and_give_up_at_their_deadline(net):
+    v = NetworkView(net.name, admin_token=ADMIN)
+    assert v.origin("stats")["role"] == "origin"
+    v.actors = Actors(f"gone{uuid.uuid4().hex[:6]}")   # as if the origin were down for good
+    t0 = time.monotonic()
+    with pytest.raises(Unreachable, match="did not answer stats within 1 s"):
+        v.origin("stats", timeout=1.0)
+    assert 0.8 < time.monotonic() - t0 < 5

@@ -1,0 +1,133 @@
+"""The launcher (kdn/launch/cluster.py): settings checked before anything starts, a dead recorded
+cluster found out at once and cleared, only our own processes stopped, fixed edge ports."""
+import json
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from kdn.launch import cluster
+from kdn.core.errors import BadRequest, KDNError, NetworkError, TopologyError
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KDN_HOME", str(tmp_path))
+    monkeypatch.delenv("KDN_READ_TOKENS", raising=False)
+    return tmp_path
+
+
+def _ray_heads() -> set:
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "gcs_server"}
+
+
+@pytest.mark.parametrize("env,kw,error,match", [
+    ({"KDN_READ_TOKENS": "a"}, {}, KDNError, "tenant=token"),
+    ({"KDN_READ_TOKENS": "a=short"}, {}, KDNError, "at least 16 characters"),
+    ({}, {"network": ""}, BadRequest, "network name"),
+    ({}, {"network": "a:b"}, BadRequest, "network name"),
+    ({}, {"edge_codec": "zstdd"}, BadRequest, "edge store codec"),
+    ({}, {"origin_codec": "q8"}, BadRequest, "lossy codec"),
+    ({}, {"topology_file": "/dev/zero"}, TopologyError, "not a regular file"),
+    ({}, {"edge_disk": "lots"}, BadRequest, "--edge-disk: 'lots' is not a size"),
+    ({}, {"edge_disk": "0G"}, BadRequest, "--edge-disk: must be more than 0 bytes"),
+    ({}, {"edge_disk_dir": "edge-disk"}, BadRequest, "--edge-disk-dir needs --edge-disk"),
+    ({}, {"edge_disk": "1G", "edge_disk_dir": "/proc/kdn"}, BadRequest, "--edge-disk-dir /proc/kdn"),
+    ({}, {"origin": "gs://bucket/kdn"}, BadRequest, "only a directory or s3://bucket/prefix"),
+    ({}, {"origin": "store-a", "root": "store-b"}, BadRequest, "give the origin's store once"),
+    ({}, {"origin": "s3://x/kdn"}, KDNError, "'x' is not a valid bucket name"),
+    ({"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"},
+     {"origin": "s3://kdn-origin/kdn"}, KDNError, "origin bucket s3://kdn-origin/kdn is not usable"),
+])
+def test_bad_settings_are_refused_before_anything_starts(home, monkeypatch, env, kw, error, match):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    before = _ray_heads()
+    t0 = time.monotonic()
+    with pytest.raises(error, match=match):
+        cluster.up(**kw)
+    assert time.monotonic() - t0 < 5
+    assert _ray_heads() == before                      # no Ray cluster was started
+    assert not cluster.state_path().exists()
+
+
+def _dead_record(home, pids):
+    port = cluster.free_ports(1)[0]                   # nothing listens there
+    state = {"network": "kdn", "root": str(home / "origin"), "started": 1.0,
+             "address": f"127.0.0.1:{port}", "embedded": True, "pids": pids}
+    cluster.state_path().write_text(json.dumps(state))
+    return state
+
+
+def test_a_dead_recorded_cluster_is_reported_at_once(home):
+    _dead_record(home, [])
+    t0 = time.monotonic()
+    with pytest.raises(NetworkError, match="is not running .* run `kdn down`"):
+        cluster.read_state(require_alive=True)
+    assert time.monotonic() - t0 < 3
+
+
+def test_down_clears_a_dead_record_and_kills_only_our_processes(home):
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        recs = cluster.process_records([ours.pid])
+        # the stranger's pid is recorded with another start time: a reused pid, not ours
+        recs.append([stranger.pid, psutil.Process(stranger.pid).create_time() - 1000])
+        _dead_record(home, recs)
+        t0 = time.monotonic()
+        state = cluster.down()
+        assert time.monotonic() - t0 < 10
+        assert state["was_dead"] is True
+        assert ours.wait(timeout=10) is not None
+        assert stranger.poll() is None                  # never touched
+        assert not cluster.state_path().exists()
+    finally:
+        for p in (ours, stranger):
+            p.kill()
+            p.wait()
+
+
+def test_a_corrupt_record_is_a_clear_error(home):
+    cluster.state_path().write_text("{not json")
+    with pytest.raises(NetworkError, match="not a KDN cluster record"):
+        cluster.read_state()
+
+
+def test_free_ports_are_distinct_and_bindable():
+    import socket
+    ports = cluster.free_ports(5)
+    assert len(set(ports)) == 5
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+def test_sizes_read_binary_and_decimal_units():
+    assert cluster.parse_size("200G") == 200 * 2**30 and cluster.parse_size("512MiB") == 512 * 2**20
+    assert cluster.parse_size("10GB") == 10**10 and cluster.parse_size("1.5T") == int(1.5 * 2**40)
+    assert cluster.parse_size("4096") == 4096
+
+
+def test_wrong_bucket_credentials_are_a_clear_error_at_up(home, monkeypatch):
+    """`kdn up --origin s3://...` lists the bucket with the AWS_* variables before it starts
+    anything: a wrong secret or a missing bucket names itself (a real S3 server on loopback)."""
+    from kdn.testing.s3 import LocalS3
+    s3 = LocalS3()
+    try:
+        for k, v in s3.env.items():
+            monkeypatch.setenv(k, v)
+        assert cluster.check_origin(origin=s3.url("kdn")) == (s3.url("kdn"), {"store_env": s3.env})
+        before = _ray_heads()
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+        with pytest.raises(KDNError, match="origin bucket s3://kdn-origin/kdn is not usable with the "
+                                           "endpoint and credentials of AWS_ENDPOINT_URL.*403"):
+            cluster.up(origin=s3.url("kdn"))
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.env["AWS_SECRET_ACCESS_KEY"])
+        with pytest.raises(KDNError, match="s3://no-such-bucket/kdn"):
+            cluster.up(origin="s3://no-such-bucket/kdn")
+        assert _ray_heads() == before and not cluster.state_path().exists()
+    finally:
+        s3.stop()
