@@ -6,12 +6,18 @@ from the repository root, Python blocks with the venv's python), with a private 
 `load_admin_token()` then find them. Each block is placed in one group below, and a block
 that is in none fails the test, so a new README block cannot go untested by accident:
 - run here: `kdn up`, publish, query --check, status, the Python API, `kdn serve` and the
-  openai client against it, `kdn down`;
+  openai client against it, `kdn down`; on the same cluster, between the README's blocks, the
+  errors a user meets with these commands (bad codecs refused before anything starts, an
+  unknown KB, a missing file: exit status 2 and one line naming the culprit; a second publish
+  prefills nothing), and after `kdn down` no process of the cluster may remain;
 - run only with KDN_README_ALL=1 (minutes each): `make demo` and the vLLM blocks;
 - not run: `make test` (it is the run this test is part of).
+Each command is a separate process that finds the network through $KDN_HOME/cluster.json;
+output goes to files, not pipes (the cluster's daemons must not hold a pipe of `kdn up` open).
 Commands named in prose are checked too: every `kdn bench NAME` exists and every `--flag`
 the prose names is one its command takes.
 """
+import json
 import os
 import re
 import shutil
@@ -19,12 +25,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 KDN = ROOT / ".venv" / "bin" / "kdn"
 SLOW = os.environ.get("KDN_README_ALL") == "1"
+REGIONS = ("us-east", "eu-west", "ap-south")
 
 
 def blocks() -> list:
@@ -84,17 +92,107 @@ def test_prose_commands_exist(capsys):
 
 @pytest.mark.skipif(not KDN.exists(), reason=f"{KDN} is missing: the README's commands use the "
                                               "venv `make` creates")
+class Runner:
+    """Runs `kdn ARGS` with KDN_HOME set; returns (exit status, stdout, stderr)."""
+
+    def __init__(self, env: dict, logs: Path):
+        self.env, self.logs, self.n = env, logs, 0
+
+    def __call__(self, *args, timeout=180):
+        self.n += 1
+        out, err = self.logs / f"{self.n}.out", self.logs / f"{self.n}.err"
+        with open(out, "w") as fo, open(err, "w") as fe:
+            rc = subprocess.run([str(KDN)] + list(args), stdout=fo, stderr=fe, env=self.env, cwd=ROOT,
+                                stdin=subprocess.DEVNULL, timeout=timeout).returncode
+        return rc, out.read_text(), err.read_text()
+
+
+def _error_lines(err: str) -> list:
+    return [line for line in err.splitlines() if line.startswith("kdn: error:")]
+
+
+def _recorded_pids(state: dict) -> list:
+    """The pids `kdn up` recorded (each as [pid, start time], or a bare pid)."""
+    return [r[0] if isinstance(r, (list, tuple)) else r for r in state.get("pids", [])]
+
+
+def _process_tree(pids) -> dict:
+    """{pid: create_time} of these processes and all their descendants (those alive now)."""
+    out = {}
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            for q in [p] + p.children(recursive=True):
+                out[q.pid] = q.create_time()
+        except psutil.Error:
+            continue
+    return out
+
+
+def _still_running(tree: dict) -> list:
+    alive = []
+    for pid, created in tree.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{pid} {p.name()}")
+        except psutil.Error:
+            continue
+    return alive
+
+
+def _refused_before_start(kdn, state_file):
+    rc, out, err = kdn("up", "--edge-codec", "gz")
+    assert rc == 2 and not state_file.exists(), "a bad codec is refused before anything starts"
+    lines = _error_lines(err)
+    assert len(lines) == 1 and "edge store codec must be one of" in lines[0] and "'gz'" in lines[0]
+    rc, out, err = kdn("up", "--origin-codec", "q8z")
+    assert rc == 2 and not state_file.exists() and "lossy codec 'q8z'" in err
+
+
+def _errors_on_a_running_network(kdn, tmp_path):
+    """What a user meets on the network `kdn up` started, after the README's first block."""
+    rc, out, err = kdn("status")
+    assert rc == 0 and "origin: up" in out, out + err
+    edges = sorted(line.split()[:3] for line in out.splitlines()
+                   if line.split()[:1] and line.split()[0] in {f"{r}-0" for r in REGIONS})
+    assert edges == sorted([f"{r}-0", r, "up"] for r in REGIONS), out
+    docs = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kdn" / "data").glob("0*.md"))
+    rc, out, err = kdn("publish", "founding", *docs)       # the README's KB, again
+    assert rc == 0, err
+    assert "default/founding v1 unchanged" in out and "prefilled 0 tokens" in out and "sent 0 chunks" in out
+    rc, out, err = kdn("query", "no-such-kb", "Anything?", "--max-new-tokens", "4")
+    lines = _error_lines(err)
+    assert rc == 2 and len(lines) == 1 and "'no-such-kb'" in lines[0], err
+    missing = tmp_path / "missing.md"
+    rc, out, err = kdn("publish", "founding", docs[0], str(missing))
+    lines = _error_lines(err)
+    assert rc == 2 and len(lines) == 1 and str(missing) in lines[0] and "no such file" in lines[0], err
+
+
 def test_readme_runs_as_written(tmp_path):
-    env = dict(os.environ, KDN_HOME=str(tmp_path / "kdn-home"))
+    home, logs = tmp_path / "kdn-home", tmp_path / "logs"
+    logs.mkdir()
+    env = dict(os.environ, KDN_HOME=str(home))
     env.pop("RAY_ADDRESS", None)
-    outputs = []
+    kdn, state_file = Runner(env, logs), home / "cluster.json"
+    _refused_before_start(kdn, state_file)
+    outputs, tree = [], {}
     try:
         for lang, text in blocks():
             g = group(lang, text)
-            if g == "run" or (g == "slow" and SLOW):
-                outputs.append((text, run_block(lang, text, env, timeout=1200 if g == "slow" else 600)))
+            if not (g == "run" or (g == "slow" and SLOW)):
+                continue
+            if "kdn down" in text and state_file.exists():
+                tree = _process_tree(_recorded_pids(json.loads(state_file.read_text())))
+            outputs.append((text, run_block(lang, text, env, timeout=1200 if g == "slow" else 600)))
+            if "kdn up" in text:
+                state = json.loads(state_file.read_text())
+                assert state["embedded"] and state["pids"] and Path(state["root"]) == home / "origin"
+                assert set(_recorded_pids(state)) <= set(_process_tree(_recorded_pids(state)))
+                _errors_on_a_running_network(kdn, tmp_path)
     finally:
-        if (tmp_path / "kdn-home" / "cluster.json").exists():
+        if state_file.exists():
             subprocess.run([str(KDN), "down"], cwd=ROOT, env=env, capture_output=True, timeout=120)
     up, api, serve, openai, down = [out for text, out in outputs
                                     if "make demo" not in text and "vllm" not in text.lower()]
@@ -110,6 +208,10 @@ def test_readme_runs_as_written(tmp_path):
     assert "http://127.0.0.1:8000/v1" in serve, serve[-2000:]
     answer, cached = openai.strip().splitlines()[-2:]
     assert answer.strip() and cached == "4520", openai[-2000:]
-    assert "is down" in down or "stopped" in down, down
-    assert not (tmp_path / "kdn-home" / "cluster.json").exists()
-    shutil.rmtree(tmp_path / "kdn-home", ignore_errors=True)
+    # `kdn down` stopped exactly what `kdn up` started, and nothing of it remains
+    assert "stopped and its embedded cluster shut down" in down, down
+    assert not state_file.exists()
+    assert tree and not _still_running(tree), f"left running after `kdn down`: {_still_running(tree)}"
+    rc, out, err = kdn("status")
+    assert rc == 2 and "kdn up" in err
+    shutil.rmtree(home, ignore_errors=True)

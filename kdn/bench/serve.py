@@ -175,7 +175,7 @@ def run(regions, tokens: int, reps: int, off_reps: int, concurrency, per_client:
         log) -> dict:
     import ray
     from ray import serve as ray_serve
-    from kdn.serve.app import app as serve
+    from kdn.serve import app as serve
     from kdn.bench.ttft import knowledge_texts
     from kdn.client import Client
     from kdn.launch.cluster import LocalCluster, free_ports, start_network, teardown

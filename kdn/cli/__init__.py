@@ -11,6 +11,7 @@ import re
 import sys
 
 from kdn.core.errors import KDNError
+from kdn.engines.base import ENGINES
 
 # CSI/OSC escape sequences, then any other control character (newlines included)
 _ESCAPES = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)?|[@-Z\\-_])|[\x00-\x1f\x7f-\x9f]+")
@@ -124,7 +125,7 @@ def _status(args, rest):
 
 
 def _serve(args, rest):
-    from kdn.serve.app import app as serve
+    from kdn.serve import app as serve
     from kdn.client.join import init_ray
     opts = serve.load_config(args.config) if args.config and not args.down else {}  # a bad file: no connect
     address, network = _where(args)
@@ -143,7 +144,7 @@ def _serve(args, rest):
 def _deploy_service(network: str, opts: dict, as_json: bool = False) -> int:
     """Deploy (or update) the network's OpenAI-compatible service and say where it is."""
     import json
-    from kdn.serve.app import app as serve
+    from kdn.serve import app as serve
     from kdn.core.auth import load_admin_token, read_tokens_from_env
     info = serve.deploy(network, auth={"admin": load_admin_token(), "readers": read_tokens_from_env()}, **opts)
     if as_json:
@@ -185,18 +186,22 @@ def _model_fingerprint(engine: str = "transformers"):
     without loading the weights (a few seconds less than load_model(), and no warm-up); None
     before the first conversion. Lets a command refuse an unknown KB or a wrong admin token
     before the model loads; whatever loads later is checked against it."""
-    from kdn.engines.transformers import model as M
+    from kdn.engines.base import check_engine
     from kdn.engines.fingerprint import fingerprints
-    digest = M.file_digest(M.gguf_path())
-    folder = M.cache_root() / "models" / f"{M.MODEL_NAME}-{digest[:16]}"
-    if M._read_meta(folder, digest) is None:
+    from kdn.engines.transformers import convert
+    digest = convert.file_digest(convert.gguf_path())
+    folder = convert.cache_root() / "models" / f"{convert.MODEL_NAME}-{digest[:16]}"
+    if convert.read_meta(folder, digest) is None:
         return None
-    return fingerprints(folder)["vllm" if engine == "vllm" else "transformers"]
+    return fingerprints(folder)[check_engine(engine)]
 
 
 def _publish(args, rest):
     from kdn.client.documents import select_documents
+    from kdn.client.publish import progress_bar
     from kdn.core.manifest import check_name
+    from kdn.engines.base import context_of, load_engine
+    from kdn.engines.transformers.model import load_model
     # what can be refused is refused before the model loads: names, the documents (sizes,
     # binary content, an empty selection), the network and the admin token
     check_name(args.kb, "knowledge base name")
@@ -206,79 +211,50 @@ def _publish(args, rest):
     fingerprint = _model_fingerprint(args.engine)
     if fingerprint is not None:
         _connect(args, tenant=args.tenant, fingerprint=fingerprint).publisher.check_access()
-    if args.engine == "vllm":
-        return _publish_vllm(args, selection.documents)
-    from kdn.engines.transformers.model import load_model
-    from kdn.client.publish import progress_bar, publish_documents
-    model = load_model()
-    cl = _connect(args, tenant=args.tenant, fingerprint=model.fingerprint)
-    _check_length(args, model, selection.documents)
-    r = publish_documents(cl, model, args.kb, selection.documents, progress=progress_bar())
-    state = "unchanged, no new version" if r["unchanged"] else "committed"
-    print(f"{r['tenant']}/{r['kb']} v{r['version']} {state}: {r['tokens']} tokens in {r['chunks']} chunks "
-          f"({r['bytes'] / 2**20:.1f} MiB of KV); prefilled {r['prefilled_tokens']} tokens in "
-          f"{r['prefill_s']:.1f} s, reused {r['reused_tokens']} from the network; sent {r['sent_chunks']} chunks")
-    print("placement: " + ", ".join(f"{e} {n}" for e, n in sorted(r["placement"].items())))
+    # the KB's length is checked with the model's tokenizer before a slow engine starts
+    model = load_model(warm=args.engine == "transformers")
+    _check_length(args, model, selection.documents, *context_of(args.engine, model))
+    cl = _connect(args, tenant=args.tenant, fingerprint=fingerprint or model.fingerprint)
+    engine = load_engine(args.engine, model, "kv_both", **_connector_settings(args, cl, admin=True))
+    if engine.fingerprint != cl.publisher.fingerprint:
+        cl = _connect(args, tenant=args.tenant, fingerprint=engine.fingerprint)
+    r = engine.publish(cl, args.kb, selection.documents, progress=progress_bar())
+    state = "unchanged, no new version" if r.get("unchanged") else "committed"
+    size = f" ({r['bytes'] / 2**20:.1f} MiB of KV)" if "bytes" in r else ""
+    took = f" in {r['prefill_s']:.1f} s" if "prefill_s" in r else ""
+    sent = f"; sent {r['sent_chunks']} chunks" if "sent_chunks" in r else ""
+    print(f"{r['tenant']}/{r['kb']} v{r['version']} {state}: {r['tokens']} tokens in {r['chunks']} chunks"
+          f"{size}; prefilled {r['prefilled_tokens']} tokens{took} with {engine.name}, reused "
+          f"{r['reused_tokens']} from the network{sent}")
+    if r.get("placement"):
+        print("placement: " + ", ".join(f"{e} {n}" for e, n in sorted(r["placement"].items())))
     return 0
 
 
-def _check_length(args, model, documents, context: int = None, context_name: str = None) -> int:
+def _connector_settings(args, client, admin: bool = False) -> dict:
+    """What an engine with KDN's connector needs to reach this network (vLLM)."""
+    import os
+    from kdn.core.auth import load_admin_token
+    settings = {"network": client.network, "region": client.region, "tenant": args.tenant,
+                "token": os.environ.get("KDN_TOKEN")}
+    if admin:
+        settings["admin_token"] = os.environ.get("KDN_ADMIN_TOKEN") or load_admin_token()
+    return settings
+
+
+def _check_length(args, model, documents, context: int = None,
+                  context_name: str = "max_position_embeddings") -> int:
     """The KB's tokens; BadRequest before any prefill when they exceed the origin's limit or
-    the model's context (kdn.client.documents.check_kb_tokens), a warning when they nearly fill it."""
-    from kdn.client.documents import check_kb_tokens, join_documents, model_context
+    the engine's context (kdn.client.documents.check_kb_tokens), a warning when they nearly
+    fill it. --allow-over-context overrides the model's context only (vLLM's is a hard limit)."""
+    from kdn.client.documents import check_kb_tokens, join_documents
     tokens = len(model.knowledge_tokens(join_documents(documents)[0]))
-    if context is None:
-        context = model_context(model)
-        context_name = "max_position_embeddings"
-        override = "--allow-over-context"
-    else:
-        override = None
+    override = "--allow-over-context" if context_name == "max_position_embeddings" else None
     warning = check_kb_tokens(args.kb, tokens, context, allow_over_context=args.allow_over_context and bool(override),
                               flag=override, context_name=context_name)
     if warning:
         print(warning, file=sys.stderr)
     return tokens
-
-
-def _publish_vllm(args, docs):
-    """vLLM prefills the KB and KDN publishes the KV vLLM computed (its own fingerprint)."""
-    import os
-    from kdn.core.auth import load_admin_token
-    from kdn.engines.vllm.run import MAX_MODEL_LEN, run_publish
-    from kdn.client.documents import model_context
-    from kdn.engines.transformers.model import load_model
-    model = load_model(warm=False)           # its tokenizer: the KB's length, before vLLM starts
-    context = min(MAX_MODEL_LEN, model_context(model) or MAX_MODEL_LEN)
-    _check_length(args, model, docs, context, "vLLM's max_model_len")
-    del model
-    address, network = _where(args)
-    r = run_publish(args.kb, docs, network=network, address=address, tenant=args.tenant,
-                    admin_token=os.environ.get("KDN_ADMIN_TOKEN") or load_admin_token())
-    state = "unchanged, no new version" if r.get("unchanged") else "committed"
-    print(f"{r['tenant']}/{r['kb']} v{r['version']} {state} with the KV vLLM computed: "
-          f"{r['tokens']} tokens in {r['chunks']} chunks")
-    return 0
-
-
-def _query_vllm(args):
-    """The answer through vLLM with KDN's connector, checked against vLLM's own full prefill."""
-    import os
-    from kdn.engines.vllm.run import run_query
-    address, network = _where(args)
-    a = run_query(args.kb, args.question, network=network, region=args.region, address=address,
-                  tenant=args.tenant, token=os.environ.get("KDN_TOKEN"), check=args.check,
-                  max_tokens=args.max_new_tokens)
-    print(a.text)
-    k = a.kdn or {}
-    print(f"\n[vLLM] {k.get('loaded', k.get('external', 0))}/{a.prompt_tokens} prompt tokens from KDN; "
-          f"time to first token {a.ttft_s * 1000:.0f} ms", file=sys.stderr)
-    if args.check:
-        from kdn.engines.transformers.worker import compared
-        print(f"vLLM's own full prefill: time to first token {a.baseline_ttft_s * 1000:.0f} ms, both "
-              f"warm: {compared(a.ttft_s, a.baseline_ttft_s, 'vLLM without it')}; generated tokens "
-              f"identical: {'yes' if a.identical else 'NO'}", file=sys.stderr)
-        return 0 if a.identical else 1
-    return 0
 
 
 def _check_query_args(args) -> list:
@@ -299,6 +275,9 @@ def _check_query_args(args) -> list:
 
 
 def _query(args, rest):
+    from kdn.engines.base import load_engine
+    from kdn.engines.transformers.model import load_model
+    from kdn.engines.transformers.worker import compared
     # bad arguments, an unknown region and an unknown KB fail before the model loads
     accept = _check_query_args(args)
     fingerprint = _model_fingerprint(args.engine)
@@ -306,27 +285,27 @@ def _query(args, rest):
     if fingerprint is not None:
         cl = _connect(args, tenant=args.tenant, fingerprint=fingerprint, region=args.region, accept=accept)
         cl.manifest(args.kb)                 # ManifestError naming the KB when there is none
-    if args.engine == "vllm":
-        return _query_vllm(args)
-    from kdn.engines.transformers.model import load_model
-    from kdn.engines.transformers.worker import answer
-    model = load_model()
-    if cl is None or model.fingerprint != fingerprint:
+    model = load_model(warm=args.engine == "transformers")
+    if cl is None:
         cl = _connect(args, tenant=args.tenant, fingerprint=model.fingerprint, region=args.region,
                       accept=accept)
-    a = answer(cl, model, args.kb, args.question, max_new_tokens=args.max_new_tokens, check=args.check)
+    engine = load_engine(args.engine, model, "kv_consumer", **_connector_settings(args, cl))
+    if cl.reader.fingerprint != engine.fingerprint:
+        cl = _connect(args, tenant=args.tenant, fingerprint=engine.fingerprint, region=args.region,
+                      accept=accept)
+    a = engine.answer(cl, args.kb, args.question, max_new_tokens=args.max_new_tokens, check=args.check)
     print(a.text)
     src = ", ".join(f"{k} {v}" for k, v in sorted(a.sources.items())) or "none"
-    print(f"\n[{cl.region} via {a.edge}] {a.cached_tokens}/{a.prompt_tokens} prompt tokens from KDN "
-          f"(chunks: {src}; {a.bytes_moved / 2**20:.1f} MiB of KV, {a.wire_bytes / 2**20:.1f} MiB moved"
-          f"{'' if a.exact else ', LOSSY codec accepted'}); time to first token {a.ttft_s * 1000:.0f} ms",
-          file=sys.stderr)
+    lossy = "" if a.exact else ", LOSSY codec accepted"
+    print(f"\n[{cl.region} via {a.edge}, {engine.name}] {a.cached_tokens}/{a.prompt_tokens} prompt tokens "
+          f"from KDN (chunks: {src}; {a.bytes_moved / 2**20:.1f} MiB of KV, {a.wire_bytes / 2**20:.1f} MiB "
+          f"moved{lossy}); time to first token {a.ttft_s * 1000:.0f} ms", file=sys.stderr)
     if args.check:
-        from kdn.engines.transformers.worker import compared
+        baseline = "a full prefill" if engine.name == "transformers" else f"{engine.name} without it"
+        diff = "" if a.max_logit_diff is None else f" (max logit difference {a.max_logit_diff:.2e})"
         print(f"full prefill without KDN: time to first token {a.baseline_ttft_s * 1000:.0f} ms, both "
-              f"warm: {compared(a.ttft_s, a.baseline_ttft_s)}; generated tokens identical: "
-              f"{'yes' if a.identical else 'NO'} (max logit difference {a.max_logit_diff:.2e})",
-              file=sys.stderr)
+              f"warm: {compared(a.ttft_s, a.baseline_ttft_s, baseline)}; generated tokens identical: "
+              f"{'yes' if a.identical else 'NO'}{diff}", file=sys.stderr)
         return 0 if a.identical else 1
     return 0
 
@@ -410,7 +389,7 @@ def _serve_args(sub):
     s.add_argument("--max-queued-requests", dest="max_queued_requests", type=int,
                    help="per region and router replica, waiting beyond the replicas' admitted ones; more "
                         "are answered 429 (default 16)")
-    s.add_argument("--engine", choices=("transformers", "vllm"),
+    s.add_argument("--engine", choices=ENGINES,
                    help="the replicas' engine (default transformers; vllm: vLLM with the KDN connector, "
                         "where vLLM is installed; it reads KBs published with --engine vllm)")
     s.add_argument("--routers", type=int, help="replicas of the ingress router (default 2)")
@@ -436,7 +415,7 @@ def _publish_args(sub):
                    help="publish even a KB longer than the model's context (refused by default: no "
                         "prompt can use it whole)")
     p.add_argument("--tenant", default="default")
-    p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+    p.add_argument("--engine", choices=ENGINES, default="transformers",
                    help="which engine prefills the KB (vLLM's KV gets its own fingerprint)")
     _network_args(p)
     p.set_defaults(func=_publish)
@@ -451,7 +430,7 @@ def _query_args(sub):
     q.add_argument("--accept", help="codecs this worker takes over a slow link, comma-separated "
                                     "(default: the lossless ones; e.g. zstd,q8z to allow lossy q8z)")
     q.add_argument("--max-new-tokens", type=int, default=64)
-    q.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+    q.add_argument("--engine", choices=ENGINES, default="transformers",
                    help="answer with KDN's transformers worker or with vLLM and its KDN connector")
     q.add_argument("--check", action="store_true",
                    help="also run a plain full prefill; exit 1 unless the generated tokens are identical")
@@ -463,7 +442,7 @@ def _demo_args(sub):
     dm = sub.add_parser("demo", help="start a local 3-region network, publish, query from every region, report")
     dm.add_argument("--questions", type=int, default=2, help="questions per region")
     dm.add_argument("--max-new-tokens", type=int, default=24)
-    dm.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+    dm.add_argument("--engine", choices=ENGINES, default="transformers",
                     help="vllm: also a vLLM worker with the KDN connector, beside the transformers ones")
     dm.set_defaults(func=_demo)
 

@@ -47,8 +47,10 @@ def _region_worker(network, kb, questions, max_new_tokens):
 def run(questions_per_region: int = 2, max_new_tokens: int = 24, out=None,
         engine: str = "transformers") -> dict:
     """The demo end to end (the module docstring's five steps); returns what it measured."""
-    from kdn.launch.cluster import LocalCluster, stop_network
     from kdn.client.join import init_ray
+    from kdn.engines.base import check_engine
+    from kdn.launch.cluster import LocalCluster, stop_network
+    check_engine(engine)
     out = out or sys.stdout
 
     def say(*a):
@@ -74,7 +76,7 @@ def run(questions_per_region: int = 2, max_new_tokens: int = 24, out=None,
         _report(results, say, out)
         saved = _savings(client, model, results, say)
         say("\n[+] the same KB through `kdn serve`, an OpenAI-compatible API on Ray Serve, with the openai client ...")
-        from kdn.serve.app import demo as serve_demo
+        from kdn.serve import demo as serve_demo
         from kdn.cli.knowledge import bundled_questions
         saved["service"] = serve_demo.run(net.name, KB, bundled_questions()[0], say, replica_cpus=0.5)
         say(f"\ndemo finished in {time.perf_counter() - t_start:.0f} s; shutting the network down.")

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from kdn.core.chunk import Chunk
+from kdn.core.chunk import cut
 from kdn.core.errors import BadRequest
 from kdn.client.documents import (MAX_KB_BYTES, MAX_KB_TOKENS, check_documents,  # noqa: F401
                                   check_kb_tokens, join_documents)
@@ -62,48 +62,30 @@ def knowledge_documents(model, documents) -> list:
 
 
 # --- KV -> chunks --------------------------------------------------------------------------
-def _as_array(x):
-    """x if it is a numpy array or a torch tensor (torch imported only if x may be one)."""
-    if isinstance(x, np.ndarray):
-        return x
-    if type(x).__module__.startswith("torch"):
-        import torch
-        if isinstance(x, torch.Tensor):
-            return x
-    raise BadRequest(f"kv must be a numpy array or torch tensor, got {type(x).__name__}")
-
-
-def _cut(m: Manifest, arr, spans, keys, dtype) -> list:
-    """Chunks of arr [layers, 2, heads, tokens, head_dim] along tokens, one per (span, key)."""
-    if arr.ndim != 5 or arr.shape[1] != 2:
-        raise BadRequest(f"kv must have shape [layers, 2, heads, tokens, head_dim], got {tuple(arr.shape)}")
-    total = spans[-1][1] if spans else 0
-    if arr.shape[3] != total:
-        raise BadRequest(f"kv covers {arr.shape[3]} tokens but the documents have {total}")
-    out = []
-    for (s, e), k in zip(spans, keys):
-        part = arr[:, :, :, s:e]
-        if isinstance(part, np.ndarray):
-            out.append(Chunk(k, m.ns, np.ascontiguousarray(part), dtype or str(part.dtype)))
-        else:
-            out.append(Chunk.from_torch(k, m.ns, part.contiguous()))
-    return out
+def _kv_of(kv, tokens: int):
+    """kv if it is an array (numpy or torch) covering `tokens` tokens; BadRequest otherwise."""
+    shape = getattr(kv, "shape", None)
+    if not isinstance(kv, np.ndarray) and not type(kv).__module__.startswith("torch"):
+        raise BadRequest(f"kv must be a numpy array or torch tensor, got {type(kv).__name__}")
+    if len(shape) == 5 and shape[3] != tokens:
+        raise BadRequest(f"kv covers {shape[3]} tokens but the documents have {tokens}")
+    return kv
 
 
 def split_kv(m: Manifest, kv, dtype: str = None) -> list:
-    """The Chunks of manifest m, cut from kv: for the prefix layout one array
-    [layers, 2, heads, total tokens, head_dim]; for segments a list of them, one per document."""
+    """The Chunks of manifest m, cut from kv (kdn.core.chunk.cut): for the prefix layout one
+    array [layers, 2, heads, total tokens, head_dim]; for segments a list of them, one per
+    document."""
     ct = m.chunk_tokens
     if m.layout == "prefix":
-        spans = [(s, min(s + ct, m.n_tokens)) for s in range(0, m.n_tokens, ct)]
-        return _cut(m, _as_array(kv), spans, m.keys, dtype)
+        return cut(_kv_of(kv, m.n_tokens), m.keys, m.ns, ct, dtype)
     if not isinstance(kv, (list, tuple)) or len(kv) != len(m.documents):
         raise BadRequest(f"the segments layout needs one kv array per document "
                          f"({len(m.documents)}), got {type(kv).__name__}")
     out = []
     for d, arr in zip(m.documents, kv):
-        spans = [(s, min(s + ct, d.tokens)) for s in range(0, d.tokens, ct)]
-        out.extend(_cut(m, _as_array(arr), spans, m.keys[d.first_chunk:d.first_chunk + d.n_chunks], dtype))
+        keys = m.keys[d.first_chunk:d.first_chunk + d.n_chunks]
+        out.extend(cut(_kv_of(arr, d.tokens), keys, m.ns, ct, dtype))
     return out
 
 

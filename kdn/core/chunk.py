@@ -44,7 +44,7 @@ from kdn.core.dtypes import DTYPES, name_of, torch_dtype
 from kdn.core.errors import (BadHeader, BadLength, BadRequest, ChecksumMismatch, FrameError,
                              SizeLimitExceeded, TruncatedFrame, UnknownCodec, UnknownDtype,
                              UnknownVersion)
-from kdn.core.keys import KEY_BYTES, check_key
+from kdn.core.keys import CHUNK_TOKENS, KEY_BYTES, check_key, chunk_spans
 
 
 MAGIC = b"KDNC"
@@ -235,6 +235,33 @@ class Chunk:
 
 
 # --- frames ----------------------------------------------------------------------------
+def cut(kv, keys, ns, chunk_tokens: int = CHUNK_TOKENS, dtype: str = None) -> list:
+    """Chunks of kv [layers, 2, kv_heads, tokens, head_dim] (numpy, or a torch tensor), one per
+    key, cut along tokens on the chunk grid (kdn.core.keys.chunk_spans: full chunks, then the
+    trailing partial one): the one place KV becomes chunks. One copy per chunk (a slice along
+    tokens is not contiguous; a chunk is one contiguous buffer). dtype: the KDN dtype name of
+    a numpy kv (default: the one its storage dtype stands for; uint16 is bfloat16)."""
+    shape = tuple(getattr(kv, "shape", ()))
+    if len(shape) != 5 or shape[1] != 2:
+        raise BadRequest(f"kv must have shape [layers, 2, kv_heads, tokens, head_dim], got "
+                         f"{shape or type(kv).__name__}")
+    spans = chunk_spans(shape[3], chunk_tokens)
+    keys = list(keys)
+    if len(keys) != len(spans):
+        raise BadRequest(f"{len(keys)} keys for {shape[3]} tokens, which make {len(spans)} "
+                         f"chunks of {chunk_tokens}")
+    if isinstance(kv, np.ndarray) and dtype is None:
+        dtype = next((name for name, (storage, _, _) in DTYPES.items() if kv.dtype == storage), None)
+        if dtype is None:
+            raise BadRequest(f"KV dtype {kv.dtype} is not float32, float16 or uint16 (bfloat16 bits)")
+    out = []
+    for key, (a, b) in zip(keys, spans):
+        part = kv[:, :, :, a:b]
+        out.append(Chunk(key, ns, np.ascontiguousarray(part), dtype) if isinstance(part, np.ndarray)
+                   else Chunk.from_torch(key, ns, part.contiguous()))
+    return out
+
+
 def _byte_view(buf) -> memoryview:
     try:
         mv = memoryview(buf)

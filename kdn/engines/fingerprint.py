@@ -21,7 +21,45 @@ import xxhash
 from kdn.core.dtypes import DTYPES, name_of
 from kdn.core.errors import ModelError
 
-META_FILE = "kdn-model.json"      # kdn.engines.transformers.model.META_FILE: a folder KDN converted names its weights
+META_FILE = "kdn-model.json"      # the record of a folder kdn.engines.transformers.convert wrote
+
+
+def weights_digest(state_dict) -> str:
+    """xxh3-128 hex over every tensor (name, dtype, shape, bytes) in name order."""
+    h = xxhash.xxh3_128()
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().to("cpu").contiguous()
+        h.update(f"{name}\0{name_of(t.dtype) or str(t.dtype)}\0{tuple(t.shape)}\0".encode())
+        if t.dtype == torch.bfloat16:
+            t = t.view(torch.int16)
+        h.update(memoryview(t.numpy()).cast("B"))
+    return h.hexdigest()
+
+
+def fingerprint_fields(config, weights: str, kv_dtype: str) -> dict:
+    """What makes two KV caches interchangeable, as a JSON-able dict."""
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"} or getattr(config, "rope_scaling", None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default") and len(scaling) == 1:
+        scaling = None  # 'default' RoPE is no scaling, however the version spells it
+    return {
+        "architecture": config.model_type,
+        "layers": config.num_hidden_layers,
+        "kv_heads": config.num_key_value_heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        "rope_theta": float(theta) if theta is not None else None,
+        "rope_scaling": scaling,
+        "kv_dtype": kv_dtype,
+        "weights": weights,
+    }
+
+
+def model_fingerprint(config, weights: str, kv_dtype: str) -> str:
+    """xxh3-128 hex of fingerprint_fields: the model part of every KDN namespace."""
+    blob = json.dumps(fingerprint_fields(config, weights, kv_dtype), sort_keys=True, default=str)
+    return xxhash.xxh3_128_hexdigest(blob.encode())
+
 
 
 def weights_of(folder: Path) -> str:
@@ -51,7 +89,6 @@ def fingerprints(model_path, dtype=torch.float32, device: str = "cpu") -> dict:
     unless float32: kdn.engines.transformers.model names a cast model by the digest of its cast weights)."""
     from transformers import AutoConfig
 
-    from kdn.engines.transformers.model import fingerprint_fields, model_fingerprint
     folder = Path(model_path)
     if not (folder / "config.json").is_file():
         raise ModelError(f"{model_path!r} is not a local model folder (config.json); KDN names a "

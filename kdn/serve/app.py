@@ -47,6 +47,7 @@ import contextlib
 import logging
 
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, NetworkError
+from kdn.engines.base import check_engine
 from kdn.serve.api import (MAX_BODY_BYTES, RETRY_AFTER_S, ApiError, api_error, completion, completion_id,
                            credentials, error_body, model_list, parse_chat, parse_json, read_body, sse,
                            sse_answer, usage)
@@ -328,22 +329,18 @@ def check_autoscaling(min_replicas: int = 1, max_replicas: int = 1, target_ongoi
             "target_ongoing_requests": float(target_ongoing_requests)}
 
 
-ENGINES = ("transformers", "vllm")
-
-
 def worker_class(engine: str):
-    """The replica class of an engine: RegionWorker (transformers, kdn.serve.chat) or, where vLLM is
-    installed, kdn.serve.vllm.VllmRegionWorker (vLLM with the KDN connector)."""
-    if engine == "transformers":
+    """The replica class of an engine (kdn.engines.base.ENGINES): RegionWorker (transformers,
+    kdn.serve.chat) or, where vLLM is installed, kdn.serve.vllm.VllmRegionWorker (vLLM with
+    the KDN connector)."""
+    if check_engine(engine) == "transformers":
         return RegionWorker
-    if engine == "vllm":
-        import importlib.util
-        if importlib.util.find_spec("vllm") is None:
-            raise BadRequest("engine 'vllm' needs vLLM, which is not installed here (the vllm extra: "
-                             "see the README); the default engine is 'transformers'")
-        from kdn.serve.vllm import VllmRegionWorker
-        return VllmRegionWorker
-    raise BadRequest(f"engine must be one of {', '.join(ENGINES)}, got {engine!r:.40}")
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        raise BadRequest("engine 'vllm' needs vLLM, which is not installed here (the vllm extra: "
+                         "see the README); the default engine is 'transformers'")
+    from kdn.serve.vllm import VllmRegionWorker
+    return VllmRegionWorker
 
 
 def deploy(network: str = "kdn", regions=None, port: int = DEFAULT_PORT, auth: dict = None,

@@ -41,7 +41,7 @@ def ask(info: dict, kb: str, question: str, say, api_key: str = "kdn", max_token
 
 def run(network: str, kb: str, question: str, say, **deploy_options) -> dict:
     """Deploy the service on the demo's network, ask through it, stop it."""
-    from kdn.serve.app import app as serve
+    from kdn.serve import app as serve
     from kdn.launch.cluster import free_ports
     t0 = time.perf_counter()
     info = serve.deploy(network, port=deploy_options.pop("port", free_ports(1)[0]), **deploy_options)

@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     from kdn.engines.transformers.model import load_model
     from kdn.placement.topology import Topology
     from kdn.client.publish import publish_documents
-    from kdn.serve.app import app as serve
+    from kdn.serve import app as serve
     regions = ["us-east", "eu-west", "ap-south"]
     cluster = LocalCluster(regions, cpus=2, object_store_bytes=768 << 20)
     init_ray(cluster.address)

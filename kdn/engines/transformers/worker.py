@@ -14,34 +14,9 @@ timed, so neither pays a process's first calls. `compared` says which side was f
 plain words.
 """
 import time
-from dataclasses import dataclass, field
 
 from kdn.core.errors import ModelError
-
-
-@dataclass
-class Answer:
-    question: str
-    text: str
-    tokens: list
-    prompt_tokens: int
-    cached_tokens: int
-    ttft_s: float                    # with KDN: fetch + cache rebuild + prefill of the rest
-    fetch_s: float
-    sources: dict                    # local / peer / origin -> chunk count
-    edge: str
-    bytes_moved: int
-    exact: bool = True               # False when the KV came through a lossy codec the client accepted
-    wire_bytes: int = 0              # bytes of KV that crossed the link (compressed where a codec was used)
-    baseline_ttft_s: float = None    # full prefill, no KDN (check=True)
-    baseline_tokens: list = None
-    identical: bool = None
-    max_logit_diff: float = None
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def speedup(self):
-        return None if not self.baseline_ttft_s else self.baseline_ttft_s / self.ttft_s
+from kdn.engines.base import Answer
 
 
 def answer(client, model, kb: str, question: str, max_new_tokens: int = 48, check: bool = False,

@@ -11,17 +11,17 @@
 - `query_with_vllm(llm, client, kb, question, check=True)`: the greedy answer with KDN and,
   with check, vLLM's own full prefill of the same prompt (its prefix cache skipped), and
   whether the tokens are identical.
-- `run_publish(kb, documents, ...)` and `run_query(kb, question, ...)`: the same from a
-  command line: join the network, start an engine, do it (`kdn publish/query --engine vllm`).
+- `VllmEngine(llm, model)`: the two behind the engine interface (kdn.engines.base), which
+  `kdn publish/query --engine vllm` use (kdn.engines.base.load_engine starts it).
 - `EngineWorker`: an engine in a Ray actor, to place it in a region; `demo_answers` runs one
   beside the demo's transformers workers.
 """
 import dataclasses
 import os
 import time
-from dataclasses import dataclass, field
 
 from kdn.core.errors import KDNError, ModelError
+from kdn.engines.base import Answer
 from kdn.client.publish import check_documents, knowledge_documents
 
 MAX_MODEL_LEN = 8192
@@ -107,26 +107,8 @@ def publish_with_vllm(llm, kb: str, documents, model=None, salt: str = None, met
                 total_s=time.perf_counter() - t0, documents=[n for n, _ in named])
 
 
-@dataclass
-class VLLMAnswer:
-    question: str
-    text: str
-    tokens: list
-    prompt_tokens: int
-    ttft_s: float                      # with KDN
-    kdn: dict                          # the connector's report: held, local, external, loaded, ...
-    baseline_tokens: list = None       # vLLM's own full prefill (check=True)
-    baseline_ttft_s: float = None
-    identical: bool = None
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def speedup(self):
-        return None if not self.baseline_ttft_s else self.baseline_ttft_s / self.ttft_s
-
-
 def query_with_vllm(llm, client, kb: str, question: str, model=None, check: bool = True,
-                    max_tokens: int = 32, salt: str = None, forget_local: bool = False) -> VLLMAnswer:
+                    max_tokens: int = 32, salt: str = None, forget_local: bool = False) -> Answer:
     """Answer `question` over KB `kb` through vLLM with KDN; with check, also with vLLM's
     own full prefill, and whether the greedy tokens are identical. With check, the KDN side
     runs once untimed first (vLLM warms its model when it starts), and vLLM's prefix cache is
@@ -145,9 +127,12 @@ def query_with_vllm(llm, client, kb: str, question: str, model=None, check: bool
     if forget_local:
         llm.reset_prefix_cache()
     got = generate(llm, prompt, max_tokens, salt=salt)
-    a = VLLMAnswer(question=question, text=got["text"].strip(), tokens=got["tokens"],
-                   prompt_tokens=len(prompt), ttft_s=got["ttft_s"], kdn=got["kdn"],
-                   extra={"cached": got["cached"]})
+    k = got["kdn"]
+    a = Answer(question=question, text=got["text"].strip(), tokens=got["tokens"], engine="vllm",
+               prompt_tokens=len(prompt), ttft_s=got["ttft_s"], kdn=k,
+               cached_tokens=k.get("loaded", k.get("external", 0)),
+               edge=k.get("fetched_from") or k.get("edge"), bytes_moved=k.get("bytes", 0),
+               extra={"cached": got["cached"]})
     if check:
         base = generate(llm, prompt, max_tokens, salt=salt, full=True)
         a.baseline_tokens, a.baseline_ttft_s = base["tokens"], base["ttft_s"]
@@ -155,38 +140,26 @@ def query_with_vllm(llm, client, kb: str, question: str, model=None, check: bool
     return a
 
 
-def _join(address: str = None) -> None:
-    import ray
-    from kdn.client.join import init_ray
-    if not ray.is_initialized():
-        init_ray(address or "auto")
+class VllmEngine:
+    """vLLM with KDN's connector behind the engine interface (kdn.engines.base.Engine).
 
+    llm: an engine from start_engine (role kv_both to publish); model: the transformers Model
+    of the same folder, for the chat template and tokenizer (prompts built by either engine
+    start with the same tokens)."""
+    name = "vllm"
 
-def run_publish(kb: str, documents, network: str = "kdn", region: str = None, address: str = None,
-                admin_token: str = None, tenant: str = "default") -> dict:
-    """`kdn publish KB FILES --engine vllm`: publish documents [(name, text)] with the KV
-    vLLM computes; the receipt (kdn.client.publish receipts' fields, plus engine="vllm")."""
-    _join(address)
-    llm = start_engine("kv_both", network=network, region=region, tenant=tenant, admin_token=admin_token)
-    return publish_with_vllm(llm, kb, documents)
+    def __init__(self, llm, model):
+        from kdn.engines.fingerprint import fingerprints
+        self.llm, self.model = llm, model
+        self.fingerprint = fingerprints(model.cache_path)["vllm"]
 
+    def publish(self, client, kb: str, documents, meta: dict = None, progress=None) -> dict:
+        """vLLM prefills; its connector publishes (client: unused, the connector has its own)."""
+        return publish_with_vllm(self.llm, kb, documents, model=self.model, meta=meta)
 
-def run_query(kb: str, question: str, network: str = "kdn", region: str = None, address: str = None,
-              tenant: str = "default", token: str = None, check: bool = True,
-              max_tokens: int = 48) -> VLLMAnswer:
-    """`kdn query KB "question" --engine vllm [--region R] --check`: the answer through vLLM
-    with KDN and, with check, whether its tokens equal vLLM's own full prefill's
-    (answer.identical; a command exits non-zero when it is False)."""
-    from kdn.client import connect
-    from kdn.engines.fingerprint import fingerprints
-    from kdn.engines.transformers.model import load_model
-    _join(address)
-    model = load_model()
-    llm = start_engine("kv_consumer", str(model.cache_path), network=network, region=region,
-                       tenant=tenant, token=token)
-    client = connect(region=region, network=network, tenant=tenant, token=token,
-                     fingerprint=fingerprints(model.cache_path)["vllm"])
-    return query_with_vllm(llm, client, kb, question, model=model, check=check, max_tokens=max_tokens)
+    def answer(self, client, kb: str, question: str, max_new_tokens: int = 48, check: bool = False):
+        return query_with_vllm(self.llm, client, kb, question, model=self.model, check=check,
+                               max_tokens=max_new_tokens)
 
 
 def demo_answers(network: str, region: str, kb: str, documents, questions,

@@ -14,12 +14,14 @@ import pytest
 import torch
 
 from kdn.core.chunk import decode, encode
-from kdn.core.errors import ModelError
+from kdn.core.errors import BadRequest, ModelError
 from kdn.core.keys import chunk_keys, chunk_spans, namespace_digest
 from kdn.cli.knowledge import bundled_documents, bundled_questions, bundled_sources
-from kdn.engines.transformers.model import (META_FILE, Model, _read_meta, file_digest, gguf_path, kv_chunks,
-                                            load_model, model_fingerprint, weights_digest)
-import kdn.engines.transformers.model as kmodel
+from kdn.engines.fingerprint import META_FILE, model_fingerprint, weights_digest
+from kdn.engines.transformers import convert as kconvert
+from kdn.engines.transformers.convert import file_digest, gguf_path, read_meta
+from kdn.core.chunk import cut
+from kdn.engines.transformers.model import Model, load_model
 
 NEW_TOKENS = 12
 
@@ -113,7 +115,7 @@ def test_prompt_inputs_are_checked(model):
 def frames_round_trip(model, toks, kv):
     """The real byte path: Chunks keyed by kdn.core.keys, encoded to frames and decoded again."""
     ns = namespace_digest("tenant-a", model.fingerprint)
-    chunks = kv_chunks(kv, chunk_keys(toks, ns), ns)
+    chunks = cut(kv, chunk_keys(toks, ns), ns)
     back = [decode(encode(c)) for c in chunks]             # read-only views of the frame bytes
     assert all(a.equal(b) for a, b in zip(chunks, back))
     return back
@@ -149,18 +151,18 @@ def test_greedy_from_chunked_kv_is_token_identical_to_plain_prefill(model, publi
     assert diff < 1e-3
 
 
-def test_kv_chunks_need_one_key_per_chunk(model, published):
+def test_kv_is_cut_into_one_chunk_per_key(model, published):
     toks, pre, _ = published["k1000"]
     ns = namespace_digest("tenant-a", model.fingerprint)
     keys = chunk_keys(toks, ns)
-    chunks = kv_chunks(pre.kv, keys, ns)
+    chunks = cut(pre.kv, keys, ns)
     assert [c.tokens for c in chunks] == [256, 256, 256, len(toks) - 768]
     assert [c.key for c in chunks] == keys and chunks[0].dtype == "float32"
     assert np.array_equal(chunks[3].kv, pre.kv[:, :, :, 768:])
-    with pytest.raises(ModelError, match=r"3 keys for \d+ tokens, which make 4 chunks of 256"):
-        kv_chunks(pre.kv, keys[:3], ns)
-    with pytest.raises(ModelError, match="KV dtype int64"):
-        kv_chunks(np.zeros((30, 2, 3, 4, 64), dtype=np.int64), keys[:1], ns)
+    with pytest.raises(BadRequest, match=r"3 keys for \d+ tokens, which make 4 chunks of 256"):
+        cut(pre.kv, keys[:3], ns)
+    with pytest.raises(BadRequest, match="KV dtype int64"):
+        cut(np.zeros((30, 2, 3, 4, 64), dtype=np.int64), keys[:1], ns)
 
 
 def test_whole_prompt_cached_recomputes_only_the_last_token(model):
@@ -403,32 +405,32 @@ def test_cache_is_published_atomically(model, tmp_path, monkeypatch):
     assert not target.exists() and len(leftovers) == 1 and ".tmp-" in leftovers[0].name
     assert (leftovers[0] / META_FILE).exists()            # complete, yet never a load candidate
 
-    conversions = kmodel.counters["conversions"]
+    conversions = kconvert.counters["conversions"]
     fresh = load_model(cache_dir=tmp_path)
-    assert fresh.converted and kmodel.counters["conversions"] == conversions + 1
+    assert fresh.converted and kconvert.counters["conversions"] == conversions + 1
     assert fresh.fingerprint == model.fingerprint and fresh.cache_path == target
-    assert _read_meta(target, file_digest(gguf_path())) is not None
+    assert read_meta(target, file_digest(gguf_path())) is not None
 
     (target / META_FILE).unlink()                         # damaged after the fact: replaced, never loaded
-    replaced = kmodel.counters["broken_caches_replaced"]
+    replaced = kconvert.counters["broken_caches_replaced"]
     again = load_model(cache_dir=tmp_path)
-    assert again.converted and kmodel.counters["broken_caches_replaced"] == replaced + 1
+    assert again.converted and kconvert.counters["broken_caches_replaced"] == replaced + 1
     assert again.fingerprint == model.fingerprint
 
 
 def test_read_meta_refuses_incomplete_or_foreign_caches(model, tmp_path):
     digest = file_digest(gguf_path())
-    assert _read_meta(model.cache_path, digest) is not None
-    assert _read_meta(model.cache_path, "0" * 32) is None  # another GGUF's conversion
+    assert read_meta(model.cache_path, digest) is not None
+    assert read_meta(model.cache_path, "0" * 32) is None  # another GGUF's conversion
     copy = tmp_path / "copy"
     copy.mkdir()
     for p in model.cache_path.iterdir():
         if p.name != META_FILE:
             os.link(p, copy / p.name)
-    assert _read_meta(copy, digest) is None                # no meta: a half-written cache
+    assert read_meta(copy, digest) is None                # no meta: a half-written cache
     meta = (model.cache_path / META_FILE).read_text()
     (copy / META_FILE).write_text(meta.replace('"model.safetensors": ', '"model.safetensors": 1'))
-    assert _read_meta(copy, digest) is None                # a file of the wrong size
+    assert read_meta(copy, digest) is None                # a file of the wrong size
 
 
 # --- the bundled knowledge base ----------------------------------------------------------------
