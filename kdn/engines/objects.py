@@ -245,6 +245,9 @@ class Objects:
                 break
             for i, chunk in zip(part, got.chunks):
                 ok[i] = self._unpacked(chunk, outs[i])
+            if got.chunks:
+                self.counters["from_edge:" + got.edge] += len(got.chunks)
+            self.counters["load_failovers"] += len(got.failovers)
             # the prefix stopped at a key nobody holds (or a copy that stayed corrupt): skip it
             todo = todo[len(got.chunks) + 1:] if len(got.chunks) < len(part) else todo[len(part):]
         self.counters["loads"] += 1
