@@ -469,12 +469,18 @@ def read_header(buf, *, max_payload: int = MAX_PAYLOAD):
         if not 1 <= raw <= max_payload:
             raise _reject(BadLength, f"opaque frame declares raw={raw} bytes; it must be "
                                      f"1..{max_payload}")
-        if codec == "raw" and nbytes != raw:
-            raise _reject(BadLength, f"raw frame declares nbytes={nbytes} but raw={raw}")
-        xxh = _field(header, "xxh", int)
-        if not 0 <= xxh < 2**64:
-            raise _reject(BadHeader, f"frame checksum xxh={xxh} is not a uint64")
-        return {k: v for k, v in header.items() if k not in ("pad", "hx")}, end
+    else:
+        _check_kv_size(dims, dtype, raw, max_payload)
+    if codec == "raw" and nbytes != raw:
+        raise _reject(BadLength, f"raw frame declares nbytes={nbytes} but raw={raw}")
+    xxh = _field(header, "xxh", int)
+    if not 0 <= xxh < 2**64:
+        raise _reject(BadHeader, f"frame checksum xxh={xxh} is not a uint64")
+    return {k: v for k, v in header.items() if k not in ("pad", "hx")}, end
+
+
+def _check_kv_size(dims, dtype: str, raw: int, max_payload: int) -> None:
+    """raw is the size of the KV the frame's dimensions and dtype describe, within the limit."""
     layers, heads, head_dim, tokens = dims
     expected = layers * 2 * heads * tokens * head_dim * DTYPES[dtype][2]
     if expected > max_payload:
@@ -484,12 +490,6 @@ def read_header(buf, *, max_payload: int = MAX_PAYLOAD):
     if raw != expected:
         raise _reject(BadLength, f"frame declares raw={raw} bytes but its shape "
                                  f"({layers}x2x{heads}x{tokens}x{head_dim} {dtype}) is {expected}")
-    if codec == "raw" and nbytes != raw:
-        raise _reject(BadLength, f"raw frame declares nbytes={nbytes} but raw={raw}")
-    xxh = _field(header, "xxh", int)
-    if not 0 <= xxh < 2**64:
-        raise _reject(BadHeader, f"frame checksum xxh={xxh} is not a uint64")
-    return {k: v for k, v in header.items() if k not in ("pad", "hx")}, end
 
 
 def frame_size(header: dict, payload_offset: int) -> int:

@@ -156,7 +156,7 @@ def main(argv=None):
     table(rows, ["adapter", "load GB/s", "load p99 ms", "store GB/s", "verified", "note"])
     if args.json:
         emit_json({"bench": "l2", "rows": rows})
-    return rows
+    return 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ that does not arrive intact is reported not loaded (the host recomputes it): nev
 byte. Every call here blocks; hosts run them off their engine's thread.
 """
 import collections
+import concurrent.futures
 import struct
 
 import numpy as np
@@ -40,6 +41,9 @@ LOAD_TIMEOUT_PER_MB_S = 0.02     # ... plus this per MB (slow WAN links)
 LOOKUP_TIMEOUT_S = 5.0
 _BLOCK = 1 << 18                 # copy+hash block: fits L2, so the hash reads from cache
 _TRAILER = struct.Struct("<Q")
+# copy+hash of a load's objects, two at once: numpy's copy releases the GIL, and one
+# thread leaves the second core idle (measured +10-30% on 32 x 8 MiB, a busy 2-core machine)
+_UNPACK = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kdn-unpack")
 
 
 def check_params(params: dict, allowed: dict, where: str) -> dict:
@@ -243,8 +247,9 @@ class Objects:
             except NoLiveEdge:
                 self.counters["load_no_edge"] += len(part)
                 break
-            for i, chunk in zip(part, got.chunks):
-                ok[i] = self._unpacked(chunk, outs[i])
+            for i, good in zip(part, _UNPACK.map(self._unpacked, got.chunks,
+                                                 [outs[i] for i in part[:len(got.chunks)]])):
+                ok[i] = good
             if got.chunks:
                 self.counters["from_edge:" + got.edge] += len(got.chunks)
             self.counters["load_failovers"] += len(got.failovers)
