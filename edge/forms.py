@@ -88,8 +88,8 @@ class Forms:
         if obj.codec == self.store_codec or not obj.exact:
             return obj if self.intact(obj) else None     # kept as it is
         chunk = self.chunk_of(obj)
-        if chunk is None or self.store_codec == "raw":
-            return chunk
+        if chunk is None or self.store_codec == "raw" or (chunk.opaque and self.store_codec in LOSSY):
+            return chunk                 # opaque bytes are never kept lossy
         self.counters["stored_encoded"] += 1
         return Encoded.of(chunk, self.store_codec)
 

@@ -282,6 +282,18 @@ class OriginNode:
         # one stored first, which the publisher's manifest must carry
         return {"received": len(chunks), "written": written, "sums": [x for _, x in results]}
 
+    async def put_objects(self, chunks, token=None) -> dict:
+        """Store opaque chunks (another cache layer's objects, kdn.engines.objects) durably and
+        push them to their ring owners: no manifest names them, so storing is their commit.
+        {"received", "written", "pushed": edge -> chunks sent}."""
+        bad = next((i for i, c in enumerate(chunks) if not (isinstance(c, Chunk) and c.opaque)), None) \
+            if isinstance(chunks, (list, tuple)) else None
+        if bad is not None:
+            raise BadRequest(f"put_objects: item {bad} is not an opaque Chunk")
+        got = await self.put_chunks(chunks, token=token)
+        pushed = await self.pusher.push_keys(list(dict.fromkeys(c.key for c in chunks)))
+        return {"received": got["received"], "written": got["written"], "pushed": pushed}
+
     async def commit(self, manifest: dict, push: bool = True, token=None) -> dict:
         """Commit a manifest (all its chunks must be stored), push to owners, return a receipt."""
         self.tokens.check_admin(token, "publish (commit)")

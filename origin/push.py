@@ -104,6 +104,25 @@ class Pusher:
         self.counters["chunks_pushed"] += sum(pushed.values())
         return {e: len(ks) for e, ks in targets.items()}, pushed
 
+    async def push_keys(self, keys) -> dict:
+        """Send chunks no KB names (opaque objects) to their ring owners, asking each owner
+        first what it holds; edge -> chunks sent."""
+        ring, targets = self.membership.ring, collections.defaultdict(list)
+        if len(ring):
+            for k, owners in zip(keys, ring.owners_batch(list(keys), self.membership.replicas)):
+                for o in owners:
+                    targets[o].append(k)
+        sem, pushed = asyncio.Semaphore(BATCHES_IN_FLIGHT), {}
+
+        async def push_to(edge, keys):
+            have = await self.call(edge, "have", keys, timeout=QUICK_TIMEOUT_S)
+            pushed[edge] = 0 if have is None else \
+                await self.send(edge, [k for k, h in zip(keys, have) if not h], sem)
+
+        await asyncio.gather(*(push_to(e, ks) for e, ks in targets.items()))
+        self.counters["chunks_pushed"] += sum(pushed.values())
+        return pushed
+
     async def send(self, edge, keys, sem, role="main", pin=False, ttl_s=None) -> int:
         """Send chunks to an edge in batches of at most BATCH_BYTES; returns chunks sent."""
         async def flush(batch):

@@ -168,6 +168,14 @@ class Reader:
         got = self._receive(keys, expected, timeout_s)
         return got.fetched(keys, sum(c.tokens for c in got.chunks), t0, kb=manifest)
 
+    def fetch_objects(self, keys, timeout_s: float = None) -> Fetched:
+        """The longest held prefix of keys no manifest names (opaque objects of another cache
+        layer: kdn.engines.objects), each checked by its frame; their owner checks contents."""
+        t0 = time.perf_counter()
+        keys = list(keys)
+        got = self._receive(keys, {}, timeout_s) if keys else _Received()
+        return got.fetched(keys, 0, t0)
+
     def _tokens_of(self, n_chunks, n_tokens, m):
         if m is not None and n_chunks == len(m.keys):
             return m.n_tokens

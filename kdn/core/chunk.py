@@ -24,6 +24,11 @@ bytes), and verifying costs one xxh3 pass, faster than a memory copy.
 
 Codecs are pluggable (kdn.core.codecs is the table; "raw" is the kv bytes themselves).
 
+Opaque chunks: another cache layer's objects (LMCache memory objects, SGLang pages: see
+kdn.engines.objects) travel as chunks of dtype "opaque": kv is a 1-D uint8 array of the
+object's bytes, and the frame says exactly that (dtype "opaque", layers = heads = head_dim =
+tokens = 0, raw = the length), never a made-up KV shape. Only lossless codecs apply to them.
+
 Chunk and Encoded (a chunk kept as one compressed frame) answer the same questions, so
 tiers, links and readers never ask which one they hold: key, ns, dtype, codec, exact,
 nbytes (what holding or sending it costs), raw (the size of its KV), decode() (the Chunk)
@@ -40,7 +45,7 @@ import numpy as np
 import xxhash
 
 from kdn.core.codecs import _CODECS, LOSSY, codecs, register_codec  # noqa: F401 - re-exported
-from kdn.core.dtypes import DTYPES, name_of, torch_dtype
+from kdn.core.dtypes import DTYPES, OPAQUE, name_of, torch_dtype
 from kdn.core.errors import (BadHeader, BadLength, BadRequest, ChecksumMismatch, FrameError,
                              SizeLimitExceeded, TruncatedFrame, UnknownCodec, UnknownDtype,
                              UnknownVersion)
@@ -100,11 +105,17 @@ class Chunk:
     def __post_init__(self):
         for name in ("key", "ns"):
             object.__setattr__(self, name, check_key(getattr(self, name), f"chunk {name}"))
-        if self.dtype not in DTYPES:
-            raise BadRequest(f"chunk dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.dtype not in DTYPES and self.dtype != OPAQUE:
+            raise BadRequest(f"chunk dtype {self.dtype!r} is not one of {', '.join(DTYPES)} "
+                             f"or {OPAQUE}")
         kv = self.kv
         if not isinstance(kv, np.ndarray):
             raise BadRequest(f"chunk kv must be a numpy array, got {type(kv).__name__}")
+        if self.dtype == OPAQUE:
+            if kv.ndim != 1 or kv.dtype != np.uint8 or kv.size == 0 or not kv.flags.c_contiguous:
+                raise BadRequest(f"an opaque chunk holds a non-empty C-contiguous 1-D uint8 "
+                                 f"array, got {kv.dtype} of shape {kv.shape}")
+            return
         if kv.ndim != 5 or kv.shape[1] != 2 or 0 in kv.shape:
             raise BadRequest(f"chunk kv must be [layers, 2, kv_heads, tokens, head_dim] "
                              f"with no empty axis, got shape {kv.shape}")
@@ -114,10 +125,12 @@ class Chunk:
         if not kv.flags.c_contiguous:
             raise BadRequest("chunk kv must be C-contiguous")
 
-    layers = property(lambda self: self.kv.shape[0])
-    kv_heads = property(lambda self: self.kv.shape[2])
-    tokens = property(lambda self: self.kv.shape[3])
-    head_dim = property(lambda self: self.kv.shape[4])
+    # KV dimensions; 0 for an opaque chunk (bytes, not KV)
+    layers = property(lambda self: self.kv.shape[0] if self.kv.ndim == 5 else 0)
+    kv_heads = property(lambda self: self.kv.shape[2] if self.kv.ndim == 5 else 0)
+    tokens = property(lambda self: self.kv.shape[3] if self.kv.ndim == 5 else 0)
+    head_dim = property(lambda self: self.kv.shape[4] if self.kv.ndim == 5 else 0)
+    opaque = property(lambda self: self.dtype == OPAQUE)
     nbytes = property(lambda self: self.kv.nbytes)     # what holding or sending it costs
     raw = nbytes                                       # the size of its KV
     codec = "raw"
@@ -129,11 +142,15 @@ class Chunk:
         return (Chunk, (self.key, self.ns, self.kv, self.dtype))
 
     def __repr__(self):
+        if self.opaque:
+            return f"Chunk(key={self.key.hex()}, opaque, {self.nbytes} bytes)"
         return (f"Chunk(key={self.key.hex()}, layers={self.layers}, kv_heads={self.kv_heads}, "
                 f"tokens={self.tokens}, head_dim={self.head_dim}, dtype={self.dtype})")
 
     def to_torch(self):
         """kv as a torch tensor [layers, 2, kv_heads, tokens, head_dim] of its dtype; no copy."""
+        if self.opaque:
+            raise BadRequest(f"chunk {self.key.hex()} holds opaque bytes, not KV")
         t = _from_numpy(self.kv)
         want = torch_dtype(self.dtype)
         return t if t.dtype == want else t.view(want)
@@ -312,6 +329,8 @@ def _check_encodable(chunk: Chunk, codec: str):
         raise BadRequest(f"encode takes a Chunk, got {type(chunk).__name__}")
     if codec not in _CODECS:
         raise UnknownCodec(f"codec {codec!r} is not registered; known: {', '.join(codecs())}")
+    if chunk.opaque and codec in LOSSY:
+        raise BadRequest(f"codec {codec!r} is lossy: opaque bytes take only lossless codecs")
     for (name, limit), size in zip(_DIMS, (chunk.layers, chunk.kv_heads, chunk.head_dim,
                                            chunk.tokens)):
         if size > limit:
@@ -448,26 +467,48 @@ def read_header(buf, *, max_payload: int = MAX_PAYLOAD):
         if len(_field(header, name, bytes)) != KEY_BYTES:
             raise _reject(BadHeader, f"frame header field {name!r} must be {KEY_BYTES} bytes, "
                                      f"got {len(header[name])}")
+    dtype = _field(header, "dtype", str)
+    if dtype not in DTYPES and dtype != OPAQUE:
+        raise _reject(UnknownDtype, f"frame dtype {dtype!r:.40} is not one of {', '.join(DTYPES)} "
+                                    f"or {OPAQUE}")
+    least = 0 if dtype == OPAQUE else 1     # an opaque frame declares no KV dimensions
     dims = []
     for name, limit in _DIMS:
         size = _field(header, name, int)
-        if size < 1:
+        if dtype == OPAQUE and size != 0:
+            raise _reject(BadHeader, f"opaque frame declares {name}={size}; it must be 0")
+        if size < least:
             raise _reject(BadHeader, f"frame header field {name!r} must be >= 1, got {size}")
         if size > limit:
             raise _reject(SizeLimitExceeded,
                           f"frame declares {name}={size}, over the limit {limit}")
         dims.append(size)
-    dtype = _field(header, "dtype", str)
-    if dtype not in DTYPES:
-        raise _reject(UnknownDtype, f"frame dtype {dtype!r:.40} is not one of {', '.join(DTYPES)}")
     codec = _field(header, "codec", str)
     if codec not in _CODECS:
         raise _reject(UnknownCodec, f"frame codec {codec!r:.40} is not registered; "
                                     f"known: {', '.join(codecs())}")
+    if dtype == OPAQUE and codec in LOSSY:
+        raise _reject(UnknownCodec, f"opaque frame declares lossy codec {codec!r}")
     nbytes, raw = _field(header, "nbytes", int), _field(header, "raw", int)
     if nbytes < 0 or nbytes > max_payload:
         raise _reject(SizeLimitExceeded, f"frame declares a payload of {nbytes} bytes; "
                                          f"the limit is {max_payload}")
+    if dtype == OPAQUE:
+        if not 1 <= raw <= max_payload:
+            raise _reject(BadLength, f"opaque frame declares raw={raw} bytes; it must be "
+                                     f"1..{max_payload}")
+    else:
+        _check_kv_size(dims, dtype, raw, max_payload)
+    if codec == "raw" and nbytes != raw:
+        raise _reject(BadLength, f"raw frame declares nbytes={nbytes} but raw={raw}")
+    xxh = _field(header, "xxh", int)
+    if not 0 <= xxh < 2**64:
+        raise _reject(BadHeader, f"frame checksum xxh={xxh} is not a uint64")
+    return {k: v for k, v in header.items() if k not in ("pad", "hx")}, end
+
+
+def _check_kv_size(dims, dtype: str, raw: int, max_payload: int) -> None:
+    """raw is the size of the KV the frame's dimensions and dtype describe, within the limit."""
     layers, heads, head_dim, tokens = dims
     expected = layers * 2 * heads * tokens * head_dim * DTYPES[dtype][2]
     if expected > max_payload:
@@ -477,12 +518,6 @@ def read_header(buf, *, max_payload: int = MAX_PAYLOAD):
     if raw != expected:
         raise _reject(BadLength, f"frame declares raw={raw} bytes but its shape "
                                  f"({layers}x2x{heads}x{tokens}x{head_dim} {dtype}) is {expected}")
-    if codec == "raw" and nbytes != raw:
-        raise _reject(BadLength, f"raw frame declares nbytes={nbytes} but raw={raw}")
-    xxh = _field(header, "xxh", int)
-    if not 0 <= xxh < 2**64:
-        raise _reject(BadHeader, f"frame checksum xxh={xxh} is not a uint64")
-    return {k: v for k, v in header.items() if k not in ("pad", "hx")}, end
 
 
 def frame_size(header: dict, payload_offset: int) -> int:
@@ -523,8 +558,11 @@ def decode(buf, *, verify: bool = True, max_payload: int = MAX_PAYLOAD) -> Chunk
     except Exception as e:
         raise _reject(FrameError, f"codec {header['codec']!r} cannot decode the payload of "
                                   f"chunk {header['key'].hex()}: {e}") from None
-    shape = (header["layers"], 2, header["heads"], header["tokens"], header["head_dim"])
-    storage = DTYPES[header["dtype"]][0]
+    if header["dtype"] == OPAQUE:
+        shape, storage = (header["raw"],), np.dtype(np.uint8)
+    else:
+        shape = (header["layers"], 2, header["heads"], header["tokens"], header["head_dim"])
+        storage = DTYPES[header["dtype"]][0]
     if not isinstance(kv, np.ndarray) or kv.shape != shape or kv.dtype != storage \
             or not kv.flags.c_contiguous:
         got = f"{kv.shape} {kv.dtype}" if isinstance(kv, np.ndarray) else type(kv).__name__

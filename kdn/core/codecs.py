@@ -35,7 +35,7 @@ import threading
 import numpy as np
 import zstandard
 
-from kdn.core.dtypes import DTYPES
+from kdn.core.dtypes import DTYPES, OPAQUE, STORAGE
 from kdn.core.errors import BadRequest, FrameError
 
 
@@ -110,20 +110,21 @@ def _raw_encode(kv, dtype):
 
 
 def _raw_decode(payload, header):
-    shape = (header["layers"], 2, header["heads"], header["tokens"], header["head_dim"])
-    return np.frombuffer(payload, dtype=DTYPES[header["dtype"]][0]).reshape(shape)
+    return _stored(payload, header)
 
 
 register_codec("raw", _raw_encode, _raw_decode)
 
 
 def _shape(header) -> tuple:
+    if header["dtype"] == OPAQUE:
+        return (header["raw"],)          # opaque bytes: one axis, their length
     return (header["layers"], 2, header["heads"], header["tokens"], header["head_dim"])
 
 
 def _stored(payload, header) -> np.ndarray:
     """The raw-bytes fallback every codec shares: a view of the payload, as "raw" gives."""
-    return np.frombuffer(payload, dtype=DTYPES[header["dtype"]][0]).reshape(_shape(header))
+    return np.frombuffer(payload, dtype=STORAGE[header["dtype"]][0]).reshape(_shape(header))
 
 
 def _unzstd(data, size: int, what: str) -> bytes:
@@ -146,7 +147,7 @@ _STORE, _ZSTD = 0, 1
 
 def _zstd_encode(kv: np.ndarray, dtype: str):
     raw = memoryview(kv).cast("B")
-    size = DTYPES[dtype][2]
+    size = STORAGE[dtype][1]
     planes = kv.reshape(-1).view(np.uint8).reshape(-1, size).T   # [itemsize, n] strided view
     entries, blobs = [], []
     for i in range(size):
@@ -178,7 +179,7 @@ def _zstd_encode(kv: np.ndarray, dtype: str):
 def _zstd_decode(payload, header) -> np.ndarray:
     if header["nbytes"] == header["raw"]:
         return _stored(payload, header)
-    size = DTYPES[header["dtype"]][2]
+    size = STORAGE[header["dtype"]][1]
     n = header["raw"] // size
     head = _PLANES_HEAD.size + size * _PLANE_ENTRY.size
     if len(payload) < head:
@@ -189,7 +190,7 @@ def _zstd_decode(payload, header) -> np.ndarray:
     if itemsize != size:
         raise _bad(f"zstd payload has {itemsize}-byte planes but dtype {header['dtype']} "
                    f"has {size}-byte elements")
-    out = np.empty(_shape(header), DTYPES[header["dtype"]][0])
+    out = np.empty(_shape(header), STORAGE[header["dtype"]][0])
     planes = out.reshape(-1).view(np.uint8).reshape(n, size)
     at = head
     for i in range(size):

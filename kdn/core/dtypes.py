@@ -28,3 +28,13 @@ def name_of(dtype):
         if str(dtype) == f"torch.{attr}":
             return name
     return None
+
+
+# Opaque bytes: an object another cache layer stores in KDN (an LMCache memory object, an
+# SGLang page) that is not KV of KDN's layout. Its frame says so (dtype "opaque", every KV
+# dimension 0, raw = its length in bytes), it holds a 1-D uint8 array, and only lossless
+# codecs apply to it. It is not in DTYPES: nothing that reads KV ever takes it for KV.
+OPAQUE = "opaque"
+# name -> (numpy storage dtype, itemsize), KV dtypes and opaque bytes alike (what codecs read)
+STORAGE = {**{name: (storage, size) for name, (storage, _, size) in DTYPES.items()},
+           OPAQUE: (np.dtype("u1"), 1)}

@@ -115,3 +115,9 @@ class BadRequest(KDNError):
 
 class ModelError(KDNError):
     """A model cannot be loaded, or KV does not fit it."""
+
+
+class BadConfig(BadRequest, ValueError):
+    """An integration's settings (LMCache adapter_params, SGLang's extra config) are wrong;
+    the message names the field. A ValueError too, which is what those hosts' config
+    loaders catch and report."""

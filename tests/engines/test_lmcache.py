@@ -1,0 +1,253 @@
+"""KDN under LMCache: the L2 adapter checked by LMCache's own conformance check, unmodified,
+and by what that check does not cover, on the real 3-region network (one edge per region).
+
+LMCache's `basic_check --mode test_l2_adapter` runs in its own process (a second Ray driver,
+as an LMCache server is) with 256 keys, and with 8 MiB objects; it prints its verdicts and
+exits 0 whatever happens, so its table is read. Then, in this process, through LMCache's own
+ObjectKey and TensorMemoryObj: a key stored in us-east loaded in ap-south from ap-south's
+edge; two cache salts that cannot see each other's keys; an object whose bytes fail their
+checksum reported not loaded; usage, delete and the three event fds; bad adapter_params
+named; and last (it kills the network's eu-west edge) an edge killed during a load.
+"""
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("lmcache", reason="LMCache is not installed: pip install -e '.[lmcache]' (the Makefile does)")
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
+from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj  # noqa: E402
+
+from kdn.engines.lmcache import KDNL2Adapter, KDNL2AdapterConfig, host_key  # noqa: E402
+from kdn.engines.objects import object_key, pack  # noqa: E402
+from kdn.core.errors import BadConfig  # noqa: E402
+
+MODEL = "test-model"
+WAIT_S = 60.0
+ROW = re.compile(r"^\|\s*(LOOKUP \(absent\)|STORE|LOOKUP \(exist\)|LOAD)\s*\|.*?\|\s*(\d+)/(\d+)\s*\|\s*([\d.]+)%")
+
+
+@pytest.fixture(scope="module")
+def net(small_network, ray_cluster):
+    n = small_network()
+    n.address = ray_cluster.address
+    return n
+
+
+def params(net, region, **extra):
+    return {"network": net.name, "region": region, "address": net.address, **extra}
+
+
+def adapter_json(net, region) -> str:
+    return json.dumps({"type": "plugin", "module_path": "kdn.engines.lmcache",
+                       "class_name": "KDNL2Adapter", "adapter_params": params(net, region)})
+
+
+CHECKS = {"256-keys": (("--num-keys", "256"), 256),
+          "8MiB-objects": (("--obj-size", str(2 << 20)), 5)}          # 8 MiB of float32
+
+
+@pytest.fixture(scope="module")
+def basic_checks(net) -> dict:
+    """LMCache's conformance check, each case in its own process (both at once: most of a
+    run is the process starting): {case: {phase: (passed, total, rate)}}."""
+    env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
+    procs = {case: subprocess.Popen(
+        [sys.executable, "-m", "lmcache.v1.basic_check", "--mode", "test_l2_adapter", "--model", MODEL,
+         "--l2-adapter", adapter_json(net, "eu-west"), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for case, (args, _) in CHECKS.items()}
+    out = {}
+    for case, proc in procs.items():
+        text, _ = proc.communicate(timeout=300)
+        rows = {}
+        for line in text.splitlines():
+            m = ROW.match(line.strip())
+            if m:
+                rows[m[1]] = (int(m[2]), int(m[3]), float(m[4]))
+        assert len(rows) == 4, f"no verdict table in basic_check's output:\n{text[-4000:]}"
+        out[case] = rows
+    return out
+
+
+@pytest.mark.parametrize("case", list(CHECKS))
+def test_lmcache_basic_check_passes_every_phase(basic_checks, case):
+    n = CHECKS[case][1]
+    assert basic_checks[case] == {phase: (n, n, 100.0) for phase in
+                                  ("LOOKUP (absent)", "STORE", "LOOKUP (exist)", "LOAD")}, basic_checks[case]
+
+
+# --- in-process cases, through LMCache's own types -------------------------------------------
+def key(i, salt="", model=MODEL):
+    return ObjectKey(chunk_hash=ObjectKey.IntHash2Bytes(0xC0FFEE00 + i), model_name=model,
+                     kv_rank=0, cache_salt=salt)
+
+
+def memobj(n_floats, fill=None, seed=0):
+    data = torch.empty(n_floats, dtype=torch.float32)
+    if fill is None:
+        data.copy_(torch.from_numpy(np.random.default_rng(seed).standard_normal(n_floats, np.float32)))
+    else:
+        data.fill_(fill)
+    meta = MemoryObjMetadata(shape=torch.Size([n_floats]), dtype=torch.float32, address=data.data_ptr(),
+                             phy_size=n_floats * 4, fmt=MemoryFormat.KV_2LTD, ref_count=1)
+    return TensorMemoryObj(data, meta, parent_allocator=None)
+
+
+def wait(fd, query, task_id):
+    """The task's result, waiting on its event fd as LMCache's controllers do."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        got = query(task_id)
+        if got is not None:
+            return got
+        select.select([fd], [], [], 0.2)
+        try:
+            os.read(fd, 8)
+        except BlockingIOError:
+            pass
+    raise AssertionError(f"task {task_id} did not complete in {WAIT_S} s")
+
+
+def store(a, keys, objs):
+    tid = a.submit_store_task(keys, objs)
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        done = a.pop_completed_store_tasks()
+        if tid in done:
+            return done[tid]
+        select.select([a.get_store_event_fd()], [], [], 0.2)
+    raise AssertionError("store did not complete")
+
+
+def lookup(a, keys) -> list:
+    bm = wait(a.get_lookup_and_lock_event_fd(), a.query_lookup_and_lock_result,
+              a.submit_lookup_and_lock_task(keys, {}))
+    return [bool(bm.test(i)) for i in range(len(keys))]
+
+
+def load(a, keys, objs) -> list:
+    bm = wait(a.get_load_event_fd(), a.query_load_result, a.submit_load_task(keys, objs))
+    return [bool(bm.test(i)) for i in range(len(keys))]
+
+
+@pytest.fixture(scope="module")
+def adapters(net):
+    made = {}
+
+    def make(region, **extra):
+        if (region, json.dumps(extra, sort_keys=True)) not in made:
+            made[(region, json.dumps(extra, sort_keys=True))] = KDNL2Adapter(
+                KDNL2AdapterConfig.from_dict(params(net, region, **extra)))
+        return made[(region, json.dumps(extra, sort_keys=True))]
+    yield make
+    for a in made.values():
+        a.close()
+
+
+def test_stored_in_one_region_is_loaded_from_another_regions_edge(adapters):
+    east, south = adapters("us-east"), adapters("ap-south")
+    keys = [key(i) for i in range(4)]
+    objs = [memobj(1 << 18, seed=i) for i in range(4)]           # 1 MiB each
+    assert store(east, keys, objs) == 4 << 20          # L2StoreResult: bytes sent, -1 failed
+    assert lookup(south, keys) == [True] * 4
+    outs = [memobj(1 << 18, fill=0.0) for _ in keys]
+    assert load(south, keys, outs) == [True] * 4
+    for o, want in zip(outs, objs):
+        assert bytes(o.byte_array) == bytes(want.byte_array)
+    served = {k for k in south.objects.counters if k.startswith("from_edge:")}
+    assert served == {"from_edge:ap-south-0"}, south.objects.counters    # its own region's edge
+    south.submit_unlock(keys)
+
+
+def test_two_cache_salts_cannot_see_each_others_keys(adapters):
+    a = adapters("eu-west", tenants={"alice": "tenant-a"})
+    alice = [key(100 + i, salt="alice") for i in range(3)]
+    bob = [key(100 + i, salt="bob") for i in range(3)]          # the same chunk hashes
+    plain = [key(100 + i) for i in range(3)]
+    objs = [memobj(1024, seed=50 + i) for i in range(3)]
+    assert store(a, alice, objs) >= 0
+    assert lookup(a, alice) == [True] * 3
+    assert lookup(a, bob) == [False] * 3 and lookup(a, plain) == [False] * 3
+    outs = [memobj(1024, fill=7.0) for _ in bob]
+    assert load(a, bob, outs) == [False] * 3
+    assert all(bytes(o.byte_array) == np.full(1024, 7.0, np.float32).tobytes() for o in outs)
+    usage = a.get_usage()
+    assert dict(usage.bytes_by_cache_salt) == {"alice": 3 * 4096}
+
+
+def test_an_object_failing_its_checksum_is_reported_not_loaded(adapters):
+    a = adapters("eu-west")
+    k = key(200)
+    ns = a.objects.namespace("default", MODEL)
+    bad = pack(object_key(ns, host_key(k)), ns, np.arange(4096, dtype=np.uint8))
+    bad.kv[5] ^= 0xFF                                            # the bytes no longer match
+    a.objects.view.origin("put_objects", [bad])
+    assert lookup(a, [k]) == [True]
+    out = memobj(1024, fill=1.0)
+    assert load(a, [k], [out]) == [False]
+    assert a.objects.counters["load_rejected"] >= 1
+
+
+def test_usage_delete_and_distinct_event_fds(adapters):
+    a = adapters("us-east")
+    fds = {a.get_store_event_fd(), a.get_lookup_and_lock_event_fd(), a.get_load_event_fd()}
+    assert len(fds) == 3
+    before = a.get_usage().total_bytes_used
+    keys = [key(300 + i) for i in range(2)]
+    assert store(a, keys, [memobj(256, seed=i) for i in range(2)]) >= 0
+    assert store(a, keys, [memobj(256, seed=i) for i in range(2)]) >= 0     # again: counted once
+    assert a.get_usage().total_bytes_used == before + 2 * 1024
+    a.delete(keys)
+    assert a.get_usage().total_bytes_used == before
+    assert a.report_status()["is_healthy"] is True
+
+
+@pytest.mark.parametrize("bad, field", [({"netwrok": "kdn"}, "netwrok"), ({"region": 5}, "region"),
+                                        ({"tenants": {"s": ""}}, "tenants"), ({"token": ["x"]}, "token")])
+def test_bad_adapter_params_name_the_field(bad, field):
+    with pytest.raises(BadConfig, match=f"'{field}'"):
+        KDNL2AdapterConfig.from_dict(bad)
+    assert issubclass(BadConfig, ValueError)       # what LMCache's config loader reports
+
+
+def test_lmcache_plugin_loader_builds_the_adapter_and_reports_bad_params(net):
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+    from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
+    cfg = PluginL2AdapterConfig.from_dict(json.loads(adapter_json(net, "eu-west")))
+    a = create_l2_adapter(cfg)
+    try:
+        assert isinstance(a, KDNL2Adapter) and a.objects.view.region == "eu-west"
+    finally:
+        a.close()
+    cfg.adapter_params = {"network": net.name, "regoin": "eu-west"}
+    with pytest.raises(BadConfig, match="'regoin'"):
+        create_l2_adapter(cfg)
+
+
+def test_an_edge_killed_during_a_load_never_yields_wrong_bytes(net, adapters):
+    """Last in the module: it kills eu-west's edge. The load either fails over to the next
+    edge or reports keys not loaded; whatever it reports loaded is the stored bytes."""
+    a = adapters("eu-west")
+    keys = [key(400 + i) for i in range(6)]
+    objs = [memobj(2 << 20, seed=400 + i) for i in range(6)]     # 8 MiB each
+    assert store(a, keys, objs) >= 0
+    outs = [memobj(2 << 20, fill=0.0) for _ in keys]
+    tid = a.submit_load_task(keys, outs)
+    ray.kill(net.edge("eu-west-0"), no_restart=True)
+    bm = wait(a.get_load_event_fd(), a.query_load_result, tid)
+    for i, (o, want) in enumerate(zip(outs, objs)):
+        if bm.test(i):
+            assert bytes(o.byte_array) == bytes(want.byte_array), f"key {i} loaded wrong bytes"
+    again = [memobj(2 << 20, fill=0.0) for _ in keys]             # the next edge serves them all
+    assert load(a, keys, again) == [True] * 6
+    assert all(bytes(o.byte_array) == bytes(w.byte_array) for o, w in zip(again, objs))
+    assert a.objects.counters["load_failovers"] >= 1
