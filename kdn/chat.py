@@ -56,6 +56,7 @@ class Chat:
         self.model, self.client = model, client
         # requests, prompt_tokens, cached_tokens, completion_tokens, fetch_s, rebuild_s
         self.counters = collections.Counter()
+        self.engine_kv = None      # a replica's cache of its last KBs' KV (kdn.serve_router)
 
     def stats(self) -> dict:
         return {"counters": dict(self.counters), "model": self.model.stats(), "client": self.client.stats()}
@@ -74,7 +75,12 @@ class Chat:
         if not fetch:
             return prompt, None, 0
         t0 = time.perf_counter()
-        f = self.client.fetch(prompt, kb=manifest.name, version=manifest.version)
+        kb = f"{self.client.tenant}/{manifest.name}"
+        f = None if self.engine_kv is None else self.engine_kv.get(kb, manifest.version)
+        if f is None:          # not in the engine's own cache (kdn.serve_router.EngineKV)
+            f = self.client.fetch(prompt, kb=manifest.name, version=manifest.version)
+            if self.engine_kv is not None and f.tokens == len(ids):   # the whole KB only
+                self.engine_kv.put(kb, manifest.version, f, f.nbytes, time.perf_counter() - t0)
         t1 = time.perf_counter()
         cache = (self.model.cache_from_kv(f.kv_parts(), len(prompt) - f.tokens + max_tokens)
                  if f.tokens else None)
