@@ -86,8 +86,11 @@ class KBAffinityRouter(RequestRouter):
     def initialize_state(self, **kwargs):
         self.counters = collections.Counter()
         self.recent = collections.OrderedDict()     # kb -> replica id it was last sent to
-        with _lock:
-            _ROUTERS.append(self)
+        # Serve pickles this class by value: the registry is reached through the module
+        # imported here, never captured (a lock does not pickle)
+        import kdn.serve_router as here
+        with here._lock:
+            here._ROUTERS.append(self)
 
     def _stats(self, replica) -> dict:
         s = getattr(replica, "routing_stats", None)
