@@ -379,3 +379,18 @@ def test_a_killed_edge_starts_over_and_announces_what_it_holds(net):
     finally:
         fresh.close()
     assert len(sub.frames) >= before
+
+
+def test_the_topology_file_names_an_edges_kv_events_and_round_trips(tmp_path):
+    from kdn.errors import TopologyError
+    from kdn.placement.topology import Topology
+    t = Topology.default_local(["here"], capacity_bytes=1 << 20).to_dict()
+    t["regions"]["here"]["edges"][0]["kv_events"] = {"endpoint": "tcp://127.0.0.1:5601", "block_size": 32}
+    topo = Topology.from_dict(t)
+    name = topo.edges[0].name
+    assert topo.disk(name)["kv_events"] == {"endpoint": "tcp://127.0.0.1:5601", "block_size": 32}
+    (tmp_path / "t.toml").write_text(topo.to_toml())
+    assert Topology.from_toml(tmp_path / "t.toml").disk(name) == topo.disk(name)
+    t["regions"]["here"]["edges"][0]["kv_events"] = 5601
+    with pytest.raises(TopologyError, match="kv_events: must be an endpoint"):
+        Topology.from_dict(t)
