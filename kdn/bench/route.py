@@ -15,7 +15,9 @@ in the replica's engine, so nothing was fetched):
 What is measured and what is replayed. The costs are measured on this machine with the real
 model (SmolLM2-135M) and a real network (a LocalCluster, an origin and an edge): each KB's
 fetch from the edge, the cache rebuild, the question's prefill to the first token over the
-rebuilt cache, and a decode step. The request stream is then replayed through each policy on
+rebuilt cache, and a decode step. A hit costs the first token only (the replica keeps its
+rebuilt cache: kdn.chat crops it back to the KB); a miss adds the fetch and the rebuild.
+The request stream is then replayed through each policy on
 one clock, each replica a FIFO queue with its own EngineKV (kdn.serve_router's cache, bytes
 counted) whose service times are those measured costs. On 2 shared cores, R replicas and a
 load generator running at once would measure their contention for the cores, not routing;
@@ -112,7 +114,8 @@ def replay(policy: str, trace, costs: dict, replicas: int, cache_kbs: int, new_t
     ends = {r: collections.deque() for r in names}  # end times of requests queued or running
     reported = {r: set() for r in names}          # what the router last heard (every period)
     recent, next_report = {}, 0.0
-    hit_s = costs["rebuild_s"] + costs["first_token_s"]
+    hit_s = costs["first_token_s"]                         # the rebuilt cache kept: no fetch, no rebuild
+    miss_s = costs["fetch_s"] + costs["rebuild_s"]          # on top of hit_s
     decode_s = costs["decode_step_s"] * max(0, new_tokens - 1)
     ttfts, hits, why, decide_s = [], 0, collections.Counter(), []
     for t, k in trace:
@@ -127,9 +130,9 @@ def replay(policy: str, trace, costs: dict, replicas: int, cache_kbs: int, new_t
         queues = {r: len(ends[r]) for r in names}
         if policy == "kv":
             holders = {r for r in names if kb in reported[r]} | ({recent[kb]} if kb in recent else set())
-            service = hit_s + decode_s + costs["fetch_s"] / 2
+            service = hit_s + decode_s + miss_s / 2
             t0 = time.perf_counter()
-            chosen, w = decide(kb, queues, holders, service, costs["fetch_s"])
+            chosen, w = decide(kb, queues, holders, service, miss_s)
             decide_s.append(time.perf_counter() - t0)
             why[w] += 1
             recent[kb] = chosen
@@ -139,13 +142,13 @@ def replay(policy: str, trace, costs: dict, replicas: int, cache_kbs: int, new_t
         else:                                     # oracle: least expected TTFT, knowing all
             def expected(r):
                 held = (kb, None) in caches[r].entries
-                return max(busy_until[r], t) + (0 if held else costs["fetch_s"]) + hit_s
+                return max(busy_until[r], t) + (0 if held else miss_s) + hit_s
             chosen = min(names, key=expected)
         hit = caches[chosen].get(kb, None) is not None
         if not hit:
-            caches[chosen].put(kb, None, object(), costs["kv_bytes"], costs["fetch_s"])
+            caches[chosen].put(kb, None, object(), costs["kv_bytes"], miss_s)
         start = max(busy_until[chosen], t)
-        first = start + (0 if hit else costs["fetch_s"]) + hit_s
+        first = start + (0 if hit else miss_s) + hit_s
         busy_until[chosen] = first + decode_s
         ends[chosen].append(busy_until[chosen])
         ttfts.append(first - t)
