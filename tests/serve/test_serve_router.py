@@ -95,3 +95,32 @@ def test_the_serve_router_ranks_the_holder_first_and_the_rest_after():
                              reps[2].replica_id, None)
     ranks = asyncio.run(router.choose_replicas(reps, types.SimpleNamespace(args=({"kb": "new"}, "default", None))))
     assert ranks[0][0].replica_id.name == "c"
+
+
+def test_a_request_whose_replica_died_before_answering_is_sent_once_more():
+    """kdn.serve.Router._twice: a replica's death before its answer costs a retry (another
+    replica), not a failed request; a second death, or any other error, is raised."""
+    import collections
+    from ray.exceptions import RayActorError
+    from kdn.serve import Router
+    router = Router.__new__(Router)
+    router.counters = collections.Counter()
+    calls = []
+
+    async def dies_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RayActorError()
+        return {"status": 200}
+    assert asyncio.run(router._twice(dies_once)) == {"status": 200}
+    assert router.counters["retried_replica_died"] == 1 and len(calls) == 2
+
+    async def always_dies():
+        raise RayActorError()
+    with pytest.raises(RayActorError):
+        asyncio.run(router._twice(always_dies))
+
+    async def a_bug():
+        raise ValueError("a bug")
+    with pytest.raises(ValueError):
+        asyncio.run(router._twice(a_bug))
