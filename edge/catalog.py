@@ -32,6 +32,7 @@ class Catalog:
         self.counters = collections.Counter()
         self._learning = None      # the origin call in flight for unknown namespaces
         self._learned_at = -LEARN_PERIOD_S
+        self.on_add = None         # told of every manifest added (the KV-event publisher)
 
     # --- manifests --------------------------------------------------------------------------
     def add(self, m: dict) -> None:
@@ -41,6 +42,8 @@ class Catalog:
         sums = m.get("sums") or [None] * len(m.get("keys", ()))
         for k, s in zip(m.get("keys", ()), sums):
             self.chunks[k] = (ns, s)
+        if self.on_add is not None:
+            self.on_add(m)
 
     def drop(self, ns: bytes, name: str, version: int) -> int:
         """Forget one version's manifest (its chunks' checksums stay: other versions share them)."""
@@ -102,6 +105,10 @@ class Catalog:
         finally:
             if self._learning is not None and self._learning.done():
                 self._learning = None
+
+    async def refresh(self) -> None:
+        """Learn every manifest the origin has (a restarted edge, for what its disk holds)."""
+        await self._ask_origin()
 
     async def _ask_origin(self) -> None:
         self.counters["manifest_refreshes"] += 1

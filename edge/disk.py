@@ -104,6 +104,7 @@ class DiskTier:
         self.index = ChunkCache(capacity_bytes, policy, on_evict=self._evicted)
         self.counters = collections.Counter()
         self._lock = threading.Lock()       # guards counters touched from worker threads
+        self.on_change = None               # note(key) on a write, an eviction, a discard
         self.scan()
 
     def path(self, key: bytes) -> Path:
@@ -210,6 +211,7 @@ class DiskTier:
             self._count("disk_full_dropped")
             return False
         self.index.put(obj.key, Record(obj.key, obj.ns, size, obj.raw, obj.codec, obj.dtype), size)
+        self._changed(obj.key)
         self._count("disk_writes")
         self._count("disk_write_bytes", size)
         return True
@@ -219,10 +221,16 @@ class DiskTier:
         held = self.index.discard(key)
         if held:
             self._remove(self.path(key), None)
+            self._changed(key)
         return held
 
     def _evicted(self, key, rec) -> None:
         self._remove(self.path(key), "disk_evicted")
+        self._changed(key)
+
+    def _changed(self, key) -> None:
+        if self.on_change is not None:
+            self.on_change(key)
 
     def _remove(self, p: Path, counter) -> None:
         try:

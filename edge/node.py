@@ -13,7 +13,8 @@ token, reads the namespace's read token when one is configured. A background loo
 the replication policy (hot copies in, cold ones out), expires TTLs and refreshes the
 membership from the origin every membership_refresh_s, so an edge that missed a broadcast
 converges by itself. With a disk tier (disk_bytes, disk_dir: edge/disk.py), a writer task
-writes memory's victims and pulled-through fills to disk, off the readers' time.
+writes memory's victims and pulled-through fills to disk, off the readers' time. With
+kv_events (edge/events.py), what the tiers hold and drop is published as vLLM KV events.
 """
 import asyncio
 import collections
@@ -63,7 +64,7 @@ class EdgeNode:
                  fault_injection: bool = False, auth: dict = None, store_codec: str = "raw",
                  membership_refresh_s: float = MEMBERSHIP_REFRESH_S,
                  max_reply_bytes: int = MAX_REPLY_BYTES, http_idle_s: float = None,
-                 disk_bytes: int = None, disk_dir: str = None):
+                 disk_bytes: int = None, disk_dir: str = None, kv_events=None):
         import ray
         self.network, self.name, self.region = network, name, region
         # this node's id, to tell readers beside the edge (None outside Ray: a test's edge)
@@ -79,6 +80,7 @@ class EdgeNode:
         self.demand = ReplicationPolicy(**{"hot_budget_fraction": hot_fraction, **(replication or {})})
         self.peers = Peers(network, self.tokens.admin, edge=name)
         self.catalog = Catalog(self.tokens, self.peers)
+        self.events = None if kv_events is None else self._start_events(kv_events)
         self.forms = Forms(store_codec, self.catalog.sum_of, lambda: self.membership.topology, region)
         self.pull = Pull(name, region, self.membership, self.tiers, self.forms, self.peers,
                          self.catalog, self.demand)
@@ -88,11 +90,29 @@ class EdgeNode:
         self.started = time.time()
         self._bg = None
         self._writer = None
+        self._events_started = False
         self.background_failure = None   # set when the background loop died of a bug
         self._last_refresh = 0.0
         self.http_port_wanted, self.http_host, self.http_idle_s = http_port, http_host, http_idle_s
         self.http = None
         self._http_lock = asyncio.Lock()
+
+    def _start_events(self, options):
+        """The KV-event publisher, told of every change in the tiers and every manifest."""
+        from kdn.edge.events import KVEvents
+        t = self.tiers
+
+        def where(key):
+            return t.peek(key) is not None, t.disk is not None and key in t.disk
+
+        def held():
+            return t.main.keys() + t.hot.keys() + ([] if t.disk is None else t.disk.index.keys())
+        events = KVEvents(options, self.region, where, held)
+        t.observer = events.note
+        if t.disk is not None:
+            t.disk.on_change = events.note
+        self.catalog.on_add = events.learn
+        return events
 
     @property
     def store_codec(self) -> str:
@@ -106,6 +126,9 @@ class EdgeNode:
         if self._writer is None and self.tiers.disk is not None:
             self._writer = asyncio.get_running_loop().create_task(self._write_backs())
             self._writer.add_done_callback(self._background_ended)
+        if self.events is not None and not self._events_started:
+            self._events_started = True    # a restarted edge learns manifests for its disk's keys
+            self.peers.later(self.catalog.refresh(), "manifests for KV events")
 
     async def _write_backs(self):
         """Write memory's victims (and fills) to the disk tier as they come, off the readers'
@@ -148,6 +171,7 @@ class EdgeNode:
         for key, region in d.demote:
             if region == self.region and self.tiers.hot.discard(key):
                 self.counters["hot_demoted"] += 1
+                self.tiers.note(key)
         wanted = [k for k, region in d.promote if region == self.region and self.tiers.peek(k) is None]
         if wanted:
             self.peers.later(self.pull.promote(wanted), "hot promotion")
@@ -356,6 +380,8 @@ class EdgeNode:
             out.update(part.counters)
         if self.tiers.disk is not None:
             out.update(self.tiers.disk.snapshot())
+        if self.events is not None:
+            out.update(self.events.snapshot())
         return out
 
     async def stats(self, token=None) -> dict:
@@ -369,6 +395,7 @@ class EdgeNode:
                 "uptime_s": time.time() - self.started, "http": self.http_address(),
                 "demand": self.demand.stats(), "loads": self.pull.loads.stats(),
                 "catalog": self.catalog.stats(), "background_failure": self.background_failure,
+                "kv_events": None if self.events is None else self.events.options,
                 "limits": {"max_fetch_keys": MAX_FETCH_KEYS,
                            "max_reply_bytes": self.reads.max_reply_bytes}}
 

@@ -88,6 +88,12 @@ class Tiers:
         self.pending_bytes = 0
         self.write_back_queue_bytes = int(write_back_queue_bytes)
         self.counters = collections.Counter()
+        self.observer = None       # note(key) when what holds key may have changed (edge/events.py)
+
+    def note(self, key) -> None:
+        """Tell the observer (the edge's KV-event publisher, when it has one) key changed."""
+        if self.observer is not None:
+            self.observer(key)
 
     def tier(self, role: str) -> ChunkCache:
         return self.hot if role == "hot" else self.main
@@ -143,6 +149,7 @@ class Tiers:
             if held is not None:
                 self.counters["disk_hits"] += 1
                 self.counters["disk_promoted"] += self.tier(role).put(key, held)
+                self.note(key)
         return out
 
     def values(self) -> list:
@@ -156,12 +163,15 @@ class Tiers:
         """Keep held in tier `role`; a pin that does not fit is kept unpinned rather than not
         at all (and counted)."""
         tier = self.tier(role)
-        if pin:
-            try:
-                return tier.put(key, held, pin=True)
-            except PinCapacityError:
-                self.counters["pin_refused"] += 1
-        return tier.put(key, held)
+        try:
+            if pin:
+                try:
+                    return tier.put(key, held, pin=True)
+                except PinCapacityError:
+                    self.counters["pin_refused"] += 1
+            return tier.put(key, held)
+        finally:
+            self.note(key)
 
     def pin(self, keys) -> int:
         """Pin the chunks of keys this edge holds (a hot copy moves to main); how many."""
@@ -188,11 +198,13 @@ class Tiers:
             dropped |= self.disk.discard(key)     # file I/O, but one unlink: on the loop
         self._unqueue(key)
         self.expiry.pop(key, None)
+        self.note(key)
         return dropped
 
     # --- write-back to the disk tier ----------------------------------------------------------
     def _evicted(self, key, held) -> None:
         """A memory tier's victim: queue it for the disk (ChunkCache's on_evict)."""
+        self.note(key)
         if self.disk is not None and held.own and not self._expired(key):
             self.write_back(held)
 

@@ -31,6 +31,8 @@ An edge may also name a disk tier beneath its memory (edge/disk.py): `disk_bytes
 integer > 0) and optionally `disk_dir` (a directory on the edge's node; the edge keeps
 its records in disk_dir/<edge name>), e.g.
 `{ name = "use-1", capacity_bytes = 8_000_000_000, disk_bytes = 500_000_000_000 }`.
+It may publish KV events (edge/events.py): `kv_events = "tcp://127.0.0.1:5557"`, or a table
+`{ endpoint = "tcp://127.0.0.1:5557", block_size = 16, topic = "use-1" }`.
 
 Every problem is a TopologyError naming the file and the entry (`topo.toml: links[0]:
 unknown region 'eu-wset'`), so a typo is one read away from fixed.
@@ -172,7 +174,7 @@ class Topology:
                 ew = f"{where}.edges[{i}]"
                 if not isinstance(e, dict):
                     raise TopologyError(f"{src}: {ew}: must be a table {{name, capacity_bytes}}, got {e!r:.80}")
-                extra = set(e) - {"name", "capacity_bytes", "disk_bytes", "disk_dir"}
+                extra = set(e) - {"name", "capacity_bytes", "disk_bytes", "disk_dir", "kv_events"}
                 if extra:
                     raise TopologyError(f"{src}: {ew}: unknown key(s) {sorted(extra)}")
                 if "name" not in e:
@@ -200,6 +202,12 @@ class Topology:
                     if not isinstance(dd, str) or not dd or "\0" in dd:
                         raise TopologyError(f"{src}: {ew}.disk_dir: must be a directory path, got {dd!r:.80}")
                     disk["disk_dir"] = dd
+                if "kv_events" in e:      # checked by the edge (kdn.edge.events.check_kv_events)
+                    kv = e["kv_events"]
+                    if not isinstance(kv, (str, dict)):
+                        raise TopologyError(f"{src}: {ew}.kv_events: must be an endpoint "
+                                            f"(tcp://127.0.0.1:PORT) or a table, got {kv!r:.80}")
+                    disk["kv_events"] = kv
                 if disk:
                     disks[name] = disk
         links = {}
@@ -259,7 +267,8 @@ class Topology:
                     f'bandwidth_gbps = {v["bandwidth_gbps"]!r}', "edges = ["]
             out += [f'  {{ name = {q(e["name"])}, capacity_bytes = {e["capacity_bytes"]}'
                     + (f', disk_bytes = {e["disk_bytes"]}' if "disk_bytes" in e else "")
-                    + (f', disk_dir = {q(e["disk_dir"])}' if "disk_dir" in e else "") + ' },'
+                    + (f', disk_dir = {q(e["disk_dir"])}' if "disk_dir" in e else "")
+                    + (f', kv_events = {_inline(e["kv_events"])}' if "kv_events" in e else "") + ' },'
                     for e in v["edges"]]
             out += ["]", ""]
         for link in d["links"]:
@@ -307,7 +316,8 @@ class Topology:
         self.disks.pop(name, None)
 
     def disk(self, edge_name: str) -> dict:
-        """The edge's disk tier settings from the file ({} when it names none)."""
+        """The edge's options from the file: its disk tier (disk_bytes, disk_dir) and its KV
+        events (kv_events); {} when it names none."""
         self.region_of(edge_name)
         return dict(self.disks.get(edge_name, {}))
 
@@ -376,3 +386,12 @@ class Topology:
     def __repr__(self) -> str:
         return (f"Topology({len(self._regions)} regions, {len(self._edges)} edges, "
                 f"origin in {self.origin_region!r}, from {self.source})")
+
+
+def _inline(v) -> str:
+    """A str, or a flat table of str/int/bool, as TOML (an edge's kv_events)."""
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_inline(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return json.dumps(v) if isinstance(v, str) else repr(v)

@@ -12,7 +12,7 @@ import time
 from kdn.cli.table import table  # noqa: F401 - every bench prints the CLI's tables
 
 NAMES = ["keys", "codec", "store", "cache", "tiers", "placement", "fetch", "ttft", "transport",
-         "load", "codecs", "blend", "fuzz", "links", "quantlab", "vllm", "serve", "l2"]
+         "load", "codecs", "blend", "fuzz", "links", "quantlab", "vllm", "serve", "l2", "route"]
 
 
 def emit_json(obj, file=None):

@@ -45,13 +45,21 @@ def _up(args, rest):
     from kdn.launch.cluster import up
     state = up(topology_file=args.topology, address=args.address, root=args.root, network=args.network,
                edge_codec=args.edge_codec, origin_codec=args.origin_codec,
-               edge_disk=args.edge_disk, edge_disk_dir=args.edge_disk_dir, origin=args.origin)
+               edge_disk=args.edge_disk, edge_disk_dir=args.edge_disk_dir, origin=args.origin,
+               kv_events=_kv_events_arg(args))
     where = "an embedded local cluster" if state["embedded"] else f"the cluster at {state['address']}"
     print(f"KDN network {state['network']!r} is up on {where}; origin store in {state['root']}")
     if args.serve:          # the OpenAI-compatible service too, with `kdn serve`'s defaults
         return _deploy_service(state["network"], {})
     print("next: kdn publish KB PATH...   kdn query KB \"question\"   kdn serve   kdn status   kdn down")
     return 0
+
+
+def _kv_events_arg(args):
+    if args.kv_events is None:
+        return None
+    return {"endpoint": args.kv_events, "block_size": args.kv_events_block_size,
+            "encoding": args.kv_events_encoding, "remote": args.kv_events_remote}
 
 
 def _down(args, rest):
@@ -355,6 +363,17 @@ def _up_args(sub):
     u.add_argument("--edge-disk-dir", metavar="DIR", default=None,
                    help="where edges keep their disk tiers, DIR/<edge> on each edge's node "
                         "(default $KDN_HOME/edge-disk/<network>)")
+    u.add_argument("--kv-events", metavar="tcp://127.0.0.1:PORT", default=None,
+                   help="every edge publishes what it holds as vLLM KV events (ZMQ PUB; edge k "
+                        "of the topology on PORT+2k, its replay socket on PORT+2k+1); off by "
+                        "default; per edge: kv_events in the topology file")
+    u.add_argument("--kv-events-block-size", type=int, default=16, metavar="N",
+                   help="announce each 256-token chunk as blocks of N tokens (the subscribers' "
+                        "block size; vLLM's default 16)")
+    u.add_argument("--kv-events-encoding", choices=("map", "array"), default="map",
+                   help="events as tagged maps (current vLLM; default) or arrays (older vLLM)")
+    u.add_argument("--kv-events-remote", action="store_true",
+                   help="allow a non-loopback --kv-events host")
     u.set_defaults(func=_up)
 
 

@@ -133,6 +133,10 @@ def start_edge(network: str, edge, topology, detached: bool = False, capacity_by
     import ray
     from kdn.core.transfer import check_store_codec
     check_store_codec(edge_options.get("store_codec", "raw"), "edge")
+    edge_options = {**edge_options, **topology.disk(edge.name)}   # the file's disk tier wins
+    if edge_options.get("kv_events") is not None:               # checked here, not in the actor
+        from kdn.edge.events import check_kv_events
+        edge_options["kv_events"] = check_kv_events(edge_options["kv_events"])
     cls = ray.remote(_edge_class())
     opts = dict(name=edge_actor_name(network, edge.name), namespace=NAMESPACE, num_cpus=0,
                 max_restarts=-1, max_task_retries=0, max_concurrency=1000,
@@ -140,11 +144,20 @@ def start_edge(network: str, edge, topology, detached: bool = False, capacity_by
     if detached:
         opts["lifetime"] = "detached"
     cap = capacity_bytes or topology.capacity_bytes(edge.name)
-    edge_options = {**edge_options, **topology.disk(edge.name)}   # the file's disk tier wins
     return cls.options(**opts).remote(network=network, name=edge.name, region=edge.region,
                                       capacity_bytes=cap, topology=topology.to_dict(),
                                       http_port=http_port, replicas=replicas,
                                       auth=_auth_dict(auth), **edge_options)
+
+
+def _edge_k(edge_options, k: int) -> dict:
+    """The k-th edge's options: one kv_events endpoint for all becomes PORT + 2k (PUB) and
+    PORT + 2k + 1 (replay) for edge k (kdn.edge.events.offset_ports)."""
+    opts = dict(edge_options or {})
+    if opts.get("kv_events") is not None:
+        from kdn.edge.events import offset_ports
+        opts["kv_events"] = offset_ports(opts["kv_events"], k)
+    return opts
 
 
 def free_ports(n: int, host: str = LOOPBACK) -> list:
@@ -203,8 +216,8 @@ def start_network(topology, root, network: str = "kdn", detached: bool = False,
     origin = ocls.options(**opts).remote(network=network, root=root, topology=topology.to_dict(),
                                          replicas=replicas, auth=auth, **(origin_options or {}))
     edges = {e.name: start_edge(network, e, topology, detached=detached, http_port=port,
-                                replicas=replicas, auth=auth, **(edge_options or {}))
-             for e, port in zip(topology.edges, ports)}
+                                replicas=replicas, auth=auth, **_edge_k(edge_options, k))
+             for k, (e, port) in enumerate(zip(topology.edges, ports))}
     try:
         ray.get([origin.ping.remote()] + [h.ping.remote() for h in edges.values()], timeout=timeout_s)
         ray.get(origin.set_members.remote([(e.name, e.region, e.weight) for e in topology.edges],
@@ -323,7 +336,7 @@ def check_origin(root=None, origin=None) -> tuple:
 
 def up(topology_file=None, address=None, root=None, network: str = "kdn", http: bool = True,
        edge_codec: str = "raw", origin_codec: str = "raw", edge_disk=None, edge_disk_dir=None,
-       origin=None):
+       origin=None, kv_events=None):
     """Start a network: on an embedded local cluster (no address) or on the cluster at address.
 
     edge_codec / origin_codec: how edges and the origin store chunks (kdn.core.codecs; the origin
@@ -332,7 +345,8 @@ def up(topology_file=None, address=None, root=None, network: str = "kdn", http: 
     one per edge instead). origin: where the origin keeps everything, a directory (the same
     as root=) or s3://bucket/prefix reached with the AWS_* variables of this environment
     (check_origin: a wrong key or an unreachable bucket fails here). Checked before anything
-    starts.
+    starts. kv_events: every edge publishes vLLM KV events (edge/events.py), edge k of the
+    topology on PORT + 2k (replay PORT + 2k + 1); off by default.
 
     Returns the state written for `kdn down` and `kdn status`.
     """
@@ -345,6 +359,9 @@ def up(topology_file=None, address=None, root=None, network: str = "kdn", http: 
     check_store_codec(edge_codec, "edge")
     check_store_codec(origin_codec, "origin")
     disk_options = check_edge_disk(edge_disk, edge_disk_dir, embedded=address is None)
+    if kv_events is not None:
+        from kdn.edge.events import check_kv_events
+        disk_options["kv_events"] = check_kv_events(kv_events)
     topo = Topology.from_toml(topology_file) if topology_file else Topology.default_local(list(DEFAULT_REGIONS))
     readers = read_tokens_from_env()
     root, origin_store = check_origin(root, origin)

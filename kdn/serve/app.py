@@ -76,6 +76,8 @@ class RegionWorker:
         self.model = load_model()
         self.max_context = max_context or int(getattr(self.model.hf.config, "max_position_embeddings", 8192))
         self._chats = {}            # (tenant, token) -> kdn.serve.chat.Chat
+        from kdn.serve.router import EngineKV
+        self.engine_kv = EngineKV()  # the KV of its last KBs: what KV-aware routing aims at
         # The model runs in one thread of its own; requests take it one at a time in arrival
         # order (asyncio.Lock wakes its waiters first come, first served).
         self._model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdn-model")
@@ -90,8 +92,13 @@ class RegionWorker:
         except AccessDenied:
             self._chats.clear()
 
+    def record_routing_stats(self) -> dict:
+        """What its engine holds, for the router (kdn.serve.router; Serve calls it)."""
+        return self.engine_kv.routing_stats()
+
     def stats(self) -> dict:
         return {"region": self.region, "counters": dict(self.counters),
+                "engine_kv": self.engine_kv.stats(),
                 "chats": {t: c.stats()["counters"] for (t, _), c in self._chats.items()}}
 
     def _chat(self, tenant: str, token):
@@ -102,6 +109,7 @@ class RegionWorker:
             client = Client(network=self.network, region=self.region, tenant=tenant,
                             fingerprint=self.model.fingerprint, token=token)
             self._chats[key] = Chat(self.model, client)
+            self._chats[key].engine_kv = self.engine_kv
         return self._chats[key]
 
     def models(self, tenant: str, token) -> dict:
@@ -153,12 +161,14 @@ class RegionWorker:
         """{"status", "body"[, "headers"]}: one plain chat completion."""
         self.counters["requests"] += 1
         async with self._turn:
+            t0 = asyncio.get_running_loop().time()
             try:
                 chat, prompt, cache, cached = await self._on_model(self._start, req, tenant, token)
                 async with contextlib.aclosing(self._steps(chat, prompt, cache, cached, req)) as gen:
                     steps = [s async for s in gen]
             except KDNError as e:
                 return self._error(api_error(e))
+            self.engine_kv.served(asyncio.get_running_loop().time() - t0)
         text = "".join(s.text for s in steps)
         n = sum(1 for s in steps if s.token is not None)
         body = completion(completion_id(), req["model"], text, steps[-1].finish,
@@ -196,7 +206,8 @@ class Router:
         self.counters = collections.Counter()
 
     def stats(self) -> dict:
-        return {"home": self.home, "counters": dict(self.counters)}
+        from kdn.serve.router import routing_counters
+        return {"home": self.home, "counters": dict(self.counters), "routing": routing_counters()}
 
     def pick(self, request, path_region: str) -> str:
         if path_region is not None:
@@ -269,10 +280,13 @@ class Router:
                 return self._reply(await handle.models.remote(tenant, token))
             body = dict(req.__dict__)
             if not req.stream:
-                return self._reply(await handle.complete.remote(body, tenant, token))
+                return self._reply(await self._twice(lambda: handle.complete.remote(body, tenant, token)))
             self.counters["streams"] += 1
-            gen = handle.options(stream=True).stream.remote(body, tenant, token)
-            head = await gen.__anext__()
+
+            async def head_of():
+                gen = handle.options(stream=True).stream.remote(body, tenant, token)
+                return gen, await gen.__anext__()
+            gen, head = await self._twice(head_of)
             if head["status"] != 200:
                 return self._reply(head)
             return self._streaming(gen)
@@ -283,6 +297,17 @@ class Router:
                 RayActorError, StopAsyncIteration) as e:
             raise ApiError(503, f"no worker of region {region} could answer ({type(e).__name__}); retry",
                            "unavailable", retry_after=RETRY_AFTER_S) from None
+
+    async def _twice(self, call):
+        """await call(), once more on another replica when the first died before it answered
+        (nothing of the answer was sent yet, so the retry is invisible to the caller)."""
+        from ray import serve
+        from ray.exceptions import RayActorError
+        try:
+            return await call()
+        except (RayActorError, serve.exceptions.ReplicaUnavailableError):
+            self.counters["retried_replica_died"] += 1
+            return await call()
 
     def _reply(self, r: dict):
         from starlette.responses import JSONResponse
@@ -346,7 +371,8 @@ def worker_class(engine: str):
 def deploy(network: str = "kdn", regions=None, port: int = DEFAULT_PORT, auth: dict = None,
            min_replicas: int = 1, max_replicas: int = 1, target_ongoing_requests: float = 1.0,
            replica_cpus: float = 1.0, max_queued_requests: int = 16, base_model: str = None,
-           engine: str = "transformers", routers: int = 2, max_ongoing_requests: int = 16) -> dict:
+           engine: str = "transformers", routers: int = 2, max_ongoing_requests: int = 16,
+           routing: str = "kv") -> dict:
     """Deploy (or update) the service of `network` on the connected Ray cluster; returns
     service_info(). regions: those to serve (default every region of the topology).
     auth: the network's tokens ({"admin", "readers"}, as `kdn up` configured them).
@@ -356,7 +382,9 @@ def deploy(network: str = "kdn", regions=None, port: int = DEFAULT_PORT, auth: d
     order. Past them, up to max_queued_requests per region wait in each router's queue
     (Serve queues per caller); more are answered 429. Admitting many keeps the order fair:
     Serve retries a full replica with backoff, out of order. 16 clients on one replica
-    (`kdn bench serve`): p50/p99 12.5/13.0 s admitting 16, 7.2/19.2 s admitting 4."""
+    (`kdn bench serve`): p50/p99 12.5/13.0 s admitting 16, 7.2/19.2 s admitting 4.
+    routing: "kv" (kdn.serve.router: to the replica whose engine holds the KB) or "default"
+    (Serve's power of two choices)."""
     from ray import serve
     from kdn.client import Client
     from kdn.engines.transformers.model import MODEL_NAME
@@ -373,13 +401,18 @@ def deploy(network: str = "kdn", regions=None, port: int = DEFAULT_PORT, auth: d
     unknown = [r for r in regions if r not in topo.regions]
     if unknown:
         raise BadRequest(f"unknown region(s) {unknown}; the network has {topo.regions}")
+    if routing not in ("kv", "default"):
+        raise BadRequest(f"routing must be 'kv' or 'default', got {routing!r:.40}")
+    from ray.serve.config import RequestRouterConfig
+    from kdn.serve.router import router_config
+    routed = {"request_router_config": RequestRouterConfig(**router_config())} if routing == "kv" else {}
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     workers = {}
     for r in regions:
         d = serve.deployment(worker).options(
             name=r, max_ongoing_requests=max_ongoing_requests, max_queued_requests=max_queued_requests,
             autoscaling_config=scaling, health_check_period_s=5, health_check_timeout_s=60,
-            graceful_shutdown_timeout_s=5,
+            graceful_shutdown_timeout_s=5, **routed,
             ray_actor_options={"label_selector": {"region": r}, "num_cpus": replica_cpus})
         workers[r] = d.bind(network, r, **({"auth": auth or {}} if engine == "vllm" else {}))
     router = serve.deployment(Router).options(
@@ -391,7 +424,8 @@ def deploy(network: str = "kdn", regions=None, port: int = DEFAULT_PORT, auth: d
 
 
 CONFIG_KEYS = {"regions", "port", "min_replicas", "max_replicas", "target_ongoing_requests",
-               "replica_cpus", "max_ongoing_requests", "max_queued_requests", "engine", "routers"}
+               "replica_cpus", "max_ongoing_requests", "max_queued_requests", "engine", "routers",
+               "routing"}
 
 
 def load_config(path) -> dict:

@@ -43,6 +43,7 @@ class Chat:
         self.model, self.client = model, client
         # requests, prompt_tokens, cached_tokens, completion_tokens, fetch_s, rebuild_s
         self.counters = collections.Counter()
+        self.engine_kv = None      # a replica's cache of its last rebuilt KBs (kdn.serve.router)
 
     def stats(self) -> dict:
         return {"counters": dict(self.counters), "model": self.model.stats(), "client": self.client.stats()}
@@ -60,13 +61,23 @@ class Chat:
         prompt = ids.tolist() + messages_tokens(self.model, messages)
         if not fetch:
             return prompt, None, 0
+        kb = f"{self.client.tenant}/{manifest.name}"
+        kept = None if self.engine_kv is None else self.engine_kv.get(kb, manifest.version)
+        if kept is not None:   # the engine's own cache of a KB it rebuilt (kdn.serve.router.EngineKV)
+            cache, tokens = kept
+            self.model.crop(cache, tokens)     # back to the KB's KV, bitwise as rebuilt
+            self.counters["engine_hits"] += 1
+            return prompt, cache, tokens
         t0 = time.perf_counter()
         f = self.client.fetch(prompt, kb=manifest.name, version=manifest.version)
         t1 = time.perf_counter()
-        cache = (self.model.cache_from_kv(f.kv_parts(), len(prompt) - f.tokens + max_tokens)
-                 if f.tokens else None)
+        spare = len(prompt) - f.tokens + max_tokens
+        cache = self.model.cache_from_kv(f.kv_parts(), spare) if f.tokens else None
         self.counters["fetch_s"] += t1 - t0
         self.counters["rebuild_s"] += time.perf_counter() - t1
+        if self.engine_kv is not None and f.tokens == len(ids):   # the whole KB only
+            self.engine_kv.put(kb, manifest.version, (cache, f.tokens),
+                               (f.tokens + spare) * self.model.kv_bytes_per_token, t1 - t0)
         return prompt, cache, f.tokens
 
     def stream(self, prompt, cache, cached_tokens: int, max_tokens: int, temperature: float = 0.0,

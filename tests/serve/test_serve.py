@@ -180,6 +180,30 @@ def test_plain_answer_is_the_query_check_answer(service, model):
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_kbs_second_request_is_routed_to_the_engine_that_holds_it(service, model):
+    """KV-aware routing (kdn.serve.router): the replica that answered a KB keeps its KV in
+    its engine cache and says so; the second request is routed there and fetches nothing
+    (the answer the same, the KB's tokens still cached)."""
+    from ray import serve as ray_serve
+    from kdn.serve import ROUTER, app_name
+    e = service["expected"]
+    url = service["info"]["regions"]["us-east"]
+    worker = ray_serve.get_deployment_handle("us-east", app_name=app_name(service["network"]))
+    before = worker.stats.remote().result()["engine_kv"]
+    for _ in range(2):
+        r = _client(url).chat.completions.create(
+            model=f"{MODEL_NAME}@rights", messages=[{"role": "user", "content": QUESTION}], max_tokens=NEW_TOKENS)
+        assert r.choices[0].message.content == _text(model, e.baseline_tokens)
+        assert r.usage.prompt_tokens_details.cached_tokens == service["kb_tokens"]
+    after = worker.stats.remote().result()["engine_kv"]
+    assert after.get("engine_hits", 0) - before.get("engine_hits", 0) >= 1
+    assert worker.record_routing_stats.remote().result()["kbs"] == ["default/rights"]
+    routers = ray_serve.get_deployment_handle(ROUTER, app_name=app_name(service["network"]))
+    seen = [routers.stats.remote().result()["routing"] for _ in range(3 * ROUTERS)]
+    assert any(s.get("engine_hit", 0) >= 1 for s in seen), seen
+    assert all(s.get("decision_us", 0) < 1000 * max(1, s.get("decisions", 0)) for s in seen)
+
+
 def test_streamed_answer_is_the_query_check_answer_and_kb_by_extra_body(service, model):
     e = service["expected"]
     url = service["info"]["regions"]["eu-west"]

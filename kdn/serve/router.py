@@ -1,0 +1,199 @@
+"""KV-aware routing inside `kdn serve`: which replica of a region answers a request for KB k.
+
+It is Ray Serve's own request router (`ray.serve.request_router.RequestRouter`, set with
+`request_router_config` on each region's deployment), learned from Ray's prefix-cache
+affinity router (ray.serve.llm.request_router.PrefixCacheAffinityRouter) but keyed by what
+KDN knows exactly, the KB a request names, instead of a character prefix tree in an actor.
+
+- What each replica's engine holds: the replica says (its `record_routing_stats`, which
+  Serve calls every ROUTING_STATS_PERIOD_S: the KBs in its EngineKV cache, its mean service
+  time and each KB's last fetch time), and this router remembers where it sent each KB
+  since (a replica that just served k holds k now, before its next report).
+- The decision (`decide`, pure, a few microseconds): among the replicas whose engine holds
+  k, the least loaded; it answers unless its wait, queue x service time, exceeds the least
+  loaded replica's wait plus the cost of fetching k from the edge, in which case the request
+  is routed away to the least loaded ("queue"). A KB no engine holds goes to its rendezvous
+  owner among the replicas (so KBs spread over the engines' caches instead of every cache
+  churning through every KB), again unless that owner's queue costs more than fetching.
+  The choice comes first in the ranks returned to Serve, the other replicas after it, so a
+  full or dead replica costs Serve's retry, never a failed request; no loop: one pass.
+- EngineKV: the transformers replica's engine-side cache of the KV of its last KBs
+  (kdn.client.reader's Fetched, the edge's objects mapped), bounded in bytes, LRU. A hit skips the
+  fetch; the cache rebuild (one copy) is done either way.
+
+Counters (`counters`, summed over this process's routers by `routing_counters()`): engine
+hits, misses, routed away and why.
+"""
+import collections
+import threading
+import time
+
+import xxhash
+from ray.serve.request_router import RequestRouter
+
+ROUTING_STATS_PERIOD_S = 1.0      # how often a replica reports what its engine holds
+DEFAULT_SERVICE_S = 1.0           # a request's service time before any is measured
+DEFAULT_FETCH_S = 0.05            # a KB's fetch from the edge before any is measured
+RECENT = 4096                     # KBs whose last replica this router remembers
+ENGINE_KV_BYTES = 256 << 20       # the transformers replica's engine-side KV cache
+
+_ROUTERS = []                     # this process's routers, for routing_counters()
+_lock = threading.Lock()
+
+
+def kb_of(args) -> "str | None":
+    """The KB a replica call names: complete/stream(body, tenant, token) -> "tenant/kb"."""
+    if len(args) >= 2 and isinstance(args[0], dict) and "kb" in args[0]:
+        return f"{args[1]}/{args[0]['kb']}"
+    return None
+
+
+def owner(kb: str, replicas) -> str:
+    """KB kb's rendezvous owner among replica ids (the same in every router)."""
+    return max(replicas, key=lambda r: xxhash.xxh3_64_intdigest(f"{kb}\0{r}".encode()))
+
+
+def decide(kb, queues: dict, holders, service_s: float, fetch_s: float) -> tuple:
+    """(replica id, why) for a request naming kb. queues: replica id -> requests queued or
+    running there; holders: the replica ids whose engine holds kb. why: "engine_hit",
+    "routed_away_queue" (a holder was busier than a fetch costs), "owner" (no engine holds
+    it: its rendezvous owner), "owner_busy" (the owner was busier than a fetch costs)."""
+    least = min(queues, key=lambda r: (queues[r], r))
+    held = [r for r in holders if r in queues]
+    if held:
+        best = min(held, key=lambda r: (queues[r], r))
+        if queues[best] * service_s > queues[least] * service_s + fetch_s:
+            return least, "routed_away_queue"
+        return best, "engine_hit"
+    o = owner(kb, queues)
+    if queues[o] * service_s > queues[least] * service_s + fetch_s:
+        return least, "owner_busy"
+    return o, "owner"
+
+
+def routing_counters() -> dict:
+    """This process's routers' counters, summed (the ingress reports them in its stats)."""
+    out = collections.Counter()
+    with _lock:
+        for r in _ROUTERS:
+            out.update(r.counters)
+    return dict(out)
+
+
+class KBAffinityRouter(RequestRouter):
+    """A region's replicas, chosen by where the KB's KV already is (see the module)."""
+
+    def initialize_state(self, **kwargs):
+        self.counters = collections.Counter()
+        self.recent = collections.OrderedDict()     # kb -> replica id it was last sent to
+        # Serve pickles this class by value: the registry is reached through the module
+        # imported here, never captured (a lock does not pickle)
+        import kdn.serve.router as here
+        with here._lock:
+            here._ROUTERS.append(self)
+
+    def _stats(self, replica) -> dict:
+        s = getattr(replica, "routing_stats", None)
+        return s if isinstance(s, dict) else {}
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if not candidate_replicas:
+            return []
+        kb = None if pending_request is None else kb_of(pending_request.args)
+        if kb is None:          # /v1/models and the like: Serve's own choice suffices
+            return [list(candidate_replicas)]
+        t0 = time.perf_counter()
+        by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
+        queues, holders, service, fetch = {}, set(), [], []
+        for rid, r in by_id.items():
+            q = self._replica_queue_len_cache.get(r.replica_id)
+            queues[rid] = 0 if q is None else q
+            s = self._stats(r)
+            if kb in s.get("kbs", ()):
+                holders.add(rid)
+                fetch.append(s.get("fetch_s", {}).get(kb, DEFAULT_FETCH_S))
+            service.append(s.get("service_s") or DEFAULT_SERVICE_S)
+        if self.recent.get(kb) in queues:
+            holders.add(self.recent[kb])
+        chosen, why = decide(kb, queues, holders, max(service), max(fetch or [DEFAULT_FETCH_S]))
+        self.counters[why] += 1
+        self.counters["decisions"] += 1
+        self.counters["decision_us"] += int((time.perf_counter() - t0) * 1e6)
+        rest = [r for rid, r in by_id.items() if rid != chosen]
+        return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
+
+    def on_request_routed(self, pending_request, replica_id, result):
+        kb = kb_of(pending_request.args)
+        if kb is not None:
+            self.recent[kb] = replica_id.to_full_id_str()
+            self.recent.move_to_end(kb)
+            while len(self.recent) > RECENT:
+                self.recent.popitem(last=False)
+
+    def on_replica_actor_died(self, replica_id):
+        super().on_replica_actor_died(replica_id)
+        dead = replica_id.to_full_id_str()
+        for kb in [k for k, r in self.recent.items() if r == dead]:
+            del self.recent[kb]
+        self.counters["replicas_died"] += 1
+
+
+def router_config() -> dict:
+    """request_router_config for a region's deployment."""
+    return {"request_router_class": "kdn.serve.router.KBAffinityRouter",
+            "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+            "request_routing_stats_timeout_s": 5.0}
+
+
+# --- the replica's side ---------------------------------------------------------------------------
+class EngineKV:
+    """The KV of a replica's last KBs (Fetched objects, keyed "tenant/kb" and version),
+    bounded in bytes, least recently used first out; with the measures the router uses."""
+
+    def __init__(self, capacity_bytes: int = ENGINE_KV_BYTES):
+        self.capacity = int(capacity_bytes)
+        self.entries = collections.OrderedDict()     # (kb, version) -> (Fetched, nbytes)
+        self.bytes = 0
+        self.fetch_s = {}                            # kb -> seconds its last fetch took
+        self.service_s = None                        # mean seconds per request (EWMA)
+        self.counters = collections.Counter()
+
+    def get(self, kb: str, version):
+        got = self.entries.get((kb, version))
+        if got is None:
+            self.counters["engine_misses"] += 1
+            return None
+        self.entries.move_to_end((kb, version))
+        self.counters["engine_hits"] += 1
+        return got[0]
+
+    def put(self, kb: str, version, fetched, nbytes: int, fetch_s: float) -> bool:
+        """Keep fetched (nbytes of KV); False when it is larger than the whole cache."""
+        self.fetch_s[kb] = fetch_s
+        if len(self.fetch_s) > RECENT:
+            self.fetch_s.pop(next(iter(self.fetch_s)))
+        if nbytes > self.capacity:
+            self.counters["engine_rejected"] += 1
+            return False
+        old = self.entries.pop((kb, version), None)
+        if old is not None:
+            self.bytes -= old[1]
+        while self.entries and self.bytes + nbytes > self.capacity:
+            _, (_, n) = self.entries.popitem(last=False)
+            self.bytes -= n
+            self.counters["engine_evictions"] += 1
+        self.entries[(kb, version)] = (fetched, nbytes)
+        self.bytes += nbytes
+        return True
+
+    def served(self, seconds: float) -> None:
+        self.service_s = seconds if self.service_s is None else 0.8 * self.service_s + 0.2 * seconds
+
+    def routing_stats(self) -> dict:
+        """What the router reads (record_routing_stats)."""
+        return {"kbs": sorted({kb for kb, _ in self.entries}), "service_s": self.service_s,
+                "fetch_s": dict(self.fetch_s), "bytes": self.bytes}
+
+    def stats(self) -> dict:
+        return {"kbs": len(self.entries), "bytes": self.bytes, "capacity": self.capacity,
+                **self.counters}

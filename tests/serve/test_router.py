@@ -1,0 +1,126 @@
+"""KV-aware routing's decision and the replica's engine-side KV cache (kdn.serve.router),
+without Serve: the decision is a pure function of queues, holders and costs; the router class
+is Serve's RequestRouter, checked here to choose from the ranks it returns. The service
+itself routes through it in tests/serve/test_serve.py."""
+import asyncio
+import time
+import types
+
+import pytest
+
+from kdn.serve.router import EngineKV, KBAffinityRouter, decide, kb_of, owner
+
+R = ["r1", "r2", "r3"]
+
+
+def test_a_kb_goes_to_the_replica_whose_engine_holds_it():
+    # one request ahead of it (1 s) costs less than fetching (1.5 s): it waits for r1
+    assert decide("t/a", {"r1": 1, "r2": 0, "r3": 0}, {"r1"}, 1.0, 1.5) == ("r1", "engine_hit")
+    assert decide("t/a", {"r1": 0, "r2": 0}, {"r2"}, 1.0, 0.0) == ("r2", "engine_hit")
+
+
+def test_a_holder_busier_than_a_fetch_costs_is_passed_over():
+    # r1 holds it but 3 requests wait there (3 s); r2 is idle: fetching (0.5 s) is cheaper
+    assert decide("t/a", {"r1": 3, "r2": 0}, {"r1"}, 1.0, 0.5) == ("r2", "routed_away_queue")
+    # the same queue with a fetch that costs more than the wait: stay
+    assert decide("t/a", {"r1": 3, "r2": 0}, {"r1"}, 1.0, 5.0) == ("r1", "engine_hit")
+
+
+def test_a_kb_no_engine_holds_goes_to_its_rendezvous_owner_the_same_everywhere():
+    queues = {r: 0 for r in R}
+    got = {decide(f"t/kb{i}", queues, set(), 1.0, 0.1) for i in range(30)}
+    assert {why for _, why in got} == {"owner"} and {r for r, _ in got} == set(R)   # spread
+    assert all(decide(f"t/kb{i}", queues, set(), 1.0, 0.1)[0] == owner(f"t/kb{i}", R) for i in range(30))
+    # a replica gone moves only its own KBs
+    moved = [i for i in range(100) if owner(f"t/kb{i}", R) != owner(f"t/kb{i}", R[:2])]
+    assert all(owner(f"t/kb{i}", R) == "r3" for i in moved)
+
+
+def test_a_busy_owner_is_passed_over():
+    o = owner("t/x", R)
+    queues = {r: (5 if r == o else 0) for r in R}
+    r, why = decide("t/x", queues, set(), 1.0, 0.1)
+    assert why == "owner_busy" and r != o
+
+
+def test_a_decision_takes_well_under_a_millisecond():
+    queues = {f"replica-{i}": i % 3 for i in range(64)}
+    holders = {"replica-3", "replica-40"}
+    t0 = time.perf_counter()
+    for i in range(1000):
+        decide(f"t/kb{i % 50}", queues, holders, 1.0, 0.2)
+    assert (time.perf_counter() - t0) / 1000 < 1e-3
+
+
+def test_kb_of_reads_the_replica_call():
+    assert kb_of(({"kb": "rights", "version": None}, "default", None)) == "default/rights"
+    assert kb_of(("default", None)) is None
+
+
+def test_the_engine_cache_is_bounded_in_bytes_and_least_recently_used_goes_first():
+    kv = EngineKV(100)
+    assert kv.put("t/a", 1, "A", 40, 0.1) and kv.put("t/b", 1, "B", 40, 0.2)
+    assert kv.get("t/a", 1) == "A"                 # a is now the most recent
+    assert kv.put("t/c", 1, "C", 40, 0.3)          # b goes
+    assert kv.get("t/b", 1) is None and kv.get("t/c", 1) == "C" and kv.bytes == 80
+    assert not kv.put("t/huge", 1, "H", 101, 1.0)   # larger than the cache: refused, nothing evicted
+    st = kv.routing_stats()
+    assert st["kbs"] == ["t/a", "t/c"] and st["fetch_s"]["t/huge"] == 1.0
+    assert kv.stats()["engine_hits"] == 2 and kv.stats()["engine_misses"] == 1
+    kv.served(2.0)
+    kv.served(1.0)
+    assert kv.routing_stats()["service_s"] == pytest.approx(1.8)
+
+
+class _Replica:
+    def __init__(self, name, stats=None):
+        self.replica_id = types.SimpleNamespace(to_full_id_str=lambda: name, name=name)
+        self.routing_stats = stats or {}
+        self.max_ongoing_requests = 4
+
+
+def test_the_serve_router_ranks_the_holder_first_and_the_rest_after():
+    """KBAffinityRouter.choose_replicas on stand-ins for Serve's RunningReplica (only the
+    attributes it reads), its queue-length cache empty (0 queued)."""
+    router = KBAffinityRouter.__new__(KBAffinityRouter)
+    router._replica_queue_len_cache = types.SimpleNamespace(get=lambda rid: None)
+    router.initialize_state()
+    reps = [_Replica("a"), _Replica("b", {"kbs": ["default/rights"], "service_s": 1.0}), _Replica("c")]
+    req = types.SimpleNamespace(args=({"kb": "rights"}, "default", None))
+    ranks = asyncio.run(router.choose_replicas(reps, req))
+    assert [r.replica_id.name for r in ranks[0]] == ["b"] and {r.replica_id.name for r in ranks[1]} == {"a", "c"}
+    assert router.counters["engine_hit"] == 1
+    # what this router sent is remembered before the replica reports it
+    router.on_request_routed(types.SimpleNamespace(args=({"kb": "new"}, "default", None)),
+                             reps[2].replica_id, None)
+    ranks = asyncio.run(router.choose_replicas(reps, types.SimpleNamespace(args=({"kb": "new"}, "default", None))))
+    assert ranks[0][0].replica_id.name == "c"
+
+
+def test_a_request_whose_replica_died_before_answering_is_sent_once_more():
+    """kdn.serve.app.Router._twice: a replica's death before its answer costs a retry (another
+    replica), not a failed request; a second death, or any other error, is raised."""
+    import collections
+    from ray.exceptions import RayActorError
+    from kdn.serve.app import Router
+    router = Router.__new__(Router)
+    router.counters = collections.Counter()
+    calls = []
+
+    async def dies_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RayActorError()
+        return {"status": 200}
+    assert asyncio.run(router._twice(dies_once)) == {"status": 200}
+    assert router.counters["retried_replica_died"] == 1 and len(calls) == 2
+
+    async def always_dies():
+        raise RayActorError()
+    with pytest.raises(RayActorError):
+        asyncio.run(router._twice(always_dies))
+
+    async def a_bug():
+        raise ValueError("a bug")
+    with pytest.raises(ValueError):
+        asyncio.run(router._twice(a_bug))
