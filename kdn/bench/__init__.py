@@ -10,7 +10,7 @@ import sys
 import time
 
 NAMES = ["keys", "codec", "store", "cache", "tiers", "placement", "fetch", "ttft", "transport",
-         "load", "codecs", "blend", "fuzz", "links", "quantlab", "vllm", "serve"]
+         "load", "codecs", "blend", "fuzz", "links", "quantlab", "vllm", "serve", "emphasis"]
 
 
 def table(rows, columns=None, file=None):
