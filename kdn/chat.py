@@ -60,9 +60,11 @@ class Chat:
     def stats(self) -> dict:
         return {"counters": dict(self.counters), "model": self.model.stats(), "client": self.client.stats()}
 
-    def prepare(self, manifest, messages, max_tokens: int, fetch: bool = True):
+    def prepare(self, manifest, messages, max_tokens: int, fetch: bool = True, emphasis=None):
         """(prompt tokens, engine cache or None, cached tokens) for messages after the KB.
-        fetch=False: nothing is fetched, the whole prompt is computed (no KDN, for comparisons)."""
+        fetch=False: nothing is fetched, the whole prompt is computed (no KDN, for comparisons).
+        emphasis {document: int weight}: the KB's KV edited (kdn.emphasized); the cache then
+        holds more entries than cached tokens (its `kdn_extra`), and is never exact."""
         ids = manifest.token_ids()
         if manifest.layout != "prefix":
             raise BadRequest(f"knowledge base {manifest.name!r} has layout {manifest.layout!r}; "
@@ -71,8 +73,19 @@ class Chat:
             raise BadRequest(f"knowledge base {manifest.name!r} version {manifest.version} was "
                              "published without its token ids; republish it to serve it")
         prompt = ids.tolist() + messages_tokens(self.model, messages)
+        if emphasis and not fetch:
+            raise BadRequest("emphasis edits the KB's KV: it cannot be combined with kdn_fetch false")
         if not fetch:
             return prompt, None, 0
+        if emphasis:
+            from kdn.emphasized import emphasized_kv
+            e = emphasized_kv(self.client, self.model, manifest, emphasis)
+            if e is not None:
+                cache = self.model.cache_from_kv(e.parts, len(prompt) - e.tokens + max_tokens)
+                cache.kdn_extra = e.extra
+                self.counters["emphasized"] += 1
+                self.counters[f"emphasized_{e.source}"] += 1
+                return prompt, cache, e.tokens
         t0 = time.perf_counter()
         f = self.client.fetch(prompt, kb=manifest.name, version=manifest.version)
         t1 = time.perf_counter()
@@ -102,18 +115,21 @@ def stream(model, prompt, cache, cached_tokens: int, max_tokens: int, temperatur
     ids = model.check_tokens(prompt, "prompt tokens")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise BadRequest(f"max_tokens must be a positive int, got {max_tokens!r}")
-    if model.cache_tokens(cache) != cached_tokens:
+    extra = getattr(cache, "kdn_extra", 0)    # emphasized KV: entries beyond its tokens (kdn.emphasis)
+    if model.cache_tokens(cache) != cached_tokens + extra:
         raise ModelError(f"cache holds {model.cache_tokens(cache)} tokens but cached_tokens={cached_tokens}")
     cache = cache if cache is not None else model.new_cache()
     start = cached_tokens
     if start == len(ids):     # logits after the last prompt token are needed: recompute it
+        if extra:
+            raise ModelError("an emphasized cache needs prompt tokens after the knowledge")
         start -= 1
         model.crop(cache, start)
     sample = temperature is not None and temperature > 0
     gen = torch.Generator().manual_seed(int(seed)) if sample and seed is not None else None
     out, said = [], ""
     with torch.inference_mode():
-        logits = model._forward(torch.tensor([ids[start:]], dtype=torch.long), cache).logits[0, -1]
+        logits = _forward(model, ids[start:], cache, start, extra)
         while True:
             if sample:
                 probs = torch.softmax(logits.float() / float(temperature), dim=-1)
@@ -132,7 +148,16 @@ def stream(model, prompt, cache, cached_tokens: int, max_tokens: int, temperatur
                 yield Step(nxt, new + _tail(model, out, said), "length")
                 return
             yield Step(nxt, new)
-            logits = model._forward(torch.tensor([[nxt]], dtype=torch.long), cache).logits[0, -1]
+            logits = _forward(model, [nxt], cache, len(ids) + len(out) - 1, extra)
+
+
+def _forward(model, ids, cache, position: int, extra: int):
+    """Last logits of ids (at `position`) after cache: the engine's own path, or with explicit
+    positions over an emphasized cache (kdn.emphasis.forward)."""
+    if extra:
+        from kdn.emphasis import forward
+        return forward(model, ids, cache, position, extra)
+    return model._forward(torch.tensor([list(ids)], dtype=torch.long), cache).logits[0, -1]
 
 
 def _tail(model, out, said: str) -> str:

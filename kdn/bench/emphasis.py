@@ -8,7 +8,7 @@ A task set generated from templates with a fixed seed (never tuned to the method
 - control items: two documents that do not conflict (two different topics); the operator's
   emphasized document is the first, and the question asks about either one (half each).
 
-Each item is answered greedily (at most 8 tokens, stopping once the reply names an answer) under every condition, all in one run with
+Each item is answered greedily (at most 12 tokens, stopping once the reply names an answer) under every condition, all in one run with
 SmolLM2-135M: the KB as published (none); the trusted document emphasized by duplicating
 its KV k times (dup k: +log k on its attention logits, kdn.emphasis); its values or keys
 scaled instead (vscale / kscale, the post-hoc steering alternatives); the trusted document
@@ -30,7 +30,7 @@ import numpy as np
 
 from kdn.bench import emit_json, table
 
-NEW_TOKENS = 8
+NEW_TOKENS = 12
 DIGITS = [str(d) for d in range(2, 10)]
 NAMES = ["Anna", "Tom", "Maria", "Peter", "James", "David", "Mark", "Paul"]
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday"]
@@ -172,13 +172,15 @@ def conditions(weights) -> list:
     return rows
 
 
-def run(model, tasks, weights, log) -> list:
+def run(model, tasks, weights, log, only=None) -> list:
     runner = Runner(model)
     first = {t: model.encode(t)[0] for t in DIGITS + NAMES + DAYS}
     stats = {}
     for n, item in enumerate(tasks):
         kbs = {}
         for label, last, w, method in conditions(weights):
+            if only and label not in only:
+                continue
             docs = item["docs"]
             if last:
                 docs = [d for d in docs if d[0] != item["trusted"]] + [d for d in docs if d[0] == item["trusted"]]
@@ -212,6 +214,8 @@ def main(argv=None):
     ap.add_argument("--control", type=int, default=40, help="control items (default 40)")
     ap.add_argument("--weights", type=str, default="2,4,8", help="duplicate weights, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", type=str, default=None,
+                    help="comma-separated conditions to run (default all; 'none' and 'last' always)")
     ap.add_argument("--quick", action="store_true", help="14 conflict and 8 control items")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--verbose", action="store_true")
@@ -226,7 +230,8 @@ def main(argv=None):
     model = load_model()
     tasks = build_tasks(n_conf, n_ctrl, args.seed)
     t0 = time.perf_counter()
-    stats = run(model, tasks, weights, log)
+    only = None if not args.only else {"none", "last", *(c.strip() for c in args.only.split(","))}
+    stats = run(model, tasks, weights, log, only)
     bpt = model.kv_bytes_per_token
     rows = []
     for (set_name, label), s in stats.items():
@@ -240,7 +245,7 @@ def main(argv=None):
                      "edited_chunk_kib": round(statistics.mean(s["edited_tokens"]) * bpt / 1024, 1)})
     table(rows)
     acc = {(r["set"], r["condition"]): r["accuracy"] for r in rows}
-    best = max((f"dup {k}" for k in weights), key=lambda c: acc[("conflict", c)])
+    best = max((f"dup {k}" for k in weights if ("conflict", f"dup {k}") in acc), key=lambda c: acc[("conflict", c)])
     verdict = {"best_dup": best,
                "conflict_gain_vs_none": round(acc[("conflict", best)] - acc[("conflict", "none")], 1),
                "conflict_gain_vs_last": round(acc[("conflict", best)] - acc[("conflict", "last")], 1),

@@ -169,3 +169,13 @@ def test_the_bench_task_set_is_seeded_and_has_real_conflicts():
     assert len({t["kind"] for t in conflict}) == len(bench.TOPICS)
     assert {t["asks_emphasized"] for t in control} == {True, False}
     assert bench.first_answer("It opens at 8, not 2.", "2", "8") == "8"
+
+
+def test_kdn_publish_refuses_bad_emphasis_before_the_model_loads(tmp_path, capsys):
+    from kdn.cli import main
+    (tmp_path / "new.md").write_text(DOCS[1][1])
+    for flag, msg in (("nope.md=2", "names document 'nope.md', which the knowledge base does not have"),
+                      ("new.md=0", "'new.md' must be an integer in [1, 16]"),
+                      ("new.md=x", "expected DOCUMENT=INTEGER")):
+        assert main(["publish", "kb", str(tmp_path), "--emphasis", flag, "--network", "nowhere"]) == 2
+        assert msg in capsys.readouterr().err
