@@ -15,8 +15,10 @@ scaled instead (vscale / kscale, the post-hoc steering alternatives); the truste
 simply placed last (last, the prompt-side alternative, its own prefill); and both (last+dup).
 Per condition: accuracy (the first of the two answers the reply names is the trusted one;
 for control, the reply names the gold answer), the mean probability margin of the trusted
-answer's first token over the other's at the reply's first position (control: the gold
-token's probability), time to first token from KB KV in hand (edit + cache rebuild +
+answer's first token over the other's (with or without a leading space; control: the gold
+token's probability) at the reply's first position ("margin": near 0 where the model
+starts its reply with "The ...") and at the answer slot, the first step whose greedy token
+starts either answer ("slot_margin", over the `slots` items that reached one), time to first token from KB KV in hand (edit + cache rebuild +
 question), and the bytes: cache bytes, and the bytes of the chunks an edit adds to the
 network (those from the first edited chunk on; the chunks before it are the KB's own).
 """
@@ -135,8 +137,10 @@ class Runner:
         tokens = [t for _, toks in named for t in toks]
         return named, tokens, self.model.prefill(tokens).kv
 
-    def answer(self, named, tokens, kv, question: str, weights: dict, method: str, stop=()):
-        """(reply text, first-position probabilities [vocab], ttft s, cache tokens, edited-from token)."""
+    def answer(self, named, tokens, kv, question: str, weights: dict, method: str, stop=(), slot=()):
+        """(reply text, first-position probabilities [vocab], answer-slot probabilities [vocab] or
+        None, ttft s, cache tokens, edited-from token). The answer slot: the first step whose
+        greedy token is one of `slot` (the answers' first tokens)."""
         from kdn import emphasis as E
         model = self.model
         q = model.question_tokens(question)
@@ -149,9 +153,11 @@ class Runner:
         logits = E.forward(model, q, cache, len(tokens), extra)
         ttft = time.perf_counter() - t0
         probs = logits.float().softmax(-1).numpy()
-        out, pos = [], len(tokens) + len(q)
+        out, pos, at_slot = [], len(tokens) + len(q), None
         while len(out) < NEW_TOKENS:
             nxt = int(logits.argmax())
+            if at_slot is None and nxt in slot:
+                at_slot = logits.float().softmax(-1).numpy()
             if nxt in model.eos_ids:
                 break
             out.append(nxt)
@@ -159,7 +165,7 @@ class Runner:
                 break                       # the reply named one of the answers: that decides it
             logits = E.forward(model, [nxt], cache, pos, extra)
             pos += 1
-        return (model.tokenizer.decode(out, skip_special_tokens=True), probs, ttft, edited.shape[3],
+        return (model.tokenizer.decode(out, skip_special_tokens=True), probs, at_slot, ttft, edited.shape[3],
                 E.first_edited(reps))
 
 
@@ -174,7 +180,8 @@ def conditions(weights) -> list:
 
 def run(model, tasks, weights, log, only=None) -> list:
     runner = Runner(model)
-    first = {t: model.encode(t)[0] for t in DIGITS + NAMES + DAYS}
+    first = {t: {i for i in (model.encode(t)[0], model.encode(" " + t)[0])    # a lone space is no answer
+                 if model.tokenizer.decode([i]).strip()} for t in DIGITS + NAMES + DAYS}
     stats = {}
     for n, item in enumerate(tasks):
         kbs = {}
@@ -188,23 +195,29 @@ def run(model, tasks, weights, log, only=None) -> list:
             if key not in kbs:
                 kbs[key] = runner.kb(docs)
             named, tokens, kv = kbs[key]
-            text, probs, ttft, cache_tokens, edited_from = runner.answer(
+            ids = first[item["gold"]] | (first[item["other"]] if item["other"] else set())
+            text, probs, at_slot, ttft, cache_tokens, edited_from = runner.answer(
                 named, tokens, kv, item["question"], {item["trusted"]: w} if w != 1 else {}, method,
-                (item["gold"], item["other"]))
+                (item["gold"], item["other"]), ids)
             got = first_answer(text, item["gold"], item["other"])
-            s = stats.setdefault((item["set"], label), dict(n=0, correct=0, other=0, margin=[], ttft=[],
+            s = stats.setdefault((item["set"], label), dict(n=0, correct=0, other=0, margin=[], slot=[], ttft=[],
                                                             cache_tokens=[], tokens=[], edited_tokens=[]))
             s["n"] += 1
             s["correct"] += got == item["gold"]
             s["other"] += got is not None and got == item["other"]
-            p_gold = float(probs[first[item["gold"]]])
-            s["margin"].append(p_gold - (float(probs[first[item["other"]]]) if item["other"] else 0.0))
+            def margin(p):
+                gold = sum(float(p[i]) for i in first[item["gold"]])
+                return gold - (sum(float(p[i]) for i in first[item["other"]]) if item["other"] else 0.0)
+            s["margin"].append(margin(probs))
+            if at_slot is not None:
+                s["slot"].append(margin(at_slot))
             s["ttft"].append(ttft)
             s["cache_tokens"].append(cache_tokens)
             s["tokens"].append(len(tokens))
             ct = 256
             s["edited_tokens"].append(0 if edited_from is None else cache_tokens - edited_from // ct * ct)
-            log(f"{n:3d} {item['set']:8s} {label:10s} gold={item['gold']:9s} got={got!s:9s} {text!r}")
+            log(f"{n:3d} {item['set']:8s} {label:10s} gold={item['gold']:9s} got={got!s:9s} "
+                f"margin={s['margin'][-1]:+.3f} slot={margin(at_slot) if at_slot is not None else float('nan'):+.3f} ttft={1e3 * ttft:.0f}ms {text!r}")
     return stats
 
 
@@ -217,10 +230,14 @@ def main(argv=None):
     ap.add_argument("--only", type=str, default=None,
                     help="comma-separated conditions to run (default all; 'none' and 'last' always)")
     ap.add_argument("--quick", action="store_true", help="14 conflict and 8 control items")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: on a shared machine more threads fight for cores)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
+    import torch
     from kdn.model import load_model
+    torch.set_num_threads(args.threads)
 
     log = (lambda *a: print(*a, flush=True)) if args.verbose else (lambda *a: None)
     weights = [int(w) for w in args.weights.split(",")]
@@ -239,6 +256,8 @@ def main(argv=None):
                      "accuracy": round(100.0 * s["correct"] / s["n"], 1),
                      "other_answer": round(100.0 * s["other"] / s["n"], 1),
                      "margin": round(statistics.mean(s["margin"]), 4),
+                     "slot_margin": round(statistics.mean(s["slot"]), 3) if s["slot"] else None,
+                     "slots": len(s["slot"]),
                      "ttft_ms": round(1e3 * statistics.median(s["ttft"]), 2),
                      "cache_kib": round(statistics.mean(s["cache_tokens"]) * bpt / 1024, 1),
                      "kb_kib": round(statistics.mean(s["tokens"]) * bpt / 1024, 1),

@@ -27,7 +27,7 @@ MESSAGES = [{"role": "user", "content": "When does the front office open? Answer
 
 @pytest.fixture(scope="module")
 def net(small_network, model):
-    n = small_network(auth={"admin": ADMIN, "readers": {"acme": ACME, "beta": BETA}})
+    n = small_network(auth={"admin": ADMIN, "readers": {"acme": ACME, "beta": BETA}}, timeout_s=240)
     for tenant in ("acme", "beta"):
         admin = Client(network=n.name, region="us-east", tenant=tenant, fingerprint=model.fingerprint,
                        admin_token=ADMIN)
