@@ -216,6 +216,10 @@ def _publish(args, rest):
     check_name(args.tenant, "tenant")
     selection = select_documents(args.paths, args.include, args.exclude)
     print(f"documents: {selection.summary()}, named relative to {selection.root}")
+    from kdn.engines.emphasis import check_weights, parse_weights
+    emphasis = check_weights(parse_weights(args.emphasis), [n for n, _ in selection.documents])
+    if emphasis and args.engine == "vllm":
+        raise KDNError("--emphasis is served by the transformers engine only")
     fingerprint = _model_fingerprint(args.engine)
     if fingerprint is not None:
         _connect(args, tenant=args.tenant, fingerprint=fingerprint).publisher.check_access()
@@ -236,6 +240,12 @@ def _publish(args, rest):
           f"{r['reused_tokens']} from the network{sent}")
     if r.get("placement"):
         print("placement: " + ", ".join(f"{e} {n}" for e, n in sorted(r["placement"].items())))
+    if emphasis:
+        from kdn.engines.emphasized import publish_emphasis
+        e = publish_emphasis(cl, model, args.kb, emphasis, r["version"])
+        print(f"emphasis {e['weights']}: {e['extra_tokens']} duplicated KV entries; the first "
+              f"{e['kb_chunks']} chunks are the KB's own, sent {e['sent_chunks']} edited chunks "
+              f"({e['sent_bytes'] / 2**20:.1f} MiB), exact=False")
     return 0
 
 
@@ -436,6 +446,10 @@ def _publish_args(sub):
     p.add_argument("--tenant", default="default")
     p.add_argument("--engine", choices=ENGINES, default="transformers",
                    help="which engine prefills the KB (vLLM's KV gets its own fingerprint)")
+    p.add_argument("--emphasis", action="append", default=[], metavar="DOC=K",
+                   help="also store the KB's KV edited to attend K times more to document DOC "
+                        "(integer K; inexact, under its own keys, read only by requests asking "
+                        "for it: extra_body={\"emphasis\": {DOC: K}}); repeatable")
     _network_args(p)
     p.set_defaults(func=_publish)
 

@@ -9,6 +9,8 @@ Pure functions, no Ray and no model, so every rule is testable alone:
   400 unsupported_parameter rather than an answer that silently ignores it.
   "kdn_fetch": false (extra_body) computes the knowledge's KV in the worker instead of
   fetching it: the same service without KDN, for comparisons (`kdn bench serve`).
+  "emphasis": {"doc.md": 4} (extra_body) answers over the KB's KV edited to attend more to
+  those documents (kdn.engines.emphasis; integer weights, checked against the KB's documents).
 - `tenant_of(tokens, authorization)` maps the Authorization: Bearer token to a tenant with
   the network's read tokens (kdn.core.auth.Tokens), as the edges decide reads: a tenant's read
   token reads that tenant; the admin token reads "default". Any other token, or none, reads
@@ -167,6 +169,7 @@ class ChatRequest:
     include_usage: bool   # stream_options.include_usage (usage is always on the last chunk here)
     seed: "int | None"
     kdn_fetch: bool = True   # False: compute the knowledge's KV here, as if there were no KDN (comparisons)
+    emphasis: dict = None    # {document: int weight}: attend more to those documents (kdn.engines.emphasis)
 
 
 def split_kb(text: str, param: str) -> tuple:
@@ -270,10 +273,15 @@ def parse_chat(body: dict, base_model: str) -> ChatRequest:
     fetch = body.get("kdn_fetch", True)
     if not isinstance(fetch, bool):
         raise bad(f"kdn_fetch must be true or false, got {fetch!r:.40}", "kdn_fetch")
+    from kdn.engines.emphasis import check_weights
+    try:
+        emphasis = check_weights(body.get("emphasis")) or None   # the KB's names: checked by the worker
+    except BadRequest as e:
+        raise bad(str(e), "emphasis") from None
     return ChatRequest(model=model, kb=kb, version=version, messages=messages,
                        max_tokens=mct or mt or DEFAULT_MAX_TOKENS, temperature=float(temperature),
                        stream=stream, include_usage=bool(opts.get("include_usage")), seed=seed,
-                       kdn_fetch=fetch)
+                       kdn_fetch=fetch, emphasis=emphasis)
 
 
 def credentials(tokens, authorization) -> tuple:

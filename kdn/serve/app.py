@@ -135,7 +135,8 @@ class RegionWorker:
             raise ApiError(400, f"the KB's {len(m.token_ids())} tokens, the messages and max_tokens "
                                 f"({req['max_tokens']}) make {total} tokens; the model's context is "
                                 f"{self.max_context}", "context_length_exceeded", "messages")
-        prompt, cache, cached = chat.prepare(m, req["messages"], req["max_tokens"], req.get("kdn_fetch", True))
+        prompt, cache, cached = chat.prepare(m, req["messages"], req["max_tokens"], req.get("kdn_fetch", True),
+                                             req.get("emphasis"))
         return chat, prompt, cache, cached
 
     async def _on_model(self, fn, *args):

@@ -48,9 +48,11 @@ class Chat:
     def stats(self) -> dict:
         return {"counters": dict(self.counters), "model": self.model.stats(), "client": self.client.stats()}
 
-    def prepare(self, manifest, messages, max_tokens: int, fetch: bool = True):
+    def prepare(self, manifest, messages, max_tokens: int, fetch: bool = True, emphasis=None):
         """(prompt tokens, engine cache or None, cached tokens) for messages after the KB.
-        fetch=False: nothing is fetched, the whole prompt is computed (no KDN, for comparisons)."""
+        fetch=False: nothing is fetched, the whole prompt is computed (no KDN, for comparisons).
+        emphasis {document: int weight}: the KB's KV edited (kdn.engines.emphasized); the cache then
+        holds more entries than cached tokens (its `kdn_extra`), and is never exact."""
         ids = manifest.token_ids()
         if manifest.layout != "prefix":
             raise BadRequest(f"knowledge base {manifest.name!r} has layout {manifest.layout!r}; "
@@ -59,8 +61,19 @@ class Chat:
             raise BadRequest(f"knowledge base {manifest.name!r} version {manifest.version} was "
                              "published without its token ids; republish it to serve it")
         prompt = ids.tolist() + messages_tokens(self.model, messages)
+        if emphasis and not fetch:
+            raise BadRequest("emphasis edits the KB's KV: it cannot be combined with kdn_fetch false")
         if not fetch:
             return prompt, None, 0
+        if emphasis:
+            from kdn.engines.emphasized import emphasized_kv
+            e = emphasized_kv(self.client, self.model, manifest, emphasis)
+            if e is not None:
+                cache = self.model.cache_from_kv(e.parts, len(prompt) - e.tokens + max_tokens)
+                cache.kdn_extra = e.extra
+                self.counters["emphasized"] += 1
+                self.counters[f"emphasized_{e.source}"] += 1
+                return prompt, cache, e.tokens
         kb = f"{self.client.tenant}/{manifest.name}"
         kept = None if self.engine_kv is None else self.engine_kv.get(kb, manifest.version)
         if kept is not None:   # the engine's own cache of a KB it rebuilt (kdn.serve.router.EngineKV)

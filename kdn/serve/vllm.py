@@ -143,6 +143,10 @@ class VllmRegionWorker:
         if len(ids) == 0:
             raise BadRequest(f"knowledge base {m.name!r} version {m.version} was "
                              "published without its token ids; republish it to serve it")
+        if req.get("emphasis"):
+            raise BadRequest("emphasis is answered by the transformers engine only (kdn serve "
+                             "--engine transformers); vLLM's connector would need a block table "
+                             "longer than the prompt's positions")
         prompt = ids.tolist() + messages_tokens(self.model, req["messages"])
         total = len(prompt) + req["max_tokens"]
         if total > self.max_context:

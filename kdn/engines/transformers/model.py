@@ -211,20 +211,24 @@ class Model(Prompts, CacheAdapter):
         ids = self.check_tokens(tokens, "prompt tokens")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ModelError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        # an emphasized cache (kdn.engines.emphasis) holds `extra` entries beyond its tokens:
+        # the tokens after it then take explicit positions, those of the unedited sequence
+        extra = getattr(cache, "kdn_extra", 0)
         have = self.cache_tokens(cache)
-        if have != cached_tokens:
+        if have != cached_tokens + extra:
             raise ModelError(f"cache holds {have} tokens but cached_tokens={cached_tokens}")
         if cached_tokens > len(ids):
             raise ModelError(f"cache holds {cached_tokens} tokens, more than the {len(ids)}-token prompt")
         cache = cache if cache is not None else self.new_cache()
         start = cached_tokens
         if start == len(ids):  # logits after the last prompt token are needed: recompute that token
+            if extra:
+                raise ModelError("an emphasized cache needs prompt tokens after the knowledge")
             start -= 1
             self.crop(cache, start)
         sample = temperature is not None and temperature > 0
         gen = torch.Generator().manual_seed(int(seed)) if sample and seed is not None else None
-        with torch.inference_mode():
-            logits = self._forward(torch.tensor([ids[start:]], dtype=torch.long), cache).logits[0, -1]
+        logits = self._last_logits(ids[start:], cache, start, extra)
         made = 0
         while True:
             if sample:
@@ -240,8 +244,16 @@ class Model(Prompts, CacheAdapter):
                 yield nxt, logits, "length"
                 return
             yield nxt, logits, None
-            with torch.inference_mode():
-                logits = self._forward(torch.tensor([[nxt]], dtype=torch.long), cache).logits[0, -1]
+            logits = self._last_logits([nxt], cache, len(ids) + made - 1, extra)
+
+    def _last_logits(self, ids, cache, position: int, extra: int):
+        """Logits after the last of ids run after `cache` (at `position`): the engine's own path,
+        or explicit positions over an emphasized cache (kdn.engines.emphasis.forward)."""
+        if extra:
+            from kdn.engines.emphasis import forward
+            return forward(self, ids, cache, position, extra)
+        with torch.inference_mode():
+            return self._forward(torch.tensor([list(ids)], dtype=torch.long), cache).logits[0, -1]
 
     def generate(self, tokens, cache=None, cached_tokens: int = 0, max_new_tokens: int = 32) -> Generation:
         """Greedy generation after the prompt `tokens` (steps() to the end; see there)."""
