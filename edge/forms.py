@@ -63,7 +63,7 @@ class Forms:
     def intact(self, obj) -> bool:
         """Whether obj's bytes are the ones named (see the module docstring); counts failures.
         CPU work (a hash, or a decode): from a worker thread."""
-        if obj.codec == "raw":
+        if isinstance(obj, Chunk):
             _hash_once(obj)          # an immutable chunk is hashed once, whoever checks it next
         try:
             obj.verify(self.sums(obj.key))
@@ -75,6 +75,8 @@ class Forms:
     def chunk_of(self, obj):
         """obj decoded (a Chunk) when intact, else None: one decode serves both the check and
         whatever is made of the KV next."""
+        if isinstance(obj, Chunk):
+            _hash_once(obj)
         try:
             chunk = obj.decode()
             if obj.exact:

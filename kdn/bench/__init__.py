@@ -12,7 +12,7 @@ import time
 from kdn.cli.table import table  # noqa: F401 - every bench prints the CLI's tables
 
 NAMES = ["keys", "codec", "store", "cache", "tiers", "placement", "fetch", "ttft", "transport",
-         "load", "codecs", "blend", "fuzz", "links", "quantlab", "vllm", "serve"]
+         "load", "codecs", "blend", "fuzz", "links", "quantlab", "vllm", "serve", "hey"]
 
 
 def emit_json(obj, file=None):
