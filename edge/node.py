@@ -14,6 +14,10 @@ the replication policy (hot copies in, cold ones out), expires TTLs and refreshe
 membership from the origin every membership_refresh_s, so an edge that missed a broadcast
 converges by itself. With a disk tier (disk_bytes, disk_dir: edge/disk.py), a writer task
 writes memory's victims and pulled-through fills to disk, off the readers' time.
+
+One event loop serves every RPC and HTTP reader, so nothing on it hashes, codes or copies a
+chunk or touches a file: that work (verification, store forms, ray.put's copy, disk reads,
+writes and unlinks) runs in worker threads, one asyncio.to_thread call per batch.
 """
 import asyncio
 import collections
