@@ -10,6 +10,9 @@ first: the loop's own cost per request), every request the whole KB (the bytes),
 whole KB again from an edge whose memory holds one chunk of it (a second network, one
 chunk of memory): every chunk of every answer is then pulled from the origin, verified and
 put into the edge's store (concurrent misses share one load), the work a first fetch does.
+Beside both whole-KB loads, 2 more clients GET /health, which does nothing but answer on
+the edge's event loop: its latency is how long the loop keeps a request waiting (work on
+the loop stalls it; work in threads only shares the cores).
 Every request's answer is checked by hey only for its status (200); the bytes are checked
 once before, by EdgeHTTPClient (every frame verified).
 
@@ -18,11 +21,13 @@ Compare runs of one sitting only (the machine's load changes them): the load ave
 printed with them.
 """
 import argparse
+import concurrent.futures
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -35,12 +40,14 @@ from kdn.bench import emit_json, table
 REGION = "bench"
 TENANT, FINGERPRINT = "default", "bench-hey"
 LAYERS, HEADS, HEAD_DIM, TOKENS = 16, 2, 64, 256
+PROBE_CLIENTS = 2         # clients asking GET /health beside a load
+PROBE_AFTER_S = 1.0       # the probe starts this long after the load, and ends as long before
 
 
 def hey(url: str, body: Path, clients: int, seconds: float) -> dict:
-    """hey's summary of --clients connections POSTing body to url for seconds."""
-    out = subprocess.run(["hey", "-z", f"{seconds}s", "-c", str(clients), "-m", "POST",
-                          "-T", "application/msgpack", "-D", str(body), url],
+    """hey's summary of --clients connections POSTing body to url (body None: a GET) for seconds."""
+    post = [] if body is None else ["-m", "POST", "-T", "application/msgpack", "-D", str(body)]
+    out = subprocess.run(["hey", "-z", f"{seconds}s", "-c", str(clients), *post, url],
                          capture_output=True, text=True, check=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     # hey prints "0% in 0.0000 secs" for a percentile its requests are too few to give
@@ -98,23 +105,35 @@ def main(argv=None):
         h.close()
         return net, url, cl.manifest("hey")
 
-    def load(name, url, m, keys):
+    def row(name, mib, r):
+        res[name] = r
+        rows.append({"request": name, "MiB": mib, "req/s": r["rps"], "p50_ms": r["p50_ms"],
+                     "p95_ms": r["p95_ms"], "p99_ms": r["p99_ms"] or "-", "200s": r["ok"],
+                     "others": r["other"]})
+
+    def load(name, url, m, keys, probe: bool = False):
+        """hey on /v1/fetch of keys; with probe, GET /health from PROBE_CLIENTS more clients
+        beside it meanwhile: how long the loop keeps a trivial request waiting."""
         body = tmp / f"{len(rows)}.msgpack"
         body.write_bytes(msgpack.packb({"ns": bytes(m.ns), "keys": [bytes(k) for k in keys],
                                         "codec": "raw"}, use_bin_type=True))
-        r = res[name] = hey(url + "/v1/fetch", body, args.clients, args.seconds)
-        rows.append({"request": name, "MiB": len(keys) * chunk_bytes / 2**20, "req/s": r["rps"],
-                     "p50_ms": r["p50_ms"], "p95_ms": r["p95_ms"], "p99_ms": r["p99_ms"] or "-", "200s": r["ok"],
-                     "others": r["other"]})
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            big = pool.submit(hey, url + "/v1/fetch", body, args.clients, args.seconds)
+            if probe:
+                time.sleep(PROBE_AFTER_S)               # the load is under way
+                small = hey(url + "/health", None, PROBE_CLIENTS, args.seconds - 2 * PROBE_AFTER_S)
+            row(name, len(keys) * chunk_bytes / 2**20, big.result())
+        if probe:
+            row(f"  GET /health beside it ({PROBE_CLIENTS} clients)", 0, small)
     try:
         init_ray(cluster.address)
         net, url, m = network_with(1 << 30, network)
         load("one chunk", url, m, list(m.keys[:1]))
-        load("whole KB", url, m, list(m.keys))
+        load("whole KB", url, m, list(m.keys), probe=True)
         stop_network(net)
         # main holds 3/4 of memory: one chunk of the KB, so every answer pulls the others
         net, url, m = network_with(chunk_bytes * 4 // 3 + 4096, network + "-pulled")
-        load("whole KB, pulled", url, m, list(m.keys))
+        load("whole KB, pulled", url, m, list(m.keys), probe=True)
         stop_network(net)
     finally:
         ray.shutdown()
