@@ -105,9 +105,9 @@ def main(argv=None):
         h.close()
         return net, url, cl.manifest("hey")
 
-    def row(name, mib, r):
+    def row(name, mib, r, label=None):
         res[name] = r
-        rows.append({"request": name, "MiB": mib, "req/s": r["rps"], "p50_ms": r["p50_ms"],
+        rows.append({"request": label or name, "MiB": mib, "req/s": r["rps"], "p50_ms": r["p50_ms"],
                      "p95_ms": r["p95_ms"], "p99_ms": r["p99_ms"] or "-", "200s": r["ok"],
                      "others": r["other"]})
 
@@ -124,7 +124,8 @@ def main(argv=None):
                 small = hey(url + "/health", None, PROBE_CLIENTS, args.seconds - 2 * PROBE_AFTER_S)
             row(name, len(keys) * chunk_bytes / 2**20, big.result())
         if probe:
-            row(f"  GET /health beside it ({PROBE_CLIENTS} clients)", 0, small)
+            row(f"{name}: GET /health beside it", 0, small,
+                label=f"  GET /health beside it ({PROBE_CLIENTS} clients)")
     try:
         init_ray(cluster.address)
         net, url, m = network_with(1 << 30, network)
