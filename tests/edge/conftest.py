@@ -82,9 +82,10 @@ async def stalls(coro, tick_s: float = 0.002) -> tuple:
     out = await coro
     took = time.perf_counter() - t0
     ticks = len(gaps)
+    await asyncio.sleep(2 * tick_s)               # the ticker's wake after the call: its gap counts
     stop.set()
     await t
-    return out, max(gaps[:ticks], default=took), ticks, took
+    return out, max(gaps[:ticks + 1], default=took), ticks, took
 
 
 class Loop:
