@@ -88,6 +88,19 @@ async def stalls(coro, tick_s: float = 0.002) -> tuple:
     return out, max(gaps[:ticks + 1], default=took), ticks, took
 
 
+def assert_off_loop(measure, attempts: int = 3) -> None:
+    """measure() -> stalls()'s (stall, ticks, took) of fresh work: the loop must tick while it
+    runs and never stall half of it. Up to attempts tries: a stall a busy machine's scheduler
+    made passes on another try, work on the loop stalls every one."""
+    seen = []
+    for _ in range(attempts):
+        stall, ticks, took = measure()
+        if ticks >= 3 and stall < took / 2:
+            return
+        seen.append(f"{stall * 1e3:.0f} ms ({ticks} ticks) in {took * 1e3:.0f} ms")
+    raise AssertionError(f"the loop stalled {'; '.join(seen)} of work")
+
+
 class Loop:
     """An event loop in a thread: run(coro) waits for its result."""
 
@@ -106,10 +119,11 @@ class Loop:
 
 @pytest.fixture
 def kit():
-    """NS, topology(), make_chunks(), big_chunks(), held(), local_edge(), stalls(): see their
-    docstrings."""
+    """NS, topology(), make_chunks(), big_chunks(), held(), local_edge(), stalls(),
+    assert_off_loop(): see their docstrings."""
     return types.SimpleNamespace(NS=NS, topology=topology, make_chunks=make_chunks, held=held,
-                                 local_edge=local_edge, stalls=stalls, big_chunks=big_chunks)
+                                 local_edge=local_edge, stalls=stalls, big_chunks=big_chunks,
+                                 assert_off_loop=assert_off_loop)
 
 
 @pytest.fixture
