@@ -61,7 +61,10 @@ class Forms:
 
     # --- verification -----------------------------------------------------------------------
     def intact(self, obj) -> bool:
-        """Whether obj's bytes are the ones named (see the module docstring); counts failures."""
+        """Whether obj's bytes are the ones named (see the module docstring); counts failures.
+        CPU work (a hash, or a decode): from a worker thread."""
+        if isinstance(obj, Chunk):
+            _hash_once(obj)          # an immutable chunk is hashed once, whoever checks it next
         try:
             obj.verify(self.sums(obj.key))
             return True
@@ -72,6 +75,8 @@ class Forms:
     def chunk_of(self, obj):
         """obj decoded (a Chunk) when intact, else None: one decode serves both the check and
         whatever is made of the KV next."""
+        if isinstance(obj, Chunk):
+            _hash_once(obj)
         try:
             chunk = obj.decode()
             if obj.exact:
@@ -84,7 +89,7 @@ class Forms:
     # --- store form -------------------------------------------------------------------------
     def store_form(self, obj):
         """obj verified and in the form this edge keeps; None if it fails. CPU work: from a
-        thread (store_forms) unless nothing needs decoding."""
+        worker thread (to_store)."""
         if obj.codec == self.store_codec or not obj.exact:
             return obj if self.intact(obj) else None     # kept as it is
         chunk = self.chunk_of(obj)
@@ -93,10 +98,12 @@ class Forms:
         self.counters["stored_encoded"] += 1
         return Encoded.of(chunk, self.store_codec)
 
-    async def store_forms(self, objs) -> list:
-        if all(o.codec == "raw" and self.store_codec == "raw" for o in objs):
-            return [self.store_form(o) for o in objs]      # hashing only: stay on the loop
-        return await asyncio.to_thread(lambda: [self.store_form(o) for o in objs])
+    async def to_store(self, objs) -> list:
+        """A Held per obj, verified, in the store form and put into this node's store (None
+        where it fails): hashing, coding and ray.put's copy in one worker-thread call."""
+        def kept():
+            return [None if o is None else Held.kept(o) for o in map(self.store_form, objs)]
+        return await asyncio.to_thread(kept) if objs else []
 
     # --- link form (Ray path) -------------------------------------------------------------
     def bandwidth(self, region: str, same_node: bool):
@@ -131,8 +138,8 @@ class Forms:
             return helds, len(helds)
         made, bad = await asyncio.to_thread(self._transcode, objs, [want[i] for i in todo])
         out = list(helds)
-        for i, obj in zip(todo, made):
-            out[i] = Held.of(obj)
+        for i, held in zip(todo, made):
+            out[i] = held
         self.counters["transcoded"] += len(made)
         return out, len(out) if bad is None else todo[bad]
 
@@ -148,13 +155,14 @@ class Forms:
         return fits
 
     def _transcode(self, objs, codecs) -> tuple:
-        """([objs in their codecs], index of the first corrupt one or None)."""
+        """([a Held of each obj in its codec, put into this node's store], index of the first
+        corrupt one or None). From a worker thread."""
         out = []
         for obj, codec in zip(objs, codecs):
             chunk = self.chunk_of(obj)
             if chunk is None:
                 return out, len(out)
-            out.append(chunk if codec == "raw" else Encoded.of(chunk, codec))
+            out.append(Held.kept(chunk if codec == "raw" else Encoded.of(chunk, codec)))
         return out, None
 
     # --- link form (HTTP) -------------------------------------------------------------------

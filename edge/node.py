@@ -15,6 +15,10 @@ membership from the origin every membership_refresh_s, so an edge that missed a 
 converges by itself. With a disk tier (disk_bytes, disk_dir: edge/disk.py), a writer task
 writes memory's victims and pulled-through fills to disk, off the readers' time. With
 kv_events (edge/events.py), what the tiers hold and drop is published as vLLM KV events.
+
+One event loop serves every RPC and HTTP reader, so nothing on it hashes, codes or copies a
+chunk or touches a file: that work (verification, store forms, ray.put's copy, disk reads,
+writes and unlinks) runs in worker threads, one asyncio.to_thread call per batch.
 """
 import asyncio
 import collections
@@ -149,7 +153,7 @@ class EdgeNode:
         while True:
             await asyncio.sleep(POLICY_TICK_S)
             try:
-                self._tick()
+                await self._tick()
                 if time.monotonic() - self._last_refresh > self.membership_refresh_s:
                     await self._refresh_membership()
             except (KDNError, OSError):   # a refusal, a bad broadcast, a full disk: next tick
@@ -164,7 +168,7 @@ class EdgeNode:
             self.background_failure = f"{type(e).__name__}: {e}"
             log.error("edge %s: background loop died", self.name, exc_info=e)
 
-    def _tick(self):
+    async def _tick(self):
         """Apply the replication policy: fetch newly hot chunks, drop cold ones; expire TTLs."""
         d = self.demand.decide(region_capacity_bytes={self.region: self.tiers.capacity},
                                owners_region=self.membership.owner_regions)
@@ -175,7 +179,7 @@ class EdgeNode:
         wanted = [k for k, region in d.promote if region == self.region and self.tiers.peek(k) is None]
         if wanted:
             self.peers.later(self.pull.promote(wanted), "hot promotion")
-        self.tiers.sweep()
+        await self.tiers.sweep()
 
     async def _refresh_membership(self):
         self._last_refresh = time.monotonic()
@@ -238,16 +242,16 @@ class EdgeNode:
             raise BadRequest(f"put_chunks takes Chunks and Encoded frames, got a {type(bad).__name__}")
         tier = self.tiers.tier(role)
         new = [c for c in chunks if c.key not in tier]
-        stored = dict(zip((c.key for c in new), await self.forms.store_forms(new)))
+        stored = dict(zip((c.key for c in new), await self.forms.to_store(new)))
         n = 0
         for c in chunks:
             held = tier.peek(c.key)          # already held: keep the object we have
             if held is None:
                 if c.key not in stored:      # held above, evicted while others were encoded
-                    stored[c.key] = (await self.forms.store_forms([c]))[0]
-                if stored[c.key] is None:
+                    stored[c.key] = (await self.forms.to_store([c]))[0]
+                held = stored[c.key]
+                if held is None:
                     continue                 # failed verification
-                held = Held.of(stored[c.key])
             n += bool(self.tiers.put(role, c.key, held, pin=pin))
             if ttl_s:
                 self.tiers.expire_later(c.key, ttl_s)
@@ -267,7 +271,7 @@ class EdgeNode:
 
     async def drop(self, keys, token=None) -> int:
         self.tokens.check_admin(token, "drop")
-        return sum(self.tiers.drop(k) for k in check_keys(keys, ADMIN_KEYS, distinct=False))
+        return await self.tiers.drop(check_keys(keys, ADMIN_KEYS, distinct=False))
 
     # --- manifests (broadcast by the origin, so reads survive an origin outage) -----------
     async def add_manifest(self, m: dict, token=None) -> None:
@@ -357,7 +361,7 @@ class EdgeNode:
         held = [h for h in (self.tiers.peek(k) for k in keys) if h is not None and h.ns == ns]
         objs = await asyncio.gather(*(h.resolve() for h in held))
         ok = await asyncio.to_thread(lambda: [self.forms.intact(o) for o in objs])
-        return sum(self.tiers.drop(h.key) for h, good in zip(held, ok) if not good)
+        return await self.tiers.drop([h.key for h, good in zip(held, ok) if not good])
 
     async def inject_corruption(self, key, token=None) -> bool:
         """Tests only (edge option fault_injection=True): replace a held copy with a corrupt one."""
@@ -367,7 +371,8 @@ class EdgeNode:
         for role in ROLES:
             held = self.tiers.tier(role).peek(key)
             if held is not None:
-                self.tiers.tier(role).put(key, Held.of(corrupted(await held.resolve())))
+                obj = await held.resolve()
+                self.tiers.tier(role).put(key, await asyncio.to_thread(lambda: Held.of(corrupted(obj))))
                 return True
         return False
 

@@ -55,8 +55,8 @@ class Pull:
         pending = [k for k in keys if k not in result]
         if pending:
             from_origin = await self._from_origin(pending)
-            result.update((k, (Held.of(c), FROM_ORIGIN)) for k, c in from_origin.items())
-            self._repair(lacking, from_origin)
+            result.update((k, (h, FROM_ORIGIN)) for k, (_, h) in from_origin.items())
+            self._repair(lacking, {k: c for k, (c, _) in from_origin.items()})
         return result
 
     async def _from_owners(self, keys) -> tuple:
@@ -85,14 +85,14 @@ class Pull:
         return result, lacking
 
     async def _from_origin(self, keys) -> dict:
-        """key -> the origin's verified copy (Chunk or Encoded)."""
+        """key -> (the origin's verified copy (Chunk or Encoded), a Held of it in this node's
+        store)."""
         got = await self.peers.ask(ORIGIN, "get_chunks", keys) or [None] * len(keys)
         pairs = [(k, c) for k, c in zip(keys, got) if c is not None and c.key == k]
-        if all(c.codec == "raw" for _, c in pairs):
-            ok = [self.forms.intact(c) for _, c in pairs]      # hashing only: on the loop
-        else:                                                  # decoding to verify: off it
-            ok = await asyncio.to_thread(lambda: [self.forms.intact(c) for _, c in pairs])
-        return {k: c for (k, c), good in zip(pairs, ok) if good}
+
+        def verified():       # hashing (decoding, for a frame) and ray.put's copy: off the loop
+            return {k: (c, Held.kept(c)) for k, c in pairs if self.forms.intact(c)}
+        return await asyncio.to_thread(verified) if pairs else {}
 
     def _repair(self, lacking: dict, from_origin: dict) -> None:
         """Send owners the origin's copies of chunks they lacked, after the reply."""
@@ -144,8 +144,7 @@ class Pull:
             obj = await asyncio.wait_for(held.resolve(), PEER_READ_S)
         except failover_errors():      # the peer went away: nothing to keep
             return None
-        obj = (await self.forms.store_forms([obj]))[0]
-        return None if obj is None else Held.of(obj)
+        return (await self.forms.to_store([obj]))[0]
 
     async def promote(self, keys) -> None:
         """Copy chunks the replication policy made hot in this region into the hot tier."""

@@ -85,7 +85,7 @@ class Reads:
             if not corrupt:
                 more = more or n < len(helds)
                 break
-            self.tiers.drop(helds[n].key)        # (a peer's copy: the reader reports it there)
+            await self.tiers.drop([helds[n].key])   # (a peer's copy: the reader reports it there)
             self.counters["corrupt_dropped"] += 1
             more = False                         # a second corrupt copy: answer the prefix before it
         await self._served(keys[:n], helds[:n], sources[:n], region)

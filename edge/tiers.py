@@ -41,9 +41,16 @@ class Held:
 
     @classmethod
     def of(cls, obj) -> "Held":
-        """Put a Chunk or an Encoded into this node's object store."""
+        """Put a Chunk or an Encoded into this node's object store. ray.put copies the bytes:
+        call it from a worker thread (asyncio.to_thread), never on the event loop."""
         import ray
         return cls(ray.put(obj), obj.key, obj.ns, obj.nbytes, obj.raw, obj.codec, obj.dtype)
+
+    @classmethod
+    def kept(cls, obj) -> "Held":
+        """obj kept by this node: Held.of inside Ray, Held.here outside it (an edge in a unit
+        test). From a worker thread, like Held.of."""
+        return cls.of(obj) if _ray_initialized() else cls.here(obj)
 
     @classmethod
     def here(cls, obj) -> "Held":
@@ -53,13 +60,12 @@ class Held:
         return held
 
     async def resolve(self):
-        """The object itself; our own objects are read once (a zero-copy view) and kept."""
-        if self.obj is not None:
-            return self.obj
-        obj = await self.ref
-        if self.own:
-            self.obj = obj
-        return obj
+        """The object itself, read once (a zero-copy view) and kept, so the checksum computed
+        by its first check serves every later one. A peer's object too: its Held lives for
+        one load (shared by every reader that joined it, and the copy kept of it)."""
+        if self.obj is None:
+            self.obj = await self.ref
+        return self.obj
 
     def wire(self) -> tuple:
         """What crosses to another edge (peer_get): the reference and its description."""
@@ -139,10 +145,8 @@ class Tiers:
         into this node's store and promoted to memory tier roles[i]."""
         if self.disk is None or not keys:
             return [None] * len(keys)
-        keep = Held.of if _ray_initialized() else Held.here
-
         def load():         # each chunk read, verified and put in the store, then let go
-            return [None if obj is None else keep(obj)
+            return [None if obj is None else Held.kept(obj)
                     for obj in (self.disk.read(k, ns) for k in keys)]
         out = await asyncio.to_thread(load)
         for key, held, role in zip(keys, out, roles):
@@ -191,15 +195,23 @@ class Tiers:
                 self.counters["pin_refused"] += 1
         return n
 
-    def drop(self, key) -> bool:
-        """Remove key from every tier (the disk too); True if it was held."""
-        dropped = self.main.discard(key) | self.hot.discard(key)
-        if self.disk is not None:
-            dropped |= self.disk.discard(key)     # file I/O, but one unlink: on the loop
-        self._unqueue(key)
-        self.expiry.pop(key, None)
-        self.note(key)
-        return dropped
+    async def drop(self, keys) -> int:
+        """Remove keys from every tier, the disk too: its files are deleted in one worker-thread
+        call (file I/O never runs on the event loop), then memory lets go of them, so a reader
+        meanwhile finds them in memory, never a disk record about to vanish. How many were held."""
+        keys = list(keys)
+        for k in keys:
+            self._unqueue(k)                  # a victim on its way to the disk: not written now
+        on_disk = [False] * len(keys)
+        if self.disk is not None and any(k in self.disk for k in keys):
+            on_disk = await asyncio.to_thread(lambda: [self.disk.discard(k) for k in keys])
+        n = 0
+        for k, disk in zip(keys, on_disk):
+            n += self.main.discard(k) | self.hot.discard(k) | disk
+            self._unqueue(k)                  # evicted to the queue while the files went
+            self.expiry.pop(k, None)
+            self.note(k)
+        return n
 
     # --- write-back to the disk tier ----------------------------------------------------------
     def _evicted(self, key, held) -> None:
@@ -264,12 +276,12 @@ class Tiers:
         deadline = self.expiry.get(key)
         return deadline is not None and deadline <= time.monotonic()
 
-    def sweep(self) -> int:
-        """Drop every chunk whose TTL has passed; how many."""
+    async def sweep(self) -> int:
+        """Drop every chunk whose TTL has passed (their files in one worker-thread call); how many."""
         now = time.monotonic()
         gone = [k for k, t in self.expiry.items() if t <= now]
-        for k in gone:
-            self.drop(k)
+        if gone:
+            await self.drop(gone)
         self.counters["ttl_expired"] += len(gone)
         return len(gone)
 

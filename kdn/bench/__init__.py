@@ -12,7 +12,8 @@ import time
 from kdn.cli.table import table  # noqa: F401 - every bench prints the CLI's tables
 
 NAMES = ["keys", "codec", "store", "cache", "tiers", "placement", "fetch", "ttft", "transport",
-         "load", "codecs", "blend", "fuzz", "links", "quantlab", "vllm", "serve", "l2", "route", "emphasis"]
+         "load", "codecs", "blend", "fuzz", "links", "quantlab", "vllm", "serve", "l2", "route", "emphasis",
+         "hey"]
 
 
 def emit_json(obj, file=None):

@@ -12,6 +12,10 @@ other remote error (a TypeError from a wrong signature) arrives as Ray raised it
 it is a bug. A broad `except` here once hid an edge's membership refresh that never ran:
 the origin's `membership()` did not take the `token=` every call passes.
 
+A handle is looked up once and cached. The lookup (ray.get_actor) is a blocking call to
+Ray's GCS: an async caller makes it in a worker thread, one lookup per actor however many
+calls wait for it, so re-resolving an actor after a failover never stalls the caller's loop.
+
 Every KDN actor method takes `token=` (the admin token for node-to-node calls, a tenant's
 read token for reads); `Actors` passes the one it holds unless a call names another.
 """
@@ -49,6 +53,7 @@ class Actors:
     def __init__(self, network: str, token: str = None):
         self.network, self.token = network, token
         self._handles = {}
+        self._lookups = {}         # node -> the lookup in flight (an asyncio future), async callers
 
     def label(self, node) -> str:
         return "the origin" if node is None else f"edge {node!r}"
@@ -66,6 +71,22 @@ class Actors:
             self._handles[node] = h
         return h
 
+    async def handle_async(self, node):
+        """handle() for an async caller: a lookup runs in a worker thread, shared by every
+        caller that wants that node's handle meanwhile."""
+        h = self._handles.get(node)
+        if h is not None:
+            return h
+        lookup = self._lookups.get(node)
+        if lookup is None:
+            lookup = self._lookups[node] = asyncio.ensure_future(asyncio.to_thread(self.handle, node))
+
+            def done(f):         # the next lookup (after a failover) starts afresh
+                if self._lookups.get(node) is f:
+                    del self._lookups[node]
+            lookup.add_done_callback(done)
+        return await asyncio.shield(lookup)     # a caller that gives up leaves it to the others
+
     def forget(self, node) -> None:
         self._handles.pop(node, None)
 
@@ -80,11 +101,16 @@ class Actors:
         return Unreachable(f"{self.label(node)} of network {self.network!r} did not answer "
                            f"{method}: {type(e).__name__}")
 
+    async def _call(self, node, method, args, kw):
+        kw.setdefault("token", self.token)
+        return await getattr(await self.handle_async(node), method).remote(*args, **kw)
+
     async def call(self, node, method, /, *args, timeout: float, **kw):
-        """The answer of node's method; Unreachable when the call fails over."""
+        """The answer of node's method; Unreachable when the call fails over. timeout bounds
+        the handle's lookup too."""
         import ray.exceptions as rex
         try:
-            return await asyncio.wait_for(self._remote(node, method, args, kw), timeout)
+            return await asyncio.wait_for(self._call(node, method, args, kw), timeout)
         except rex.RayTaskError as e:
             raise remote_error(e) from None
         except failover_errors() as e:

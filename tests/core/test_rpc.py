@@ -1,6 +1,7 @@
 """The one call helper (kdn/core/rpc.py) against real Ray actors: it fails over on a dead, missing
 or slow actor and on nothing else — a refusal arrives as itself, a bug is never swallowed."""
 import asyncio
+import threading
 import time
 import uuid
 
@@ -90,3 +91,39 @@ def test_slow_missing_and_dead_actors_fail_over(ray_cluster):
     with pytest.raises(Unreachable):
         actors.call_sync("e1", "echo", 1, timeout=10)
     assert "e1" not in actors._handles                 # forgotten: looked up afresh next time
+
+
+def test_after_a_failover_the_lookup_runs_off_the_loop_once_for_every_waiting_call(node, monkeypatch):
+    """ray.get_actor is a blocking call to the GCS: made slow here (250 ms, a GCS under load),
+    it must not stall the loop, and concurrent calls share one lookup."""
+    network, _ = node
+    real, lookups = ray.get_actor, []
+
+    def slow_get_actor(*a, **kw):
+        lookups.append(threading.current_thread() is threading.main_thread())
+        time.sleep(0.25)
+        return real(*a, **kw)
+    monkeypatch.setattr(ray, "get_actor", slow_get_actor)
+    actors = Actors(network, token="tok")
+
+    async def main():
+        lags, stop = [], asyncio.Event()
+
+        async def ticker():
+            last = time.perf_counter()
+            while not stop.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                lags.append(now - last)
+                last = now
+        t = asyncio.ensure_future(ticker())
+        got = await asyncio.gather(*(actors.call("e1", "echo", i, timeout=30) for i in range(8)))
+        stop.set()
+        await t
+        return got, max(lags)
+
+    got, lag = asyncio.run(main())
+    assert got == [(i, "tok") for i in range(8)]
+    assert lookups == [False], "one lookup, in a worker thread"
+    assert lag < 0.2, f"the loop stalled {lag * 1e3:.0f} ms during a 250 ms lookup"
+    assert asyncio.run(actors.call("e1", "echo", 9, timeout=30)) == (9, "tok") and len(lookups) == 1

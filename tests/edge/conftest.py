@@ -7,6 +7,7 @@ network in test_node.py; everything an edge decides alone is tested here, fast.
 """
 import asyncio
 import threading
+import time
 import types
 
 import numpy as np
@@ -36,6 +37,14 @@ def make_chunks(n: int, tokens: int = 64, ns: bytes = NS, seed: int = 0, shape=(
                   .astype(np.float16).astype(np.float32), "float32") for k in keys]
 
 
+def big_chunks(n: int, mib: int = 64, ns: bytes = NS) -> list:
+    """n chunks of mib MiB each over one shared read-only buffer (as in the object store): the
+    CPU work of checking them is real, their memory is one chunk's."""
+    kv = np.ones((mib, 2, 8, 256, 16), np.float32)     # 1 MiB per layer
+    kv.flags.writeable = False
+    return [Chunk(k, ns, kv, "float32") for k in chunk_keys(range(n * 256), ns, 256)]
+
+
 def held(obj, own: bool = True) -> Held:
     """A Held already read into this process (no object store behind it)."""
     h = Held(None, obj.key, obj.ns, obj.nbytes, obj.raw, obj.codec, obj.dtype, own=own)
@@ -51,6 +60,45 @@ def local_edge(chunks=(), role="main", **options):
     for c in chunks:
         edge.tiers.put(role, c.key, held(c))
     return edge
+
+
+async def stalls(coro, tick_s: float = 0.002) -> tuple:
+    """(coro's result, the event loop's longest stall while it ran, ticks, seconds it took): a
+    ticker sleeps tick_s again and again beside coro; a stall is how late it woke. CPU work on
+    the loop is one stall as long as the work, with no tick during it."""
+    stop, gaps = asyncio.Event(), []
+
+    async def ticker():
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(tick_s)
+            now = time.perf_counter()
+            gaps.append(now - last - tick_s)
+            last = now
+    t = asyncio.ensure_future(ticker())
+    await asyncio.sleep(tick_s)                    # the ticker is running
+    gaps.clear()
+    t0 = time.perf_counter()
+    out = await coro
+    took = time.perf_counter() - t0
+    ticks = len(gaps)
+    await asyncio.sleep(2 * tick_s)               # the ticker's wake after the call: its gap counts
+    stop.set()
+    await t
+    return out, max(gaps[:ticks + 1], default=took), ticks, took
+
+
+def assert_off_loop(measure, attempts: int = 3) -> None:
+    """measure() -> stalls()'s (stall, ticks, took) of fresh work: the loop must tick while it
+    runs and never stall half of it. Up to attempts tries: a stall a busy machine's scheduler
+    made passes on another try, work on the loop stalls every one."""
+    seen = []
+    for _ in range(attempts):
+        stall, ticks, took = measure()
+        if ticks >= 3 and stall < took / 2:
+            return
+        seen.append(f"{stall * 1e3:.0f} ms ({ticks} ticks) in {took * 1e3:.0f} ms")
+    raise AssertionError(f"the loop stalled {'; '.join(seen)} of work")
 
 
 class Loop:
@@ -71,9 +119,11 @@ class Loop:
 
 @pytest.fixture
 def kit():
-    """NS, topology(), make_chunks(), held(), local_edge(): see their docstrings."""
+    """NS, topology(), make_chunks(), big_chunks(), held(), local_edge(), stalls(),
+    assert_off_loop(): see their docstrings."""
     return types.SimpleNamespace(NS=NS, topology=topology, make_chunks=make_chunks, held=held,
-                                 local_edge=local_edge)
+                                 local_edge=local_edge, stalls=stalls, big_chunks=big_chunks,
+                                 assert_off_loop=assert_off_loop)
 
 
 @pytest.fixture

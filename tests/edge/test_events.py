@@ -211,8 +211,8 @@ def test_eviction_to_disk_and_a_drop_follow_the_tiers(kit, edge_with_events, tmp
     sub.drain(until=lambda s: s.held == want)
     removed = [e for f in sub.frames for e in f[2].events if isinstance(e, BlockRemoved)]
     assert {e.medium for e in removed} == {"KDN/memory/here"}
-    edge.tiers.drop(in_memory[0])
-    edge.tiers.drop(on_disk[0])
+    loop.run(edge.tiers.drop([in_memory[0]]))
+    loop.run(edge.tiers.drop([on_disk[0]]))
     want = {"KDN/memory/here": blocks_of(m, in_memory[1:]), "KDN/disk/here": blocks_of(m, on_disk[1:])}
     sub.drain(until=lambda s: s.held == want)
 

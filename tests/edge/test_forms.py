@@ -1,5 +1,7 @@
 """Forms: a copy is verified against its manifest checksum, kept in the store form, and sent in
 the form that reaches its reader soonest — the same decisions for Ray and HTTP."""
+import asyncio
+
 import pytest
 
 from kdn.core.chunk import Chunk, Encoded, decode
@@ -107,3 +109,17 @@ def test_corrupted_flips_one_payload_byte(kit):
     assert not corrupted(a).equal(a) and corrupted(a).key == a.key
     z = Encoded.of(a, "zstd")
     assert isinstance(corrupted(z), Encoded) and corrupted(z).nbytes == z.nbytes
+
+
+def test_a_large_chunk_is_checked_and_kept_off_the_event_loop(kit):
+    """to_store (what put_chunks and a kept peer copy go through) hashes and puts in a worker
+    thread: the loop goes on ticking while 32 x 64 MiB are verified."""
+    import ray  # noqa: F401 - an edge has imported it (Held.kept asks it): not the work timed
+
+    def measure():
+        cs = kit.big_chunks(32)
+        f = Forms("raw", dict.fromkeys((c.key for c in cs), cs[0].digest()).get, None, "here")
+        kept, stall, ticks, took = asyncio.run(kit.stalls(f.to_store(cs)))
+        assert [h.obj for h in kept] == cs and all(c._xxh is not None for c in cs)
+        return stall, ticks, took
+    kit.assert_off_loop(measure)

@@ -101,3 +101,18 @@ def test_a_copy_kept_in_a_compressed_store_form_is_encoded_after_the_reply(kit, 
     asyncio.run(main())
     kept = e.tiers.peek(a.key)
     assert kept.codec == "zstd" and kept.obj.decode().equal(a) and not e.pull._keeping
+
+
+def test_the_origins_batch_is_verified_and_put_off_the_event_loop(kit, edge):
+    """A first fetch's chunks come from the origin: their hashing (and ray.put's copy) runs in
+    a worker thread, so the loop keeps serving others while 32 x 64 MiB are checked."""
+    def measure():
+        cs = kit.big_chunks(32, ns=kit.NS)
+        edge.catalog.add({"tenant": "default", "fingerprint": "edge-unit", "name": "big",
+                          "version": 1, "keys": [c.key for c in cs], "sums": [cs[0].digest()] * len(cs)})
+        edge.answers[("far-0", "peer_get")] = None
+        edge.answers[(None, "get_chunks")] = lambda keys: cs
+        got, stall, ticks, took = asyncio.run(kit.stalls(edge.pull.load([c.key for c in cs], kit.NS)))
+        assert [s for _, s in got] == ["origin"] * 32 and [h.obj for h, _ in got] == cs
+        return stall, ticks, took
+    kit.assert_off_loop(measure)

@@ -86,3 +86,57 @@ def test_no_keys_no_load():
     g = Group()
     assert asyncio.run(g.do_many([], loader)) == []
     assert g.counters["loads"] == 0
+
+
+def test_a_cancelled_loader_hands_its_keys_to_a_waiter_never_its_cancellation():
+    """Go's singleflight: one caller's cancellation is its own. The waiters load the keys
+    again (one of them as the new loader) and all get the value."""
+    calls = []
+
+    async def loader(keys):
+        calls.append(list(keys))
+        await asyncio.sleep(0.05 if len(calls) == 1 else 0.01)
+        return {k: f"v-{k}" for k in keys}
+
+    async def main():
+        g = Group()
+        leader = asyncio.ensure_future(g.do_many(["a", "b"], loader))
+        await asyncio.sleep(0)                 # the leader is loading a and b
+        followers = [asyncio.ensure_future(g.do_many(["a"], loader)) for _ in range(3)]
+        follower_b = asyncio.ensure_future(g.do_many(["b", "c"], loader))
+        await asyncio.sleep(0.01)
+        leader.cancel()
+        got = await asyncio.gather(*followers, follower_b)
+        try:
+            await leader
+        except asyncio.CancelledError:
+            pass
+        return g, got, leader.cancelled()
+
+    g, got, leader_cancelled = asyncio.run(main())
+    assert leader_cancelled, "the cancelled caller sees its own cancellation"
+    assert got == [["v-a"]] * 3 + [["v-b", "v-c"]]
+    assert calls[0] == ["a", "b"] and ["c"] in calls, calls
+    assert sorted(k for c in calls[1:] for k in c) == ["a", "b", "c"], "each key loaded once more"
+    assert g.counters["loads_abandoned"] == 1 and len(g) == 0
+
+
+def test_a_cancelled_waiter_leaves_the_load_to_the_others():
+    """A waiter that stops waiting (its reader hung up) must not cancel the shared load."""
+    async def loader(keys):
+        await asyncio.sleep(0.05)
+        return {k: k.upper() for k in keys}
+
+    async def main():
+        g = Group()
+        leader = asyncio.ensure_future(g.do_many(["a"], loader))
+        await asyncio.sleep(0)
+        quitter = asyncio.ensure_future(g.do_many(["a"], loader))
+        stayer = asyncio.ensure_future(g.do_many(["a"], loader))
+        await asyncio.sleep(0.01)
+        quitter.cancel()
+        return g, await leader, await stayer, quitter.cancelled()
+
+    g, lead, stay, quit_cancelled = asyncio.run(main())
+    assert (lead, stay, quit_cancelled) == (["A"], ["A"], True)
+    assert g.counters == {"loads": 1, "loads_deduped": 2}

@@ -1,5 +1,9 @@
 """The edge's two tiers: lookups by namespace, hits by tier, TTL, pins, drops."""
+import asyncio
+import threading
 import time
+
+import xxhash
 
 from kdn.edge.tiers import Held, Tiers
 from kdn.core.keys import namespace_digest
@@ -35,7 +39,7 @@ def test_set_ttl_applies_to_chunks_held_now_and_sweep_drops_them(kit):
     assert t.get(cs[0].key) is not None
     time.sleep(0.06)
     assert t.get(cs[0].key) is None, "an expired chunk is not served even before the sweep"
-    assert t.sweep() == 2 and len(t) == 0 and t.counters["ttl_expired"] == 2
+    assert asyncio.run(t.sweep()) == 2 and len(t) == 0 and t.counters["ttl_expired"] == 2
     assert t.expiry == {}
 
 
@@ -55,7 +59,7 @@ def test_drop_removes_from_both_tiers_and_forgets_the_ttl(kit):
     a, = kit.make_chunks(1)
     t = _tiers(kit, [a])
     t.set_ttl([a.key], 100)
-    assert t.drop(a.key) is True and t.drop(a.key) is False
+    assert asyncio.run(t.drop([a.key])) == 1 and asyncio.run(t.drop([a.key])) == 0
     assert a.key not in t.expiry and t.peek(a.key) is None
 
 
@@ -81,7 +85,7 @@ def test_memorys_victims_go_to_the_disk_tier_and_a_disk_hit_is_promoted(kit, tmp
     got = loop.run(t.from_disk([cs[0].key], kit.NS, ["hot"]))
     assert loop.run(got[0].resolve()).equal(cs[0]) and t.hot.peek(cs[0].key) is got[0]
     assert t.counters["disk_hits"] == 1 and t.stats()["disk"]["write_backs"] == 3
-    assert t.drop(cs[1].key) and not t.disk.path(cs[1].key).exists()
+    assert loop.run(t.drop([cs[1].key])) == 1 and not t.disk.path(cs[1].key).exists()
     # a full queue drops the write-back (counted) rather than hold memory for a slow disk
     t.write_back_queue_bytes = 1
     t.put("main", b"\7" * 16, kit.held(cs[3]))
@@ -96,3 +100,58 @@ def test_a_victim_waiting_for_the_disk_is_still_served(kit, tmp_path):
     t.put("main", b.key, kit.held(b))                  # a is the victim, queued
     assert a.key in t.pending and t.get(a.key, kit.NS).obj.equal(a)
     assert t.get(a.key, OTHER) is None and t.counters["write_back_queue_hits"] == 1
+
+
+def test_a_ttl_sweep_deletes_its_files_in_one_worker_thread_call(kit, tmp_path, loop):
+    from kdn.edge.disk import DiskTier
+    cs = kit.make_chunks(6)
+    t = Tiers(4 * cs[0].nbytes, policy="lru", disk=DiskTier(tmp_path, 8 << 20))
+    for c in cs[1:]:
+        assert t.disk.write(c)
+    t.put("main", cs[0].key, kit.held(cs[0]))
+    assert t.set_ttl([c.key for c in cs], 0.01) == 6, "chunks on disk get the TTL too"
+    threads, discard = [], t.disk.discard
+
+    def spied(key):
+        threads.append(threading.current_thread())
+        return discard(key)
+    t.disk.discard = spied
+    time.sleep(0.02)
+    assert loop.run(t.sweep()) == 6 and len(t) == 0 and len(t.disk) == 0 and t.expiry == {}
+    assert not any(t.disk.path(c.key).exists() for c in cs)
+    assert len(threads) == 6 and len(set(threads)) == 1 and threads[0] is not loop.thread
+
+
+def test_a_peers_object_is_read_once_so_each_load_hashes_it_once(kit, ray_cluster, monkeypatch):
+    """A peer's chunk is a reference into its store, and each read of a reference is a new
+    object: a Held that read it again for every check (the frame sent, the copy kept, the
+    disk's fill) would hash it again each time. It is read once and kept."""
+    import ray
+    from kdn.core import chunk as chunk_module
+    from kdn.edge import forms as forms_module
+    a, = kit.make_chunks(1)
+    ref = ray.put(a)
+    assert ray.get(ref) is not ray.get(ref), "Ray hands out a new object per read"
+    hashed = []
+
+    class Counting:             # xxhash, counting the passes over a whole chunk's KV
+        def __getattr__(self, name):
+            return getattr(xxhash, name)
+
+        def xxh3_64_intdigest(self, buf, *args):
+            if memoryview(buf).nbytes >= a.nbytes:
+                hashed.append(memoryview(buf).nbytes)
+            return xxhash.xxh3_64_intdigest(buf, *args)
+    f = forms_module.Forms("raw", {a.key: a.digest()}.get, None, "here")
+    for module in (forms_module, chunk_module):     # the edge's hashing, and Chunk.digest's
+        monkeypatch.setattr(module, "xxhash", Counting())
+    h = Held.from_wire(Held.of(a).wire())
+    assert not h.own
+
+    async def one_load():
+        parts, bad = f.frames([await h.resolve()], ["raw"])          # sent to the reader
+        kept = f.store_form(await h.resolve())                       # the copy kept
+        return bad, kept, f.intact(await h.resolve())                # the disk's fill
+    bad, kept, intact = asyncio.run(one_load())
+    assert bad is None and kept is not None and intact
+    assert hashed == [a.nbytes], f"hashed {len(hashed)} times"
