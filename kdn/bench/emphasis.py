@@ -141,7 +141,7 @@ class Runner:
         """(reply text, first-position probabilities [vocab], answer-slot probabilities [vocab] or
         None, ttft s, cache tokens, edited-from token). The answer slot: the first step whose
         greedy token is one of `slot` (the answers' first tokens)."""
-        from kdn import emphasis as E
+        from kdn.engines import emphasis as E
         model = self.model
         q = model.question_tokens(question)
         t0 = time.perf_counter()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kdn import emphasis as E
+from kdn.engines import emphasis as E
 from kdn.core.errors import BadRequest, ManifestError
 from kdn.client.reader import Reader
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdn import emphasis as E
+from kdn.engines import emphasis as E
 from kdn.bench import emphasis as bench
 from kdn.serve.chat import stream
 from kdn.core.errors import BadRequest

@@ -6,7 +6,7 @@ emphasis per request (weight 1: today's tokens)."""
 import numpy as np
 import pytest
 
-from kdn import emphasis as E
+from kdn.engines import emphasis as E
 from kdn.serve.chat import Chat
 from kdn.client import Client
 from kdn.engines.emphasized import emphasized_kv, plan, publish_emphasis, variant_fingerprint

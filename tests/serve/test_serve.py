@@ -185,7 +185,7 @@ def test_a_kbs_second_request_is_routed_to_the_engine_that_holds_it(service, mod
     its engine cache and says so; the second request is routed there and fetches nothing
     (the answer the same, the KB's tokens still cached)."""
     from ray import serve as ray_serve
-    from kdn.serve import ROUTER, app_name
+    from kdn.serve.app import ROUTER, app_name
     e = service["expected"]
     url = service["info"]["regions"]["us-east"]
     worker = ray_serve.get_deployment_handle("us-east", app_name=app_name(service["network"]))
