@@ -1,0 +1,63 @@
+"""The one validator for numbers that arrive from outside: an int or a finite number in bounds.
+
+Python's bool is an int (True == 1), so a hand-written check needs
+`isinstance(x, bool) or not isinstance(x, int)` before its range test, and NaN passes every
+range it is compared against only by failing it. These two functions say it once, with one
+message shape that names the field and the bad value:
+
+    check_int(0, "replicas", 1, 3)      -> BadRequest: replicas must be an int in [1, 3], got 0
+    check_number(nan, "ttl_s", 0, open_lo=True) -> BadRequest: ttl_s must be a number > 0, got nan
+
+A caller whose problem has its own error class (ManifestError, CacheError, PlacementError,
+...) passes it as `error=`; `note=` adds why a bound is what it is.
+"""
+import math
+import numbers
+
+from kdn.core.errors import BadRequest
+
+
+def _bound(x) -> str:
+    """A bound as a reader writes it: 315360000, not 3.1536e+08 or 315360000.0."""
+    if isinstance(x, float) and x.is_integer() and abs(x) < 1e16:
+        return str(int(x))
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _range(lo, hi, open_lo: bool) -> str:
+    if lo is not None and hi is not None:
+        return f" in {'(' if open_lo else '['}{_bound(lo)}, {_bound(hi)}]"
+    if lo is not None:
+        return f" {'>' if open_lo else '>='} {_bound(lo)}"
+    if hi is not None:
+        return f" <= {_bound(hi)}"
+    return ""
+
+
+def _refuse(value, what, kind, lo, hi, open_lo, error, note):
+    note = f" ({note})" if note else ""
+    return error(f"{what} must be {kind}{_range(lo, hi, open_lo)}{note}, got {value!r:.40}")
+
+
+def check_int(value, what: str, lo=None, hi=None, *, error=BadRequest, note: str = "") -> int:
+    """value as an int when it is one (a Python or numpy integer, never a bool) in [lo, hi]
+    (either bound None: unbounded); `error` naming `what` and the value otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or lo is not None and value < lo or hi is not None and value > hi:
+        raise _refuse(value, what, "an int", lo, hi, False, error, note)
+    return int(value)
+
+
+def check_number(value, what: str, lo=None, hi=None, *, open_lo: bool = False,
+                 error=BadRequest, note: str = "") -> float:
+    """value as a float when it is a finite real number (never a bool) in [lo, hi], or in
+    (lo, hi] with open_lo; `error` naming `what` and the value otherwise."""
+    try:
+        as_float = None if isinstance(value, bool) or not isinstance(value, numbers.Real) else float(value)
+    except OverflowError:                  # an int beyond any float: not a finite number
+        as_float = None
+    if as_float is None or not math.isfinite(as_float) \
+            or lo is not None and (value <= lo if open_lo else value < lo) \
+            or hi is not None and value > hi:
+        raise _refuse(value, what, "a number", lo, hi, open_lo, error, note)
+    return as_float
