@@ -12,7 +12,6 @@ A caller whose problem has its own error class (ManifestError, CacheError, Place
 ...) passes it as `error=`; `note=` adds why a bound is what it is.
 """
 import math
-import numbers
 
 from kdn.core.errors import BadRequest
 
@@ -40,20 +39,22 @@ def _refuse(value, what, kind, lo, hi, open_lo, error, note):
 
 
 def check_int(value, what: str, lo=None, hi=None, *, error=BadRequest, note: str = "") -> int:
-    """value as an int when it is one (a Python or numpy integer, never a bool) in [lo, hi]
-    (either bound None: unbounded); `error` naming `what` and the value otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+    """value when it is a Python int (never a bool) in [lo, hi] (a bound None: unbounded);
+    `error` naming `what` and the value otherwise. What arrives from outside (JSON, msgpack,
+    a config) holds Python ints; a caller with numpy integers converts them first, so what
+    passes here also packs."""
+    if isinstance(value, bool) or not isinstance(value, int) \
             or lo is not None and value < lo or hi is not None and value > hi:
         raise _refuse(value, what, "an int", lo, hi, False, error, note)
-    return int(value)
+    return value
 
 
 def check_number(value, what: str, lo=None, hi=None, *, open_lo: bool = False,
                  error=BadRequest, note: str = "") -> float:
-    """value as a float when it is a finite real number (never a bool) in [lo, hi], or in
+    """float(value) when value is a finite int or float (never a bool) in [lo, hi], or in
     (lo, hi] with open_lo; `error` naming `what` and the value otherwise."""
     try:
-        as_float = None if isinstance(value, bool) or not isinstance(value, numbers.Real) else float(value)
+        as_float = None if isinstance(value, bool) or not isinstance(value, (int, float)) else float(value)
     except OverflowError:                  # an int beyond any float: not a finite number
         as_float = None
     if as_float is None or not math.isfinite(as_float) \

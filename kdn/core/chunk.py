@@ -39,6 +39,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from kdn.core.checks import check_int
 from kdn.core.codecs import _CODECS, LOSSY, codecs, register_codec  # noqa: F401 - re-exported
 from kdn.core.dtypes import DTYPES, name_of, torch_dtype
 from kdn.core.errors import (BadHeader, BadLength, BadRequest, ChecksumMismatch, FrameError,
@@ -140,9 +141,8 @@ class Chunk:
 
     def layer(self, i: int):
         """(k, v) of layer i as torch views [1, kv_heads, tokens, head_dim]."""
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) \
-                or not -self.layers <= i < self.layers:
-            raise BadRequest(f"layer {i!r} out of range for a chunk of {self.layers} layers")
+        i = check_int(int(i) if isinstance(i, np.integer) else i, "layer", -self.layers, self.layers - 1,
+                      note=f"a chunk of {self.layers} layers")
         t = self.to_torch()[i]
         return t[0].unsqueeze(0), t[1].unsqueeze(0)
 
