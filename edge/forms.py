@@ -26,12 +26,12 @@ import xxhash
 
 from kdn.core.chunk import Chunk, Encoded, encode_parts
 from kdn.core.codecs import LOSSLESS, LOSSY
+from kdn.edge.peers import PEER_READ_S
 from kdn.edge.tiers import Held
 from kdn.core.errors import BadRequest, FrameError, TopologyError
 from kdn.core.rpc import failover_errors
 from kdn.core.transfer import PROFILE, check_store_codec, choose_codec
 
-PEER_READ_S = 5.0        # a peer's object that does not arrive in time is sent as the peer sent it
 
 
 def link_codec(item, bandwidth_gbps, accept: tuple) -> str:

@@ -28,12 +28,13 @@ from kdn.edge.catalog import Catalog
 from kdn.edge.disk import DiskTier
 from kdn.edge.forms import Forms, corrupted
 from kdn.edge.membership import Membership
-from kdn.edge.peers import ORIGIN, PEER_TIMEOUT_S, Peers
+from kdn.core.names import ORIGIN_NODE
+from kdn.edge.peers import PEER_TIMEOUT_S, Peers
 from kdn.edge.pull import Pull
-from kdn.edge.reads import MAX_FETCH_KEYS, MAX_REPLY_BYTES, Reads, check_keys
+from kdn.edge.reads import MAX_REPLY_BYTES, Reads, check_keys
 from kdn.edge.tiers import ROLES, Held, Tiers
 from kdn.core.errors import AccessDenied, BadRequest, KDNError
-from kdn.core.keys import check_key
+from kdn.core.keys import MAX_FETCH_KEYS, check_key
 from kdn.core.manifest import check_ttl
 from kdn.core.rpc import failover_errors
 from kdn.placement.replication import ReplicationPolicy
@@ -147,7 +148,7 @@ class EdgeNode:
 
     async def _refresh_membership(self):
         self._last_refresh = time.monotonic()
-        m = await self.peers.ask(ORIGIN, "membership", timeout=MEMBERSHIP_TIMEOUT_S)
+        m = await self.peers.ask(ORIGIN_NODE, "membership", timeout=MEMBERSHIP_TIMEOUT_S)
         if m is not None and self.membership.apply(m):
             self.counters["membership_refreshed"] += 1
 

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from kdn.core.checks import check_int
 from kdn.core.errors import PlacementError
 
 LN2 = math.log(2.0)
@@ -97,8 +98,7 @@ class ReplicationPolicy:
     def _learn(self, key: bytes, nbytes: int, kb: str | None):
         if not isinstance(key, (bytes, bytearray)):
             raise PlacementError(f"keys must be bytes, got {type(key).__name__}")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise PlacementError(f"nbytes must be an integer >= 0, got {nbytes!r}")
+        check_int(nbytes, "nbytes", 0, error=PlacementError)
         self._size[key] = nbytes
         if kb is not None and self._kb.get(key) != kb:
             self._kb[key] = kb
@@ -142,8 +142,8 @@ class ReplicationPolicy:
                      ttl_s: float | None = None, prefetch: bool = False) -> Override:
         if not isinstance(kb, str) or not kb:
             raise PlacementError(f"override needs a knowledge-base name, got {kb!r}")
-        if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
-            raise PlacementError(f"override {kb!r}: replicas must be an integer >= 1, got {replicas!r}")
+        if replicas is not None:
+            check_int(replicas, f"override {kb!r}: replicas", 1, error=PlacementError)
         if ttl_s is not None and not (isinstance(ttl_s, (int, float)) and ttl_s > 0):
             raise PlacementError(f"override {kb!r}: ttl_s must be > 0 seconds, got {ttl_s!r}")
         pins = tuple(sorted(set(pin_regions)))

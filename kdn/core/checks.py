@@ -1,19 +1,24 @@
 """The one validator for numbers that arrive from outside: an int or a finite number in bounds.
 
-Python's bool is an int (True == 1), so a hand-written check needs
-`isinstance(x, bool) or not isinstance(x, int)` before its range test, and NaN passes every
-range it is compared against only by failing it. These two functions say it once, with one
-message shape that names the field and the bad value:
+Python's bool is an int (True == 1), so every hand-written check of a count needs a bool test
+before its int test, and NaN fails every comparison, so a range test written as "refuse if
+x < lo" lets it through. These two functions say it once, with one message shape that names
+the field, the bound and the bad value:
 
     check_int(0, "replicas", 1, 3)      -> BadRequest: replicas must be an int in [1, 3], got 0
     check_number(nan, "ttl_s", 0, open_lo=True) -> BadRequest: ttl_s must be a number > 0, got nan
 
 A caller whose problem has its own error class (ManifestError, CacheError, PlacementError,
-...) passes it as `error=`; `note=` adds why a bound is what it is.
+...) passes it as `error=` (or any callable that makes the exception from the message, as
+the chat API does for its 400s); `note=` adds why a bound is what it is.
 """
 import math
 
 from kdn.core.errors import BadRequest
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _bound(x) -> str:
@@ -43,7 +48,7 @@ def check_int(value, what: str, lo=None, hi=None, *, error=BadRequest, note: str
     `error` naming `what` and the value otherwise. What arrives from outside (JSON, msgpack,
     a config) holds Python ints; a caller with numpy integers converts them first, so what
     passes here also packs."""
-    if isinstance(value, bool) or not isinstance(value, int) \
+    if not _is_int(value) \
             or lo is not None and value < lo or hi is not None and value > hi:
         raise _refuse(value, what, "an int", lo, hi, False, error, note)
     return value
@@ -54,7 +59,7 @@ def check_number(value, what: str, lo=None, hi=None, *, open_lo: bool = False,
     """float(value) when value is a finite int or float (never a bool) in [lo, hi], or in
     (lo, hi] with open_lo; `error` naming `what` and the value otherwise."""
     try:
-        as_float = None if isinstance(value, bool) or not isinstance(value, (int, float)) else float(value)
+        as_float = float(value) if _is_int(value) or isinstance(value, float) else None
     except OverflowError:                  # an int beyond any float: not a finite number
         as_float = None
     if as_float is None or not math.isfinite(as_float) \

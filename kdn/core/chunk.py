@@ -48,7 +48,7 @@ from kdn.core.errors import (BadHeader, BadLength, BadRequest, ChecksumMismatch,
 from kdn.core.keys import KEY_BYTES, check_key
 
 
-MAGIC = b"KDNC"
+FRAME_MAGIC = b"KDNC"
 VERSION = 1
 MAX_PAYLOAD = 1 << 30
 MAX_HEADER = 4096
@@ -267,7 +267,7 @@ def _frame_prefix(fields: dict) -> bytes:
     header = msgpack.packb(body)
     if len(header) > MAX_HEADER:
         raise SizeLimitExceeded(f"frame header of {len(header)} bytes exceeds {MAX_HEADER}")
-    prefix = bytearray(_PREFIX.pack(MAGIC, len(header)) + header)
+    prefix = bytearray(_PREFIX.pack(FRAME_MAGIC, len(header)) + header)
     assert len(prefix) == target and prefix[-13:-8] == _HX_TAIL
     prefix[-8:] = xxhash.xxh3_64_digest(memoryview(prefix)[:-8])
     return bytes(prefix)
@@ -384,9 +384,9 @@ def read_header(buf, *, max_payload: int = MAX_PAYLOAD):
     """
     mv = _byte_view(buf)
     n = len(mv)
-    if mv[:min(n, 4)] != MAGIC[:min(n, 4)]:
+    if mv[:min(n, 4)] != FRAME_MAGIC[:min(n, 4)]:
         raise _reject(BadHeader, f"not a KDN chunk frame: starts {bytes(mv[:4])!r}, "
-                                 f"expected {MAGIC!r}")
+                                 f"expected {FRAME_MAGIC!r}")
     if n < _PREFIX.size:
         raise _reject(TruncatedFrame, f"frame of {n} bytes ends inside its "
                                       f"{_PREFIX.size}-byte prefix")

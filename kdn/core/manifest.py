@@ -37,7 +37,7 @@ from kdn.core.keys import CHUNK_TOKENS, KEY_BYTES, as_token_array, check_key, ch
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 LAYOUTS = ("prefix", "segments")
 FORMAT = 1
-MAGIC = b"KDNM"
+MANIFEST_MAGIC = b"KDNM"
 _PREAMBLE = struct.Struct("<4sHQ")    # magic, format version, xxh3_64 of the body
 MAX_MANIFEST_BYTES = 256 << 20       # 16M keys: far beyond any KB; refuse absurd input
 MAX_META_BYTES = 64 << 10
@@ -346,7 +346,7 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         body = msgpack.packb(self.to_dict(), use_bin_type=True)
-        return _PREAMBLE.pack(MAGIC, FORMAT, xxhash.xxh3_64_intdigest(body)) + body
+        return _PREAMBLE.pack(MANIFEST_MAGIC, FORMAT, xxhash.xxh3_64_intdigest(body)) + body
 
     @classmethod
     def from_bytes(cls, buf) -> "Manifest":
@@ -356,8 +356,8 @@ class Manifest:
         if len(buf) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"manifest is {len(buf)} bytes, limit {MAX_MANIFEST_BYTES}")
         magic, fmt, digest = _PREAMBLE.unpack_from(buf, 0)
-        if magic != MAGIC:
-            raise ManifestError(f"not a manifest: magic {bytes(magic)!r}, want {MAGIC!r}")
+        if magic != MANIFEST_MAGIC:
+            raise ManifestError(f"not a manifest: magic {bytes(magic)!r}, want {MANIFEST_MAGIC!r}")
         if fmt != FORMAT:
             raise ManifestError(f"manifest format version {fmt} is not one this build reads ({FORMAT})")
         body = buf[_PREAMBLE.size:]

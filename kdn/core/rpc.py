@@ -18,7 +18,7 @@ read token for reads); `Actors` passes the one it holds unless a call names anot
 import asyncio
 
 from kdn.core.errors import KDNError, NetworkError
-from kdn.core.names import NAMESPACE, actor_name
+from kdn.core.names import NAMESPACE, ORIGIN_NODE, actor_name
 
 
 class Unreachable(NetworkError):
@@ -40,7 +40,7 @@ def remote_error(e: BaseException) -> BaseException:
 
 
 class Actors:
-    """Handles of one network's named actors, by node: an edge's name, or None for the origin.
+    """Handles of one network's named actors, by node: an edge's name, or ORIGIN_NODE.
 
     A handle is looked up once and cached; a call that fails over forgets it, so the next
     call looks the name up again (a restarted actor answers under the same name).
@@ -51,7 +51,7 @@ class Actors:
         self._handles = {}
 
     def label(self, node) -> str:
-        return "the origin" if node is None else f"edge {node!r}"
+        return "the origin" if node is ORIGIN_NODE else f"edge {node!r}"
 
     def handle(self, node):
         h = self._handles.get(node)

