@@ -5,7 +5,7 @@ missing or too slow: then ask() answers None and counts peer_failures or origin_
 the caller moves to its next source. Anything else (a remote KDNError, a wrong signature) is
 a bug or a refusal and raises: a broad except here once hid a membership refresh that never
 ran. Work sent after a reply (read repair) runs as a task this object keeps until it ends;
-a failure there is counted and logged, never lost.
+a failure there is counted (after_reply_errors) and logged, never lost.
 """
 import asyncio
 import collections
@@ -51,7 +51,7 @@ class Peers:
             return
         e = task.exception()
         if e is not None:
-            self.counters["background_errors"] += 1
+            self.counters["after_reply_errors"] += 1
             log.error("edge %s: %s failed: %s: %s", self.edge, what, type(e).__name__, e,
                       exc_info=e)
 

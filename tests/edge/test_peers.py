@@ -59,5 +59,5 @@ def test_work_after_a_reply_is_kept_and_its_failure_counted_and_logged(caplog):
 
     with caplog.at_level(logging.ERROR, logger="kdn.edge"):
         asyncio.run(main())
-    assert p.counters == {"background_errors": 1} and not p._tasks
+    assert p.counters == {"after_reply_errors": 1} and not p._tasks
     assert "read repair of far-0 failed: ValueError: repair refused" in caplog.text
