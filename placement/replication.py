@@ -22,6 +22,7 @@ lost a copy on its own (eviction, restart).
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 import time
 from dataclasses import dataclass, field
@@ -90,9 +91,9 @@ class ReplicationPolicy:
         self._hot: dict[str, dict[bytes, float]] = {}     # region -> key -> promoted at
         self._hot_bytes: dict[str, int] = {}
         self._overrides: dict[str, Override] = {}
-        self.c = dict(records=0, decisions=0, promotions=0, demotions=0, displaced=0,
-                      pinned=0, budget_refused=0, redundant=0, cold=0, expired=0, dropped=0,
-                      forgotten=0)
+        self.counters = collections.Counter(
+            records=0, decisions=0, promotions=0, demotions=0, displaced=0, pinned=0,
+            budget_refused=0, redundant=0, cold=0, expired=0, dropped=0, forgotten=0)
 
     # --- input -----------------------------------------------------------------------
     def _learn(self, key: bytes, nbytes: int, kb: str | None):
@@ -117,7 +118,7 @@ class ReplicationPolicy:
             d[0] = d[0] * math.exp(-self._k * dt) + 1.0 if dt > 0 else d[0] + 1.0
             if dt > 0:
                 d[1] = now
-        self.c["records"] += 1
+        self.counters["records"] += 1
 
     def register(self, kb: str, keys: Iterable[bytes], nbytes) -> None:
         """Tell the policy a knowledge base's chunks (sizes: one int, or one per key) so pins
@@ -135,7 +136,7 @@ class ReplicationPolicy:
         if hot is not None and key in hot:
             del hot[key]
             self._hot_bytes[region] -= self._size.get(key, 0)
-            self.c["dropped"] += 1
+            self.counters["dropped"] += 1
 
     # --- operator controls -----------------------------------------------------------
     def set_override(self, kb: str, pin_regions: Iterable[str] = (), replicas: int | None = None,
@@ -202,7 +203,7 @@ class ReplicationPolicy:
         ring owners, where a hot copy would be redundant.
         """
         now = self.clock() if now is None else now
-        self.c["decisions"] += 1
+        self.counters["decisions"] += 1
         out = Decision()
         owner_cache: dict[bytes, frozenset] = {}
 
@@ -223,7 +224,7 @@ class ReplicationPolicy:
             r = self._rate_of(d, now)
             if r < forget and key not in self._hot.get(region, ()):
                 del self._demand[(key, region)]
-                self.c["forgotten"] += 1
+                self.counters["forgotten"] += 1
                 continue
             rates.setdefault(region, {})[key] = r
             last[(key, region)] = d[1]
@@ -237,14 +238,14 @@ class ReplicationPolicy:
             del self._hot[region][key]
             self._hot_bytes[region] -= self._size.get(key, 0)
             out.demote.append((key, region))
-            self.c["demotions"] += 1
-            self.c[why] += 1
+            self.counters["demotions"] += 1
+            self.counters[why] += 1
 
         def promote(key, region):
             self._hot.setdefault(region, {})[key] = now
             self._hot_bytes[region] = self._hot_bytes.get(region, 0) + self._size.get(key, 0)
             out.promote.append((key, region))
-            self.c["promotions"] += 1
+            self.counters["promotions"] += 1
 
         def idle_past_ttl(key, region):
             o = self._overrides.get(self._kb.get(key))
@@ -269,7 +270,7 @@ class ReplicationPolicy:
             for key in sorted(pinned):
                 if key not in hot and region not in owner_regions(key):
                     promote(key, region)
-                    self.c["pinned"] += 1
+                    self.counters["pinned"] += 1
             # 3. over budget (capacity shrank, pins grew): shed the coldest unpinned copies
             if self._hot_bytes.get(region, 0) > budget:
                 for key in sorted((k for k in hot if k not in pinned), key=lambda k: (rr.get(k, 0.0), k)):
@@ -293,7 +294,7 @@ class ReplicationPolicy:
                         freed += self._size.get(vk, 0)
                         n += 1
                     if freed < need:
-                        self.c["budget_refused"] += 1
+                        self.counters["budget_refused"] += 1
                         continue
                     for vr, vk in victims[:n]:
                         demote(vk, region, "displaced")
@@ -303,7 +304,7 @@ class ReplicationPolicy:
         return out
 
     def stats(self) -> dict:
-        return {**self.c, "tracked": len(self._demand), "keys": len(self._size),
+        return {**self.counters, "tracked": len(self._demand), "keys": len(self._size),
                 "overrides": len(self._overrides),
                 "hot_copies": {r: len(h) for r, h in self._hot.items() if h},
                 "hot_bytes": {r: b for r, b in self._hot_bytes.items() if b}}

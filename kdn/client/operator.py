@@ -102,6 +102,6 @@ class Operator:
     def _ask_stats(self, edge: str):
         """An edge's stats call in flight (all edges are asked at once), None if it has no actor."""
         try:
-            return self.view.actors.handle(edge).stats.remote(token=self.view.admin_token)
+            return self.view.actors.start(edge, "stats", token=self.view.admin_token)
         except Unreachable:
             return None

@@ -115,3 +115,9 @@ class Actors:
             return ray.get(refs, timeout=timeout)
         except failover_errors() as e:
             raise self._failed(node, "a transfer", e) from None
+
+    def start(self, node, method, /, *args, **kw):
+        """node's method called and not waited for: its object ref, so that calls to many
+        nodes are in flight at once; get_sync(node, ref) collects each. Unreachable when node
+        has no actor."""
+        return self._remote(node, method, args, kw)
