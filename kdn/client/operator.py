@@ -19,7 +19,7 @@ OVERRIDE_TIMEOUT_S = 120.0    # an override moves chunks between edges before it
 RING_TIMEOUT_S = 300.0        # adding or removing an edge re-homes its keys first
 EDGE_START_TIMEOUT_S = 60.0
 STATUS_TIMEOUT_S = 3.0
-LIST_TIMEOUT_S = 30.0         # every committed manifest, to find which model has a version
+MANIFESTS_TIMEOUT_S = 30.0    # every committed manifest, to find which model has a version
 
 
 class Operator:
@@ -58,7 +58,7 @@ class Operator:
         """
         version = check_int(version, "version", 1)
         if fingerprint is None:
-            fps = sorted({m["fingerprint"] for m in self.view.origin("manifests", timeout=LIST_TIMEOUT_S)
+            fps = sorted({m["fingerprint"] for m in self.view.origin("manifests", timeout=MANIFESTS_TIMEOUT_S)
                           if (m["tenant"], m["name"], m["version"]) == (self.tenant, kb, version)})
             if not fps:
                 raise VersionNotFound(f"KB {kb!r} of tenant {self.tenant!r} has no version {version}")
