@@ -15,6 +15,7 @@ memory tiers' victims to its disk tier, and the disk tier deletes its victims' f
 import collections
 import threading
 
+from kdn.core.checks import check_int
 from kdn.edge.eviction import make_policy, policy_stats
 from kdn.core.errors import CacheError, PinCapacityError
 
@@ -24,18 +25,14 @@ def _size_of(value, nbytes):
         nbytes = getattr(value, "nbytes", None)
         if nbytes is None:
             raise CacheError(f"cannot size a {type(value).__name__} value: pass nbytes")
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise CacheError(f"nbytes must be a non-negative int, got {nbytes!r}")
-    return nbytes
+    return check_int(nbytes, "nbytes", 0, error=CacheError)
 
 
 class ChunkCache:
     """Byte-bounded key -> value cache with a pluggable eviction policy and pinning."""
 
     def __init__(self, capacity_bytes: int, policy: str = "lru", on_evict=None):
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-            raise CacheError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
-        self.capacity = capacity_bytes
+        self.capacity = check_int(capacity_bytes, "capacity_bytes", 1, error=CacheError)
         self._policy = make_policy(policy, capacity_bytes)
         self._lock = threading.Lock()
         self._entries: dict = {}  # key -> (value, nbytes)

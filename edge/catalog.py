@@ -15,7 +15,7 @@ import asyncio
 import collections
 import time
 
-from kdn.edge.peers import ORIGIN
+from kdn.core.names import ORIGIN_NODE
 from kdn.core.errors import AccessDenied
 from kdn.core.keys import namespace_digest
 
@@ -66,7 +66,7 @@ class Catalog:
     async def list(self, tenant: str, fingerprint: str, token) -> list:
         """Manifests of one namespace: from the origin when it answers, else the broadcast copy."""
         self.tokens.check_read(tenant, token, "listing knowledge bases")
-        got = await self.peers.ask(ORIGIN, "manifests", namespace_digest(tenant, fingerprint),
+        got = await self.peers.ask(ORIGIN_NODE, "manifests", namespace_digest(tenant, fingerprint),
                                    timeout=LIST_TIMEOUT_S)
         if got is None:
             return self.listed(tenant, fingerprint)
@@ -112,7 +112,7 @@ class Catalog:
 
     async def _ask_origin(self) -> None:
         self.counters["manifest_refreshes"] += 1
-        for m in await self.peers.ask(ORIGIN, "manifests", timeout=LIST_TIMEOUT_S) or []:
+        for m in await self.peers.ask(ORIGIN_NODE, "manifests", timeout=LIST_TIMEOUT_S) or []:
             self.add(m)
 
     def stats(self) -> dict:

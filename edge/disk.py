@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from kdn.core.checks import check_int
 from kdn.core.chunk import Encoded, decode, encode_parts, frame_size, read_header
 from kdn.edge.cache import ChunkCache
 from kdn.core.errors import BadRequest, ChecksumMismatch, FrameError, TruncatedFrame
@@ -95,8 +96,7 @@ class DiskTier:
     """Chunk frames in files under one directory, indexed by a byte-bounded ChunkCache."""
 
     def __init__(self, directory, capacity_bytes: int, policy: str = "s3fifo"):
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-            raise BadRequest(f"edge disk capacity must be a positive number of bytes, got {capacity_bytes!r}")
+        check_int(capacity_bytes, "edge disk capacity (bytes)", 1)
         self.dir = make_dirs(Path(directory).absolute())
         if not os.access(self.dir, os.W_OK | os.X_OK):
             raise BadRequest(f"edge disk directory {self.dir} is not writable")

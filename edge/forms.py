@@ -9,7 +9,7 @@ manifest, so it must never be encoded from wrong bytes).
 
 Store form: with store_codec set, an edge keeps chunks as compressed frames (kdn.core.chunk.Encoded):
 its byte capacity is charged the compressed size, so it holds more (zstd: lossless, ~1.2x on
-fp32 KV; q8z/k4v3z: lossy, 3.9x/8x, an operator's choice). Lossy KV stays as it is:
+fp32 KV; q8z/k4v3z: lossy, 3.9x/8.7x, an operator's choice; docs/figures.md). Lossy KV stays as it is:
 expanding it restores nothing, and it must stay marked lossy.
 
 Link form (kdn.core.transfer.choose_codec): on the reader's own node the stored form as it is (raw
@@ -26,12 +26,12 @@ import xxhash
 
 from kdn.core.chunk import Chunk, Encoded, encode_parts
 from kdn.core.codecs import LOSSLESS, LOSSY
+from kdn.edge.peers import PEER_READ_S
 from kdn.edge.tiers import Held
 from kdn.core.errors import BadRequest, FrameError, TopologyError
 from kdn.core.rpc import failover_errors
 from kdn.core.transfer import PROFILE, check_store_codec, choose_codec
 
-PEER_READ_S = 5.0        # a peer's object that does not arrive in time is sent as the peer sent it
 
 
 def link_codec(item, bandwidth_gbps, accept: tuple) -> str:

@@ -45,16 +45,14 @@ from aiohttp import http_exceptions, web
 
 from kdn.core.chunk import codecs
 from kdn.edge.metrics import CONTENT_TYPE as METRICS_TYPE, EdgeMetrics
-from kdn.edge.reads import MAX_FETCH_KEYS
 from kdn.core.wire import FRAMES_TYPE, MAX_SOURCE_RUNS, pack_sources
 from kdn.core.env import is_loopback
 from kdn.core.errors import AccessDenied, BadRequest, BadTokens
-from kdn.core.keys import KEY_BYTES, namespace_digest
+from kdn.core.keys import KEY_BYTES, MAX_FETCH_KEYS, namespace_digest
 
 log = logging.getLogger("kdn.edge.http")
 
 MAX_BODY_BYTES = 1 << 20        # a lookup/fetch body: 16384 keys take ~300 KiB of msgpack
-MAX_KEYS = MAX_FETCH_KEYS
 BODY_TIMEOUT_S = 10.0           # longest wait for a request body once its headers arrived
 IDLE_S = 15.0                   # a connection without a complete request for this long is closed
 BIND_RETRY_S = 10.0             # a restarted edge waits this long for its old port to be free
@@ -108,7 +106,7 @@ class EdgeHTTP:
     """HTTP endpoints of one EdgeNode; start() binds, port tells where, stop() closes."""
 
     def __init__(self, edge, host: str = "127.0.0.1", port: int = 0,
-                 max_body_bytes: int = MAX_BODY_BYTES, max_keys: int = MAX_KEYS, idle_s: float = None):
+                 max_body_bytes: int = MAX_BODY_BYTES, max_keys: int = MAX_FETCH_KEYS, idle_s: float = None):
         self.edge = edge
         self.host, self.port_wanted = host, int(port)
         self.max_body_bytes, self.max_keys = int(max_body_bytes), int(max_keys)

@@ -33,12 +33,14 @@ from kdn.edge.catalog import Catalog
 from kdn.edge.disk import DiskTier
 from kdn.edge.forms import Forms, corrupted
 from kdn.edge.membership import Membership
-from kdn.edge.peers import ORIGIN, PEER_TIMEOUT_S, Peers
+from kdn.core.names import ORIGIN_NODE
+from kdn.edge.peers import PEER_TIMEOUT_S, Peers
 from kdn.edge.pull import Pull
-from kdn.edge.reads import MAX_FETCH_KEYS, MAX_REPLY_BYTES, Reads, check_keys
+from kdn.edge.reads import MAX_REPLY_BYTES, Reads, check_keys
 from kdn.edge.tiers import ROLES, Held, Tiers
 from kdn.core.errors import AccessDenied, BadRequest, KDNError
-from kdn.core.keys import check_key
+from kdn.core.keys import MAX_FETCH_KEYS, check_key
+from kdn.core.manifest import check_ttl
 from kdn.core.rpc import failover_errors
 from kdn.placement.replication import ReplicationPolicy
 from kdn.core.transfer import check_accept
@@ -49,16 +51,7 @@ MEMBERSHIP_REFRESH_S = 10.0   # how often an edge asks the origin for the member
 MEMBERSHIP_TIMEOUT_S = 5.0
 WRITE_BACK_IDLE_S = 0.05      # how often the disk writer looks for victims when idle
 POLICY_TICK_S = 1.0
-MAX_TTL_S = 10 * 365 * 86400.0
 ADMIN_KEYS = 1 << 22          # keys one operator or origin call may name (a KB's keys)
-
-
-def check_ttl(ttl_s) -> float:
-    """A TTL in seconds: a finite number in (0, MAX_TTL_S]; BadRequest otherwise."""
-    # NaN and inf fail the range (every comparison with NaN is False), huge ints too
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= MAX_TTL_S:
-        raise BadRequest(f"ttl_s must be a number of seconds in (0, {MAX_TTL_S:.0f}], got {ttl_s!r:.40}")
-    return float(ttl_s)
 
 
 class EdgeNode:
@@ -183,7 +176,7 @@ class EdgeNode:
 
     async def _refresh_membership(self):
         self._last_refresh = time.monotonic()
-        m = await self.peers.ask(ORIGIN, "membership", timeout=MEMBERSHIP_TIMEOUT_S)
+        m = await self.peers.ask(ORIGIN_NODE, "membership", timeout=MEMBERSHIP_TIMEOUT_S)
         if m is not None and self.membership.apply(m):
             self.counters["membership_refreshed"] += 1
 

@@ -5,19 +5,21 @@ missing or too slow: then ask() answers None and counts peer_failures or origin_
 the caller moves to its next source. Anything else (a remote KDNError, a wrong signature) is
 a bug or a refusal and raises: a broad except here once hid a membership refresh that never
 ran. Work sent after a reply (read repair) runs as a task this object keeps until it ends;
-a failure there is counted and logged, never lost.
+a failure there is counted (after_reply_errors) and logged, never lost.
 """
 import asyncio
 import collections
 import logging
 
+from kdn.core.names import ORIGIN_NODE
 from kdn.core.rpc import Actors, Unreachable
 
 log = logging.getLogger("kdn.edge")
 
 PEER_TIMEOUT_S = 5.0      # a peer that does not answer in time is skipped (next owner, then origin)
 ORIGIN_TIMEOUT_S = 20.0
-ORIGIN = None             # the origin's node name for Actors
+PEER_READ_S = 5.0         # a peer's object must arrive within this: else a reply sends it as the
+                          # peer sent it (kdn.edge.forms), and a copy to keep is not kept (pull)
 
 
 class Peers:
@@ -28,13 +30,13 @@ class Peers:
         self._tasks = set()        # work sent after a reply, referenced till done
 
     async def ask(self, node, method, *args, timeout: float = None, **kw):
-        """node's answer (an edge's name, or ORIGIN); None when node is unreachable."""
+        """node's answer (an edge's name, or ORIGIN_NODE); None when node is unreachable."""
         if timeout is None:
-            timeout = ORIGIN_TIMEOUT_S if node is ORIGIN else PEER_TIMEOUT_S
+            timeout = ORIGIN_TIMEOUT_S if node is ORIGIN_NODE else PEER_TIMEOUT_S
         try:
             return await self.actors.call(node, method, *args, timeout=timeout, **kw)
         except Unreachable:
-            self.counters["origin_failures" if node is ORIGIN else "peer_failures"] += 1
+            self.counters["origin_failures" if node is ORIGIN_NODE else "peer_failures"] += 1
             return None
 
     def later(self, coro, what: str) -> None:
@@ -49,7 +51,7 @@ class Peers:
             return
         e = task.exception()
         if e is not None:
-            self.counters["background_errors"] += 1
+            self.counters["after_reply_errors"] += 1
             log.error("edge %s: %s failed: %s: %s", self.edge, what, type(e).__name__, e,
                       exc_info=e)
 

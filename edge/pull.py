@@ -19,13 +19,11 @@ by its cost, that the key exists elsewhere.
 import asyncio
 import collections
 
-from kdn.edge.peers import ORIGIN
+from kdn.edge.peers import PEER_READ_S
 from kdn.edge.singleflight import Group
 from kdn.edge.tiers import Held
-from kdn.core.names import ORIGIN as FROM_ORIGIN, peer_source
+from kdn.core.names import ORIGIN, ORIGIN_NODE, peer_source
 from kdn.core.rpc import failover_errors
-
-PEER_READ_S = 5.0        # a peer's object to be kept must arrive within this
 
 
 class Pull:
@@ -55,7 +53,7 @@ class Pull:
         pending = [k for k in keys if k not in result]
         if pending:
             from_origin = await self._from_origin(pending)
-            result.update((k, (h, FROM_ORIGIN)) for k, (_, h) in from_origin.items())
+            result.update((k, (h, ORIGIN)) for k, (_, h) in from_origin.items())
             self._repair(lacking, {k: c for k, (c, _) in from_origin.items()})
         return result
 
@@ -87,7 +85,7 @@ class Pull:
     async def _from_origin(self, keys) -> dict:
         """key -> (the origin's verified copy (Chunk or Encoded), a Held of it in this node's
         store)."""
-        got = await self.peers.ask(ORIGIN, "get_chunks", keys) or [None] * len(keys)
+        got = await self.peers.ask(ORIGIN_NODE, "get_chunks", keys) or [None] * len(keys)
         pairs = [(k, c) for k, c in zip(keys, got) if c is not None and c.key == k]
 
         def verified():       # hashing (decoding, for a frame) and ray.put's copy: off the loop

@@ -22,7 +22,7 @@ import asyncio
 import collections
 import time
 
-from kdn.edge.peers import ORIGIN
+from kdn.core.names import ORIGIN_NODE
 from kdn.core.errors import BadRequest
 from kdn.core.keys import MAX_FETCH_KEYS, check_key
 from kdn.core.names import LOCAL, source_kind
@@ -199,7 +199,7 @@ class Reads:
         n = next((i for i, h in enumerate(here) if not h), len(keys))
         if n < len(keys):
             rest = keys[n:]
-            got = await self.peers.ask(ORIGIN, "has", rest, ns, timeout=LOOKUP_TIMEOUT_S)
+            got = await self.peers.ask(ORIGIN_NODE, "has", rest, ns, timeout=LOOKUP_TIMEOUT_S)
             if got is None:              # the origin is down: ask the owners
                 got = await self._owners_have(rest, ns)
             n += next((i for i, h in enumerate(got) if not h), len(got))

@@ -10,14 +10,14 @@ import asyncio
 import collections
 
 PERIOD_S = 1.0           # every edge is pinged this often ...
-TIMEOUT_S = 1.0          # ... and must answer within this
+PING_TIMEOUT_S = 1.0     # ... and must answer within this
 DOWN_AFTER = 5           # consecutive misses before its keys are re-homed (a restart takes ~2 s)
 
 
 class Health:
     """Misses per edge and the edges taken out for them: name -> (region, weight)."""
 
-    def __init__(self, actors, down_after: int = DOWN_AFTER, timeout_s: float = TIMEOUT_S):
+    def __init__(self, actors, down_after: int = DOWN_AFTER, timeout_s: float = PING_TIMEOUT_S):
         self.actors = actors
         self.down_after, self.timeout_s = down_after, timeout_s
         self.down = {}

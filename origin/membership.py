@@ -12,28 +12,24 @@ it then numbers its next version above every version its edges hold (`recovering
 """
 import collections
 import logging
-import math
 
 import msgpack
 
+from kdn.core.checks import check_int, check_number
 from kdn.core.errors import BadRequest, StoreError
 from kdn.core.names import check_node_name
-from kdn.origin.objects import open_objects
+from kdn.origin.objects import CORRUPT_SUFFIX, open_objects
 from kdn.placement.ring import Edge, Ring
 
 log = logging.getLogger(__name__)
 
 FILE = "membership.msgpack"
-CORRUPT_SUFFIX = ".corrupt"
 MAX_MEMBERS = 4096
 MAX_WEIGHT = 1e6            # a weight is a relative capacity: 1e6 times another edge is absurd
 
 
 def check_weight(weight, what: str = "weight") -> float:
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
-            or not 0 < weight <= MAX_WEIGHT:
-        raise BadRequest(f"{what} must be a number in (0, {MAX_WEIGHT:g}], got {weight!r:.60}")
-    return float(weight)
+    return check_number(weight, what, 0, MAX_WEIGHT, open_lo=True)
 
 
 def check_members(members, regions) -> list:
@@ -69,8 +65,7 @@ def _parse(buf) -> tuple:
     if not isinstance(d, dict) or not {"members", "version"} <= d.keys():
         raise ValueError("not a membership record")
     version, overrides = d["version"], d.get("overrides", {})
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ValueError(f"version {version!r:.40} is not a count")
+    check_int(version, "membership version", 0, error=ValueError)
     if not isinstance(overrides, dict):
         raise ValueError("overrides are not a dict")
     return d["members"], version, overrides

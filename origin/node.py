@@ -28,6 +28,7 @@ import os
 import time
 
 from kdn.core.auth import Tokens
+from kdn.core.checks import check_int
 from kdn.core.chunk import Chunk
 from kdn.core.errors import BadRequest, KDNError, ManifestError, StoreError, VersionNotFound
 from kdn.core.keys import MAX_TOKENS_PER_KB, check_key
@@ -73,9 +74,7 @@ def _name(value, what: str) -> str:
 
 
 def _version(value, what: str = "version") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise BadRequest(f"{what} must be an int >= 1, got {value!r:.40}")
-    return value
+    return check_int(value, what, 1)
 
 
 def _same_content(a: Manifest, b: Manifest) -> bool:

@@ -28,15 +28,16 @@ from kdn.core.files import DIR_MODE, TEMP_SUFFIX, fsync_dir, make_dirs, write_at
 
 S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
           "AWS_SESSION_TOKEN")
-TIMEOUT_S = 30.0        # one request to the bucket; a hung bucket fails a publish, never stalls it
+BUCKET_TIMEOUT_S = 30.0  # one request to the bucket; a hung bucket fails a publish, never stalls it
 RETRIES = 2             # retries of a failed request (obstore's default is 10, over up to 3 min)
+CORRUPT_SUFFIX = ".corrupt"   # an object that failed its check is set aside under name + this
 
 
 def is_bucket(location) -> bool:
     return isinstance(location, str) and location.startswith("s3://")
 
 
-def open_objects(location, fsync: bool = True, env: dict = None, timeout_s: float = TIMEOUT_S,
+def open_objects(location, fsync: bool = True, env: dict = None, timeout_s: float = BUCKET_TIMEOUT_S,
                  retries: int = RETRIES):
     """LocalObjects for a path, S3Objects for s3://bucket/prefix (endpoint and credentials from
     env, default the process's AWS_* variables); an Objects passes through."""
@@ -201,7 +202,7 @@ class S3Objects:
     """Objects in an S3-compatible bucket under a prefix, through obstore."""
 
     def __init__(self, bucket: str, prefix: str = "", settings: dict = None,
-                 timeout_s: float = TIMEOUT_S, retries: int = RETRIES):
+                 timeout_s: float = BUCKET_TIMEOUT_S, retries: int = RETRIES):
         from obstore.store import S3Store
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.settings = dict(settings or {})

@@ -5,11 +5,9 @@ once (the origin pushes, pins and sets TTLs when it changes) and to every later 
 Values come from operators' tools and are checked here before anything changes: a number
 is a real number (never True, NaN or inf) within a sane bound, regions are the topology's.
 """
-import math
-
+from kdn.core.checks import check_int
 from kdn.core.errors import BadRequest
-
-MAX_TTL_S = 10 * 365 * 86400.0       # ten years: anything longer is a mistake, not a TTL
+from kdn.core.manifest import check_ttl
 
 
 def kb_id(tenant: str, name: str) -> str:
@@ -27,17 +25,7 @@ def check_regions(value, regions) -> list:
 
 def check_replicas(value, n_edges: int) -> int:
     most = max(1, n_edges)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
-        raise BadRequest(f"replicas must be an int in [1, {most}] (the network has {n_edges} "
-                         f"edge(s)), got {value!r:.40}")
-    return value
-
-
-def check_ttl(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0 < value <= MAX_TTL_S:
-        raise BadRequest(f"ttl_s must be a number of seconds in (0, {MAX_TTL_S:g}], got {value!r:.40}")
-    return float(value)
+    return check_int(value, "replicas", 1, most, note=f"the network has {n_edges} edge(s)")
 
 
 def updated(current: dict, regions, n_edges: int, pin_regions=None, replicas=None, ttl_s=None,

@@ -2,7 +2,7 @@
 
 A KB version's targets are its chunks' ring owners (the KB's replica count) plus one edge
 in each region it is pinned to. Each target is asked first which chunks it already holds,
-then sent the rest in batches of at most BATCH_BYTES, BATCHES_IN_FLIGHT at a time across
+then sent the rest in batches of at most PUSH_BATCH_BYTES, BATCHES_IN_FLIGHT at a time across
 all edges. When the membership changes, every live chunk goes to owners that did not own it
 before. A dead or slow edge is skipped (counted in edge_call_failures): it refills by
 pull-through, and a publish never fails for it. Any other error from an edge raises.
@@ -14,9 +14,9 @@ from kdn.core.errors import StoreError
 from kdn.origin.overrides import kb_id
 from kdn.core.rpc import Unreachable
 
-BATCH_BYTES = 64 << 20          # one put_chunks call carries at most this much
+PUSH_BATCH_BYTES = 64 << 20     # one put_chunks call carries at most this much
 BATCHES_IN_FLIGHT = 4           # batches in flight at once, across all edges
-CALL_TIMEOUT_S = 30.0           # an edge that does not answer a batch in time is skipped
+BATCH_TIMEOUT_S = 30.0          # an edge that does not answer a batch in time is skipped
 QUICK_TIMEOUT_S = 10.0          # for the small calls: have, membership, manifests
 
 
@@ -44,7 +44,7 @@ class Pusher:
         self.store, self.actors, self.membership = store, actors, membership
         self.counters = collections.Counter(chunks_pushed=0, edge_call_failures=0)
 
-    async def call(self, edge, method, *args, timeout=CALL_TIMEOUT_S, **kw):
+    async def call(self, edge, method, *args, timeout=BATCH_TIMEOUT_S, **kw):
         """edge's answer; None when it is dead, restarting or too slow (counted)."""
         try:
             return await self.actors.call(edge, method, *args, timeout=timeout, **kw)
@@ -124,7 +124,7 @@ class Pusher:
         return pushed
 
     async def send(self, edge, keys, sem, role="main", pin=False, ttl_s=None) -> int:
-        """Send chunks to an edge in batches of at most BATCH_BYTES; returns chunks sent."""
+        """Send chunks to an edge in batches of at most PUSH_BATCH_BYTES; returns chunks sent."""
         async def flush(batch):
             async with sem:
                 chunks = await asyncio.to_thread(outgoing, self.store, batch, self.store.map)
@@ -136,7 +136,7 @@ class Pusher:
         for k, n in zip(keys, sizes):                                           # a HEAD each in a bucket
             batch.append(k)
             size += n
-            if size >= BATCH_BYTES:
+            if size >= PUSH_BATCH_BYTES:
                 jobs.append(flush(batch))
                 batch, size = [], 0
         if batch:

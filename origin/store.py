@@ -62,14 +62,13 @@ from kdn.core.errors import (ChunkNotFound, CorruptChunk, FrameError, ManifestEr
 from kdn.core.files import make_dirs
 from kdn.core.keys import check_key
 from kdn.core.manifest import Manifest, check_name
-from kdn.origin.objects import LocalObjects, open_objects
+from kdn.origin.objects import CORRUPT_SUFFIX, LocalObjects, open_objects
 
 log = logging.getLogger(__name__)
 
 CHUNK_SUFFIX = ".kdnc"
 MANIFEST_SUFFIX = ".kdnm"
 RETIRED_SUFFIX = ".retired"
-CORRUPT_SUFFIX = ".corrupt"
 LAST_VERSION = "last_version"     # per KB: the highest version number ever committed
 COMMIT_TRIES = 8                  # automatic numbers tried when other publishers take them first
 IO_THREADS = 16                   # calls of one map() in flight at once: a bucket answers each in a

@@ -22,11 +22,13 @@ lost a copy on its own (eviction, restart).
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from kdn.core.checks import check_int
 from kdn.core.errors import PlacementError
 
 LN2 = math.log(2.0)
@@ -89,16 +91,15 @@ class ReplicationPolicy:
         self._hot: dict[str, dict[bytes, float]] = {}     # region -> key -> promoted at
         self._hot_bytes: dict[str, int] = {}
         self._overrides: dict[str, Override] = {}
-        self.c = dict(records=0, decisions=0, promotions=0, demotions=0, displaced=0,
-                      pinned=0, budget_refused=0, redundant=0, cold=0, expired=0, dropped=0,
-                      forgotten=0)
+        self.counters = collections.Counter(
+            records=0, decisions=0, promotions=0, demotions=0, displaced=0, pinned=0,
+            budget_refused=0, redundant=0, cold=0, expired=0, dropped=0, forgotten=0)
 
     # --- input -----------------------------------------------------------------------
     def _learn(self, key: bytes, nbytes: int, kb: str | None):
         if not isinstance(key, (bytes, bytearray)):
             raise PlacementError(f"keys must be bytes, got {type(key).__name__}")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise PlacementError(f"nbytes must be an integer >= 0, got {nbytes!r}")
+        check_int(nbytes, "nbytes", 0, error=PlacementError)
         self._size[key] = nbytes
         if kb is not None and self._kb.get(key) != kb:
             self._kb[key] = kb
@@ -117,7 +118,7 @@ class ReplicationPolicy:
             d[0] = d[0] * math.exp(-self._k * dt) + 1.0 if dt > 0 else d[0] + 1.0
             if dt > 0:
                 d[1] = now
-        self.c["records"] += 1
+        self.counters["records"] += 1
 
     def register(self, kb: str, keys: Iterable[bytes], nbytes) -> None:
         """Tell the policy a knowledge base's chunks (sizes: one int, or one per key) so pins
@@ -135,15 +136,15 @@ class ReplicationPolicy:
         if hot is not None and key in hot:
             del hot[key]
             self._hot_bytes[region] -= self._size.get(key, 0)
-            self.c["dropped"] += 1
+            self.counters["dropped"] += 1
 
     # --- operator controls -----------------------------------------------------------
     def set_override(self, kb: str, pin_regions: Iterable[str] = (), replicas: int | None = None,
                      ttl_s: float | None = None, prefetch: bool = False) -> Override:
         if not isinstance(kb, str) or not kb:
             raise PlacementError(f"override needs a knowledge-base name, got {kb!r}")
-        if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
-            raise PlacementError(f"override {kb!r}: replicas must be an integer >= 1, got {replicas!r}")
+        if replicas is not None:
+            check_int(replicas, f"override {kb!r}: replicas", 1, error=PlacementError)
         if ttl_s is not None and not (isinstance(ttl_s, (int, float)) and ttl_s > 0):
             raise PlacementError(f"override {kb!r}: ttl_s must be > 0 seconds, got {ttl_s!r}")
         pins = tuple(sorted(set(pin_regions)))
@@ -202,7 +203,7 @@ class ReplicationPolicy:
         ring owners, where a hot copy would be redundant.
         """
         now = self.clock() if now is None else now
-        self.c["decisions"] += 1
+        self.counters["decisions"] += 1
         out = Decision()
         owner_cache: dict[bytes, frozenset] = {}
 
@@ -223,7 +224,7 @@ class ReplicationPolicy:
             r = self._rate_of(d, now)
             if r < forget and key not in self._hot.get(region, ()):
                 del self._demand[(key, region)]
-                self.c["forgotten"] += 1
+                self.counters["forgotten"] += 1
                 continue
             rates.setdefault(region, {})[key] = r
             last[(key, region)] = d[1]
@@ -237,14 +238,14 @@ class ReplicationPolicy:
             del self._hot[region][key]
             self._hot_bytes[region] -= self._size.get(key, 0)
             out.demote.append((key, region))
-            self.c["demotions"] += 1
-            self.c[why] += 1
+            self.counters["demotions"] += 1
+            self.counters[why] += 1
 
         def promote(key, region):
             self._hot.setdefault(region, {})[key] = now
             self._hot_bytes[region] = self._hot_bytes.get(region, 0) + self._size.get(key, 0)
             out.promote.append((key, region))
-            self.c["promotions"] += 1
+            self.counters["promotions"] += 1
 
         def idle_past_ttl(key, region):
             o = self._overrides.get(self._kb.get(key))
@@ -269,7 +270,7 @@ class ReplicationPolicy:
             for key in sorted(pinned):
                 if key not in hot and region not in owner_regions(key):
                     promote(key, region)
-                    self.c["pinned"] += 1
+                    self.counters["pinned"] += 1
             # 3. over budget (capacity shrank, pins grew): shed the coldest unpinned copies
             if self._hot_bytes.get(region, 0) > budget:
                 for key in sorted((k for k in hot if k not in pinned), key=lambda k: (rr.get(k, 0.0), k)):
@@ -293,7 +294,7 @@ class ReplicationPolicy:
                         freed += self._size.get(vk, 0)
                         n += 1
                     if freed < need:
-                        self.c["budget_refused"] += 1
+                        self.counters["budget_refused"] += 1
                         continue
                     for vr, vk in victims[:n]:
                         demote(vk, region, "displaced")
@@ -303,7 +304,7 @@ class ReplicationPolicy:
         return out
 
     def stats(self) -> dict:
-        return {**self.c, "tracked": len(self._demand), "keys": len(self._size),
+        return {**self.counters, "tracked": len(self._demand), "keys": len(self._size),
                 "overrides": len(self._overrides),
                 "hot_copies": {r: len(h) for r, h in self._hot.items() if h},
                 "hot_bytes": {r: b for r, b in self._hot_bytes.items() if b}}

@@ -35,6 +35,7 @@ from typing import Iterable
 import numpy as np
 import xxhash
 
+from kdn.core.checks import check_number
 from kdn.core.errors import PlacementError
 
 _BATCH = 65536                         # keys scored per numpy pass (bounds temporary memory)
@@ -102,9 +103,7 @@ class Ring:
             raise PlacementError(f"edge name must be a non-empty string, got {edge.name!r}")
         if not isinstance(edge.region, str) or not edge.region:
             raise PlacementError(f"edge {edge.name!r}: region must be a non-empty string, got {edge.region!r}")
-        w = edge.weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
-            raise PlacementError(f"edge {edge.name!r}: weight must be a finite number > 0, got {w!r}")
+        check_number(edge.weight, f"edge {edge.name!r}: weight", 0, open_lo=True, error=PlacementError)
         if edge.name in self._edges:
             raise PlacementError(f"edge {edge.name!r} is already on the ring")
         self._edges[edge.name] = edge
@@ -272,8 +271,7 @@ class Ring:
         (counted in stats()['bounded_over']). Duplicate keys are merged, loads summed.
         """
         self._need_edges()
-        if not isinstance(c, (int, float)) or isinstance(c, bool) or not c >= 1.0:
-            raise PlacementError(f"bounded-load factor c must be a number >= 1, got {c!r}")
+        check_number(c, "bounded-load factor c", 1, error=PlacementError)
         keys = list(keys)
         if loads is None:
             w = np.ones(len(keys), dtype=np.float64)

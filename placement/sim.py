@@ -47,7 +47,7 @@ from kdn.placement.topology import Topology
 
 REGION_NAMES = ["us-east", "eu-west", "ap-south", "us-west", "sa-east", "eu-north",
                 "ap-east", "af-south"]
-POLICIES = ["a_origin", "b_ring", "c_ring_lru", "d_ring_hot", "e_oracle", "f_budget_oracle"]
+PLACEMENT_POLICIES = ["a_origin", "b_ring", "c_ring_lru", "d_ring_hot", "e_oracle", "f_budget_oracle"]
 DISK_POLICY = "g_ring_hot_disk"
 MiB = 2**20
 
@@ -432,7 +432,7 @@ def simulate(a) -> dict:
     t0 = time.perf_counter()
     tr = Trace(a)
     sim = Sim(tr, a)
-    res = {p: sim.run(p) for p in POLICIES + ([DISK_POLICY] if a.disk_capacity_factor > 0 else [])}
+    res = {p: sim.run(p) for p in PLACEMENT_POLICIES + ([DISK_POLICY] if a.disk_capacity_factor > 0 else [])}
     b, d, e = res["b_ring"], res["d_ring_hot"], res["e_oracle"]
     targets = {"d_over_oracle_mean": d["mean_ms"] / e["mean_ms"],
                "d_over_b_mean": d["mean_ms"] / b["mean_ms"],

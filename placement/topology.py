@@ -40,13 +40,13 @@ unknown region 'eu-wset'`), so a typo is one read away from fixed.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import stat
 import tomllib
 from pathlib import Path
 
+from kdn.core.checks import check_int, check_number
 from kdn.core.errors import TopologyError
 from kdn.placement.ring import Edge
 
@@ -54,13 +54,7 @@ GB = 1e9
 
 
 def _num(src, where, v, *, positive=False):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise TopologyError(f"{src}: {where}: must be a finite number, got {v!r}")
-    if positive and v <= 0:
-        raise TopologyError(f"{src}: {where}: must be > 0, got {v!r}")
-    if v < 0:
-        raise TopologyError(f"{src}: {where}: must be >= 0, got {v!r}")
-    return float(v)
+    return check_number(v, f"{src}: {where}", 0, open_lo=positive, error=TopologyError)
 
 
 # Region and edge names become Ray actor names, node labels and "peer:<edge>" source
@@ -185,16 +179,11 @@ class Topology:
                 seen[name] = where
                 if "capacity_bytes" not in e:
                     raise TopologyError(f"{src}: {ew}.capacity_bytes is missing for edge {name!r}")
-                cap = e["capacity_bytes"]
-                if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
-                    raise TopologyError(f"{src}: {ew}.capacity_bytes: must be an integer > 0, got {cap!r}")
+                cap = check_int(e["capacity_bytes"], f"{src}: {ew}.capacity_bytes", 1, error=TopologyError)
                 edges.append((name, rname, cap))
                 disk = {}
                 if "disk_bytes" in e:
-                    db = e["disk_bytes"]
-                    if isinstance(db, bool) or not isinstance(db, int) or db <= 0:
-                        raise TopologyError(f"{src}: {ew}.disk_bytes: must be an integer > 0, got {db!r}")
-                    disk["disk_bytes"] = db
+                    disk["disk_bytes"] = check_int(e["disk_bytes"], f"{src}: {ew}.disk_bytes", 1, error=TopologyError)
                 if "disk_dir" in e:
                     dd = e["disk_dir"]
                     if "disk_bytes" not in e:
@@ -304,8 +293,7 @@ class Topology:
             raise TopologyError(f"{src}: edge {name!r}: unknown region {region!r} (regions: {sorted(self._regions)})")
         if name in self._edges:
             raise TopologyError(f"{src}: duplicate edge {name!r} (already in region {self._edges[name][0]!r})")
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-            raise TopologyError(f"{src}: edge {name!r}: capacity_bytes must be an integer > 0, got {capacity_bytes!r}")
+        check_int(capacity_bytes, f"{src}: edge {name!r}: capacity_bytes", 1, error=TopologyError)
         self._edges[name] = (region, capacity_bytes)
         return self.edge(name)
 

@@ -40,6 +40,8 @@ import xxhash
 
 from kdn.core.chunk import decode, frame_size, read_header
 from kdn.core.errors import KDNError
+from kdn.core.keys import MAX_FETCH_KEYS
+from kdn.edge.http import MAX_BODY_BYTES
 
 KINDS = ("valid", "truncated_msgpack", "bad_msgpack", "huge_lengths", "wrong_types",
          "wrong_sizes", "path_tricks", "auth_tokens", "content_types", "oversized",
@@ -49,8 +51,6 @@ KINDS = ("valid", "truncated_msgpack", "bad_msgpack", "huge_lengths", "wrong_typ
 # runs, in plain text. Any 4xx (or a closed connection) is accepted for these.
 PROTOCOL_KINDS = {"protocol"}
 ENDPOINTS = ("/health", "/v1/kbs", "/v1/lookup", "/v1/fetch", "/metrics")
-MAX_BODY_BYTES = 1 << 20
-MAX_KEYS = 16384
 MAX_LINE = 8190                      # aiohttp's longest request line: longer ones are the parser's
 
 
@@ -288,7 +288,7 @@ class Fuzzer:
         return self._post("bad_msgpack", what, self._pick(("/v1/fetch", "/v1/lookup")), body)
 
     def _case_huge_lengths(self):
-        n = self._pick((2**31, 2**32 - 1, 2**31 - 1, MAX_KEYS + 2))
+        n = self._pick((2**31, 2**32 - 1, 2**31 - 1, MAX_FETCH_KEYS + 2))
         b32 = n.to_bytes(4, "big")
         ns_field = b"\xa2ns" + b"\xc4\x10" + self.ns
         choices = [
@@ -339,7 +339,7 @@ class Fuzzer:
         elif what == "key":
             body["keys"][int(self.rng.integers(len(body["keys"])))] = self._rand_bytes(size, size)
         elif what == "too many keys":
-            body["keys"] = [self.keys[0]] * (MAX_KEYS + 1 + size)
+            body["keys"] = [self.keys[0]] * (MAX_FETCH_KEYS + 1 + size)
         else:
             body[what.split()[0]] = self._pick(("float128", "bfloat8", "int4", "../../etc", "",
                                                 [2**31, 2**31], -1, "float16"))
@@ -489,7 +489,7 @@ class Fuzzer:
     def _case_repeated_keys(self):
         """One key asked for many times: a small body that once made an edge encode and hold
         a copy per repeat. A chain of prefix keys never repeats: refused (400)."""
-        n = int(self._pick((2, 128, 4096, MAX_KEYS)))
+        n = int(self._pick((2, 128, 4096, MAX_FETCH_KEYS)))
         keys = self._pick(([self.keys[0]] * n, list(self.keys) + [self.keys[-1]] * (n - 1)))
         body = {"ns": self.ns, "keys": keys}
         codec = self._pick((None, "raw", "zstd", "auto"))

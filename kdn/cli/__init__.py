@@ -362,7 +362,7 @@ def _up_args(sub):
     u.add_argument("--network", default="kdn")
     u.add_argument("--edge-codec", default="raw",
                    help="how edges store chunks: raw, zstd (lossless, ~1.2x), or a lossy codec "
-                        "(q8z ~3.9x, k4v3z ~8x of fp32; see kdn bench codecs)")
+                        "(q8z ~3.9x, k4v3z ~8.7x of fp32: docs/figures.md, kdn bench codecs)")
     u.add_argument("--origin-codec", default="raw", help="how the origin stores chunks: raw or zstd")
     u.add_argument("--serve", action="store_true",
                    help="also start the OpenAI-compatible service (`kdn serve` with its defaults)")

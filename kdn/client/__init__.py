@@ -122,12 +122,15 @@ class Client:
         self.reader.forget_manifests()
         return receipt
 
+    # --- operator calls (kdn.client.operator) -----------------------------------------------------
     def delete(self, kb: str, version: int) -> dict:
-        receipt = self.operator.delete(self.ns, kb, version)
-        self.reader.forget_manifests()
+        """Retire a version of one of this tenant's KBs: an operator call, so it needs no model
+        (kdn.client.operator.Operator.delete); with a fingerprint, that model's version."""
+        receipt = self.operator.delete(kb, version, self.fingerprint)
+        if self._reader is not None:
+            self._reader.forget_manifests()
         return receipt
 
-    # --- operator calls (kdn.client.operator) -----------------------------------------------------
     def pin(self, kb: str, regions) -> dict:
         return self.operator.pin(kb, regions)
 

@@ -35,9 +35,7 @@ from kdn.core.errors import AccessDenied, BadRequest, KDNError, ManifestError, N
 from kdn.core.keys import KEY_BYTES, as_token_array, namespace_digest
 from kdn.core.env import is_loopback
 from kdn.core.manifest import Manifest, best_prefix
-from kdn.client.reader import Fetched
-
-MANIFEST_TTL_S = 5.0
+from kdn.client.reader import MANIFEST_TTL_S, Fetched
 MAX_RESPONSE_BYTES = 64 << 30
 RECV_STEP = 1 << 20         # bytes received between looks for completed frames
 

@@ -9,7 +9,9 @@ asks every node at once and reports one that does not answer in time as down.
 """
 import time
 
-from kdn.core.errors import BadRequest, NetworkError
+from kdn.core.checks import check_int
+from kdn.core.errors import BadRequest, NetworkError, VersionNotFound
+from kdn.core.keys import namespace_digest
 from kdn.placement.topology import Topology
 from kdn.core.rpc import Unreachable
 
@@ -17,6 +19,7 @@ OVERRIDE_TIMEOUT_S = 120.0    # an override moves chunks between edges before it
 RING_TIMEOUT_S = 300.0        # adding or removing an edge re-homes its keys first
 EDGE_START_TIMEOUT_S = 60.0
 STATUS_TIMEOUT_S = 3.0
+MANIFESTS_TIMEOUT_S = 30.0    # every committed manifest, to find which model has a version
 
 
 class Operator:
@@ -46,9 +49,24 @@ class Operator:
         """Copy every chunk of `kb` to the edges of `region` now (before its readers ask)."""
         return self.view.origin("warm", self.tenant, kb, region, timeout=OVERRIDE_TIMEOUT_S)
 
-    def delete(self, ns: bytes, kb: str, version: int) -> dict:
-        """Retire one version of a KB of namespace `ns` (its chunks are collected later)."""
-        return self.view.origin("delete_version", ns, kb, version)
+    def delete(self, kb: str, version: int, fingerprint: str = None) -> dict:
+        """Retire one version of this tenant's KB (its chunks are collected later).
+
+        A KB is versioned per model, so `kb@v3` is one version under each model fingerprint
+        that published it. With no fingerprint, the one model that has this version is meant:
+        VersionNotFound when none has it, BadRequest naming the models when several do.
+        """
+        version = check_int(version, "version", 1)
+        if fingerprint is None:
+            fps = sorted({m["fingerprint"] for m in self.view.origin("manifests", timeout=MANIFESTS_TIMEOUT_S)
+                          if (m["tenant"], m["name"], m["version"]) == (self.tenant, kb, version)})
+            if not fps:
+                raise VersionNotFound(f"KB {kb!r} of tenant {self.tenant!r} has no version {version}")
+            if len(fps) > 1:
+                raise BadRequest(f"{kb}@v{version} of tenant {self.tenant!r} exists under {len(fps)} "
+                                 f"models ({', '.join(fps)}): name the one to delete (fingerprint=)")
+            fingerprint = fps[0]
+        return self.view.origin("delete_version", namespace_digest(self.tenant, fingerprint), kb, version)
 
     # --- ring ----------------------------------------------------------------------------
     def add_edge(self, name: str, region: str, capacity_bytes: int = 2 << 30, **edge_options) -> dict:
@@ -102,6 +120,6 @@ class Operator:
     def _ask_stats(self, edge: str):
         """An edge's stats call in flight (all edges are asked at once), None if it has no actor."""
         try:
-            return self.view.actors.handle(edge).stats.remote(token=self.view.admin_token)
+            return self.view.actors.start(edge, "stats", token=self.view.admin_token)
         except Unreachable:
             return None

@@ -25,8 +25,7 @@ FETCH_TIMEOUT_S = 4.0          # a fetch: base ...
 FETCH_TIMEOUT_PER_MB_S = 0.02  # ... plus this per expected MB (slow WAN links)
 CHUNK_BYTES_ESTIMATE = 64 << 20  # generous: the timeout must not cut a slow but healthy transfer
 MAX_CORRUPT_RETRIES = 2        # fetches repeated after dropping corrupt copies
-MAX_KEYS_PER_FETCH = MAX_FETCH_KEYS  # an edge takes at most this many keys a request
-MANIFEST_TTL_S = 5.0
+MANIFEST_TTL_S = 5.0           # a reader's cached manifests are this fresh (Ray and HTTP alike)
 DROP_TIMEOUT_S = 5.0
 
 
@@ -194,14 +193,14 @@ class Reader:
     def _receive(self, keys, expected: dict, timeout_s: float = None) -> _Received:
         """The longest verified prefix of keys, over as many edge replies as it takes.
 
-        A request names at most MAX_KEYS_PER_FETCH keys, and an edge stops early at its
-        reply bound ("more"): the rest is asked for next. A corrupt copy is reported and
+        A request names at most MAX_FETCH_KEYS keys (what an edge takes), and an edge stops
+        early at its reply bound ("more"): the rest is asked for next. A corrupt copy is reported and
         its keys asked for again (another replica, or the origin), at most
         MAX_CORRUPT_RETRIES times; then the prefix ends before it.
         """
         got, retries = _Received(), 0
         while len(got.chunks) < len(keys):
-            rest = keys[len(got.chunks):len(got.chunks) + MAX_KEYS_PER_FETCH]
+            rest = keys[len(got.chunks):len(got.chunks) + MAX_FETCH_KEYS]
             reply, edge, failed = self.view.edge(
                 "fetch", rest, self.ns, self.view.region, timeout=timeout_s or self._timeout(len(rest)),
                 resolve_refs=True, node=self.view.node_id, accept=self.accept, token=self.token)

@@ -12,7 +12,7 @@ remote raised on purpose as itself, anything else as the bug it is.
 import time
 
 from kdn.core.errors import BadRequest, NetworkError, NoLiveEdge
-from kdn.core.names import NAMESPACE, edge_actor_name
+from kdn.core.names import NAMESPACE, ORIGIN_NODE, edge_actor_name
 from kdn.placement.ring import Edge, Ring
 from kdn.placement.topology import Topology
 from kdn.core.rpc import Actors, Unreachable
@@ -105,7 +105,7 @@ class NetworkView:
         while True:
             left = deadline - time.monotonic()
             try:
-                return self.actors.call_sync(None, method, *args, timeout=max(0.1, left), **kw)
+                return self.actors.call_sync(ORIGIN_NODE, method, *args, timeout=max(0.1, left), **kw)
             except Unreachable as e:
                 if time.monotonic() + RETRY_PAUSE_S >= deadline:
                     raise Unreachable(f"the origin of network {self.network!r} did not answer "

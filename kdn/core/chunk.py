@@ -44,6 +44,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from kdn.core.checks import check_int
 from kdn.core.codecs import _CODECS, LOSSY, codecs, register_codec  # noqa: F401 - re-exported
 from kdn.core.dtypes import DTYPES, OPAQUE, name_of, torch_dtype
 from kdn.core.errors import (BadHeader, BadLength, BadRequest, ChecksumMismatch, FrameError,
@@ -52,7 +53,7 @@ from kdn.core.errors import (BadHeader, BadLength, BadRequest, ChecksumMismatch,
 from kdn.core.keys import CHUNK_TOKENS, KEY_BYTES, check_key, chunk_spans
 
 
-MAGIC = b"KDNC"
+FRAME_MAGIC = b"KDNC"
 VERSION = 1
 MAX_PAYLOAD = 1 << 30
 MAX_HEADER = 4096
@@ -157,9 +158,8 @@ class Chunk:
 
     def layer(self, i: int):
         """(k, v) of layer i as torch views [1, kv_heads, tokens, head_dim]."""
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) \
-                or not -self.layers <= i < self.layers:
-            raise BadRequest(f"layer {i!r} out of range for a chunk of {self.layers} layers")
+        i = check_int(int(i) if isinstance(i, np.integer) else i, "layer", -self.layers, self.layers - 1,
+                      note=f"a chunk of {self.layers} layers")
         t = self.to_torch()[i]
         return t[0].unsqueeze(0), t[1].unsqueeze(0)
 
@@ -311,7 +311,7 @@ def _frame_prefix(fields: dict) -> bytes:
     header = msgpack.packb(body)
     if len(header) > MAX_HEADER:
         raise SizeLimitExceeded(f"frame header of {len(header)} bytes exceeds {MAX_HEADER}")
-    prefix = bytearray(_PREFIX.pack(MAGIC, len(header)) + header)
+    prefix = bytearray(_PREFIX.pack(FRAME_MAGIC, len(header)) + header)
     assert len(prefix) == target and prefix[-13:-8] == _HX_TAIL
     prefix[-8:] = xxhash.xxh3_64_digest(memoryview(prefix)[:-8])
     return bytes(prefix)
@@ -430,9 +430,9 @@ def read_header(buf, *, max_payload: int = MAX_PAYLOAD):
     """
     mv = _byte_view(buf)
     n = len(mv)
-    if mv[:min(n, 4)] != MAGIC[:min(n, 4)]:
+    if mv[:min(n, 4)] != FRAME_MAGIC[:min(n, 4)]:
         raise _reject(BadHeader, f"not a KDN chunk frame: starts {bytes(mv[:4])!r}, "
-                                 f"expected {MAGIC!r}")
+                                 f"expected {FRAME_MAGIC!r}")
     if n < _PREFIX.size:
         raise _reject(TruncatedFrame, f"frame of {n} bytes ends inside its "
                                       f"{_PREFIX.size}-byte prefix")

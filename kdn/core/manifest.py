@@ -16,9 +16,11 @@ names cannot smuggle paths, ranges are inside the token stream, chunk ranges are
 keys and agree with the chunking. On the wire and on disk it is msgpack behind a magic, a
 format version and an xxh3_64 of the body, so a flipped byte is a ManifestError, not a
 silently different KB.
+
+How long an edge keeps a KB's chunks (an operator's TTL, set at the origin or at one edge)
+is bounded here too, so the origin and the edges refuse the same values: check_ttl.
 """
 import dataclasses
-import math
 import re
 import struct
 import time
@@ -28,18 +30,20 @@ import msgpack
 import numpy as np
 import xxhash
 
+from kdn.core.checks import check_int, check_number
 from kdn.core.errors import KDNError, ManifestError
 from kdn.core.keys import CHUNK_TOKENS, KEY_BYTES, as_token_array, check_key, chunk_keys, namespace_digest
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 LAYOUTS = ("prefix", "segments")
 FORMAT = 1
-MAGIC = b"KDNM"
+MANIFEST_MAGIC = b"KDNM"
 _PREAMBLE = struct.Struct("<4sHQ")    # magic, format version, xxh3_64 of the body
 MAX_MANIFEST_BYTES = 256 << 20       # 16M keys: far beyond any KB; refuse absurd input
 MAX_META_BYTES = 64 << 10
 MAX_CHUNK_TOKENS = 1 << 20
 MAX_DOC_NAME = 1024
+MAX_TTL_S = 10 * 365 * 86400.0       # ten years: anything longer is a mistake, not a TTL
 
 
 def check_name(value, what: str) -> str:
@@ -49,13 +53,13 @@ def check_name(value, what: str) -> str:
     return value
 
 
-def _int(value, what, minimum=0, maximum=None):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ManifestError(f"{what} must be an int, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ManifestError(f"{what} must be {bound}, got {value}")
-    return value
+def check_ttl(value) -> float:
+    """A TTL in seconds as a float: a finite number in (0, MAX_TTL_S]; BadRequest otherwise."""
+    return check_number(value, "ttl_s (seconds)", 0, MAX_TTL_S, open_lo=True)
+
+
+def _int(value, what, lo=0, hi=None):
+    return check_int(value, what, lo, hi, error=ManifestError)
 
 
 def _str(value, what, maxlen=1024):
@@ -134,10 +138,8 @@ class Manifest:
             raise ManifestError(f"manifest layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         _int(self.chunk_tokens, "manifest chunk_tokens", 1, MAX_CHUNK_TOKENS)
         _int(self.n_tokens, "manifest n_tokens")
-        if isinstance(self.created, bool) or not isinstance(self.created, (int, float)) \
-                or not math.isfinite(self.created) or self.created < 0:
-            raise ManifestError(f"manifest created must be a finite time >= 0, got {self.created!r}")
-        object.__setattr__(self, "created", float(self.created))
+        object.__setattr__(self, "created", check_number(self.created, "manifest created (a time)", 0,
+                                                         error=ManifestError))
         self._check_meta()
         object.__setattr__(self, "keys", self._check_keys(self.keys))
         object.__setattr__(self, "documents", self._check_documents(self.documents))
@@ -151,8 +153,7 @@ class Manifest:
         if sums and len(sums) != len(self.keys):
             raise ManifestError(f"manifest has {len(sums)} sums for {len(self.keys)} keys")
         for i, v in enumerate(sums):
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**64:
-                raise ManifestError(f"manifest sums[{i}] must be a uint64, got {v!r}")
+            _int(v, f"manifest sums[{i}] (a uint64)", 0, 2**64 - 1)
         object.__setattr__(self, "sums", tuple(sums))
 
     def sum_of(self) -> dict:
@@ -345,7 +346,7 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         body = msgpack.packb(self.to_dict(), use_bin_type=True)
-        return _PREAMBLE.pack(MAGIC, FORMAT, xxhash.xxh3_64_intdigest(body)) + body
+        return _PREAMBLE.pack(MANIFEST_MAGIC, FORMAT, xxhash.xxh3_64_intdigest(body)) + body
 
     @classmethod
     def from_bytes(cls, buf) -> "Manifest":
@@ -355,8 +356,8 @@ class Manifest:
         if len(buf) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"manifest is {len(buf)} bytes, limit {MAX_MANIFEST_BYTES}")
         magic, fmt, digest = _PREAMBLE.unpack_from(buf, 0)
-        if magic != MAGIC:
-            raise ManifestError(f"not a manifest: magic {bytes(magic)!r}, want {MAGIC!r}")
+        if magic != MANIFEST_MAGIC:
+            raise ManifestError(f"not a manifest: magic {bytes(magic)!r}, want {MANIFEST_MAGIC!r}")
         if fmt != FORMAT:
             raise ManifestError(f"manifest format version {fmt} is not one this build reads ({FORMAT})")
         body = buf[_PREAMBLE.size:]

@@ -13,6 +13,10 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # Where a served chunk came from (Fetched.sources, X-KDN-Sources): one of these, or PEER + edge.
 LOCAL, ORIGIN, PEER = "local", "origin", "peer:"
 
+# A node of a network, as calls name it (kdn.core.rpc.Actors, actor_name): an edge by its name,
+# the origin by ORIGIN_NODE. None, not a string, so that no edge's name can ever mean the origin.
+ORIGIN_NODE = None
+
 
 def check_node_name(value, what: str = "edge name") -> str:
     """A network or edge name: letters, digits, '.', '_', '-' (it is part of actor names and
@@ -33,8 +37,8 @@ def edge_actor_name(network: str, edge: str) -> str:
 
 
 def actor_name(network: str, node) -> str:
-    """The Ray actor name of node in network: an edge's name, or None for the origin."""
-    return origin_name(network) if node is None else edge_actor_name(network, node)
+    """The Ray actor name of node in network: an edge's name, or ORIGIN_NODE."""
+    return origin_name(network) if node is ORIGIN_NODE else edge_actor_name(network, node)
 
 
 def peer_source(edge: str) -> str:

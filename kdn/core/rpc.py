@@ -22,7 +22,7 @@ read token for reads); `Actors` passes the one it holds unless a call names anot
 import asyncio
 
 from kdn.core.errors import KDNError, NetworkError
-from kdn.core.names import NAMESPACE, actor_name
+from kdn.core.names import NAMESPACE, ORIGIN_NODE, actor_name
 
 
 class Unreachable(NetworkError):
@@ -44,7 +44,7 @@ def remote_error(e: BaseException) -> BaseException:
 
 
 class Actors:
-    """Handles of one network's named actors, by node: an edge's name, or None for the origin.
+    """Handles of one network's named actors, by node: an edge's name, or ORIGIN_NODE.
 
     A handle is looked up once and cached; a call that fails over forgets it, so the next
     call looks the name up again (a restarted actor answers under the same name).
@@ -56,7 +56,7 @@ class Actors:
         self._lookups = {}         # node -> the lookup in flight (an asyncio future), async callers
 
     def label(self, node) -> str:
-        return "the origin" if node is None else f"edge {node!r}"
+        return "the origin" if node is ORIGIN_NODE else f"edge {node!r}"
 
     def handle(self, node):
         h = self._handles.get(node)
@@ -141,3 +141,9 @@ class Actors:
             return ray.get(refs, timeout=timeout)
         except failover_errors() as e:
             raise self._failed(node, "a transfer", e) from None
+
+    def start(self, node, method, /, *args, **kw):
+        """node's method called and not waited for: its object ref, so that calls to many
+        nodes are in flight at once; get_sync(node, ref) collects each. Unreachable when node
+        has no actor."""
+        return self._remote(node, method, args, kw)

@@ -31,7 +31,7 @@ from pathlib import Path
 from kdn.core.env import kdn_home, prepare_ray_env
 from kdn.core.errors import KDNError, NetworkError
 from kdn.client.join import LOOPBACK, cluster_alive, ensure_ray_token, init_ray, read_state, state_path
-from kdn.core.names import NAMESPACE, check_node_name, edge_actor_name, origin_name
+from kdn.core.names import NAMESPACE, ORIGIN_NODE, check_node_name, edge_actor_name, origin_name
 
 DEFAULT_REGIONS = ("us-east", "eu-west", "ap-south")
 
@@ -144,6 +144,8 @@ def start_edge(network: str, edge, topology, detached: bool = False, capacity_by
     if detached:
         opts["lifetime"] = "detached"
     cap = capacity_bytes or topology.capacity_bytes(edge.name)
+    # Creating the actor is Ray's own call, not a call to a node (kdn.core.rpc.Actors reaches
+    # actors that exist, by name): it is the one direct .remote() here.
     return cls.options(**opts).remote(network=network, name=edge.name, region=edge.region,
                                       capacity_bytes=cap, topology=topology.to_dict(),
                                       http_port=http_port, replicas=replicas,
@@ -192,7 +194,7 @@ def start_network(topology, root, network: str = "kdn", detached: bool = False,
     Returns when every actor answers.
     """
     import ray
-    from kdn.core.rpc import failover_errors, remote_error
+    from kdn.core.rpc import Actors, Unreachable, remote_error
     from kdn.core.transfer import check_store_codec
     check_node_name(network, "network name")                                # before anything starts
     check_store_codec((origin_options or {}).get("store_codec", "raw"), "origin")
@@ -213,22 +215,30 @@ def start_network(topology, root, network: str = "kdn", detached: bool = False,
         opts["lifetime"] = "detached"
     auth = _auth_dict(auth)
     ports = free_ports(len(topology.edges)) if http else [None] * len(topology.edges)
+    # Creating the actors is Ray's own call (as in start_edge); every call to them after it
+    # goes through Actors, which fails over on exactly what kdn.core.rpc says.
     origin = ocls.options(**opts).remote(network=network, root=root, topology=topology.to_dict(),
                                          replicas=replicas, auth=auth, **(origin_options or {}))
     edges = {e.name: start_edge(network, e, topology, detached=detached, http_port=port,
                                 replicas=replicas, auth=auth, **_edge_k(edge_options, k))
              for k, (e, port) in enumerate(zip(topology.edges, ports))}
+    actors = Actors(network, auth["admin"])
+    deadline = time.monotonic() + timeout_s
     try:
-        ray.get([origin.ping.remote()] + [h.ping.remote() for h in edges.values()], timeout=timeout_s)
-        ray.get(origin.set_members.remote([(e.name, e.region, e.weight) for e in topology.edges],
-                                          token=auth["admin"]), timeout=timeout_s)
-    except failover_errors() as e:
+        pings = {node: actors.start(node, "ping") for node in (ORIGIN_NODE, *edges)}   # all at once
+        for node, ref in pings.items():
+            actors.get_sync(node, ref, timeout=max(0.1, deadline - time.monotonic()))
+        actors.call_sync(ORIGIN_NODE, "set_members", [(e.name, e.region, e.weight) for e in topology.edges],
+                         timeout=timeout_s)
+    except Unreachable as e:
         stop_network(network)        # nothing half-started is left behind
-        raise NetworkError(f"network {network!r} did not start within {timeout_s:.0f} s: "
-                           f"{type(e).__name__}: {e}") from None
-    except ray.exceptions.RayTaskError as e:
+        raise NetworkError(f"network {network!r} did not start within {timeout_s:.0f} s: {e}") from None
+    except ray.exceptions.RayTaskError as e:          # a ping that raised: a bug, or a refusal
         stop_network(network)
         raise remote_error(e) from None
+    except KDNError:                                  # the origin refused the members
+        stop_network(network)
+        raise
     return Network(network, topology, origin, edges)
 
 

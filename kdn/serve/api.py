@@ -33,6 +33,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from kdn.core.checks import check_int, check_number
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, ManifestError, NetworkError
 
 DEFAULT_MAX_TOKENS = 256
@@ -77,7 +78,7 @@ def bad(message: str, param: str = None, code: str = "invalid_request") -> ApiEr
     return ApiError(400, message, code, param)
 
 
-MAX_BODY_BYTES = 8 << 20      # a chat request: 256 messages of 200,000 characters fit in less
+MAX_CHAT_BODY_BYTES = 8 << 20  # a chat request: 256 messages of 200,000 characters fit in less
 
 
 def body_too_large(size_text: str, limit: int) -> ApiError:
@@ -85,7 +86,7 @@ def body_too_large(size_text: str, limit: int) -> ApiError:
                     close=True)
 
 
-async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
+async def read_body(request, limit: int = MAX_CHAT_BODY_BYTES) -> bytes:
     """The body of a Starlette request, at most limit bytes: a declared Content-Length over
     it is refused before a byte is read, a chunked body as soon as it passes it (the
     pieces are kept only up to the limit); ApiError 413 (connection closed) or 400."""
@@ -105,8 +106,8 @@ async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
 
 
 def parse_json(raw: bytes) -> dict:
-    if len(raw) > MAX_BODY_BYTES:
-        raise body_too_large(f"{len(raw)} bytes", MAX_BODY_BYTES)
+    if len(raw) > MAX_CHAT_BODY_BYTES:
+        raise body_too_large(f"{len(raw)} bytes", MAX_CHAT_BODY_BYTES)
     try:
         body = json.loads(raw or b"")
     except (ValueError, UnicodeDecodeError) as e:
@@ -119,7 +120,7 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-ROLES = ("system", "user", "assistant")
+MESSAGE_ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 256
 MAX_MESSAGE_CHARS = 200_000
 
@@ -138,8 +139,8 @@ def check_messages(messages) -> list:
         role, content = m.get("role"), m.get("content")
         if role == "developer":          # OpenAI's newer name for the system role
             role = "system"
-        if role not in ROLES:
-            raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r:.40}")
+        if role not in MESSAGE_ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r:.40}")
         if isinstance(content, list):    # [{"type": "text", "text": ...}]
             parts = []
             for j, p in enumerate(content):
@@ -191,9 +192,7 @@ def _int(body, name, default, lo, hi):
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise bad(f"{name} must be an integer in [{lo}, {hi}], got {v!r:.40}", name)
-    return v
+    return check_int(v, name, lo, hi, error=lambda message: bad(message, name))
 
 
 # what the service does not do, with the value that asks for nothing (None is always fine)
@@ -257,8 +256,7 @@ def parse_chat(body: dict, base_model: str) -> ChatRequest:
     temperature = body.get("temperature", 0.0)
     if temperature is None:
         temperature = 0.0
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
-        raise bad(f"temperature must be a number in [0, 2], got {temperature!r:.40}", "temperature")
+    temperature = check_number(temperature, "temperature", 0, 2, error=lambda message: bad(message, "temperature"))
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -268,8 +266,8 @@ def parse_chat(body: dict, base_model: str) -> ChatRequest:
     if not isinstance(opts, dict):
         raise bad("stream_options must be an object", "stream_options")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise bad(f"seed must be an integer, got {seed!r:.40}", "seed")
+    if seed is not None:
+        check_int(seed, "seed", error=lambda message: bad(message, "seed"))
     fetch = body.get("kdn_fetch", True)
     if not isinstance(fetch, bool):
         raise bad(f"kdn_fetch must be true or false, got {fetch!r:.40}", "kdn_fetch")

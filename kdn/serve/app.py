@@ -27,8 +27,8 @@ Errors are OpenAI-shaped: unknown model or KB 404, bad input 400, token missing 
 403, overload (a full queue) 429 and no replica available 503, both with Retry-After.
 
 Hostile bodies: the router decides who asks (the token) before it reads a byte of the body,
-refuses a Content-Length over MAX_BODY_BYTES (8 MiB) unread and reads a chunked body in its
-pieces only up to the limit (kdn.serve.api.read_body), each a 413; a body refused unread is
+refuses a Content-Length over MAX_CHAT_BODY_BYTES (8 MiB) unread and reads a chunked body in
+its pieces only up to the limit (kdn.serve.api.read_body), each a 413; a body refused unread is
 answered with Connection: close, so nobody reads the rest. Serve's HTTP proxy (Ray 2.60,
 ray/serve/_private/proxy.py) has no body limit of its own: from the moment a request arrives
 a task of the proxy reads the body off the socket as fast as it comes (uvicorn's flow control
@@ -46,11 +46,12 @@ import concurrent.futures
 import contextlib
 import logging
 
+from kdn.core.checks import check_int, check_number
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, NetworkError
 from kdn.engines.base import check_engine
-from kdn.serve.api import (MAX_BODY_BYTES, RETRY_AFTER_S, ApiError, api_error, completion, completion_id,
-                           credentials, error_body, model_list, parse_chat, parse_json, read_body, sse,
-                           sse_answer, usage)
+from kdn.serve.api import (MAX_CHAT_BODY_BYTES, RETRY_AFTER_S, ApiError, api_error, completion,
+                           completion_id, credentials, error_body, model_list, parse_chat, parse_json,
+                           read_body, sse, sse_answer, usage)
 
 log = logging.getLogger("kdn.serve.app")
 
@@ -270,7 +271,7 @@ class Router:
         # per token, so a caller's made-up keys must not each get one)
         tenant, token = credentials(self.tokens, request.headers.get("authorization"))
         if endpoint == "chat/completions":
-            raw = await read_body(request, MAX_BODY_BYTES)
+            raw = await read_body(request, MAX_CHAT_BODY_BYTES)
             request.state.body_read = True
             req = parse_chat(parse_json(raw), self.base_model)
         region = self.pick(request, region)
@@ -345,14 +346,12 @@ def nearest_regions(topology, regions) -> dict:
 
 def check_autoscaling(min_replicas: int = 1, max_replicas: int = 1, target_ongoing_requests: float = 1.0) -> dict:
     for what, v in (("min_replicas", min_replicas), ("max_replicas", max_replicas)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise BadRequest(f"{what} must be a non-negative int, got {v!r}")
+        check_int(v, what, 0)
     if max_replicas < max(1, min_replicas):
         raise BadRequest(f"max_replicas ({max_replicas}) must be at least min_replicas ({min_replicas}) and 1")
-    if not isinstance(target_ongoing_requests, (int, float)) or target_ongoing_requests <= 0:
-        raise BadRequest(f"target_ongoing_requests must be a positive number, got {target_ongoing_requests!r}")
     return {"min_replicas": min_replicas, "max_replicas": max_replicas,
-            "target_ongoing_requests": float(target_ongoing_requests)}
+            "target_ongoing_requests": check_number(target_ongoing_requests, "target_ongoing_requests", 0,
+                                                    open_lo=True)}
 
 
 def worker_class(engine: str):
@@ -393,10 +392,8 @@ def deploy(network: str = "kdn", regions=None, port: int = DEFAULT_PORT, auth: d
     worker = worker_class(engine)
     for what, v in (("routers", routers), ("max_ongoing_requests", max_ongoing_requests),
                     ("max_queued_requests", max_queued_requests)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise BadRequest(f"{what} must be a positive int, got {v!r}")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise BadRequest(f"port must be an int in 1-65535, got {port!r}")
+        check_int(v, what, 1)
+    check_int(port, "port", 1, 65535)
     topo = Client(network=network).topology
     regions = list(regions or topo.regions)
     unknown = [r for r in regions if r not in topo.regions]

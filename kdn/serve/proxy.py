@@ -15,7 +15,7 @@ cluster started without this environment.
 """
 import json
 
-from kdn.serve.api import MAX_BODY_BYTES, body_too_large
+from kdn.serve.api import MAX_CHAT_BODY_BYTES, body_too_large
 
 IMPORT_PATH = "kdn.serve.proxy:middlewares"     # RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
 
@@ -23,7 +23,7 @@ IMPORT_PATH = "kdn.serve.proxy:middlewares"     # RAY_SERVE_HTTP_PROXY_CALLBACK_
 class BoundedBodies:
     """ASGI middleware: HTTP request bodies of at most `limit` bytes reach the app."""
 
-    def __init__(self, app, limit: int = MAX_BODY_BYTES):
+    def __init__(self, app, limit: int = MAX_CHAT_BODY_BYTES):
         self.app, self.limit = app, limit
 
     async def __call__(self, scope, receive, send):

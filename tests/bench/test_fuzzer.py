@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 
 from kdn.client import Client
 from kdn.launch.cluster import start_network, stop_network
-from kdn.edge.http import MAX_BODY_BYTES, MAX_KEYS
+from kdn.core.keys import MAX_FETCH_KEYS
+from kdn.edge.http import MAX_BODY_BYTES
 from kdn.bench.fuzzer import KINDS, Case, Fuzzer, _request
 from kdn.placement.topology import Topology
 
@@ -130,8 +131,8 @@ def _cases(ns, keys):
          "unknown field(s) dtype"),
         ("region path trick", "POST", "/v1/fetch", pack({"ns": ns, "keys": keys, "region": "../us-east"}),
          {}, 400, "must name a region"),
-        ("too many keys", "POST", "/v1/fetch", pack({"ns": ns, "keys": [keys[0]] * (MAX_KEYS + 1)}), {},
-         413, f"limit is {MAX_KEYS}"),
+        ("too many keys", "POST", "/v1/fetch", pack({"ns": ns, "keys": [keys[0]] * (MAX_FETCH_KEYS + 1)}), {},
+         413, f"limit is {MAX_FETCH_KEYS}"),
         ("oversized body", "POST", "/v1/fetch", b"\x00" * (MAX_BODY_BYTES + 1), {}, 413,
          f"limit of {MAX_BODY_BYTES} bytes"),
         ("json content type", "POST", "/v1/fetch", json.dumps({"ns": ns.hex()}).encode(),
@@ -142,7 +143,7 @@ def _cases(ns, keys):
         ("long tenant", "GET", "/v1/kbs?tenant=" + "a" * 2000 + "&fingerprint=x", None, {}, 400,
          "at most 1024 characters"),
         ("PUT fetch", "PUT", "/v1/fetch", valid, {}, 405, "use POST"),
-        ("one key 16384 times", "POST", "/v1/fetch", pack({"ns": ns, "keys": [keys[0]] * MAX_KEYS,
+        ("one key 16384 times", "POST", "/v1/fetch", pack({"ns": ns, "keys": [keys[0]] * MAX_FETCH_KEYS,
                                                            "codec": "zstd"}), {}, 400, "keys[1] repeats key"),
         ("a repeat at the end", "POST", "/v1/lookup", pack({"ns": ns, "keys": keys + keys[-1:]}), {}, 400,
          "keys[4] repeats key"),

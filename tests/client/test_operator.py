@@ -8,7 +8,7 @@ import pytest
 import ray
 
 from kdn.client import Client
-from kdn.core.errors import AccessDenied, BadRequest
+from kdn.core.errors import AccessDenied, BadRequest, VersionNotFound
 
 REGIONS = ["us-east", "eu-west", "ap-south"]
 ADMIN = "admin-secret-0123456789abcdef"
@@ -45,6 +45,29 @@ def test_bad_operator_values_are_refused_and_change_nothing(net, call, match):
     with pytest.raises(BadRequest, match=match):
         call(ops)
     assert ops.status()["origin"]["overrides"] == before
+
+
+def test_delete_is_an_operator_call_that_needs_no_model(net):
+    rng = np.random.default_rng(4)
+    docs, kv = [("d", rng.integers(0, 1000, 300).tolist())], rng.standard_normal((2, 2, 2, 300, 8)).astype(np.float32)
+    for fp in ("fp-a", "fp-b"):                      # one KB, its version 1 under two models
+        assert Client(network=net.name, fingerprint=fp, admin_token=ADMIN).publish("twice", docs, kv)["version"] == 1
+    ops = Client(network=net.name, admin_token=ADMIN)                # no fingerprint
+    with pytest.raises(BadRequest, match=r"^twice@v1 of tenant 'default' exists under 2 models \(fp-a, fp-b\): "
+                                         r"name the one to delete"):
+        ops.delete("twice", 1)
+    with pytest.raises(VersionNotFound, match="KB 'twice' of tenant 'default' has no version 7"):
+        ops.delete("twice", 7)
+    with pytest.raises(BadRequest, match="version must be an int >= 1, got True"):
+        ops.delete("twice", True)
+    assert Client(network=net.name, fingerprint="fp-a", admin_token=ADMIN).delete("twice", 1) == \
+        {"deleted": "twice@v1"}                      # that model's version
+    assert ops.delete("twice", 1) == {"deleted": "twice@v1"}           # now only fp-b has one
+    with pytest.raises(VersionNotFound):
+        ops.delete("twice", 1)
+    with pytest.raises(AccessDenied, match="admin token"):
+        Client(network=net.name).delete("kb", 1)
+    assert Client(network=net.name, fingerprint="fp", admin_token=ADMIN).manifest("kb").version == 1
 
 
 def test_status_reports_every_node_and_a_dead_edge_as_down(net):

@@ -95,7 +95,7 @@ def test_a_bounded_reply_is_continued_with_the_keys_after_it():
 
 def test_a_long_prefix_is_asked_for_in_requests_an_edge_takes(monkeypatch):
     from kdn.client import reader as R
-    monkeypatch.setattr(R, "MAX_KEYS_PER_FETCH", 2)
+    monkeypatch.setattr(R, "MAX_FETCH_KEYS", 2)
     toks, kv, m, chunks = _published()
     view = ScriptedView([m], {c.key: c for c in chunks})
     f = _reader(view).fetch(toks, kb="kb")

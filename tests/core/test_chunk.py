@@ -127,7 +127,7 @@ def test_from_layers_refuses_mismatches(layers, needle):
     (lambda: Chunk(KEY, NS, [[0.0]], "float32"), "numpy array"),
     (lambda: Chunk.from_torch(KEY, NS, torch.zeros(1, 2, 1, 1, 1, dtype=torch.float64)), "float64"),
     (lambda: Chunk.from_torch(KEY, NS, torch.zeros(2, 1, 1, 1)), "got \\(2, 1, 1, 1\\)"),
-    (lambda: small_chunk().layer(2), "layer 2 out of range for a chunk of 2 layers"),
+    (lambda: small_chunk().layer(2), r"layer must be an int in \[-2, 1\] \(a chunk of 2 layers\), got 2"),
 ])
 def test_chunk_validation(make, needle):
     with pytest.raises(BadRequest, match=needle):

@@ -96,14 +96,14 @@ def mutated(**changes):
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(version=0), "manifest version must be >= 1, got 0"),
-    (dict(version="3"), "manifest version must be an int, got '3'"),
-    (dict(version=True), "manifest version must be an int, got True"),
+    (dict(version=0), "manifest version must be an int >= 1, got 0"),
+    (dict(version="3"), "manifest version must be an int >= 1, got '3'"),
+    (dict(version=True), "manifest version must be an int >= 1, got True"),
     (dict(layout="tree"), "manifest layout must be one of prefix, segments, got 'tree'"),
-    (dict(chunk_tokens=0), r"manifest chunk_tokens must be in \[1, 1048576\], got 0"),
-    (dict(n_tokens=-1), "manifest n_tokens must be >= 0, got -1"),
+    (dict(chunk_tokens=0), r"manifest chunk_tokens must be an int in \[1, 1048576\], got 0"),
+    (dict(n_tokens=-1), "manifest n_tokens must be an int >= 0, got -1"),
     (dict(fingerprint=""), "manifest fingerprint must be a non-empty str"),
-    (dict(created=float("nan")), "manifest created must be a finite time"),
+    (dict(created=float("nan")), r"manifest created \(a time\) must be a number >= 0, got nan"),
     (dict(meta={"f": object()}), "manifest meta is not msgpack-able"),
     (dict(meta={1: "x"}), "manifest meta must be a dict with str keys"),
     (dict(meta={"big": "x" * 70_000}), "manifest meta is 700.. bytes packed, limit 65536"),
@@ -148,7 +148,7 @@ def test_document_ranges_validated():
     overlapping = dict(docs[1], start=500)
     with pytest.raises(ManifestError, match=r"token range \[500, 700\) must lie in \[600, 700\]"):
         Manifest.from_dict(dict(base, documents=[docs[0], overlapping]))
-    with pytest.raises(ManifestError, match="document 'b.md' end must be >= 600, got 10"):
+    with pytest.raises(ManifestError, match="document 'b.md' end must be an int >= 600, got 10"):
         Manifest.from_dict(dict(base, documents=[docs[0], dict(docs[1], end=10)]))
     with pytest.raises(ManifestError, match="document 'b.md' digest must be lowercase hex"):
         Manifest.from_dict(dict(base, documents=[docs[0], dict(docs[1], digest="XYZ")]))

@@ -6,7 +6,7 @@ from kdn.core.errors import BadRequest
 
 
 def test_actor_names_of_the_origin_and_an_edge():
-    assert names.actor_name("kdn", None) == names.origin_name("kdn") == "kdn:origin"
+    assert names.actor_name("kdn", names.ORIGIN_NODE) == names.origin_name("kdn") == "kdn:origin"
     assert names.actor_name("kdn", "eu-west-0") == names.edge_actor_name("kdn", "eu-west-0") \
         == "kdn:edge:eu-west-0"
 

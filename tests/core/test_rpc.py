@@ -48,6 +48,15 @@ def test_a_call_passes_the_token_and_returns_the_answer(node):
     assert asyncio.run(actors.call("e1", "echo", 6, timeout=10)) == (6, "tok")
 
 
+def test_calls_started_at_once_are_collected_one_by_one(node):
+    network, _ = node
+    actors = Actors(network, token="tok")
+    refs = [actors.start("e1", "echo", i) for i in range(3)] + [actors.start("e1", "echo", 9, token="t2")]
+    assert [actors.get_sync("e1", r, timeout=10) for r in refs] == [(0, "tok"), (1, "tok"), (2, "tok"), (9, "t2")]
+    with pytest.raises(Unreachable, match="no actor"):
+        actors.start("nobody", "echo", 1)
+
+
 def test_a_refusal_arrives_as_itself_without_a_remote_traceback(node):
     network, _ = node
     with pytest.raises(AccessDenied) as e:

@@ -59,7 +59,7 @@ def test_explicit_nbytes_and_unsizable_value():
     assert c.stats()["bytes"] == 40
     with pytest.raises(CacheError, match="cannot size a object value"):
         c.put("x", object())
-    with pytest.raises(CacheError, match="nbytes must be a non-negative int, got -1"):
+    with pytest.raises(CacheError, match="nbytes must be an int >= 0, got -1"):
         c.put("x", arr(1), nbytes=-1)
 
 
@@ -112,7 +112,7 @@ def test_pin_missing_key_and_discard():
 def test_bad_policy_and_capacity():
     with pytest.raises(CacheError, match="unknown eviction policy 'mru'; choose one of: lru, s3fifo"):
         ChunkCache(10, policy="mru")
-    with pytest.raises(CacheError, match="capacity_bytes must be a positive int, got 0"):
+    with pytest.raises(CacheError, match="capacity_bytes must be an int >= 1, got 0"):
         ChunkCache(0)
 
 

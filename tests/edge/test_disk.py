@@ -78,9 +78,9 @@ def test_eviction_deletes_the_victims_file(kit, tmp_path):
 
 
 def test_bad_settings_are_refused_with_the_problem_named(tmp_path):
-    with pytest.raises(BadRequest, match="positive number of bytes"):
+    with pytest.raises(BadRequest, match=r"edge disk capacity \(bytes\) must be an int >= 1, got 0"):
         DiskTier(tmp_path, 0)
-    with pytest.raises(BadRequest, match="positive number of bytes"):
+    with pytest.raises(BadRequest, match=r"edge disk capacity \(bytes\) must be an int >= 1, got '1G'"):
         DiskTier(tmp_path, "1G")
 
 

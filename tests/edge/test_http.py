@@ -24,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kdn.core.chunk import Chunk, encode
 from kdn.client import Client
 from kdn.launch.cluster import start_network, stop_network
-from kdn.edge.http import IDLE_S, MAX_BODY_BYTES, MAX_KEYS, EdgeHTTP, is_loopback
+from kdn.core.keys import MAX_FETCH_KEYS
+from kdn.edge.http import IDLE_S, MAX_BODY_BYTES, EdgeHTTP, is_loopback
 from kdn.edge.reads import MAX_REPLY_BYTES
 from kdn.core.wire import unpack_sources
 from kdn.core.errors import BadRequest, ChecksumMismatch, ManifestError, NetworkError
@@ -87,7 +88,7 @@ def test_every_edge_serves_http_on_loopback_with_uvloop(net):
         h = EdgeHTTPClient(url).health()
         assert h["ok"] is True and h["edge"] == edge and h["region"] == edge[:-2]
         assert h["loop"] == "uvloop", "Ray's async actor loop should be uvloop"
-        assert h["limits"] == {"max_body_bytes": MAX_BODY_BYTES, "max_keys": MAX_KEYS,
+        assert h["limits"] == {"max_body_bytes": MAX_BODY_BYTES, "max_keys": MAX_FETCH_KEYS,
                                "max_reply_bytes": MAX_REPLY_BYTES, "idle_s": IDLE_S}
 
 
@@ -214,8 +215,8 @@ def _bad_requests(t):
         ("POST", "/v1/lookup", pack({"ns": ns, "keys": keys[0]}), 400, "'keys' must be a list"),
         ("POST", "/v1/fetch", pack({"ns": ns, "keys": keys, "evil": 1}), 400, "unknown field(s) evil"),
         ("POST", "/v1/fetch", pack({"ns": ns, "keys": keys, "region": "mars"}), 400, "must name a region"),
-        ("POST", "/v1/fetch", pack({"ns": ns, "keys": [keys[0]] * (MAX_KEYS + 1)}), 413,
-         f"limit is {MAX_KEYS}"),
+        ("POST", "/v1/fetch", pack({"ns": ns, "keys": [keys[0]] * (MAX_FETCH_KEYS + 1)}), 413,
+         f"limit is {MAX_FETCH_KEYS}"),
         ("POST", "/v1/fetch", pack({"ns": ns, "keys": [keys[0]] * 128, "codec": "zstd"}), 400,
          "keys[1] repeats key"),
         ("POST", "/v1/lookup", pack({"ns": ns, "keys": keys + keys[:1]}), 400, "keys[4] repeats key"),

@@ -166,7 +166,7 @@ def test_set_ttl_applies_at_once_to_chunks_already_on_the_edge(net):
     with pytest.raises(AccessDenied, match="admin token"):
         _call(edge, "set_ttl", beta["keys"], 0.5, token=BETA)
     for bad in (0, -1, float("nan"), float("inf"), True, "1"):
-        with pytest.raises(BadRequest, match="ttl_s must be a number of seconds"):
+        with pytest.raises(BadRequest, match=r"ttl_s \(seconds\) must be a number in \(0, 315360000\]"):
             _call(edge, "set_ttl", beta["keys"], bad, token=ADMIN)
     assert _call(edge, "set_ttl", beta["keys"], 0.5, token=ADMIN) == sum(held)
     time.sleep(2.0)                                   # past the TTL and a background tick
@@ -252,3 +252,36 @@ def test_the_background_loop_outlives_a_refusal_and_reports_a_bug(kit):
     st = asyncio.run(go())
     assert st["counters"]["background_errors"] == 1
     assert st["background_failure"] == "TypeError: a bug"
+
+
+def test_component_counters_never_share_a_name(kit):
+    """all_counters() sums the components' counters into one: a name two components count
+    would add up two different things (background_errors once did: the node's failed ticks
+    plus the peers' failed read repairs)."""
+    import asyncio
+    import re
+    from pathlib import Path
+    from kdn.core.errors import NetworkError
+    from kdn.edge import node as edge_node
+    where = {}
+    for path in sorted((Path(__file__).resolve().parents[2] / "edge").glob("*.py")):
+        for name in set(re.findall(r'counters\["([a-z_]+)"\]', path.read_text())):
+            where.setdefault(name, []).append(path.name)
+    assert {n: m for n, m in where.items() if len(m) > 1} == {}
+
+    edge = kit.local_edge()
+
+    def tick():
+        raise NetworkError("origin refused")
+    edge._tick = tick
+
+    async def repair():
+        raise NetworkError("repair refused")
+
+    async def go():
+        edge._start_background()
+        edge.peers.later(repair(), "read repair")
+        await asyncio.sleep(1.5 * edge_node.POLICY_TICK_S)      # one tick
+        return edge.all_counters()
+    counters = asyncio.run(go())
+    assert (counters["background_errors"], counters["after_reply_errors"]) == (1, 1)

@@ -6,7 +6,8 @@ import logging
 
 import pytest
 
-from kdn.edge.peers import ORIGIN, Peers
+from kdn.core.names import ORIGIN_NODE
+from kdn.edge.peers import Peers
 from kdn.core.errors import AccessDenied
 from kdn.core.rpc import Unreachable
 
@@ -31,7 +32,7 @@ def _peers(outcome):
 def test_an_unreachable_node_answers_none_and_is_counted_by_kind():
     p = _peers(Unreachable("gone"))
     assert asyncio.run(p.ask("far-0", "peer_get", [])) is None
-    assert asyncio.run(p.ask(ORIGIN, "membership")) is None
+    assert asyncio.run(p.ask(ORIGIN_NODE, "membership")) is None
     assert p.counters == {"peer_failures": 1, "origin_failures": 1}
     assert [c[3] for c in p.actors.calls] == [5.0, 20.0], "peers answer sooner than the origin"
 
@@ -41,7 +42,7 @@ def test_an_unreachable_node_answers_none_and_is_counted_by_kind():
 def test_anything_else_raises(error):
     p = _peers(error)
     with pytest.raises(type(error)) as e:
-        asyncio.run(p.ask(ORIGIN, "membership"))
+        asyncio.run(p.ask(ORIGIN_NODE, "membership"))
     assert e.value is error and p.counters == {}
 
 
@@ -58,5 +59,5 @@ def test_work_after_a_reply_is_kept_and_its_failure_counted_and_logged(caplog):
 
     with caplog.at_level(logging.ERROR, logger="kdn.edge"):
         asyncio.run(main())
-    assert p.counters == {"background_errors": 1} and not p._tasks
+    assert p.counters == {"after_reply_errors": 1} and not p._tasks
     assert "read repair of far-0 failed: ValueError: repair refused" in caplog.text

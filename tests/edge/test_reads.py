@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from kdn.edge.reads import FIRST_ROUND_KEYS, MAX_FETCH_KEYS, check_keys
+from kdn.core.keys import MAX_FETCH_KEYS
+from kdn.edge.reads import FIRST_ROUND_KEYS, check_keys
 from kdn.core.errors import BadRequest
 from kdn.core.keys import namespace_digest
 

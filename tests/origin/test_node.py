@@ -16,6 +16,7 @@ import pytest
 from kdn.core.chunk import Chunk
 from kdn.core.errors import (AccessDenied, BadRequest, ManifestError, StoreError, VersionNotFound)
 from kdn.core.manifest import Manifest
+from kdn.core.names import ORIGIN_NODE
 from kdn.origin.node import OriginNode
 from kdn.placement.ring import Edge, Ring
 from kdn.placement.topology import Topology
@@ -343,11 +344,11 @@ def test_an_edge_that_answers_wrongly_fails_the_call(tmp_path, edges):
     ({"replicas": 4}, "replicas must be an int in \\[1, 3\\] \\(the network has 3 edge"),
     ({"replicas": 10**12}, "replicas must be an int"),
     ({"replicas": 2.0}, "replicas must be an int"),
-    ({"ttl_s": math.nan}, "ttl_s must be a number of seconds"),
-    ({"ttl_s": math.inf}, "ttl_s must be a number of seconds"),
-    ({"ttl_s": 1e12}, "ttl_s must be a number of seconds"),
-    ({"ttl_s": False}, "ttl_s must be a number of seconds"),
-    ({"ttl_s": 0}, "ttl_s must be a number of seconds"),
+    ({"ttl_s": math.nan}, r"ttl_s \(seconds\) must be a number in \(0, 315360000\]"),
+    ({"ttl_s": math.inf}, r"ttl_s \(seconds\) must be a number in \(0, 315360000\]"),
+    ({"ttl_s": 1e12}, r"ttl_s \(seconds\) must be a number in \(0, 315360000\]"),
+    ({"ttl_s": False}, r"ttl_s \(seconds\) must be a number in \(0, 315360000\]"),
+    ({"ttl_s": 0}, r"ttl_s \(seconds\) must be a number in \(0, 315360000\]"),
     ({"pin_regions": "eu-west"}, "pin_regions must be a list of region names"),
     ({"pin_regions": [None]}, "pin_regions must be a list of region names"),
     ({"pin_regions": ["mars"]}, "cannot pin to unknown region\\(s\\) \\['mars'\\]"),
@@ -525,21 +526,21 @@ def test_the_origin_over_ray(ray_cluster, tmp_path, network_name):
     actors = Actors(network_name, token=ADMIN)
     try:
         # Every method takes token=: membership too (an edge's refresh once died on it silently).
-        assert actors.call_sync(None, "membership", timeout=60)["version"] == 0
+        assert actors.call_sync(ORIGIN_NODE, "membership", timeout=60)["version"] == 0
         assert ray.get(origin.membership.remote(token="anything"), timeout=30)["version"] == 0
         assert ray.get(origin.stats.remote(token=None), timeout=30)["role"] == "origin"
         with pytest.raises(BadRequest, match="region 'mars'"):     # arrives as itself, not a RayTaskError
-            actors.call_sync(None, "set_members", [("x", "mars", 1.0)], timeout=30)
-        assert actors.call_sync(None, "set_members", MEMBERS, timeout=30)["version"] == 1
+            actors.call_sync(ORIGIN_NODE, "set_members", [("x", "mars", 1.0)], timeout=30)
+        assert actors.call_sync(ORIGIN_NODE, "set_members", MEMBERS, timeout=30)["version"] == 1
         with pytest.raises(AccessDenied):
             Actors(network_name).call_sync(None, "set_members", MEMBERS, timeout=30)
 
         m = kb()
         cs = chunks_of(m)
-        assert actors.call_sync(None, "stored", list(m.keys), timeout=30) == [None] * 16
-        assert actors.call_sync(None, "put_chunks", cs, timeout=30) == \
+        assert actors.call_sync(ORIGIN_NODE, "stored", list(m.keys), timeout=30) == [None] * 16
+        assert actors.call_sync(ORIGIN_NODE, "put_chunks", cs, timeout=30) == \
             {"received": 16, "written": 16, "sums": [c.digest() for c in cs]}
-        receipt = actors.call_sync(None, "commit", m.to_dict(), timeout=30)
+        receipt = actors.call_sync(ORIGIN_NODE, "commit", m.to_dict(), timeout=30)
         assert receipt["version"] == 1 and sum(receipt["pushed"].values()) == 32
         reports = {n: ray.get(h.report.remote(), timeout=30) for n, h in stand_ins.items()}
         owners = dict(zip(m.keys, Ring([Edge(*x) for x in MEMBERS]).owners_batch(list(m.keys), 2)))
@@ -549,8 +550,8 @@ def test_the_origin_over_ray(ray_cluster, tmp_path, network_name):
 
         ray.kill(stand_ins.pop("eu-west-0"), no_restart=True)      # an edge dies
         m2 = kb(name="faq")
-        actors.call_sync(None, "put_chunks", chunks_of(m2), timeout=30)
-        receipt = actors.call_sync(None, "commit", m2.to_dict(), timeout=60)
+        actors.call_sync(ORIGIN_NODE, "put_chunks", chunks_of(m2), timeout=30)
+        receipt = actors.call_sync(ORIGIN_NODE, "commit", m2.to_dict(), timeout=60)
         assert receipt["version"] == 1 and receipt["pushed"]["eu-west-0"] == 0
         deadline = time.time() + 30
         while "eu-west-0" not in ray.get(origin.stats.remote(), timeout=10)["down"]:

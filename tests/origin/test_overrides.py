@@ -4,7 +4,8 @@ import math
 import pytest
 
 from kdn.core.errors import BadRequest
-from kdn.origin.overrides import MAX_TTL_S, kb_id, updated
+from kdn.core.manifest import MAX_TTL_S
+from kdn.origin.overrides import kb_id, updated
 
 REGIONS = ["us-east", "eu-west"]
 

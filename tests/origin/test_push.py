@@ -69,7 +69,7 @@ def test_push_sends_only_what_each_edge_lacks(parts):
 def test_batches_are_bounded_in_bytes(parts, monkeypatch):
     store, ms, fake, pusher = parts
     m = published(store)
-    monkeypatch.setattr(push, "BATCH_BYTES", 3 * store.size_of(m.keys[0]))
+    monkeypatch.setattr(push, "PUSH_BATCH_BYTES", 3 * store.size_of(m.keys[0]))
 
     async def go():
         return await pusher.send(NAMES[0], list(m.keys), asyncio.Semaphore(2))

@@ -137,11 +137,11 @@ def test_bad_settings_are_refused_with_the_value():
     pol = ReplicationPolicy()
     with pytest.raises(PlacementError, match="prefetch needs pin_regions"):
         pol.set_override("kb", prefetch=True)
-    with pytest.raises(PlacementError, match="replicas must be an integer >= 1, got 0"):
+    with pytest.raises(PlacementError, match="replicas must be an int >= 1, got 0"):
         pol.set_override("kb", replicas=0)
     with pytest.raises(PlacementError, match="ttl_s must be > 0 seconds, got -1"):
         pol.set_override("kb", ttl_s=-1)
-    with pytest.raises(PlacementError, match="nbytes must be an integer >= 0, got -5"):
+    with pytest.raises(PlacementError, match="nbytes must be an int >= 0, got -5"):
         pol.record(b"k", "eu", -5)
     with pytest.raises(PlacementError, match="keys must be bytes, got str"):
         pol.record("k", "eu", 5)

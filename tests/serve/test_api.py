@@ -10,7 +10,7 @@ from kdn.core.auth import Tokens
 from kdn.serve.chat import messages_tokens
 from kdn.core.errors import BadRequest
 from kdn.engines.transformers.model import MODEL_NAME
-from kdn.serve.api import (MAX_BODY_BYTES, ApiError, check_messages, credentials, model_list, parse_chat,
+from kdn.serve.api import (MAX_CHAT_BODY_BYTES, ApiError, check_messages, credentials, model_list, parse_chat,
                            parse_json, tenant_of)
 
 MSG = [{"role": "user", "content": "Who wrote it?"}]
@@ -123,7 +123,7 @@ def test_deeply_nested_and_oversized_bodies_are_refused_naming_the_problem():
         assert "nests JSON" in err.value.body()["error"]["message"]
     assert parse_json(b'{"a": ' + b"[" * 200 + b"]" * 200 + b"}") == {"a": eval("[" * 200 + "]" * 200)}
     with pytest.raises(ApiError) as err:
-        parse_json(b" " * (MAX_BODY_BYTES + 1))
+        parse_json(b" " * (MAX_CHAT_BODY_BYTES + 1))
     assert (err.value.status, err.value.code, err.value.headers()) == (413, "body_too_large", {"Connection": "close"})
 
 

@@ -116,7 +116,7 @@ def test_the_config_file_was_read_and_flags_override_it(service):
     ("replicas = 3", "unknown key(s) ['replicas']"),
     ("port = ", "not TOML"),
     ("engine = 'tensorrt'", "engine must be one of"),
-    ("max_ongoing_requests = 0", "max_ongoing_requests must be a positive int"),
+    ("max_ongoing_requests = 0", "max_ongoing_requests must be an int >= 1, got 0"),
 ])
 def test_a_bad_config_file_is_refused_naming_the_problem(service, tmp_path, capsys, kdn_cli, text,
                                                           says):

@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from kdn.core.errors import BadRequest
+from kdn.core.checks import check_int
 
 DEFAULT_MAX_BYTES = 2 << 30     # idle buffers kept for reuse (a 4k-token SmolLM2 KV is 180 MiB)
 ROUND_BYTES = 16 << 20          # buffers are sized in these steps, so near sizes share one
@@ -27,9 +27,7 @@ class Arena:
     """Buffers lent out for the life of an owner object and reused after it."""
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES):
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise BadRequest(f"arena max_bytes must be a non-negative int, got {max_bytes!r}")
-        self.max_bytes = max_bytes
+        self.max_bytes = check_int(max_bytes, "arena max_bytes", 0)
         self._idle = []             # flat uint8 tensors, touched, not lent
         self._lock = threading.Lock()
         self.counters = collections.Counter()

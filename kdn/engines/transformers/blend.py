@@ -39,13 +39,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kdn.core.checks import check_number
 from kdn.core.errors import BadRequest, ModelError, NetworkError
 from kdn.core.keys import chunk_keys
 
 SEPARATOR = "\n\n"          # ends every segment: documents read as paragraphs in any order
 DEFAULT_SHARE = 0.15        # CacheBlend's operating point
 SELECT_LAYER = 1
-FETCH_TIMEOUT_S = 30.0
+BLEND_FETCH_TIMEOUT_S = 30.0
 POSITION_FREE_ROPE = {"default", "linear", "llama3"}   # inv_freq independent of the sequence
 _MARK = "\x00kdn-blend-mark\x00"
 
@@ -158,9 +159,7 @@ class Blended:
 
 
 def check_share(share) -> float:
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= float(share) <= 1.0:
-        raise BadRequest(f"recompute share must be a number in [0, 1], got {share!r}")
-    return float(share)
+    return check_number(share, "recompute share", 0, 1)
 
 
 def _kv_part(model, kv, n: int, what: str) -> torch.Tensor:
@@ -346,7 +345,7 @@ def _fetch_keys(client, keys, what: str, manifest=None) -> SegmentFetch:
     keys = list(keys)
     if not keys:
         raise BadRequest(f"{what} has no chunks")
-    got = client.fetch_keys(keys, manifest=manifest, timeout_s=FETCH_TIMEOUT_S)
+    got = client.fetch_keys(keys, manifest=manifest, timeout_s=BLEND_FETCH_TIMEOUT_S)
     if len(got.chunks) < len(keys):
         raise NetworkError(f"{what}: the network holds {len(got.chunks)} of its {len(keys)} "
                            "chunks (not published under this tenant and model, or lost)")

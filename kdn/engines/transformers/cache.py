@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 import torch
 
+from kdn.core.checks import check_int
 from kdn.core.dtypes import DTYPES, name_of
 from kdn.core.errors import ModelError
 
@@ -146,8 +147,7 @@ class CacheAdapter:
         concatenate, copying the whole KV again into fresh memory on the first forward.
         """
         t0 = time.perf_counter()
-        if isinstance(spare_tokens, bool) or not isinstance(spare_tokens, int) or spare_tokens < 0:
-            raise ModelError(f"spare_tokens must be a non-negative int, got {spare_tokens!r}")
+        check_int(spare_tokens, "spare_tokens", 0, error=ModelError)
         parts = [self.kv_tensor(p, i) for i, p in enumerate(kv_parts)]
         total = sum(p.shape[3] for p in parts)
         cache = self.new_cache()

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from kdn.core.dtypes import DTYPES, name_of
+from kdn.core.checks import check_int
 from kdn.core.errors import ModelError
 from kdn.engines.fingerprint import fingerprint_fields, model_fingerprint, weights_digest
 from kdn.engines.transformers import convert
