@@ -120,6 +120,7 @@ def test_a_large_chunk_is_checked_and_kept_off_the_event_loop(kit):
         cs = kit.big_chunks(32)
         f = Forms("raw", dict.fromkeys((c.key for c in cs), cs[0].digest()).get, None, "here")
         kept, stall, ticks, took = asyncio.run(kit.stalls(f.to_store(cs)))
-        assert [h.obj for h in kept] == cs and all(c._xxh is not None for c in cs)
+        # kept in the object store (Ray is up) or here (it is not): each chunk, verified once
+        assert [h.key for h in kept] == [c.key for c in cs] and all(c._xxh is not None for c in cs)
         return stall, ticks, took
     kit.assert_off_loop(measure)
