@@ -45,6 +45,7 @@ import msgspec
 import numpy as np
 import xxhash
 
+from kdn.core.checks import check_int
 from kdn.core.errors import BadRequest
 from kdn.core.keys import namespace_digest
 
@@ -57,7 +58,7 @@ HWM = 100_000                    # ZMQ high-water mark of the PUB socket (vLLM's
 MAX_BATCH_KEYS = 4096            # notes one batch covers
 BLOCK_CACHE = 64                 # manifests whose block hashes are kept
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-TIERS = ("memory", "disk")
+MEDIA = ("memory", "disk")
 
 
 # --- vLLM's event classes (vllm/distributed/kv_events.py), field for field ------------------
@@ -163,7 +164,7 @@ def check_kv_events(options) -> "dict | None":
     if replay == options["endpoint"]:
         raise BadRequest(f"kv_events replay endpoint must differ from the PUB endpoint {replay}")
     bs = options.get("block_size", DEFAULT_BLOCK_SIZE)
-    if isinstance(bs, bool) or not isinstance(bs, int) or bs <= 0 or 256 % bs:
+    if check_int(bs, "kv_events block_size", 1, 256) and 256 % bs:
         raise BadRequest(f"kv_events block_size must divide 256 (1, 2, 4, ..., 256), got {bs!r:.40}")
     topic = options.get("topic", "")
     if not isinstance(topic, str) or len(topic) > 256:
@@ -263,7 +264,7 @@ class KVEvents:
         self.options, self.region = o, region
         self.topic = o["topic"].encode()
         self.encoding, self.block_size = o["encoding"], o["block_size"]
-        self.medium = {t: f"KDN/{t}/{region}" for t in TIERS}
+        self.medium = {t: f"KDN/{t}/{region}" for t in MEDIA}
         self._where, self._held = where, held
         self.blocks = Blocks(self.block_size)
         self.announced = {}                       # key -> (in memory, on disk) as announced
@@ -356,8 +357,8 @@ class KVEvents:
         return list(dict.fromkeys(keys))
 
     def _events(self, keys) -> list:
-        stored = {t: [] for t in TIERS}
-        removed = {t: [] for t in TIERS}
+        stored = {t: [] for t in MEDIA}
+        removed = {t: [] for t in MEDIA}
         for key in keys:
             now = tuple(bool(x) for x in self._where(key))
             was = self.announced.get(key, (False, False))
@@ -374,7 +375,7 @@ class KVEvents:
                 else:
                     self.waiting.pop(key, None)
                 continue
-            for t, n, w in zip(TIERS, now, was):
+            for t, n, w in zip(MEDIA, now, was):
                 if n and not w:
                     stored[t].append(key)
                 elif w and not n:
@@ -384,7 +385,7 @@ class KVEvents:
             else:
                 self.announced.pop(key, None)
         events = []
-        for t in TIERS:
+        for t in MEDIA:
             for key in removed[t]:
                 hashes, _, _ = self.blocks.of(key)
                 if hashes:

@@ -23,9 +23,10 @@ import math
 import numpy as np
 import xxhash
 
+from kdn.core.checks import check_int
 from kdn.core.errors import BadRequest
 
-MAX_WEIGHT = 16               # each copy costs a token of cache; beyond ~16 the bias is +2.8 nats
+MAX_EMPHASIS = 16               # each copy costs a token of cache; beyond ~16 the bias is +2.8 nats
 METHODS = ("duplicate", "vscale", "kscale")
 _PROBE = "kdn-probe-knowledge"
 
@@ -33,7 +34,7 @@ _PROBE = "kdn-probe-knowledge"
 def check_weights(weights, names=None) -> dict:
     """{document name: int weight} (weight-1 entries dropped), checked against the KB's document
     names (None: names unchecked): BadRequest naming the document for an unknown name or a
-    weight that is not an int in [1, MAX_WEIGHT]."""
+    weight that is not an int in [1, MAX_EMPHASIS]."""
     if weights is None:
         return {}
     if not isinstance(weights, dict):
@@ -49,10 +50,8 @@ def check_weights(weights, names=None) -> dict:
                              f"not have (it has: {', '.join(repr(n) for n in names[:20])})")
         if isinstance(w, float) and w.is_integer():
             w = int(w)
-        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_WEIGHT:
-            raise BadRequest(f"emphasis weight of document {name!r:.200} must be an integer in "
-                             f"[1, {MAX_WEIGHT}] (a weight k adds log k to its tokens' attention "
-                             f"logits), got {w!r:.40}")
+        check_int(w, f"emphasis weight of document {name!r:.200}", 1, MAX_EMPHASIS,
+                  note="a weight k adds log k to its tokens' attention logits")
         if w != 1:
             out[name] = w
     return out

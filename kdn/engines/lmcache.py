@@ -42,7 +42,7 @@ from kdn.core.errors import NetworkError
 log = logging.getLogger(__name__)
 
 LAYER = "lmcache"
-IO_THREADS = 4           # blocking network calls in flight at once (stores, lookups, loads)
+NETWORK_THREADS = 4           # blocking network calls in flight at once (stores, lookups, loads)
 
 PARAMS = {               # adapter_params: name -> (type, default)
     "network": (str, "kdn"),          # the KDN network's name
@@ -98,7 +98,7 @@ class KDNL2Adapter(L2AdapterInterface):
         self._locked = collections.Counter()       # ObjectKey -> lookups holding it
         self._known = {}                           # ObjectKey -> size this adapter reported stored
         self.counters = collections.Counter()
-        self._pool = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kdn-l2")
+        self._pool = concurrent.futures.ThreadPoolExecutor(NETWORK_THREADS, thread_name_prefix="kdn-l2")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="kdn-l2-loop", daemon=True)
         self._thread.start()

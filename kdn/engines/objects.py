@@ -33,12 +33,12 @@ from kdn.core.keys import MAX_FETCH_KEYS, namespace_digest
 from kdn.core.rpc import Unreachable
 
 TRAILER = 8                      # xxh3_64 of the object, after its bytes
-BATCH_BYTES = 256 << 20          # one put_objects call carries at most this much
+PUT_BATCH_BYTES = 256 << 20         # one put_objects call carries at most this much
 BATCH_OBJECTS = 1024
 STORE_TIMEOUT_S = 30.0           # a store batch (retried while the origin restarts)
 LOAD_TIMEOUT_S = 4.0             # a load: base ...
 LOAD_TIMEOUT_PER_MB_S = 0.02     # ... plus this per MB (slow WAN links)
-LOOKUP_TIMEOUT_S = 5.0
+HAS_TIMEOUT_S = 5.0
 _BLOCK = 1 << 18                 # copy+hash block: fits L2, so the hash reads from cache
 _TRAILER = struct.Struct("<Q")
 # copy+hash of a load's objects, two at once: numpy's copy releases the GIL, and one
@@ -185,7 +185,7 @@ class Objects:
         for (ns, key), data in zip(ns_keys, datas, strict=True):
             batch.append(pack(key, ns, data))
             size += batch[-1].nbytes
-            if size >= BATCH_BYTES or len(batch) >= BATCH_OBJECTS:
+            if size >= PUT_BATCH_BYTES or len(batch) >= BATCH_OBJECTS:
                 sent += self._put(batch)
                 batch, size = [], 0
         if batch:
@@ -207,11 +207,11 @@ class Objects:
         held = [False] * len(keys)
         for s in range(0, len(keys), MAX_FETCH_KEYS):
             part = keys[s:s + MAX_FETCH_KEYS]
-            here, _, _ = self.view.edge("have", part, ns, token=self.token, timeout=LOOKUP_TIMEOUT_S)
+            here, _, _ = self.view.edge("have", part, ns, token=self.token, timeout=HAS_TIMEOUT_S)
             rest = [i for i, h in enumerate(here) if not h]
             if rest:
                 try:
-                    there = self.view.origin("has", [part[i] for i in rest], ns, timeout=LOOKUP_TIMEOUT_S)
+                    there = self.view.origin("has", [part[i] for i in rest], ns, timeout=HAS_TIMEOUT_S)
                 except Unreachable:                  # origin down: what the edge holds is the answer
                     self.counters["lookup_origin_unreachable"] += 1
                     there = [False] * len(rest)

@@ -16,6 +16,7 @@ import collections
 import time
 from dataclasses import dataclass
 
+from kdn.core.checks import check_int
 from kdn.core.errors import BadRequest, ModelError
 from kdn.serve.api import check_messages
 
@@ -110,8 +111,7 @@ def stream(model, prompt, cache, cached_tokens: int, max_tokens: int, temperatur
     """Yield a Step per token generated after `prompt`, whose first cached_tokens have their
     KV in `cache` (None: nothing cached), the first as soon as its logits are known: the
     decoding loop of Model.generate (Model.steps), with each token's text as it is known."""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise BadRequest(f"max_tokens must be a positive int, got {max_tokens!r}")
+    check_int(max_tokens, "max_tokens", 1)
     out, said = [], ""
     for token, _, finish in model.steps(prompt, cache, cached_tokens, max_tokens, temperature, seed):
         if token is None:

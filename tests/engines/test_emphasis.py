@@ -27,11 +27,11 @@ def kb(model):
 
 def test_bad_weights_are_refused_naming_the_document():
     names = ["old.md", "new.md"]
-    for weights, msg in (({"new.md": 0}, "'new.md' must be an integer in \\[1, 16\\].*got 0"),
-                         ({"new.md": -2}, "'new.md' must be an integer.*got -2"),
-                         ({"new.md": 2.5}, "'new.md' must be an integer.*got 2.5"),
-                         ({"new.md": "4"}, "'new.md' must be an integer.*got '4'"),
-                         ({"new.md": True}, "'new.md' must be an integer.*got True"),
+    for weights, msg in (({"new.md": 0}, "'new.md' must be an int in \\[1, 16\\].*got 0"),
+                         ({"new.md": -2}, "'new.md' must be an int.*got -2"),
+                         ({"new.md": 2.5}, "'new.md' must be an int.*got 2.5"),
+                         ({"new.md": "4"}, "'new.md' must be an int.*got '4'"),
+                         ({"new.md": True}, "'new.md' must be an int.*got True"),
                          ({"new.md": 17}, "got 17"),
                          ({"nope.md": 2}, "names document 'nope.md', which the knowledge base does not have"),
                          ([("new.md", 2)], "must be an object")):
@@ -175,7 +175,7 @@ def test_kdn_publish_refuses_bad_emphasis_before_the_model_loads(tmp_path, capsy
     from kdn.cli import main
     (tmp_path / "new.md").write_text(DOCS[1][1])
     for flag, msg in (("nope.md=2", "names document 'nope.md', which the knowledge base does not have"),
-                      ("new.md=0", "'new.md' must be an integer in [1, 16]"),
+                      ("new.md=0", "'new.md' must be an int in [1, 16]"),
                       ("new.md=x", "expected DOCUMENT=INTEGER")):
         assert main(["publish", "kb", str(tmp_path), "--emphasis", flag, "--network", "nowhere"]) == 2
         assert msg in capsys.readouterr().err

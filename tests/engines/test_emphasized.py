@@ -117,9 +117,9 @@ def test_bad_weights_are_refused_naming_them_and_nothing_is_stored(net, model, p
     m, _ = published
     admin = client(net, model, "acme", admin=True)
     before = len(all_manifests(net, model))
-    for weights, msg in (({"new.md": 0}, "'new.md' must be an integer in \\[1, 16\\].*got 0"),
-                         ({"new.md": -1}, "'new.md' must be an integer.*got -1"),
-                         ({"new.md": 1.5}, "'new.md' must be an integer.*got 1.5"),
+    for weights, msg in (({"new.md": 0}, "'new.md' must be an int in \\[1, 16\\].*got 0"),
+                         ({"new.md": -1}, "'new.md' must be an int.*got -1"),
+                         ({"new.md": 1.5}, "'new.md' must be an int.*got 1.5"),
                          ({"nope.md": 2}, "names document 'nope.md', which the knowledge base does not have")):
         with pytest.raises(BadRequest, match=msg):
             publish_emphasis(admin, model, "kb", weights)

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kdn.core.dtypes import DTYPES, name_of
 from kdn.core.checks import check_int
+from kdn.core.dtypes import DTYPES, name_of
 from kdn.core.errors import ModelError
 from kdn.engines.fingerprint import fingerprint_fields, model_fingerprint, weights_digest
 from kdn.engines.transformers import convert
@@ -210,8 +210,7 @@ class Model(Prompts, CacheAdapter):
         softmax(logits / temperature) (seeded when seed is given); 0 is greedy.
         """
         ids = self.check_tokens(tokens, "prompt tokens")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ModelError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        check_int(max_new_tokens, "max_new_tokens", 1, error=ModelError)
         # an emphasized cache (kdn.engines.emphasis) holds `extra` entries beyond its tokens:
         # the tokens after it then take explicit positions, those of the unedited sequence
         extra = getattr(cache, "kdn_extra", 0)
