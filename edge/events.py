@@ -314,9 +314,12 @@ class KVEvents:
 
     # --- the thread -----------------------------------------------------------------------
     def _run(self):
-        # Survives anything a batch raises: a publisher that died would leave routers with a
-        # stale picture forever. Counted and logged, and the next batch resyncs everything.
+        # Survives what a batch can meet (a socket error, an event that does not encode): a
+        # publisher that died would leave routers with a stale picture forever. Counted and
+        # logged, and the next batch resyncs everything. Anything else is a bug and surfaces.
         import logging
+
+        import zmq
         log = logging.getLogger("kdn.edge.events")
         first = True
         while self._running:
@@ -329,7 +332,7 @@ class KVEvents:
                 events += self._events(keys)
                 if events:
                     self._send(events)
-            except Exception:      # noqa: BLE001 - see above: the thread must not die
+            except (zmq.ZMQError, msgspec.EncodeError, OSError):
                 self._resync = True
                 self._count("kv_events_errors")
                 log.exception("KV events: a batch failed; resyncing")
