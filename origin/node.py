@@ -30,6 +30,7 @@ import time
 from kdn.core.auth import Tokens
 from kdn.core.checks import check_int
 from kdn.core.chunk import Chunk
+from kdn.core.emphasis import OVERRIDE_META
 from kdn.core.errors import BadRequest, KDNError, ManifestError, StoreError, VersionNotFound
 from kdn.core.keys import MAX_TOKENS_PER_KB, check_key
 from kdn.core.manifest import Manifest, check_name
@@ -301,6 +302,9 @@ class OriginNode:
             raise BadRequest(f"commit takes a manifest, got {type(manifest).__name__}")
         if not isinstance(push, bool):
             raise BadRequest(f"push must be True or False, got {push!r:.40}")
+        if OVERRIDE_META in m.meta:
+            raise BadRequest(f"manifest meta key {OVERRIDE_META!r} is the origin's (an operator's "
+                             "emphasis override, set with set_override): a publisher cannot set it")
         if m.n_tokens > MAX_TOKENS_PER_KB:
             raise BadRequest(f"KB {m.name!r} has {m.n_tokens} tokens; the limit is {MAX_TOKENS_PER_KB}")
         t0 = time.perf_counter()
@@ -310,7 +314,7 @@ class OriginNode:
         else:
             committed, unchanged = await asyncio.to_thread(self.store.commit, m), False
             self.counters["versions_committed"] += 1
-        await self.pusher.broadcast("add_manifest", committed.to_dict())
+        await self.pusher.broadcast("add_manifest", self._listed(committed))
         placement, pushed = await self.pusher.push(committed) if push else ({}, {})
         return {"kb": committed.name, "tenant": committed.tenant, "version": committed.version,
                 "unchanged": unchanged, "chunks": len(committed.keys), "tokens": committed.n_tokens,
@@ -343,13 +347,23 @@ class OriginNode:
     async def manifests(self, ns: bytes = None, token=None) -> list:
         self.tokens.check_admin(token, "manifests")
         ns = None if ns is None else _ns(ns)
-        return [m.to_dict() for m in await asyncio.to_thread(self.store.manifests, ns)]
+        return [self._listed(m) for m in await asyncio.to_thread(self.store.manifests, ns)]
 
     async def manifest(self, ns: bytes, name: str, version: int = None, token=None) -> dict:
         self.tokens.check_admin(token, "manifest")
         ns, name = _ns(ns), _name(name, "KB name")
         version = None if version is None else _version(version)
-        return (await asyncio.to_thread(self.store.manifest, ns, name, version)).to_dict()
+        return self._listed(await asyncio.to_thread(self.store.manifest, ns, name, version))
+
+    def _listed(self, m: Manifest) -> dict:
+        """A manifest as readers get it: as stored, plus in its meta the KB's emphasis override
+        where an operator set one (kdn.core.emphasis.OVERRIDE_META). Never on an edit's own
+        manifest (meta exact False: its KV is edited already)."""
+        d = m.to_dict()
+        w = self.roster.overrides.get(overrides.kb_id(m.tenant, m.name), {}).get("emphasis")
+        if w and m.meta.get("exact", True) is not False:
+            d["meta"] = {**d["meta"], OVERRIDE_META: w}
+        return d
 
     async def delete_version(self, ns: bytes, name: str, version: int, token=None) -> dict:
         self.tokens.check_admin(token, "delete_version")
@@ -369,29 +383,34 @@ class OriginNode:
                 if m.tenant == tenant and m.name == kb]
 
     async def set_override(self, tenant: str, kb: str, pin_regions=None, replicas=None, ttl_s=None,
-                           prefetch=None, token=None) -> dict:
+                           prefetch=None, emphasis=None, token=None) -> dict:
         """Per-KB operator settings, applied at once: the latest version is pushed and pinned,
-        and a TTL starts now for the KB's chunks edges already hold."""
+        and a TTL starts now for the KB's chunks edges already hold. An emphasis (alone) moves
+        nothing: readers see it in the manifests listed from now on (kdn.core.emphasis)."""
         self.tokens.check_admin(token, "operator control (set_override)")
         tenant, kb = _name(tenant, "tenant"), _name(kb, "KB name")
         key = overrides.kb_id(tenant, kb)
         n_edges = len(self.roster.members) + len(self.health.down)
 
-        def change():
+        def change(documents=None):
             return overrides.updated(self.roster.overrides.get(key, {}), self.topology.regions, n_edges,
                                      pin_regions=pin_regions, replicas=replicas, ttl_s=ttl_s,
-                                     prefetch=prefetch)
+                                     prefetch=prefetch, emphasis=emphasis, documents=documents)
 
         change()                                   # bad values: BadRequest before anything else
         versions = await self._versions_of(tenant, kb)
         if not versions:
             raise ManifestError(f"no committed knowledge base {tenant}/{kb}")
+        latest = max(versions, key=lambda m: m.version)
+        names = [d.name for d in latest.documents]
+        change(names)                              # emphasis names the latest version's documents
         async with self._changing:                 # on the overrides as they are now
-            ov = change()
+            ov = change(names)
             await asyncio.to_thread(self.roster.save, overrides={**self.roster.overrides, key: ov})
-        await self._broadcast_membership()
-        placement, pushed = await self.pusher.push(max(versions, key=lambda m: m.version))
-        out = {"kb": kb, "override": ov, "placement": placement, "pushed": pushed}
+        out = {"kb": kb, "override": ov, "placement": {}, "pushed": {}}
+        if any(v is not None for v in (pin_regions, replicas, ttl_s, prefetch)):
+            await self._broadcast_membership()
+            out["placement"], out["pushed"] = await self.pusher.push(latest)
         if ttl_s is not None:
             keys = list(dict.fromkeys(k for m in versions for k in m.keys))
             held = await self.pusher.broadcast("set_ttl", keys, ov["ttl_s"])

@@ -1,11 +1,15 @@
-"""Operators' per-KB settings: pin to regions, replica count, TTL on edges, prefetch.
+"""Operators' per-KB settings: pin to regions, replica count, TTL on edges, prefetch, emphasis.
 
 An override belongs to a KB of a tenant ("tenant/name") and applies to its latest version at
 once (the origin pushes, pins and sets TTLs when it changes) and to every later publish.
+Emphasis ({document: integer weight}, kdn.core.emphasis) is the one readers see: the origin
+lists each version of the KB with it in its meta, and the service edits the KB's KV by it for
+every request that does not name its own ({} clears it).
 Values come from operators' tools and are checked here before anything changes: a number
 is a real number (never True, NaN or inf) within a sane bound, regions are the topology's.
 """
 from kdn.core.checks import check_int
+from kdn.core.emphasis import check_weights
 from kdn.core.errors import BadRequest
 from kdn.core.manifest import check_ttl
 
@@ -29,9 +33,10 @@ def check_replicas(value, n_edges: int) -> int:
 
 
 def updated(current: dict, regions, n_edges: int, pin_regions=None, replicas=None, ttl_s=None,
-            prefetch=None) -> dict:
+            prefetch=None, emphasis=None, documents=None) -> dict:
     """A KB's override with the given settings changed (None: unchanged); BadRequest naming
-    the first bad value, before anything is changed."""
+    the first bad value, before anything is changed. Emphasis weights name documents of
+    `documents` (the latest version's names; None: not checked yet)."""
     ov = dict(current)
     if pin_regions is not None:
         ov["pin_regions"] = check_regions(pin_regions, regions)
@@ -43,4 +48,10 @@ def updated(current: dict, regions, n_edges: int, pin_regions=None, replicas=Non
         if not isinstance(prefetch, bool):
             raise BadRequest(f"prefetch must be True or False, got {prefetch!r:.40}")
         ov["prefetch"] = prefetch
+    if emphasis is not None:
+        w = check_weights(emphasis, documents)
+        if w:
+            ov["emphasis"] = w
+        else:
+            ov.pop("emphasis", None)     # every weight 1: the KB's exact KV again
     return ov

@@ -216,7 +216,7 @@ def _publish(args, rest):
     check_name(args.tenant, "tenant")
     selection = select_documents(args.paths, args.include, args.exclude)
     print(f"documents: {selection.summary()}, named relative to {selection.root}")
-    from kdn.engines.emphasis import check_weights, parse_weights
+    from kdn.core.emphasis import check_weights, parse_weights
     emphasis = check_weights(parse_weights(args.emphasis), [n for n, _ in selection.documents])
     if emphasis and args.engine == "vllm":
         raise KDNError("--emphasis is served by the transformers engine only")
@@ -240,12 +240,47 @@ def _publish(args, rest):
           f"{r['reused_tokens']} from the network{sent}")
     if r.get("placement"):
         print("placement: " + ", ".join(f"{e} {n}" for e, n in sorted(r["placement"].items())))
-    if emphasis:
-        from kdn.engines.emphasized import publish_emphasis
-        e = publish_emphasis(cl, model, args.kb, emphasis, r["version"])
-        print(f"emphasis {e['weights']}: {e['extra_tokens']} duplicated KV entries; the first "
-              f"{e['kb_chunks']} chunks are the KB's own, sent {e['sent_chunks']} edited chunks "
-              f"({e['sent_bytes'] / 2**20:.1f} MiB), exact=False")
+    if emphasis:                   # the operator marks documents: the KB's emphasis override
+        cl.set_emphasis(args.kb, emphasis)
+    from kdn.core.emphasis import override_of
+    weights = emphasis or override_of(cl.manifest(args.kb, r["version"]))
+    if weights and (emphasis or not r.get("unchanged")):
+        _store_emphasis(cl, model, args.kb, weights, r["version"])
+    return 0
+
+
+def _store_emphasis(cl, model, kb: str, weights: dict, version: int = None) -> None:
+    """Store the edit `weights` of a KB version in the network (kdn.engines.emphasized), so
+    readers fetch its edited chunks instead of editing the KB's KV themselves."""
+    from kdn.engines.emphasized import publish_emphasis
+    e = publish_emphasis(cl, model, kb, weights, version)
+    print(f"emphasis {e['weights']} on v{e['of_version']}: {e['extra_tokens']} duplicated KV entries; the "
+          f"first {e['kb_chunks']} chunks are the KB's own, sent {e['sent_chunks']} edited chunks "
+          f"({e['sent_bytes'] / 2**20:.1f} MiB), exact=False")
+
+
+def _emphasize(args, rest):
+    """Set (or clear) a published KB's emphasis override and store its edited chunks."""
+    from kdn.core.emphasis import check_weights, parse_weights
+    from kdn.core.manifest import check_name
+    check_name(args.kb, "knowledge base name")
+    check_name(args.tenant, "tenant")
+    weights = check_weights(parse_weights(args.weights))
+    if bool(weights) == args.clear:
+        raise KDNError("name the weights (DOC=K, K an integer >= 2) or --clear, not both or neither"
+                       if args.weights or args.clear else "name the weights: DOC=K ... (or --clear)")
+    cl = _connect(args, tenant=args.tenant, fingerprint=_model_fingerprint("transformers"))
+    r = cl.set_emphasis(args.kb, weights)            # checked against the KB's documents there
+    now = r["override"].get("emphasis", {})
+    print(f"{args.tenant}/{args.kb}: emphasis " + (f"{now}: answers attend more to these documents "
+          "unless a request names its own (extra_body emphasis; {} for the exact KV)" if now
+          else "cleared: answers use the exact KV"))
+    if now:
+        from kdn.engines.transformers.model import load_model
+        model = load_model(warm=False)
+        if cl.fingerprint != model.fingerprint:
+            cl = _connect(args, tenant=args.tenant, fingerprint=model.fingerprint)
+        _store_emphasis(cl, model, args.kb, now)
     return 0
 
 
@@ -313,6 +348,10 @@ def _query(args, rest):
                       accept=accept)
     a = engine.answer(cl, args.kb, args.question, max_new_tokens=args.max_new_tokens, check=args.check)
     print(a.text)
+    from kdn.core.emphasis import override_of
+    if override_of(cl.manifest(args.kb)):
+        print(f"note: {args.kb} has an emphasis override {override_of(cl.manifest(args.kb))}; `kdn query` "
+              "answers over its exact KV, `kdn serve` applies the override", file=sys.stderr)
     src = ", ".join(f"{k} {v}" for k, v in sorted(a.sources.items())) or "none"
     lossy = "" if a.exact else ", LOSSY codec accepted"
     print(f"\n[{cl.region} via {a.edge}, {engine.name}] {a.cached_tokens}/{a.prompt_tokens} prompt tokens "
@@ -337,8 +376,8 @@ def _demo(args, rest):
 def build_parser():
     ap = argparse.ArgumentParser(prog="kdn", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for add in (_up_args, _down_args, _status_args, _serve_args, _publish_args, _query_args, _demo_args,
-                _bench_args):
+    for add in (_up_args, _down_args, _status_args, _serve_args, _publish_args, _emphasize_args, _query_args,
+                _demo_args, _bench_args):
         add(sub)
     return ap
 
@@ -447,11 +486,24 @@ def _publish_args(sub):
     p.add_argument("--engine", choices=ENGINES, default="transformers",
                    help="which engine prefills the KB (vLLM's KV gets its own fingerprint)")
     p.add_argument("--emphasis", action="append", default=[], metavar="DOC=K",
-                   help="also store the KB's KV edited to attend K times more to document DOC "
-                        "(integer K; inexact, under its own keys, read only by requests asking "
-                        "for it: extra_body={\"emphasis\": {DOC: K}}); repeatable")
+                   help="mark document DOC with weight K (an integer): answers over the KB attend "
+                        "K times more to it (the KB's emphasis override, as `kdn emphasize` sets; "
+                        "its edited KV is stored under its own keys, flagged inexact); repeatable")
     _network_args(p)
     p.set_defaults(func=_publish)
+
+
+def _emphasize_args(sub):
+    e = sub.add_parser("emphasize", help="set a published KB's emphasis: answers attend more to "
+                                         "the documents named (an operator override, like pin/TTL)")
+    e.add_argument("kb", help="knowledge-base name")
+    e.add_argument("weights", nargs="*", metavar="DOC=K",
+                   help="document DOC of the KB gets weight K (integer 2..16: +log K on its "
+                        "attention logits); requests override it with extra_body emphasis")
+    e.add_argument("--clear", action="store_true", help="remove the KB's emphasis (exact KV again)")
+    e.add_argument("--tenant", default="default")
+    _network_args(e)
+    e.set_defaults(func=_emphasize)
 
 
 def _query_args(sub):

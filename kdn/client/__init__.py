@@ -140,6 +140,12 @@ class Client:
     def set_ttl(self, kb: str, seconds: float) -> dict:
         return self.operator.set_ttl(kb, seconds)
 
+    def set_emphasis(self, kb: str, weights: dict) -> dict:
+        receipt = self.operator.set_emphasis(kb, weights)
+        if self._reader is not None:
+            self._reader.forget_manifests()     # this process reads the KB with it at once
+        return receipt
+
     def warm(self, kb: str, region: str) -> dict:
         return self.operator.warm(kb, region)
 

@@ -42,6 +42,15 @@ class Operator:
         """Chunks of `kb` expire from edges `seconds` after they arrive (those held now too)."""
         return self._override(kb, ttl_s=seconds)
 
+    def set_emphasis(self, kb: str, weights: dict) -> dict:
+        """Answers over `kb` attend more to these documents ({document: integer weight},
+        kdn.core.emphasis) unless a request names its own; {} clears it. Readers see it within
+        a manifest listing's lifetime (kdn.client.reader.MANIFEST_TTL_S); it applies to later
+        versions too, for the documents they still have."""
+        if not isinstance(weights, dict):
+            raise BadRequest(f"set_emphasis takes {{document: integer weight}}, got {type(weights).__name__}")
+        return self._override(kb, emphasis=weights)
+
     def _override(self, kb: str, **setting) -> dict:
         return self.view.origin("set_override", self.tenant, kb, timeout=OVERRIDE_TIMEOUT_S, **setting)
 

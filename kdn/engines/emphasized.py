@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kdn.engines import emphasis as E
+from kdn.core.emphasis import check_weights
 from kdn.core.errors import BadRequest, ManifestError
 from kdn.client.reader import Reader
 
@@ -60,7 +61,7 @@ def plan(model, manifest, weights) -> Plan:
     if manifest.layout != "prefix":
         raise BadRequest(f"emphasis needs a 'prefix' knowledge base; {manifest.name!r} is "
                          f"{manifest.layout!r}")
-    w = E.check_weights(weights, [d.name for d in manifest.documents])
+    w = check_weights(weights, [d.name for d in manifest.documents])
     if w and len(manifest.token_ids()) != manifest.n_tokens:
         raise BadRequest(f"knowledge base {manifest.name!r} version {manifest.version} was published "
                          "without its token ids; republish it to emphasize it")
@@ -83,6 +84,7 @@ class Emphasized:
     seconds: float
     exact: bool = False       # edited KV is never exact
     counts: dict = field(default_factory=dict)
+    weights: dict = field(default_factory=dict)   # the edit: {document: weight}, weight-1 entries dropped
 
 
 def _variant_reader(client, p: Plan) -> Reader:
@@ -124,9 +126,10 @@ def emphasized_kv(client, model, manifest, weights) -> "Emphasized | None":
             g = variant.fetch(vm.token_ids().tolist(), kb=vm.name)
             if g.tokens == vm.n_tokens:
                 return Emphasized(kb_part + list(g.kv_parts()), n, p.extra, "network", p.chunk,
-                                  len(g.chunks), time.perf_counter() - t0)
+                                  len(g.chunks), time.perf_counter() - t0, weights=p.weights)
     kv = E.edit(_kb_kv(client, model, manifest), p.repeats)
-    return Emphasized([kv], n, p.extra, "local", len(manifest.keys), 0, time.perf_counter() - t0)
+    return Emphasized([kv], n, p.extra, "local", len(manifest.keys), 0, time.perf_counter() - t0,
+                      weights=p.weights)
 
 
 def publish_emphasis(client, model, kb: str, weights, version: int = None) -> dict:
@@ -135,8 +138,8 @@ def publish_emphasis(client, model, kb: str, weights, version: int = None) -> di
     m = client.manifest(kb, version)
     p = plan(model, m, weights)
     if p.first is None:
-        return {"kb": kb, "version": m.version, "weights": {}, "sent_chunks": 0, "sent_bytes": 0,
-                "note": "every weight is 1: the KB itself is its emphasis"}
+        return {"kb": kb, "version": m.version, "of_version": m.version, "weights": {}, "sent_chunks": 0,
+                "sent_bytes": 0, "note": "every weight is 1: the KB itself is its emphasis"}
     from kdn.client.publish import Publisher
     pub = client.publisher
     pub.check_access()
@@ -151,6 +154,6 @@ def publish_emphasis(client, model, kb: str, weights, version: int = None) -> di
     meta = {"emphasis": p.weights, "of": {"kb": kb, "version": m.version}, "exact": False,
             "kb_chunks": p.chunk}
     receipt = variant.publish(kb, [("emphasized", p.tail_tokens())], np.ascontiguousarray(tail), meta=meta)
-    receipt.update(weights=p.weights, kb_chunks=p.chunk, extra_tokens=p.extra,
+    receipt.update(weights=p.weights, of_version=m.version, kb_chunks=p.chunk, extra_tokens=p.extra,
                    namespace_fingerprint=variant.fingerprint)
     return receipt

@@ -10,7 +10,9 @@ Pure functions, no Ray and no model, so every rule is testable alone:
   "kdn_fetch": false (extra_body) computes the knowledge's KV in the worker instead of
   fetching it: the same service without KDN, for comparisons (`kdn bench serve`).
   "emphasis": {"doc.md": 4} (extra_body) answers over the KB's KV edited to attend more to
-  those documents (kdn.engines.emphasis; integer weights, checked against the KB's documents).
+  those documents (kdn.engines.emphasis; integer weights, checked against the KB's documents);
+  without it a KB's emphasis override applies (an operator's setting), and {} asks for the
+  exact KV. Every answer says which it got: "kdn": {"exact": bool, "emphasis": {...}}.
 - `tenant_of(tokens, authorization)` maps the Authorization: Bearer token to a tenant with
   the network's read tokens (kdn.core.auth.Tokens), as the edges decide reads: a tenant's read
   token reads that tenant; the admin token reads "default". Any other token, or none, reads
@@ -170,7 +172,8 @@ class ChatRequest:
     include_usage: bool   # stream_options.include_usage (usage is always on the last chunk here)
     seed: "int | None"
     kdn_fetch: bool = True   # False: compute the knowledge's KV here, as if there were no KDN (comparisons)
-    emphasis: dict = None    # {document: int weight}: attend more to those documents (kdn.engines.emphasis)
+    emphasis: dict = None    # {document: int weight}: attend more to those documents (kdn.engines.emphasis);
+                             # None: the KB's override, if any; {}: the exact KV
 
 
 def split_kb(text: str, param: str) -> tuple:
@@ -271,9 +274,11 @@ def parse_chat(body: dict, base_model: str) -> ChatRequest:
     fetch = body.get("kdn_fetch", True)
     if not isinstance(fetch, bool):
         raise bad(f"kdn_fetch must be true or false, got {fetch!r:.40}", "kdn_fetch")
-    from kdn.engines.emphasis import check_weights
+    from kdn.core.emphasis import check_weights
     try:
-        emphasis = check_weights(body.get("emphasis")) or None   # the KB's names: checked by the worker
+        # absent or null: the KB's override if any; {} (or weights of 1): the exact KV; the
+        # KB's document names are checked by the worker
+        emphasis = None if body.get("emphasis") is None else check_weights(body["emphasis"])
     except BadRequest as e:
         raise bad(str(e), "emphasis") from None
     return ChatRequest(model=model, kb=kb, version=version, messages=messages,
@@ -321,18 +326,30 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion(cid: str, model: str, text: str, finish: str, use: dict, created: int = None) -> dict:
-    return {"id": cid, "object": "chat.completion", "created": created or int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish, "logprobs": None}],
-            "usage": use}
+def kv_note(emphasis: dict = None) -> dict:
+    """What an answer's knowledge KV was: exact, or edited by these emphasis weights."""
+    return {"exact": not emphasis, "emphasis": dict(emphasis or {})}
 
 
-def chunk(cid: str, model: str, created: int, delta: dict, finish: str = None, use: dict = None) -> dict:
+def completion(cid: str, model: str, text: str, finish: str, use: dict, created: int = None,
+               kdn: dict = None) -> dict:
+    out = {"id": cid, "object": "chat.completion", "created": created or int(time.time()), "model": model,
+           "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                        "finish_reason": finish, "logprobs": None}],
+           "usage": use}
+    if kdn is not None:
+        out["kdn"] = kdn
+    return out
+
+
+def chunk(cid: str, model: str, created: int, delta: dict, finish: str = None, use: dict = None,
+          kdn: dict = None) -> dict:
     out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
     if use is not None:
         out["usage"] = use
+    if kdn is not None:
+        out["kdn"] = kdn
     return out
 
 
@@ -345,11 +362,12 @@ def sse(obj) -> bytes:
 DONE = sse("[DONE]")
 
 
-async def sse_answer(model: str, pieces, prompt_tokens: int, cached):
+async def sse_answer(model: str, pieces, prompt_tokens: int, cached, kdn: dict = None):
     """The events of one streamed answer after its status: the role chunk, a chunk per piece
     of text as it comes, the last chunk with the finish reason and usage, then [DONE].
     pieces: an async iterator of (text, tokens it adds, finish reason or None); cached: the
-    prompt tokens whose KV was not computed, or a callable giving them when pieces end."""
+    prompt tokens whose KV was not computed, or a callable giving them when pieces end; kdn:
+    what the knowledge's KV was (kv_note), on the last chunk."""
     cid, created = completion_id(), int(time.time())
     yield sse(chunk(cid, model, created, {"role": "assistant", "content": ""}))
     n, finish = 0, None
@@ -357,7 +375,8 @@ async def sse_answer(model: str, pieces, prompt_tokens: int, cached):
         n += count
         if text:
             yield sse(chunk(cid, model, created, {"content": text}))
-    yield sse(chunk(cid, model, created, {}, finish, usage(prompt_tokens, n, cached() if callable(cached) else cached)))
+    yield sse(chunk(cid, model, created, {}, finish, usage(prompt_tokens, n, cached() if callable(cached) else cached),
+                    kdn))
     yield DONE
 
 

@@ -51,7 +51,7 @@ from kdn.core.errors import AccessDenied, BadRequest, KDNError, NetworkError
 from kdn.engines.base import check_engine
 from kdn.serve.api import (MAX_CHAT_BODY_BYTES, RETRY_AFTER_S, ApiError, api_error, completion,
                            completion_id, credentials, error_body, model_list, parse_chat, parse_json,
-                           read_body, sse, sse_answer, usage)
+                           kv_note, read_body, sse, sse_answer, usage)
 
 log = logging.getLogger("kdn.serve.app")
 
@@ -174,7 +174,7 @@ class RegionWorker:
         text = "".join(s.text for s in steps)
         n = sum(1 for s in steps if s.token is not None)
         body = completion(completion_id(), req["model"], text, steps[-1].finish,
-                          usage(len(prompt), n, cached))
+                          usage(len(prompt), n, cached), kdn=kv_note(getattr(cache, "kdn_emphasis", None)))
         return {"status": 200, "body": body, "region": self.region}
 
     async def stream(self, req: dict, tenant: str, token):
@@ -189,7 +189,8 @@ class RegionWorker:
             yield {"status": 200, "region": self.region}
             async with contextlib.aclosing(self._steps(chat, prompt, cache, cached, req)) as gen:
                 pieces = ((s.text, int(s.token is not None), s.finish) async for s in gen)
-                async for event in sse_answer(req["model"], pieces, len(prompt), cached):
+                note = kv_note(getattr(cache, "kdn_emphasis", None))
+                async for event in sse_answer(req["model"], pieces, len(prompt), cached, note):
                     yield event
 
 

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from kdn.core.checks import check_int
+from kdn.core.emphasis import override_of
 from kdn.core.errors import BadRequest, ModelError
 from kdn.serve.api import check_messages
 
@@ -51,9 +52,12 @@ class Chat:
 
     def prepare(self, manifest, messages, max_tokens: int, fetch: bool = True, emphasis=None):
         """(prompt tokens, engine cache or None, cached tokens) for messages after the KB.
-        fetch=False: nothing is fetched, the whole prompt is computed (no KDN, for comparisons).
-        emphasis {document: int weight}: the KB's KV edited (kdn.engines.emphasized); the cache then
-        holds more entries than cached tokens (its `kdn_extra`), and is never exact."""
+        fetch=False: nothing is fetched, the whole prompt is computed (no KDN, for comparisons;
+        a KB's emphasis override does not apply then). emphasis {document: int weight}: the KB's
+        KV edited (kdn.engines.emphasized); None: the KB's override, if an operator set one
+        (kdn.core.emphasis.override_of); {}: the exact KV. An emphasized cache holds more entries
+        than cached tokens (its `kdn_extra`), names its weights (`kdn_emphasis`), and is never
+        exact."""
         ids = manifest.token_ids()
         if manifest.layout != "prefix":
             raise BadRequest(f"knowledge base {manifest.name!r} has layout {manifest.layout!r}; "
@@ -66,12 +70,15 @@ class Chat:
             raise BadRequest("emphasis edits the KB's KV: it cannot be combined with kdn_fetch false")
         if not fetch:
             return prompt, None, 0
+        if emphasis is None:
+            emphasis = override_of(manifest)
+            self.counters["emphasis_override"] += bool(emphasis)
         if emphasis:
             from kdn.engines.emphasized import emphasized_kv
             e = emphasized_kv(self.client, self.model, manifest, emphasis)
             if e is not None:
                 cache = self.model.cache_from_kv(e.parts, len(prompt) - e.tokens + max_tokens)
-                cache.kdn_extra = e.extra
+                cache.kdn_extra, cache.kdn_emphasis = e.extra, e.weights
                 self.counters["emphasized"] += 1
                 self.counters[f"emphasized_{e.source}"] += 1
                 return prompt, cache, e.tokens

@@ -38,9 +38,10 @@ import contextlib
 import itertools
 import os
 
+from kdn.core.emphasis import override_of
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, ModelError, NetworkError
 from kdn.serve.api import (DEFAULT_TENANT, ApiError, api_error, completion, completion_id, model_list,
-                           sse_answer, usage)
+                           kv_note, sse_answer, usage)
 
 SALT_PREFIX = "kdn-tenant:"
 KDN_REPORT_KEYS = ("held", "local", "external", "loaded")
@@ -143,10 +144,14 @@ class VllmRegionWorker:
         if len(ids) == 0:
             raise BadRequest(f"knowledge base {m.name!r} version {m.version} was "
                              "published without its token ids; republish it to serve it")
-        if req.get("emphasis"):
-            raise BadRequest("emphasis is answered by the transformers engine only (kdn serve "
+        emphasis = req.get("emphasis")
+        if emphasis or (emphasis is None and override_of(m)):
+            what = "emphasis" if emphasis else (f"knowledge base {m.name!r} has an emphasis override "
+                                                f"({override_of(m)}); it")
+            raise BadRequest(f"{what} is answered by the transformers engine only (kdn serve "
                              "--engine transformers); vLLM's connector would need a block table "
-                             "longer than the prompt's positions")
+                             "longer than the prompt's positions. Ask for the exact KV with "
+                             "extra_body={\"emphasis\": {}}")
         prompt = ids.tolist() + messages_tokens(self.model, req["messages"])
         total = len(prompt) + req["max_tokens"]
         if total > self.max_context:
@@ -235,7 +240,7 @@ class VllmRegionWorker:
             last = self.last
         text = "".join(t for t, _, _ in pieces)
         body = completion(completion_id(), req["model"], text, pieces[-1][2],
-                          usage(len(prompt), len(last["tokens"]), last["cached"]))
+                          usage(len(prompt), len(last["tokens"]), last["cached"]), kdn=kv_note())
         return {"status": 200, "body": body, "region": self.region}
 
     async def stream(self, req: dict, tenant: str, token):
@@ -249,5 +254,6 @@ class VllmRegionWorker:
                 return
             yield {"status": 200, "region": self.region}
             async with contextlib.aclosing(steps):   # a caller gone mid-answer: vLLM's request aborted
-                async for event in sse_answer(req["model"], steps, len(prompt), lambda: self.last["cached"]):
+                async for event in sse_answer(req["model"], steps, len(prompt), lambda: self.last["cached"],
+                                              kv_note()):
                     yield event

@@ -245,3 +245,35 @@ def test_query_and_publish_refusals_come_before_the_model_loads(code_net, tmp_pa
     assert main(["publish", "kb", str(folder)] + code_net) == 2
     out, err = capsys.readouterr()
     assert "skipped 1 binary, 1 empty" in out and "admin token" in _one_error_line(err)
+
+
+def test_emphasis_at_publish_and_by_kdn_emphasize_is_the_kbs_override(code_net, cli_env, tmp_path, capsys):
+    """`kdn publish --emphasis` marks a document (the KB's override, its edit stored), `kdn
+    emphasize` changes or clears it, a document the KB lacks is refused with the override
+    unchanged, and `kdn query` says it answers over the exact KV."""
+    from kdn.cli import main
+    from kdn.client import Client
+    from kdn.core.emphasis import override_of
+    (tmp_path / "old.md").write_text("Policy B12 (2019), superseded: the office opens at 2.")
+    (tmp_path / "new.md").write_text("Policy B12 (2024), in force: the office opens at 8.")
+    reader = Client(network=code_net[3], region="eu-west", fingerprint=cli_env.fingerprint, admin_token=ADMIN)
+
+    def weights():
+        reader.reader.forget_manifests()
+        return override_of(reader.manifest("pol"))
+
+    assert main(["publish", "pol", str(tmp_path), "--emphasis", "new.md=3"] + code_net) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "default/pol v1 committed" in out and "emphasis {'new.md': 3} on v1" in out and "exact=False" in out
+    assert weights() == {"new.md": 3}
+    assert main(["emphasize", "pol", "new.md=2"] + code_net) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "default/pol: emphasis {'new.md': 2}" in out and "emphasis {'new.md': 2} on v1" in out
+    assert weights() == {"new.md": 2}
+    assert main(["emphasize", "pol", "nope.md=2"] + code_net) == 2
+    assert "names document 'nope.md'" in _one_error_line(capsys.readouterr().err)
+    assert weights() == {"new.md": 2}
+    assert main(["query", "pol", "When does the office open?", "--max-new-tokens", "2"] + code_net) == 0
+    assert "has an emphasis override {'new.md': 2}; `kdn query` answers over its exact KV" in capsys.readouterr().err
+    assert main(["emphasize", "pol", "--clear"] + code_net) == 0
+    assert "emphasis cleared" in capsys.readouterr().out and weights() == {}

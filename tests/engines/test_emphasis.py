@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kdn.engines import emphasis as E
+from kdn.core.emphasis import check_weights, parse_weights
 from kdn.bench import emphasis as bench
 from kdn.serve.chat import stream
 from kdn.core.errors import BadRequest
@@ -36,12 +37,12 @@ def test_bad_weights_are_refused_naming_the_document():
                          ({"nope.md": 2}, "names document 'nope.md', which the knowledge base does not have"),
                          ([("new.md", 2)], "must be an object")):
         with pytest.raises(BadRequest, match=msg):
-            E.check_weights(weights, names)
-    assert E.check_weights({"new.md": 4.0, "old.md": 1}, names) == {"new.md": 4}
-    assert E.check_weights(None, names) == {}
-    assert E.parse_weights(["a=b.md=3", "new.md=4"]) == {"a=b.md": 3, "new.md": 4}
+            check_weights(weights, names)
+    assert check_weights({"new.md": 4.0, "old.md": 1}, names) == {"new.md": 4}
+    assert check_weights(None, names) == {}
+    assert parse_weights(["a=b.md=3", "new.md=4"]) == {"a=b.md": 3, "new.md": 4}
     with pytest.raises(BadRequest, match="expected DOCUMENT=INTEGER"):
-        E.parse_weights(["new.md"])
+        parse_weights(["new.md"])
 
 
 def test_document_spans_leave_out_the_system_turn_frame(model, kb):
@@ -58,7 +59,7 @@ def test_weight_one_is_the_kb_itself_bitwise_and_token_identical(model, kb):
     ones = E.token_weights(E.document_spans(model, named), {}, len(tokens))
     for method in E.METHODS:
         assert E.edit(kv, ones, method) is kv
-    assert E.check_weights({"new.md": 1}, ["new.md"]) == {}
+    assert check_weights({"new.md": 1}, ["new.md"]) == {}
     q = model.question_tokens(QUESTION)
     plain = model.generate(tokens + q, cache=model.cache_from_kv([kv], len(q) + 8),
                            cached_tokens=len(tokens), max_new_tokens=8)
@@ -181,3 +182,15 @@ def test_kdn_publish_refuses_bad_emphasis_before_the_model_loads(tmp_path, capsy
                       ("new.md=x", "expected DOCUMENT=INTEGER")):
         assert main(["publish", "kb", str(tmp_path), "--emphasis", flag, "--network", "nowhere"]) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_kdn_emphasize_refuses_bad_arguments_before_it_connects(capsys):
+    from kdn.cli import main
+    for args, msg in ((["kb"], "name the weights: DOC=K"),
+                      (["kb", "new.md=2", "--clear"], "not both or neither"),
+                      (["kb", "new.md=1"], "not both or neither"),      # weight 1 is no emphasis
+                      (["kb", "new.md=17"], "'new.md' must be an int in [1, 16]"),
+                      (["kb", "new.md"], "expected DOCUMENT=INTEGER"),
+                      (["../kb", "new.md=2"], "knowledge base name must match")):
+        assert main(["emphasize", *args, "--network", "nowhere", "--address", "127.0.0.1:1"]) == 2
+        assert msg in capsys.readouterr().err, args

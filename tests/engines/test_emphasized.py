@@ -130,7 +130,10 @@ def test_bad_weights_are_refused_naming_them_and_nothing_is_stored(net, model, p
         with pytest.raises(ApiError, match=msg) as e:
             parse_chat({"model": "m@kb", "messages": MESSAGES, "emphasis": bad}, "m")
         assert e.value.status == 400 and e.value.param == "emphasis"
-    assert parse_chat({"model": "m@kb", "messages": MESSAGES, "emphasis": {"new.md": 1}}, "m").emphasis is None
+    # weights of 1 ask for the exact KV ({}); no emphasis at all leaves it to the KB's override (None)
+    assert parse_chat({"model": "m@kb", "messages": MESSAGES, "emphasis": {"new.md": 1}}, "m").emphasis == {}
+    assert parse_chat({"model": "m@kb", "messages": MESSAGES, "emphasis": None}, "m").emphasis is None
+    assert parse_chat({"model": "m@kb", "messages": MESSAGES}, "m").emphasis is None
 
 
 def test_the_service_engine_answers_with_emphasis_and_weight_one_is_todays_answer(net, model, published):
@@ -159,3 +162,55 @@ def test_the_service_engine_answers_with_emphasis_and_weight_one_is_todays_answe
         logits, pos = E.forward(model, [ref[-1]], cache, pos, p.extra), pos + 1
     assert emph == ref and Runner   # noqa: the bench's loop is this one
     assert chat.counters["emphasized_network"] >= 1
+
+
+def test_an_operators_override_applies_to_requests_naming_none_until_cleared(net, model, published):
+    """Client.set_emphasis (the origin's override, like pin/TTL): readers list the KB with it,
+    the service's engine applies it to a request that names no emphasis (the same edit, the
+    same tokens as asking for it), {} still asks for the exact KV, the other tenant's KB is
+    untouched, a later version keeps the weights of the documents it still has, bad weights
+    change nothing, and clearing it gives today's answer again."""
+    from kdn.core.emphasis import OVERRIDE_META, override_of
+    admin = client(net, model, "acme", admin=True, region="us-east")
+    publish_documents(admin, model, "kb2", DOCS)
+    m1 = admin.manifest("kb2")
+    plain_chat = Chat(model, client(net, model, "acme", ACME))
+
+    def answer(chat, emphasis=None):
+        m = chat.client.manifest("kb2")
+        prompt, cache, cached = chat.prepare(m, MESSAGES, 6, emphasis=emphasis)
+        tokens = [s.token for s in chat.stream(prompt, cache, cached, 6) if s.token is not None]
+        return tokens, getattr(cache, "kdn_emphasis", None)
+
+    plain, none = answer(plain_chat)
+    asked, asked_w = answer(plain_chat, WEIGHTS)
+    assert none is None and asked_w == WEIGHTS
+    r = admin.set_emphasis("kb2", WEIGHTS)
+    assert r["override"]["emphasis"] == WEIGHTS and r["pushed"] == {}      # nothing moved
+    chat = Chat(model, client(net, model, "acme", ACME))                  # a fresh listing
+    listed = chat.client.manifest("kb2")
+    assert override_of(listed) == WEIGHTS and listed.keys == m1.keys and listed.version == m1.version
+    assert answer(chat) == (asked, WEIGHTS)                               # the override: the same edit
+    assert answer(chat, {}) == (plain, None)                              # {}: the exact KV
+    assert chat.counters["emphasis_override"] == 1
+    beta = client(net, model, "beta", BETA).manifest("kb")
+    assert override_of(beta) == {}                                        # another tenant's KB
+    for weights, msg in (({"nope.md": 2}, "names document 'nope.md'"), ({"new.md": 17}, "got 17")):
+        with pytest.raises(BadRequest, match=msg):
+            admin.set_emphasis("kb2", weights)
+    with pytest.raises(AccessDenied):
+        client(net, model, "acme", ACME).operator.set_emphasis("kb2", {})
+    from kdn.core.errors import ManifestError
+    with pytest.raises(ManifestError, match="no committed knowledge base acme/nokb"):
+        admin.set_emphasis("nokb", WEIGHTS)
+    with pytest.raises(BadRequest, match=f"meta key '{OVERRIDE_META}' is the origin's"):
+        publish_documents(admin, model, "kb3", DOCS[:1], meta={OVERRIDE_META: WEIGHTS})
+    assert override_of(client(net, model, "acme", ACME).manifest("kb2")) == WEIGHTS   # unchanged
+    publish_documents(admin, model, "kb2", [d for d in DOCS if d[0] != "new.md"] + [("newer.md", "Open at 9.")])
+    v2 = client(net, model, "acme", ACME).manifest("kb2")
+    assert v2.version == m1.version + 1 and override_of(v2) == {}          # its documents lack new.md
+    assert v2.meta[OVERRIDE_META] == WEIGHTS                              # still set, for the KB
+    admin.set_emphasis("kb2", {})
+    cleared = Chat(model, client(net, model, "acme", ACME))
+    assert OVERRIDE_META not in cleared.client.manifest("kb2").meta
+    assert answer(cleared) == answer(cleared, {})

@@ -224,6 +224,51 @@ def test_streamed_answer_is_the_query_check_answer_and_kb_by_extra_body(service,
     assert use.completion_tokens == len(e.baseline_tokens)
 
 
+def test_emphasis_per_request_and_as_the_kbs_override_through_the_openai_client(service, model):
+    """extra_body emphasis answers over the KB's KV edited (the tokens kdn.serve.chat computes
+    for that edit in this process) and every answer says what its KV was ("kdn": exact or the
+    weights); an operator's override (Client.set_emphasis) applies to requests that name none,
+    plain and streamed, {} asks for the exact KV, and cleared, the exact answer is back."""
+    from kdn.client.reader import MANIFEST_TTL_S
+    from kdn.serve.chat import Chat
+    e, kb = service["expected"], "rights"
+    weights = {"bill-of-rights": 4}
+    messages = [{"role": "user", "content": QUESTION}]
+    c = _client(service["info"]["regions"]["us-east"])
+
+    def ask(**extra):
+        r = c.chat.completions.create(model=f"{MODEL_NAME}@{kb}", messages=messages, max_tokens=NEW_TOKENS,
+                                      **({"extra_body": extra} if extra else {}))
+        assert r.usage.prompt_tokens_details.cached_tokens == service["kb_tokens"]
+        return r.choices[0].message.content, r.model_extra["kdn"]
+
+    reader = Client(network=service["network"], region="us-east", fingerprint=model.fingerprint, token=READ)
+    chat = Chat(model, reader)
+    prompt, cache, cached = chat.prepare(reader.manifest(kb), messages, NEW_TOKENS, emphasis=weights)
+    edited = _text(model, [s.token for s in chat.stream(prompt, cache, cached, NEW_TOKENS) if s.token is not None])
+    plain = (_text(model, e.baseline_tokens), {"exact": True, "emphasis": {}})
+    assert ask() == plain
+    assert ask(emphasis=weights) == (edited, {"exact": False, "emphasis": weights})
+    with pytest.raises(openai.BadRequestError, match="names document 'nope.md'") as bad:
+        ask(emphasis={"nope.md": 2})
+    assert bad.value.status_code == 400
+    admin = Client(network=service["network"], region="us-east", fingerprint=model.fingerprint, admin_token=ADMIN)
+    admin.set_emphasis(kb, weights)
+    try:
+        time.sleep(MANIFEST_TTL_S + 0.5)          # the replicas' manifest listings are this fresh
+        assert ask() == (edited, {"exact": False, "emphasis": weights})
+        assert ask(emphasis={}) == plain
+        stream = c.chat.completions.create(model=f"{MODEL_NAME}@{kb}", messages=messages,
+                                           max_tokens=NEW_TOKENS, stream=True)
+        chunks = list(stream)
+        assert "".join(x.choices[0].delta.content or "" for x in chunks if x.choices) == edited
+        assert chunks[-1].model_extra["kdn"] == {"exact": False, "emphasis": weights}
+    finally:
+        admin.set_emphasis(kb, {})
+    time.sleep(MANIFEST_TTL_S + 0.5)
+    assert ask() == plain
+
+
 def test_models_lists_what_the_tenant_may_read(service):
     ids = [m.id for m in _client(service["url"]).models.list()]
     assert ids == [MODEL_NAME, f"{MODEL_NAME}@rights"]
