@@ -215,3 +215,30 @@ def test_a_stream_left_mid_answer_is_aborted_and_the_next_answer_is_right(servic
     # the abandoned answer never reached max_tokens: vLLM stopped it
     left = after["counters"]["completion_tokens"] - before["completion_tokens"] - NEW_TOKENS
     assert 3 <= left < 400, after       # the client read 3 tokens; vLLM stopped soon after
+
+
+def test_emphasis_is_refused_naming_the_engine_and_the_exact_kv_is_still_answered(service):
+    """vLLM cannot apply emphasis (its block table would need more entries than positions):
+    asked per request, or set on the KB by an operator, it is a 400 that says so; a request
+    asking for the exact KV ({}) is answered as always, and every answer says it is exact."""
+    from kdn.client import Client
+    from kdn.client.reader import MANIFEST_TTL_S
+    c = _client(service["url"])
+    with pytest.raises(openai.BadRequestError, match="transformers engine only"):
+        c.chat.completions.create(**_ask(extra_body={"emphasis": {"bill-of-rights": 2}}))
+    admin = Client(network=service["network"], region="eu-west", admin_token=ADMIN)   # no model: operator calls
+    admin.set_emphasis("rights", {"bill-of-rights": 2})
+    try:
+        deadline, err = time.monotonic() + MANIFEST_TTL_S + 5, None
+        while err is None and time.monotonic() < deadline:   # until the replica's listing is fresh
+            try:
+                c.chat.completions.create(**dict(_ask(), max_tokens=1))
+                time.sleep(0.5)
+            except openai.BadRequestError as e:
+                err = e
+        assert err is not None and "has an emphasis override ({'bill-of-rights': 2})" in str(err)
+        r = c.chat.completions.create(**_ask(extra_body={"emphasis": {}}))
+        assert r.choices[0].message.content == service["full"]["text"]
+        assert r.model_extra["kdn"] == {"exact": True, "emphasis": {}}
+    finally:
+        admin.set_emphasis("rights", {})
