@@ -16,7 +16,7 @@ import collections
 import time
 
 from kdn.core.names import ORIGIN_NODE
-from kdn.core.errors import AccessDenied
+from kdn.core.errors import AccessDenied, BadRequest
 from kdn.core.keys import namespace_digest
 
 LEARN_PERIOD_S = 2.0       # the origin is asked about unknown namespaces at most this often
@@ -75,12 +75,19 @@ class Catalog:
         return got
 
     # --- read auth --------------------------------------------------------------------------
-    async def check_read(self, ns: bytes, token, what: str) -> None:
-        """AccessDenied unless token may read namespace ns (see the module docstring)."""
+    async def check_read(self, ns: bytes, token, what: str, claim=None) -> None:
+        """AccessDenied unless token may read namespace ns (see the module docstring).
+
+        claim: the (tenant, fingerprint) the reader says ns digests, for a namespace no
+        manifest names (another cache layer's objects): a claim that digests to ns is a
+        fact, so its tenant is the one checked, and remembered once a token passes."""
         if not self.tokens.readers or self.tokens.is_admin(token):
             return
         tenant = self.ns_tenant.get(ns)
-        if tenant is None:
+        claimed = tenant is None and _digests(claim, ns)
+        if claimed:
+            tenant = claim[0]
+        elif tenant is None:
             await self._learn()
             tenant = self.ns_tenant.get(ns)
         try:
@@ -91,6 +98,8 @@ class Catalog:
             self.counters["reads_refused"] += 1
             raise AccessDenied(f"{what}: refused: reading this namespace needs its tenant's read "
                                f"token (missing or wrong), or nothing is published under it") from None
+        if claimed:
+            self.ns_tenant[ns] = tenant
 
     async def _learn(self) -> None:
         """Ask the origin for every manifest, at most once per LEARN_PERIOD_S (concurrent
@@ -118,3 +127,14 @@ class Catalog:
     def stats(self) -> dict:
         return {"manifests": len(self.manifests), "namespaces": len(self.ns_tenant),
                 "keys": len(self.chunks), **self.counters}
+
+
+def _digests(claim, ns: bytes) -> bool:
+    """Whether claim is a (tenant, fingerprint) pair whose namespace digest is ns."""
+    if not (isinstance(claim, (tuple, list)) and len(claim) == 2
+            and all(isinstance(x, str) and x for x in claim)):
+        return False
+    try:
+        return namespace_digest(claim[0], claim[1]) == ns
+    except BadRequest:            # a NUL or unencodable name: digests nothing
+        return False

@@ -281,7 +281,7 @@ class EdgeNode:
 
     # --- reads --------------------------------------------------------------------------
     async def fetch(self, keys, ns: bytes, region: str = None, resolve: bool = False, token=None,
-                    node: str = None, accept=None) -> dict:
+                    node: str = None, accept=None, tenant: str = None, fingerprint: str = None) -> dict:
         """The longest prefix of `keys` that the network holds, with where each chunk came from.
 
         Returns object references ("refs"; ray.get them: zero-copy on this node), each to a
@@ -290,7 +290,8 @@ class EdgeNode:
         Ray node id) and accept (codecs it takes besides raw; default the lossless ones) choose
         each chunk's form for the link (edge/forms.py); without node, chunks go as stored.
         At most MAX_FETCH_KEYS distinct keys; "more" is True when the reply stopped at
-        max_reply_bytes: fetch the keys after the ones received again.
+        max_reply_bytes: fetch the keys after the ones received again. tenant and
+        fingerprint: what ns digests, for a namespace no manifest names (edge/catalog.py).
         """
         accept = check_accept(accept)
         self._start_background()
@@ -304,7 +305,7 @@ class EdgeNode:
             out, n = await self.forms.link_forms(helds, region or self.region, same_node, accept)
             return out, n, n < len(helds)
 
-        got = await self.reads.fetch(keys, ns, region, token, shape)
+        got = await self.reads.fetch(keys, ns, region, token, shape, claim=(tenant, fingerprint))
         reply = {"sources": got["sources"], "edge": self.name, "region": self.region,
                  "ring": self.membership.version, "more": got["more"]}
         if resolve:
@@ -319,6 +320,11 @@ class EdgeNode:
     async def lookup(self, keys, ns: bytes, token=None) -> dict:
         """How long a prefix of keys the network holds, without moving any KV."""
         return await self.reads.lookup(keys, ns, token)
+
+    async def holds(self, keys, ns: bytes, token=None, tenant: str = None,
+                    fingerprint: str = None) -> list:
+        """Per key, whether the network holds it under ns (edge/reads.py: Reads.holds)."""
+        return await self.reads.holds(keys, ns, token, claim=(tenant, fingerprint))
 
     async def peer_get(self, keys, token=None, region: str = None) -> list:
         """What this edge holds of `keys` (None elsewhere); asked by other edges, never cascades.

@@ -68,7 +68,7 @@ class Reads:
         return keys, ns, region or self.region
 
     # --- fetch ------------------------------------------------------------------------------
-    async def fetch(self, keys, ns: bytes, region: str, token, shape) -> dict:
+    async def fetch(self, keys, ns: bytes, region: str, token, shape, claim=None) -> dict:
         """{"out", "sources", "more"}: the longest held prefix of keys (at most one reply's
         worth), as `shape` made it.
 
@@ -77,7 +77,7 @@ class Reads:
         reply was bounded there).
         """
         keys, ns, region = self._checked(keys, ns, region)
-        await self.catalog.check_read(ns, token, "fetch")
+        await self.catalog.check_read(ns, token, "fetch", claim)
         t0 = time.perf_counter()
         for attempt in (1, 2):
             helds, sources, more = await self._prefix(keys, ns)
@@ -204,6 +204,24 @@ class Reads:
                 got = await self._owners_have(rest, ns)
             n += next((i for i, h in enumerate(got) if not h), len(got))
         return {"chunks": n, "local": sum(here[:n]), "edge": self.name}
+
+    async def holds(self, keys, ns: bytes, token, claim=None) -> list:
+        """Per key, whether the network holds it under ns (this edge, else the origin, else
+        while the origin is down the other owners); no KV moves. For keys no manifest names
+        (objects): a reader with its tenant's read token asks here, never the origin."""
+        keys, ns = check_keys(keys, distinct=False), check_key(ns, "ns")
+        await self.catalog.check_read(ns, token, "holds", claim)
+        held = [self.tiers.holds(k, ns) for k in keys]
+        rest = [i for i, h in enumerate(held) if not h]
+        if rest:
+            asked = [keys[i] for i in rest]
+            got = await self.peers.ask(ORIGIN_NODE, "has", asked, ns, timeout=LOOKUP_TIMEOUT_S)
+            if got is None:              # the origin is down: ask the owners
+                got = await self._owners_have(asked, ns)
+            for i, h in zip(rest, got):
+                held[i] = bool(h)
+        self.counters["holds_asked"] += len(keys)
+        return held
 
     async def _owners_have(self, keys, ns) -> list:
         """Whether some other owner holds each key (one call per owner)."""

@@ -28,7 +28,7 @@ import os
 import time
 
 from kdn.core.auth import Tokens
-from kdn.core.checks import check_int
+from kdn.core.checks import check_int, check_number
 from kdn.core.chunk import Chunk
 from kdn.core.emphasis import OVERRIDE_META
 from kdn.core.errors import BadRequest, KDNError, ManifestError, StoreError, VersionNotFound
@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 OPEN_WAITS_S = (1, 2, 4, 8, 15, 30)
 MAX_CHUNKS_PER_CALL = 4096       # limits on what one publish call may carry
 MAX_BYTES_PER_CALL = 2 << 30
+OBJECT_PUSH_BACKLOG_BYTES = 2 << 30   # objects' bytes whose push is in flight at once
 MAX_KEYS_PER_CALL = 1 << 20      # a KB of MAX_TOKENS_PER_KB tokens in small chunks, with room
 
 
@@ -118,6 +119,8 @@ class OriginNode:
         self._changing = asyncio.Lock()   # one membership change (and its re-homing) at a time
         self._watch_task = None
         self.watch_failure = None         # set when the health watch died of a bug
+        self._pushes = set()              # object pushes in flight (put_objects)
+        self._push_backlog = 0            # their bytes
 
     # --- lifecycle and health ----------------------------------------------------------
     def _start_background(self):
@@ -274,7 +277,7 @@ class OriginNode:
             raise BadRequest(f"put_chunks: item {bad} is a {type(chunks[bad]).__name__}, not a Chunk")
         if sum(c.nbytes for c in chunks) > MAX_BYTES_PER_CALL:
             raise BadRequest(f"put_chunks carries more than {MAX_BYTES_PER_CALL} bytes: split it")
-        results = await self._each(self.store.put_chunk, chunks)
+        results = await asyncio.to_thread(self.store.put_chunks, chunks)    # one fsync batch
         written = sum(w for w, _ in results)
         self.counters["chunks_received"] += len(chunks)
         self.counters["chunks_written"] += written
@@ -283,16 +286,75 @@ class OriginNode:
         return {"received": len(chunks), "written": written, "sums": [x for _, x in results]}
 
     async def put_objects(self, chunks, token=None) -> dict:
-        """Store opaque chunks (another cache layer's objects, kdn.engines.objects) durably and
-        push them to their ring owners: no manifest names them, so storing is their commit.
-        {"received", "written", "pushed": edge -> chunks sent}."""
-        bad = next((i for i, c in enumerate(chunks) if not (isinstance(c, Chunk) and c.opaque)), None) \
-            if isinstance(chunks, (list, tuple)) else None
+        """Store opaque chunks (another cache layer's objects, kdn.engines.objects) durably: no
+        manifest names them, so storing is their commit, and the answer comes once they are
+        (one fsync batch per call). Their push to the ring owners follows in the background
+        (`_push_objects`); until an owner has one, an edge's pull-through reads it here.
+        {"received", "written", "pushing": objects whose push was queued}."""
+        self.tokens.check_admin(token, "put_objects")
+        if not isinstance(chunks, (list, tuple)) or len(chunks) > MAX_CHUNKS_PER_CALL:
+            raise BadRequest(f"put_objects takes a list of at most {MAX_CHUNKS_PER_CALL} chunks, got "
+                             f"{len(chunks) if isinstance(chunks, (list, tuple)) else type(chunks).__name__}")
+        bad = next((i for i, c in enumerate(chunks) if not (isinstance(c, Chunk) and c.opaque)), None)
         if bad is not None:
             raise BadRequest(f"put_objects: item {bad} is not an opaque Chunk")
-        got = await self.put_chunks(chunks, token=token)
-        pushed = await self.pusher.push_keys(list(dict.fromkeys(c.key for c in chunks)))
-        return {"received": got["received"], "written": got["written"], "pushed": pushed}
+        if sum(c.nbytes for c in chunks) > MAX_BYTES_PER_CALL:
+            raise BadRequest(f"put_objects carries more than {MAX_BYTES_PER_CALL} bytes: split it")
+        results = await asyncio.to_thread(self.store.put_objects, chunks)
+        new = [c for c, (w, _) in zip(chunks, results) if w]
+        self.counters["objects_received"] += len(chunks)
+        self.counters["objects_written"] += len(new)
+        # only what was written: a deduplicated key's owners were sent it when it was
+        return {"received": len(chunks), "written": len(new),
+                "pushing": self._push_objects(new) if new else 0}
+
+    def _push_objects(self, chunks) -> int:
+        """Queue the push of chunks to their owners; how many were queued. Bounded: beyond
+        OBJECT_PUSH_BACKLOG_BYTES in flight a batch is not pushed (counted in
+        object_pushes_skipped: owners get it by pull-through when read). A push that fails
+        of what no failover expects is counted (object_push_errors) and logged."""
+        n = sum(c.nbytes for c in chunks)
+        if self._push_backlog + n > OBJECT_PUSH_BACKLOG_BYTES:
+            self.counters["object_pushes_skipped"] += len(chunks)
+            return 0
+        self._push_backlog += n
+        task = asyncio.get_running_loop().create_task(
+            self.pusher.push_objects(list(dict.fromkeys(c.key for c in chunks))))
+        self._pushes.add(task)
+
+        def done(t):
+            self._pushes.discard(t)
+            self._push_backlog -= n
+            if t.cancelled():
+                return
+            if t.exception() is not None:
+                self.counters["object_push_errors"] += 1
+                log.error("origin of network %r: pushing %d objects failed", self.network,
+                          len(chunks), exc_info=t.exception())
+            else:
+                self.counters["objects_pushed"] += len(chunks)
+        task.add_done_callback(done)
+        return len(chunks)
+
+    async def pushes_settled(self, token=None) -> dict:
+        """Wait for the object pushes queued so far; their counters (for tests and operators)."""
+        self.tokens.check_admin(token, "pushes_settled")
+        await asyncio.gather(*list(self._pushes), return_exceptions=True)
+        return {k: self.counters[k] for k in ("objects_pushed", "object_pushes_skipped",
+                                              "object_push_errors")}
+
+    async def delete_objects(self, keys, ns: bytes, token=None) -> dict:
+        """Delete opaque objects of namespace ns (a host layer's delete: LMCache's eviction)
+        from the store, then ask every edge to drop them. A key that is not such an object
+        is left alone. {"deleted": how many, "dropped": edge -> copies it dropped}."""
+        self.tokens.check_admin(token, "delete_objects")
+        keys, ns = _keys(keys), _ns(ns)
+        # pushes in flight first: one landing after the drop would bring a copy back
+        await asyncio.gather(*list(self._pushes), return_exceptions=True)
+        gone = await asyncio.to_thread(self.store.delete_objects, keys, ns)
+        self.counters["objects_deleted"] += len(gone)
+        dropped = await self.pusher.broadcast("drop", gone) if gone else []
+        return {"deleted": len(gone), "dropped": dict(zip(self.roster.names(), dropped))}
 
     async def commit(self, manifest: dict, push: bool = True, token=None) -> dict:
         """Commit a manifest (all its chunks must be stored), push to owners, return a receipt."""
@@ -372,9 +434,13 @@ class OriginNode:
         await self.pusher.broadcast("drop_manifest", ns, name, version)
         return {"deleted": f"{name}@v{version}"}
 
-    async def collect(self, token=None) -> dict:
+    async def collect(self, object_ttl_s: float = None, token=None) -> dict:
+        """Delete chunks no committed version names; opaque objects stay unless written more
+        than object_ttl_s seconds ago (origin/store.py: ChunkStore.collect)."""
         self.tokens.check_admin(token, "collect")
-        return await asyncio.to_thread(self.store.collect)
+        if object_ttl_s is not None:
+            object_ttl_s = check_number(object_ttl_s, "object_ttl_s", 0)
+        return await asyncio.to_thread(self.store.collect, object_ttl_s)
 
     # --- operator controls -------------------------------------------------------------
     async def _versions_of(self, tenant: str, kb: str) -> list:

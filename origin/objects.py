@@ -72,12 +72,41 @@ class LocalObjects:
         return StoreError(f"cannot {op} {name} under {self.root}: {e.strerror or e} "
                           f"(errno {e.errno}); nothing was stored")
 
-    def put(self, name: str, parts) -> int:
-        """Write the object whole (atomic, durable); returns its size."""
+    def put(self, name: str, parts, durable: bool = True) -> int:
+        """Write the object whole (atomic; durable unless durable=False, when sync() must
+        follow before anyone is told it is stored); returns its size."""
         try:
-            return write_atomic(self.root / name, parts, self.fsync)
+            return write_atomic(self.root / name, parts, self.fsync and durable)
         except OSError as e:    # disk full, quota, I/O error: kdn.core.files left nothing behind
             raise self._failed("write", Path(name).name, e) from None
+
+    def sync(self, names, each=map) -> None:
+        """Make objects put with durable=False durable: each file fsynced (each= runs them
+        several at once), then each folder holding them once, instead of a file and a folder
+        per object."""
+        if not self.fsync:
+            return
+        names = list(names)
+
+        def one(path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        try:
+            list(each(one, [self.root / n for n in names]))
+            list(each(one, sorted({(self.root / n).parent for n in names})))
+        except OSError as e:
+            raise StoreError(f"cannot fsync {len(names)} objects under {self.root}: "
+                             f"{e.strerror or e} (errno {e.errno}); they are not durable") from None
+
+    def modified(self, name: str):
+        """When the object was last written (seconds since the epoch), None if absent."""
+        try:
+            return (self.root / name).stat().st_mtime
+        except FileNotFoundError:
+            return None
 
     def put_new(self, name: str, data) -> bool:
         """Write the object only if the name is free (False, nothing written, if it is not)."""
@@ -257,7 +286,8 @@ class S3Objects:
         except FileNotFoundError as e:
             raise StoreError(f"origin bucket {self.where()} does not exist: {_short(e)}") from None
 
-    def put(self, name: str, parts) -> int:
+    def put(self, name: str, parts, durable: bool = True) -> int:
+        """Write the object whole (a PUT is durable when it answers, whatever durable says)."""
         import obstore
         if not isinstance(parts, (bytes, bytearray, memoryview)):
             parts = list(parts)
@@ -269,6 +299,19 @@ class S3Objects:
         except obstore.exceptions.BaseError as e:
             raise self._failed("write", name, e) from None
         return len(data)
+
+    def sync(self, names, each=map) -> None:
+        """Nothing to do: every PUT was durable when it answered."""
+
+    def modified(self, name: str):
+        """When the object was last written (seconds since the epoch), None if absent."""
+        import obstore
+        try:
+            return obstore.head(self._store, name)["last_modified"].timestamp()
+        except FileNotFoundError:
+            return None
+        except obstore.exceptions.BaseError as e:
+            raise self._failed("read", name, e) from None
 
     def put_new(self, name: str, data) -> bool:
         import obstore

@@ -6,6 +6,7 @@ then sent the rest in batches of at most PUSH_BATCH_BYTES, BATCHES_IN_FLIGHT at 
 all edges. When the membership changes, every live chunk goes to owners that did not own it
 before. A dead or slow edge is skipped (counted in edge_call_failures): it refills by
 pull-through, and a publish never fails for it. Any other error from an edge raises.
+Opaque objects (put_objects) are pushed the same way, in the background (origin/node.py).
 """
 import asyncio
 import collections
@@ -104,9 +105,11 @@ class Pusher:
         self.counters["chunks_pushed"] += sum(pushed.values())
         return {e: len(ks) for e, ks in targets.items()}, pushed
 
-    async def push_keys(self, keys) -> dict:
+    async def push_objects(self, keys) -> dict:
         """Send chunks no KB names (opaque objects) to their ring owners, asking each owner
-        first what it holds; edge -> chunks sent."""
+        first what it holds; edge -> chunks sent. Read back from the store (the page cache),
+        not held from the call that stored them: a backlog of pushes then pins nothing in
+        Ray's object store."""
         ring, targets = self.membership.ring, collections.defaultdict(list)
         if len(ring):
             for k, owners in zip(keys, ring.owners_batch(list(keys), self.membership.replicas)):

@@ -40,6 +40,13 @@ rename; in a bucket it is a copy that leaves the .kdnm in place, so its name sta
 the conditional write: a version is visible while its .kdnm exists and no .retired or
 .corrupt of the same number does.)
 
+Other cache layers' objects (LMCache's, SGLang's: opaque chunks, kdn.engines.objects) are
+stored the same way, but no manifest will ever name them: collect() tells them by their
+frame header (dtype "opaque") and keeps them, across restarts, unless an object TTL is
+given; delete_objects() removes a namespace's objects by key (the host layer's delete).
+put_chunks() writes a batch and makes it durable together (each file fsynced after all are
+written, then each folder once), rather than a file and a folder per chunk.
+
 One process owns a store. Inside it, a lock serialises manifest commits, retirements and
 collection; chunk writes run outside it (writers of one key wait for each other, so it is
 written once), and keys a publisher has put but not yet committed are protected from a
@@ -54,9 +61,12 @@ import contextlib
 import logging
 import re
 import threading
+import time
 
 from kdn.core.chunk import MAX_HEADER, Chunk, Encoded, decode, encode_parts, read_header
+from kdn.core.checks import check_number
 from kdn.core.codecs import codecs
+from kdn.core.dtypes import OPAQUE
 from kdn.core.errors import (ChunkNotFound, CorruptChunk, FrameError, ManifestError, StoreError,
                              VersionNotFound)
 from kdn.core.files import make_dirs
@@ -80,6 +90,7 @@ _MANIFEST_NAME = re.compile(r"manifests/([0-9a-f]{32})/([^/]+)/(\d{10})\.(kdnm|r
 COUNTERS = ("reads", "writes", "deduplicated", "repaired", "corrupt_detected",
             "cleaned_partials", "manifests_quarantined", "commit_conflicts", "sums_refused",
             "repairs_refused")
+_GONE = object()                  # collect(): the chunk vanished while it looked
 SUMS_KEPT = 1 << 18               # stored chunks' checksums remembered (immutable: never stale)
 
 
@@ -176,12 +187,33 @@ class ChunkStore:
         """Store chunk durably; False (and no write) when an intact copy is already stored."""
         return self.put_chunk(chunk)[0]
 
-    def put_chunk(self, chunk: Chunk) -> tuple:
+    def put_chunk(self, chunk: Chunk, durable: bool = True) -> tuple:
         """Store chunk durably: (written, sum), sum the checksum of the bytes now stored under
-        its key (the chunk's own, or those already there when the put was deduplicated)."""
+        its key (the chunk's own, or those already there when the put was deduplicated).
+        durable=False leaves the fsync to the caller (put_chunks: one sync for a batch)."""
         if not isinstance(chunk, Chunk):
             raise StoreError(f"put() takes a Chunk, got {type(chunk).__name__}")
-        return self._store(_key(chunk.key), lambda: encode_parts(chunk, self.codec), chunk.digest)
+        return self._store(_key(chunk.key), lambda: encode_parts(chunk, self.codec), chunk.digest,
+                           durable)
+
+    def put_chunks(self, chunks) -> list:
+        """put_chunk for each chunk, several at once, made durable together: the files are
+        fsynced after all are written, then each folder once (a deduplicated key's file too,
+        which a concurrent batch may not have synced yet). [(written, sum)] in order; durable
+        when it returns."""
+        results = self.map(lambda c: self.put_chunk(c, durable=False), chunks)
+        self.objects.sync(dict.fromkeys(_chunk_name(_key(c.key)) for c in chunks), self.map)
+        return results
+
+    def put_objects(self, chunks) -> list:
+        """put_chunks for opaque chunks (another cache layer's objects): no manifest will name
+        them, so they are not held as pending; collect() keeps them by their frame header."""
+        bad = next((c for c in chunks if not (isinstance(c, Chunk) and c.opaque)), None)
+        if bad is not None:
+            raise StoreError(f"put_objects() takes opaque Chunks, got {bad!r:.80}")
+        results = self.put_chunks(chunks)
+        self.release(c.key for c in chunks)
+        return results
 
     def put_frame(self, frame) -> tuple:
         """Verify an encoded frame (checksum included) and store it as is; return (key, written)."""
@@ -192,7 +224,7 @@ class ChunkStore:
         key = _key(chunk.key)
         return key, self._store(key, lambda: [frame], chunk.digest)[0]
 
-    def _store(self, key: bytes, parts, digest) -> tuple:
+    def _store(self, key: bytes, parts, digest, durable: bool = True) -> tuple:
         name = _chunk_name(key)
         with self._lock:
             self._pending.add(key)   # from here on a concurrent collect() leaves this key alone
@@ -206,7 +238,7 @@ class ChunkStore:
             ours = digest()
             if seen is not None:
                 self._check_repair(key, ours)
-            n = self.objects.put(name, parts())   # over nothing, or over the corrupt copy seen
+            n = self.objects.put(name, parts(), durable)   # over nothing, or the corrupt copy seen
             with self._lock:
                 self.counters["writes"] += 1
                 if seen is None:
@@ -527,11 +559,16 @@ class ChunkStore:
                                    f"{prefix}{version:010d}{RETIRED_SUFFIX}")
 
     # --- maintenance -------------------------------------------------------------------
-    def collect(self) -> dict:
+    def collect(self, object_ttl_s: "float | None" = None, now: "float | None" = None) -> dict:
         """Delete chunks no committed version references (and no publisher is still putting).
 
-        Refused (ManifestError, nothing deleted) while a quarantined manifest exists: its
-        chunks cannot be told apart, and restoring the file must find them still there."""
+        Opaque objects (put_objects: no manifest names them) are live: they stay, unless
+        object_ttl_s is given, when those written more than object_ttl_s seconds before now
+        go too. Refused (ManifestError, nothing deleted) while a quarantined manifest exists:
+        its chunks cannot be told apart, and restoring the file must find them still there."""
+        if object_ttl_s is not None:
+            object_ttl_s = check_number(object_ttl_s, "object_ttl_s", 0, error=StoreError)
+        now = time.time() if now is None else now
         with self._lock:
             live = set(self._pending)
             for m in self.manifests():
@@ -541,16 +578,66 @@ class ChunkStore:
                 raise ManifestError(f"collect refused: {len(held)} quarantined manifest file(s) "
                                     f"({', '.join(held[:3])}) may reference chunks; restore or "
                                     f"delete them under {self.objects.where('manifests')} first")
-            n = size = 0
-            for key, nbytes in list(self._chunk_objects()):
-                if key in live:
+            unnamed = [(k, n) for k, n in self._chunk_objects() if k not in live]
+            # read in the I/O threads, which never take the lock held here
+            kinds = self.map(lambda kn: self._object_age(kn[0], now), unnamed)
+            n = size = kept = expired = 0
+            for (key, nbytes), age in zip(unnamed, kinds):
+                if age is _GONE:
                     continue
+                if age is not None:                  # an opaque object, written age s ago
+                    if object_ttl_s is None or age <= object_ttl_s:
+                        kept += 1
+                        continue
+                    expired += 1
                 if self.objects.delete(_chunk_name(key)):
                     size += nbytes
                     n += 1
+                    self._sums.pop(key, None)
             self._count -= n
             self._bytes -= size
-            return dict(chunks=n, bytes=size)
+            return dict(chunks=n, bytes=size, objects_kept=kept, objects_expired=expired)
+
+    def _object_age(self, key: bytes, now: float):
+        """Seconds since the opaque object under key was written; None when the chunk is not
+        an intact opaque frame's header (garbage like any unreferenced chunk); _GONE when it
+        vanished meanwhile. An unreadable one raises (StoreError, OSError): never deleted on
+        a guess."""
+        name = _chunk_name(key)
+        try:
+            header, _ = read_header(self.objects.head(name, 8 + MAX_HEADER))
+            if header["dtype"] != OPAQUE:
+                return None
+            when = self.objects.modified(name)
+        except FileNotFoundError:
+            return _GONE
+        except FrameError:
+            return None
+        return _GONE if when is None else max(0.0, now - when)
+
+    def delete_objects(self, keys, ns: bytes) -> list:
+        """Delete the opaque objects of namespace ns under keys (a host layer's own delete);
+        a key that is not such an object (absent, a KB's chunk, another namespace's) is left
+        alone. The keys deleted."""
+        ns = _ns(ns)
+        keys = list(dict.fromkeys(_key(k) for k in keys))
+
+        def ours(k):
+            try:
+                header, _ = read_header(self.objects.head(_chunk_name(k), 8 + MAX_HEADER))
+            except (FileNotFoundError, FrameError):
+                return False
+            return header["dtype"] == OPAQUE and header["ns"] == ns
+        gone = []
+        with self._lock:
+            for k, mine in zip(keys, self.map(ours, keys)):
+                n = self.objects.size(_chunk_name(k)) if mine else None
+                if n is not None and self.objects.delete(_chunk_name(k)):
+                    self._count -= 1
+                    self._bytes -= n
+                    self._sums.pop(k, None)
+                    gone.append(k)
+        return gone
 
     def verify(self) -> list:
         """Read and verify every stored chunk; return the keys of those that fail."""

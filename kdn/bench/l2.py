@@ -60,8 +60,9 @@ def start_redis(workdir: str):
 
 def lmcache_bench(adapter: dict, args, out_path: str) -> dict:
     """One `lmcache bench l2` process; its JSON metrics."""
-    cmd = [shutil.which("lmcache") or os.path.join(os.path.dirname(sys.executable), "lmcache"),
-           "bench", "l2", "--l2-adapter", json.dumps(adapter), "--num-keys", str(args.num_keys),
+    # LMCache's CLI module run by this interpreter: its console script's shebang may name
+    # another environment's Python (a copied venv), which would bench that one's kdn
+    cmd = [sys.executable, "-m", "lmcache.cli.main", "bench", "l2", "--l2-adapter", json.dumps(adapter), "--num-keys", str(args.num_keys),
            "--data-size-kb", str(args.data_size_kb), "--rounds", str(args.rounds),
            "--no-skip-verify", "--format", "json", "--output", out_path, "-q"]
     env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")

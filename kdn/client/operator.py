@@ -77,6 +77,12 @@ class Operator:
             fingerprint = fps[0]
         return self.view.origin("delete_version", namespace_digest(self.tenant, fingerprint), kb, version)
 
+    def collect(self, object_ttl_s: float = None) -> dict:
+        """Delete the origin's chunks no committed version names (of every tenant). Other
+        cache layers' objects (LMCache's, SGLang's) stay, unless written more than
+        object_ttl_s seconds ago."""
+        return self.view.origin("collect", object_ttl_s=object_ttl_s, timeout=OVERRIDE_TIMEOUT_S)
+
     # --- ring ----------------------------------------------------------------------------
     def add_edge(self, name: str, region: str, capacity_bytes: int = 2 << 30, **edge_options) -> dict:
         """Start an edge actor in `region` and add it to the ring (keys move to it)."""

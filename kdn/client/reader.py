@@ -172,7 +172,7 @@ class Reader:
         layer: kdn.engines.objects), each checked by its frame; their owner checks contents."""
         t0 = time.perf_counter()
         keys = list(keys)
-        got = self._receive(keys, {}, timeout_s) if keys else _Received()
+        got = self._receive(keys, {}, timeout_s, claim=True) if keys else _Received()
         return got.fetched(keys, 0, t0)
 
     def _tokens_of(self, n_chunks, n_tokens, m):
@@ -190,20 +190,22 @@ class Reader:
     def _timeout(self, n_keys: int) -> float:
         return FETCH_TIMEOUT_S + FETCH_TIMEOUT_PER_MB_S * n_keys * CHUNK_BYTES_ESTIMATE / 1e6
 
-    def _receive(self, keys, expected: dict, timeout_s: float = None) -> _Received:
+    def _receive(self, keys, expected: dict, timeout_s: float = None, claim: bool = False) -> _Received:
         """The longest verified prefix of keys, over as many edge replies as it takes.
 
         A request names at most MAX_FETCH_KEYS keys (what an edge takes), and an edge stops
         early at its reply bound ("more"): the rest is asked for next. A corrupt copy is reported and
         its keys asked for again (another replica, or the origin), at most
-        MAX_CORRUPT_RETRIES times; then the prefix ends before it.
+        MAX_CORRUPT_RETRIES times; then the prefix ends before it. claim: name the
+        namespace's tenant and fingerprint to the edge (a namespace no manifest names).
         """
         got, retries = _Received(), 0
+        named = {"tenant": self.tenant, "fingerprint": self.fingerprint} if claim else {}
         while len(got.chunks) < len(keys):
             rest = keys[len(got.chunks):len(got.chunks) + MAX_FETCH_KEYS]
             reply, edge, failed = self.view.edge(
                 "fetch", rest, self.ns, self.view.region, timeout=timeout_s or self._timeout(len(rest)),
-                resolve_refs=True, node=self.view.node_id, accept=self.accept, token=self.token)
+                resolve_refs=True, node=self.view.node_id, accept=self.accept, token=self.token, **named)
             got.failovers += failed
             chunks, exact, bad = self._check_reply(rest, reply["chunks"], edge, expected)
             got.add(reply, chunks, exact, edge)

@@ -17,11 +17,17 @@ key's `cache_salt` picks the tenant (kdn.engines.objects.Tenancy).
 LMCache's contract, as its own fs and mock adapters keep it: three distinct eventfds, a
 lock over task ids and completed results, one daemon thread with an asyncio loop (network
 calls run in a small thread pool under it, never on LMCache's threads), each result handed
-out once. A locked key stays loadable: the origin never evicts, so whatever a lookup found
-any edge can serve until unlock. A load that fails reports those keys not loaded and
-LMCache recomputes them: never a wrong byte (every object is checked end to end).
-`delete` forgets keys for LMCache's quota accounting only: KDN's objects are immutable and
-durable (an operator's `collect` removes what no KB names).
+out once. A locked key stays loadable: the origin never evicts on its own, so whatever a lookup
+found any edge can serve until unlock (or a delete). A load that fails reports those keys
+not loaded and LMCache recomputes them: never a wrong byte (every object is checked end to
+end). `delete` (LMCache's eviction: give `capacity_bytes` to turn its global eviction on)
+deletes from the origin and every edge; objects otherwise stay until an operator's
+`collect(object_ttl_s=...)` (kdn.engines.objects: lifetime).
+
+Tokens: `token` (the admin token) goes only with stores and deletes; lookups and loads carry
+`read_token` (`tenant`'s) or `read_tokens` (per tenant). A refusal is logged once as an
+error naming the setting, counted (store_refused, lookup_refused, load_refused), and those
+keys are reported not stored / not found / not loaded.
 """
 import asyncio
 import collections
@@ -36,20 +42,25 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from kdn.engines.objects import Objects, Tenancy, check_params, object_key
-from kdn.core.errors import NetworkError
+from kdn.engines.objects import Objects, Tenancy, check_params, object_key, read_tokens_of
+from kdn.core.checks import check_int
+from kdn.core.errors import AccessDenied, BadConfig, NetworkError
 
 log = logging.getLogger(__name__)
 
 LAYER = "lmcache"
 NETWORK_THREADS = 4           # blocking network calls in flight at once (stores, lookups, loads)
+DELETE_TIMEOUT_S = 30.0       # a delete waits this long for the origin (as LMCache's fs adapter)
 
 PARAMS = {               # adapter_params: name -> (type, default)
     "network": (str, "kdn"),          # the KDN network's name
     "region": ((str, type(None)), None),   # where this server is (default: its Ray node's label)
     "tenant": (str, "default"),       # the tenant of keys without a cache_salt
     "tenants": (dict, None),          # cache_salt -> tenant; other salts: "<tenant>~<salt>"
-    "token": ((str, type(None)), None),    # the network's admin token (stores need it)
+    "token": ((str, type(None)), None),    # the network's admin token: stores and deletes only
+    "read_token": ((str, type(None)), None),   # `tenant`'s read token: lookups and loads
+    "read_tokens": ((dict, type(None)), None),  # tenant -> read token, for the tenants salts map to
+    "capacity_bytes": (int, 0),            # > 0: LMCache's eviction deletes beyond it (0: none)
     "address": ((str, type(None)), None),  # Ray's address (default: `kdn up`'s, else auto)
 }
 
@@ -58,10 +69,13 @@ class KDNL2AdapterConfig(L2AdapterConfigBase):
     """adapter_params, checked: a bad one is a BadConfig (a ValueError) naming the field."""
 
     def __init__(self, network="kdn", region=None, tenant="default", tenants=None, token=None,
-                 address=None):
+                 read_token=None, read_tokens=None, capacity_bytes=0, address=None):
         self.network, self.region, self.tenant = network, region, tenant
         self.tenancy = Tenancy(tenant, tenants, "adapter_params")
         self.token, self.address = token, address
+        self.read_tokens = read_tokens_of(tenant, read_token, read_tokens, "adapter_params")
+        self.capacity_bytes = check_int(capacity_bytes, "adapter_params: field 'capacity_bytes'", 0,
+                                        error=BadConfig)
 
     @classmethod
     def from_dict(cls, d: dict) -> "KDNL2AdapterConfig":
@@ -85,10 +99,12 @@ class KDNL2Adapter(L2AdapterInterface):
     def __init__(self, config, l1_memory_desc=None, objects: Objects = None):
         if isinstance(config, dict):
             config = KDNL2AdapterConfig.from_dict(config)
-        super().__init__(max_capacity_bytes=0)     # unbounded, durable: no global eviction
+        super().__init__(max_capacity_bytes=config.capacity_bytes)   # 0: no global eviction
         self.config = config
         self.objects = objects or Objects.connect(config.network, config.region, LAYER,
-                                                  admin_token=config.token, address=config.address)
+                                                  admin_token=config.token, address=config.address,
+                                                  read_tokens=config.read_tokens)
+        self._refusals = set()                     # refusal messages logged (each once)
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
@@ -153,6 +169,8 @@ class KDNL2Adapter(L2AdapterInterface):
         except NetworkError as e:                 # the origin did not take them: LMCache may retry
             self.counters["store_failed"] += 1
             log.warning("KDN L2 store of %d objects failed: %s", len(keys), e)
+        except AccessDenied as e:                 # no (or a wrong) admin token: a setting to fix
+            self._refused("store_refused", e)
         finally:
             new = []
             if ok:
@@ -196,6 +214,8 @@ class KDNL2Adapter(L2AdapterInterface):
         except NetworkError as e:                    # no edge answered: nothing is found
             self.counters["lookup_failed"] += 1
             log.warning("KDN L2 lookup of %d keys failed: %s", len(keys), e)
+        except AccessDenied as e:                    # a missing or wrong read token
+            self._refused("lookup_refused", e)
         finally:
             with self._lock:
                 self._lookups[task_id] = bitmap
@@ -228,7 +248,11 @@ class KDNL2Adapter(L2AdapterInterface):
                 by_ns[ns].append((i, k))
             for ns, items in by_ns.items():
                 outs = [objs[i].byte_array for i, _ in items]
-                got = await self._io(self.objects.load, ns, [k for _, k in items], outs)
+                try:
+                    got = await self._io(self.objects.load, ns, [k for _, k in items], outs)
+                except AccessDenied as e:           # a missing or wrong read token: not loaded
+                    self._refused("load_refused", e)
+                    continue
                 for (i, _), ok in zip(items, got):
                     if ok:
                         bitmap.set(i)
@@ -242,11 +266,36 @@ class KDNL2Adapter(L2AdapterInterface):
 
     # --- eviction, status, close ---------------------------------------------------------
     def delete(self, keys) -> None:
-        """Forget keys for LMCache's quota accounting (KDN's objects stay: see the module)."""
+        """Delete keys from the network (LMCache's eviction calls it): the origin and every
+        edge drop them. Blocks, as LMCache's fs adapter does; a refused or failed delete
+        leaves them stored (logged, counted) and LMCache's accounting unchanged."""
+        keys = list(keys)
+        if not keys:
+            return
+        by_ns = collections.defaultdict(list)
+        for k, (ns, kdn_key) in zip(keys, self._ns_keys(keys)):
+            by_ns[ns].append(kdn_key)
+        try:
+            for ns, ks in by_ns.items():
+                self._pool.submit(self.objects.delete, ns, ks).result(timeout=DELETE_TIMEOUT_S)
+        except (NetworkError, concurrent.futures.TimeoutError) as e:
+            self.counters["delete_failed"] += 1
+            log.warning("KDN L2 delete of %d keys failed: %s", len(keys), e)
+            return
+        except AccessDenied as e:
+            self._refused("delete_refused", e)
+            return
         with self._lock:
             gone = [(k, self._known.pop(k)) for k in keys if k in self._known]
         if gone:
             self._notify_keys_deleted([k for k, _ in gone], [n for _, n in gone])
+
+    def _refused(self, counter: str, e: AccessDenied) -> None:
+        """Count a refusal; log it as an error the first time its message is seen."""
+        self.counters[counter] += 1
+        if str(e) not in self._refusals:
+            self._refusals.add(str(e))
+            log.error("%s", e)
 
     def stats(self) -> dict:
         with self._lock:

@@ -17,6 +17,11 @@ returns the length of the consecutive hit prefix; loads fetch from the nearest l
 failing over, straight into the host pool's pages (one copy). A page that does not arrive
 intact is reported missing and SGLang recomputes it: never a wrong byte.
 
+Tokens: `token` (the admin token) goes only with stores; lookups and loads carry
+`read_token` (the tenant's). A refusal is logged once as an error naming the setting,
+counted (`refused`), and the pages reported not stored / missing. HiCache has no per-key
+delete: pages stay until an operator's `collect(object_ttl_s=...)` (kdn.engines.objects).
+
 Calls block, as SGLang's own backends' do: SGLang makes them from its cache controller's
 I/O threads, never its scheduler's.
 """
@@ -26,8 +31,8 @@ import logging
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from kdn.engines.objects import REQUIRED, Objects, as_bytes, check_params, object_key
-from kdn.core.errors import BadConfig, NetworkError
+from kdn.engines.objects import REQUIRED, Objects, as_bytes, check_params, object_key, read_tokens_of
+from kdn.core.errors import AccessDenied, BadConfig, NetworkError
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +44,8 @@ PARAMS = {                       # the extra config: SGLang's fields, then KDN's
     "region": ((str, type(None)), None),           # where this server is (default: its node's label)
     "tenant": (str, "default"),                    # whose namespace the pages live in
     "model": ((str, type(None)), None),            # default: storage_config.model_name
-    "token": ((str, type(None)), None),            # the network's admin token (stores need it)
+    "token": ((str, type(None)), None),            # the network's admin token: stores only
+    "read_token": ((str, type(None)), None),       # the tenant's read token: lookups and loads
     "address": ((str, type(None)), None),          # Ray's address (default: `kdn up`'s, else auto)
 }
 
@@ -66,8 +72,11 @@ class KDNHiCacheStorage(HiCacheStorage):
         self.suffix = (f"mla{storage_config.pp_rank}" if self.is_mla else
                        f"{storage_config.tp_rank}of{storage_config.tp_size}p{storage_config.pp_rank}")
         self.entries = 1 if self.is_mla else 2     # entries per page until the pool says otherwise
+        read_tokens = read_tokens_of(cfg["tenant"], cfg["read_token"], None, "KDN HiCache extra config")
         self.objects = objects or Objects.connect(cfg["network"], cfg["region"], LAYER,
-                                                  admin_token=cfg["token"], address=cfg["address"])
+                                                  admin_token=cfg["token"], address=cfg["address"],
+                                                  read_tokens=read_tokens)
+        self._refusals = set()                     # refusal messages logged (each once)
         self.ns = self.objects.namespace(cfg["tenant"], model)
         self.mem_pool_host = None
 
@@ -113,6 +122,9 @@ class KDNHiCacheStorage(HiCacheStorage):
         except NetworkError as e:              # the origin did not take them: SGLang may retry
             log.warning("KDN HiCache store of %d pages failed: %s", pages, e)
             return [False] * pages
+        except AccessDenied as e:              # no (or a wrong) admin token: a setting to fix
+            self._refused(e)
+            return [False] * pages
 
     def _load(self, kdn_keys, bufs) -> list:
         try:
@@ -120,6 +132,16 @@ class KDNHiCacheStorage(HiCacheStorage):
         except NetworkError as e:              # nobody answered: the pages are computed
             log.warning("KDN HiCache load of %d objects failed: %s", len(kdn_keys), e)
             return [False] * len(kdn_keys)
+        except AccessDenied as e:              # a missing or wrong read token
+            self._refused(e)
+            return [False] * len(kdn_keys)
+
+    def _refused(self, e: AccessDenied) -> None:
+        """Count a refusal; log it as an error the first time its message is seen."""
+        self.objects.counters["refused"] += 1
+        if str(e) not in self._refusals:
+            self._refusals.add(str(e))
+            log.error("%s", e)
 
     # --- the tensor / pointer API -------------------------------------------------------------
     @staticmethod
@@ -164,6 +186,9 @@ class KDNHiCacheStorage(HiCacheStorage):
         except NetworkError as e:
             log.warning("KDN HiCache lookup of %s failed: %s", key, e)
             return False
+        except AccessDenied as e:
+            self._refused(e)
+            return False
         return whole or self.batch_exists([key]) == 1
 
     def batch_exists(self, keys, extra_info=None) -> int:
@@ -175,6 +200,9 @@ class KDNHiCacheStorage(HiCacheStorage):
             held = self.objects.lookup(self.ns, self._keys(keys, n))
         except NetworkError as e:
             log.warning("KDN HiCache lookup of %d pages failed: %s", len(keys), e)
+            return 0
+        except AccessDenied as e:
+            self._refused(e)
             return 0
         pages = self._grouped(held, n)
         return next((i for i, h in enumerate(pages) if not h), len(keys))

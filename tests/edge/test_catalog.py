@@ -112,3 +112,21 @@ def test_listing_checks_the_tenant_and_falls_back_to_the_broadcast_copy():
     up = _catalog(Origin([_manifest("acme", version=2)]))
     assert [m["version"] for m in asyncio.run(up.list("acme", "fp", ACME))] == [2]
     assert up.listed("acme", "fp")[0]["version"] == 2, "what the origin lists is kept"
+
+
+def test_a_claim_that_digests_to_the_namespace_names_its_tenant_without_a_manifest():
+    """Objects of another cache layer (no manifest): the reader names (tenant, fingerprint);
+    a claim is checked by its digest, and still needs that tenant's read token."""
+    origin = Origin()
+    c = _catalog(origin)
+    ns = namespace_digest("acme", "lmcache/m")
+    asyncio.run(c.check_read(ns, ACME, "fetch", ("acme", "lmcache/m")))
+    assert origin.asked == [] and c.ns_tenant[ns] == "acme"      # learned, no origin call
+    other = namespace_digest("acme", "lmcache/other")
+    for claim, token in [(("acme", "lmcache/m"), ACME),           # digests another namespace
+                         (("acme", "lmcache/other"), None),       # the right claim, no token
+                         (("beta", "lmcache/other"), ACME),       # a lie: digests nothing here
+                         (("acme\0", "x"), ACME), ("acme", ACME)]:  # malformed
+        with pytest.raises(AccessDenied, match="read token"):
+            asyncio.run(c.check_read(other, token, "fetch", claim))
+    assert other not in c.ns_tenant

@@ -35,15 +35,21 @@ WAIT_S = 60.0
 ROW = re.compile(r"^\|\s*(LOOKUP \(absent\)|STORE|LOOKUP \(exist\)|LOAD)\s*\|.*?\|\s*(\d+)/(\d+)\s*\|\s*([\d.]+)%")
 
 
+ADMIN = "admin-token-l2-0123456789"
+READ = {"default": "read-default-0123456789", "tenant-a": "read-tenant-a-0123456789"}
+
+
 @pytest.fixture(scope="module")
 def net(small_network, ray_cluster):
-    n = small_network()
+    """Read tokens on: every read below carries its tenant's read token, never the admin's."""
+    n = small_network(auth={"admin": ADMIN, "readers": READ})
     n.address = ray_cluster.address
     return n
 
 
 def params(net, region, **extra):
-    return {"network": net.name, "region": region, "address": net.address, **extra}
+    return {"network": net.name, "region": region, "address": net.address, "token": ADMIN,
+            "read_tokens": READ, **extra}
 
 
 def adapter_json(net, region) -> str:
@@ -206,13 +212,54 @@ def test_usage_delete_and_distinct_event_fds(adapters):
     assert store(a, keys, [memobj(256, seed=i) for i in range(2)]) >= 0
     assert store(a, keys, [memobj(256, seed=i) for i in range(2)]) >= 0     # again: counted once
     assert a.get_usage().total_bytes_used == before + 2 * 1024
-    a.delete(keys)
+    a.delete(keys)                                  # from the network, not only the accounting
     assert a.get_usage().total_bytes_used == before
+    assert lookup(a, keys) == [False, False] and a.objects.counters["deleted"] == 2
     assert a.report_status()["is_healthy"] is True
 
 
+def test_the_origins_collect_keeps_stored_objects(adapters, net):
+    """collect removes what no KB names, but objects are live until deleted or past a TTL."""
+    from kdn.client.operator import Operator
+    a = adapters("ap-south")
+    keys = [key(600 + i) for i in range(2)]
+    objs = [memobj(1 << 16, seed=600 + i) for i in range(2)]
+    assert store(a, keys, objs) >= 0
+    got = Operator(a.objects.view, "default").collect()
+    assert got["objects_kept"] >= 2 and got["objects_expired"] == 0
+    ns = a.objects.namespace("default", MODEL)
+    served = a.objects.view.origin("get_chunks", [object_key(ns, host_key(k)) for k in keys])
+    assert [c.kv[:-8].tobytes() for c in served] == [bytes(o.byte_array) for o in objs]
+
+
+def test_reads_carry_the_read_token_writes_the_admin_token_and_a_wrong_one_is_named(adapters, caplog):
+    writer = adapters("us-east", read_tokens=None)             # the admin token only
+    reader = adapters("us-east", token=None)                   # read tokens only
+    wrong = adapters("us-east", token=None, read_tokens=None, read_token="not-the-read-token-0")
+    keys = [key(500 + i) for i in range(3)]
+    objs = [memobj(1 << 16, seed=500 + i) for i in range(3)]
+    assert store(writer, keys, objs) == 3 << 18
+    assert lookup(reader, keys) == [True] * 3                  # no admin token needed to read
+    outs = [memobj(1 << 16, fill=0.0) for _ in keys]
+    assert load(reader, keys, outs) == [True] * 3
+    assert all(bytes(o.byte_array) == bytes(w.byte_array) for o, w in zip(outs, objs))
+    caplog.set_level("ERROR", logger="kdn.engines.lmcache")
+    assert lookup(writer, keys) == [False] * 3                 # the admin token never reads
+    assert writer.counters["lookup_refused"] == 1
+    assert load(wrong, keys, [memobj(1 << 16) for _ in keys]) == [False] * 3
+    assert wrong.counters["load_refused"] == 1
+    assert store(reader, [key(510)], [memobj(64)]) == -1       # no admin token: failed
+    assert reader.counters["store_refused"] == 1
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "tenant 'default' (no read token given" in logged and "(a wrong read token" in logged
+    assert "stores need the network's admin token (the `token` setting)" in logged
+
+
 @pytest.mark.parametrize("bad, field", [({"netwrok": "kdn"}, "netwrok"), ({"region": 5}, "region"),
-                                        ({"tenants": {"s": ""}}, "tenants"), ({"token": ["x"]}, "token")])
+                                        ({"tenants": {"s": ""}}, "tenants"), ({"token": ["x"]}, "token"),
+                                        ({"read_tokens": {"t": 5}}, "read_tokens"),
+                                        ({"read_token": ""}, "read_token"),
+                                        ({"capacity_bytes": -1}, "capacity_bytes")])
 def test_bad_adapter_params_name_the_field(bad, field):
     with pytest.raises(BadConfig, match=f"'{field}'"):
         KDNL2AdapterConfig.from_dict(bad)

@@ -8,8 +8,8 @@ import pytest
 
 from kdn.core.chunk import Chunk, Encoded, _frame_prefix, decode, encode, read_header
 from kdn.core.errors import BadConfig, BadHeader, BadLength, BadRequest, ChecksumMismatch, UnknownCodec
-from kdn.engines.objects import (TRAILER, Tenancy, check_params, object_key, object_namespace, pack,
-                                 unpack_into)
+from kdn.engines.objects import (TRAILER, Tenancy, check_params, object_key, object_namespace,
+                                 pack, read_tokens_of, unpack_into)
 
 NS = object_namespace("default", "lmcache", "m")
 KEY = object_key(NS, b"host-key")
@@ -109,3 +109,12 @@ def test_check_params_names_the_field():
             check_params(bad, allowed, "p")
     with pytest.raises(BadConfig, match="JSON object"):
         check_params([1], allowed, "p")
+
+
+def test_read_tokens_name_the_field_of_a_bad_one():
+    assert read_tokens_of("acme", "tok-a", {"beta": "tok-b"}, "p") == {"acme": "tok-a", "beta": "tok-b"}
+    assert read_tokens_of("acme", None, None, "p") == {}
+    with pytest.raises(BadConfig, match="'read_token'"):
+        read_tokens_of("acme", "", None, "p")
+    with pytest.raises(BadConfig, match="'read_tokens'"):
+        read_tokens_of("acme", None, {"beta": 7}, "p")

@@ -25,15 +25,23 @@ from kdn.core.errors import BadConfig  # noqa: E402
 MODEL = "test-model"
 
 
+ADMIN = "admin-token-hicache-0123456789"
+READ = {"default": "read-default-0123456789", "tenant-a": "read-tenant-a-0123456789",
+        "tenant-b": "read-tenant-b-0123456789"}
+
+
 @pytest.fixture(scope="module")
 def net(small_network, ray_cluster):
-    n = small_network()
+    """Read tokens on: every read below carries its tenant's read token, never the admin's."""
+    n = small_network(auth={"admin": ADMIN, "readers": READ})
     n.address = ray_cluster.address
     return n
 
 
 def make_config(net, *, is_mla_model=False, tp_rank=0, tp_size=1, region="eu-west", **extra):
-    """SGLang's HiCacheStorageConfig as its mooncake test makes it, with KDN's extra config."""
+    """SGLang's HiCacheStorageConfig as its mooncake test makes it, with KDN's extra config
+    (the admin token for stores, the tenant's read token for reads)."""
+    extra = {"token": ADMIN, "read_token": READ[extra.get("tenant", "default")], **extra}
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=is_mla_model, enable_storage_metrics=False, is_page_first_layout=True,
@@ -180,8 +188,31 @@ def test_a_corrupt_page_is_reported_missing(net):
     assert store.batch_get_v1([key], torch.tensor([1])) == [False]
 
 
+def test_reads_need_the_read_token_and_stores_the_admin_token(net, caplog):
+    writer = backend(net, read_token=None)                  # the admin token only
+    reader = backend(net, token=None)                       # the read token only
+    wrong = backend(net, token=None, read_token="not-the-read-token-0")
+    pool, buffer = create_mock_host_kv_cache(1 << 16, entries_per_page=2, page_elements=256)
+    for b in (writer, reader, wrong):
+        b.register_mem_pool_host(pool)
+    keys = [uuid.uuid4().hex for _ in range(3)]
+    assert all(writer.batch_set_v1(keys, torch.arange(3)))
+    assert reader.batch_exists(keys) == 3                   # no admin token needed to read
+    assert all(reader.batch_get_v1(keys, torch.arange(3, 6)))
+    assert torch.equal(buffer[:3 * 512], buffer[3 * 512:6 * 512])
+    caplog.set_level("ERROR", logger="kdn.engines.sglang")
+    assert writer.batch_exists(keys) == 0                   # the admin token never reads
+    assert wrong.batch_get_v1(keys, torch.arange(6, 9)) == [False] * 3
+    assert reader.batch_set_v1([uuid.uuid4().hex], torch.arange(1)) == [False]   # no admin token
+    assert (writer.objects.counters["refused"], wrong.objects.counters["refused"],
+            reader.objects.counters["refused"]) == (1, 1, 1)
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "(no read token given" in logged and "(a wrong read token given" in logged
+    assert "stores need the network's admin token (the `token` setting)" in logged
+
+
 @pytest.mark.parametrize("extra, field", [({"netwrk": "x"}, "netwrk"), ({"region": 3}, "region"),
-                                          ({"tenant": None}, "tenant")])
+                                          ({"tenant": None}, "tenant"), ({"read_token": ""}, "read_token")])
 def test_bad_extra_config_names_the_field(net, extra, field):
     cfg = make_config(net)
     cfg.extra_config.update(extra)

@@ -41,6 +41,10 @@ class Edge:
                 self.ttl[c.key] = ttl_s
         return n
 
+    def drop(self, keys):
+        gone = [k for k in keys if self.held.pop(k, None) is not None]
+        return len(gone)
+
     def pin_keys(self, keys):
         self.pinned.update(k for k in keys if k in self.held)
         return len(keys)

@@ -166,7 +166,8 @@ def test_every_method_but_ping_membership_and_stats_needs_the_admin_token(tmp_pa
                  "manifest": (m.ns, "handbook"), "delete_version": (m.ns, "handbook", 1),
                  "collect": (), "set_members": (MEMBERS,), "add_edge": ("x-1", "us-east"),
                  "remove_edge": ("us-east-0",), "set_override": ("acme", "handbook"),
-                 "warm": ("acme", "handbook", "us-east"), "auth_config": ()}
+                 "warm": ("acme", "handbook", "us-east"), "auth_config": (),
+                 "put_objects": ([],), "delete_objects": ([], m.ns), "pushes_settled": ()}
         for method, args in calls.items():
             for token in (None, "wrong-token-0123456789"):
                 with pytest.raises(AccessDenied, match="needs the network's admin token"):
@@ -320,6 +321,82 @@ def test_a_dead_edge_does_not_fail_a_publish_and_is_counted(tmp_path, edges):
         assert receipt["pushed"]["eu-west-0"] == 0 and receipt["pushed"]["us-east-0"] > 0
         st = await node.stats()
         assert st["counters"]["edge_call_failures"] >= 2      # add_manifest and have
+    run(go())
+
+
+# --- opaque objects (put_objects: LMCache's and SGLang's) ---------------------------------------
+OBJ_NS = bytes(range(16))
+
+
+def opaque(n, seed=0) -> list:
+    rng = np.random.default_rng(seed)
+    return [Chunk(rng.bytes(16), OBJ_NS, rng.integers(0, 256, 3000 + i, dtype=np.uint8), "opaque")
+            for i in range(n)]
+
+
+def test_objects_survive_an_origin_restart_and_its_collect(tmp_path, edges):
+    async def go():
+        node, fake = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+        objs = opaque(5)
+        assert (await node.put_objects(objs, token=ADMIN))["written"] == 5
+        m = kb()
+        await publish(node, m)
+        await node.delete_version(m.ns, m.name, 1, token=ADMIN)          # its chunks: garbage
+        restarted = OriginNode("t", str(tmp_path), TOPO.to_dict(), auth={"admin": ADMIN},
+                               actors=fake)                               # nothing in memory
+        gone = await restarted.collect(token=ADMIN)
+        assert (gone["chunks"], gone["objects_kept"]) == (len(set(m.keys)), 5)
+        got = await restarted.get_chunks([o.key for o in objs], token=ADMIN)
+        assert [g.kv.tobytes() for g in got] == [o.kv.tobytes() for o in objs]
+        await node.pushes_settled(token=ADMIN)
+        out = await restarted.delete_objects([o.key for o in objs[:2]] + [m.keys[0]], OBJ_NS,
+                                             token=ADMIN)
+        assert out["deleted"] == 2 and sum(out["dropped"].values()) > 0   # edges dropped copies
+        assert not any(o.key in e.held for o in objs[:2] for e in fake.edges.values())
+        left = await restarted.get_chunks([o.key for o in objs[:3]], token=ADMIN)
+        assert left[:2] == [None, None] and left[2].kv.tobytes() == objs[2].kv.tobytes()
+        with pytest.raises(BadRequest, match="object_ttl_s"):
+            await restarted.collect(object_ttl_s=-5, token=ADMIN)
+    run(go())
+
+
+def test_put_objects_answers_before_its_push_and_reads_fall_back_to_the_origin(tmp_path, edges,
+                                                                                monkeypatch):
+    async def go():
+        node, fake = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+        release, call = asyncio.Event(), fake.call
+
+        async def slow(edge, method, *args, **kw):           # every edge slow to take a push
+            if method == "put_chunks":
+                await release.wait()
+            return await call(edge, method, *args, **kw)
+        fake.call = slow
+        objs = opaque(6)
+        got = await asyncio.wait_for(node.put_objects(objs, token=ADMIN), 5)   # not held by edges
+        assert (got["written"], got["pushing"]) == (6, 6)
+        assert not any(e.held for e in fake.edges.values())
+        served = await node.get_chunks([o.key for o in objs], token=ADMIN)     # the fallback
+        assert [c.kv.tobytes() for c in served] == [o.kv.tobytes() for o in objs]
+        release.set()
+        assert (await node.pushes_settled(token=ADMIN))["objects_pushed"] == 6
+        owners = node.roster.ring.owners_batch([o.key for o in objs], 2)
+        for o, os_ in zip(objs, owners):
+            assert all(fake.edges[e].held[o.key].kv.tobytes() == o.kv.tobytes() for e in os_)
+        # bounded: beyond the backlog a push is skipped (counted), the store still answers
+        monkeypatch.setattr("kdn.origin.node.OBJECT_PUSH_BACKLOG_BYTES", 4096)
+        assert (await node.put_objects(opaque(2, seed=1), token=ADMIN))["pushing"] == 0
+        # a push failing of a bug is counted and logged, never hidden, never the caller's error
+
+        def broken(*a, **kw):
+            raise TypeError("put_chunks() got an unexpected keyword argument")
+        monkeypatch.setattr("kdn.origin.node.OBJECT_PUSH_BACKLOG_BYTES", 1 << 30)
+        for e in fake.edges.values():
+            e.put_chunks = broken
+        assert (await node.put_objects(opaque(1, seed=2), token=ADMIN))["written"] == 1
+        st = await node.pushes_settled(token=ADMIN)
+        assert (st["object_pushes_skipped"], st["object_push_errors"]) == (2, 1)
     run(go())
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -156,13 +157,14 @@ def test_delete_version_retires_without_reusing_the_number_and_collect(tmp_path)
     v1 = publish(s, kb(docs=(("a", 0, 1000),)))
     v2 = publish(s, kb(docs=(("a", 0, 500), ("c", 7000, 7400))))
     only_v1 = set(v1.keys) - set(v2.keys)
-    assert s.collect() == dict(chunks=0, bytes=0)                   # everything is live
+    assert s.collect() == dict(chunks=0, bytes=0, objects_kept=0, objects_expired=0)   # all live
     s.delete_version(v1.ns, "handbook", 1)
     with pytest.raises(VersionNotFound, match="no committed version 1 to delete"):
         s.delete_version(v1.ns, "handbook", 1)
     assert s.manifests() == [v2]
     frame_len = len(encode(chunks_of(v1)[0]))
-    assert s.collect() == dict(chunks=len(only_v1), bytes=len(only_v1) * frame_len)
+    assert s.collect() == dict(chunks=len(only_v1), bytes=len(only_v1) * frame_len, objects_kept=0,
+                               objects_expired=0)
     assert set(s.keys()) == set(v2.keys)
     assert all(s.get(k).equal(c) for k, c in zip(v2.keys, chunks_of(v2)))
     assert publish(s, kb()).version == 3                              # 1 is retired, never reused
@@ -514,8 +516,12 @@ def test_an_s3_store_publishes_dedups_verifies_retires_and_collects(bucket):
     assert [n.rsplit("/", 1)[1] for n in names] == ["0000000001.kdnm", "0000000002.kdnm",
                                                     "0000000002.retired", "last_version"]
     assert [m.version for m in again.manifests()] == [1] and again.stats()["versions"] == 1
+    obj = Chunk(bytes(16), v1.ns, np.arange(256, dtype=np.uint8), "opaque")
+    assert again.put_objects([obj]) == [(True, obj.digest())]
     gone = again.collect()
     assert gone["chunks"] == len(set(v2.keys) - set(v1.keys)) and again.verify() == []
+    assert gone["objects_kept"] == 1 and again.get(obj.key).kv.tobytes() == obj.kv.tobytes()
+    assert again.collect(object_ttl_s=60, now=time.time() + 120)["objects_expired"] == 1
     assert publish(again, kb(docs=(("c", 0, 100),))).version == 3     # 2 is never reused
 
 
@@ -611,3 +617,45 @@ def test_a_refusing_or_silent_bucket_fails_the_publish_and_shows_nothing(bucket)
         silent.close()
     assert [m.version for m in good.manifests()] == [1] and good.manifest(v1.ns, "handbook") == v1
     assert good.verify() == []
+
+
+# --- opaque objects (another cache layer's, put_objects) -----------------------------------
+def objects_of(ns: bytes, n: int, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    return [Chunk(rng.bytes(16), ns, rng.integers(0, 256, 4096 + i, dtype=np.uint8), "opaque")
+            for i in range(n)]
+
+
+def test_objects_outlive_a_restart_and_collect_and_go_by_ttl_or_delete(tmp_path):
+    s = ChunkStore(tmp_path)
+    ns_a, ns_b = bytes(range(16)), bytes(range(1, 17))
+    objs_a, objs_b = objects_of(ns_a, 3), objects_of(ns_b, 1, seed=1)
+    assert [w for w, _ in s.put_objects(objs_a + objs_b)] == [True] * 4
+    assert s.stats()["pending"] == 0                   # never waiting for a commit
+    orphan = chunks_of(kb())[0]
+    s.put(orphan)                                      # a publish that never committed
+    reopened = ChunkStore(tmp_path)                    # the origin restarts: nothing is pending
+    assert reopened.collect() == dict(chunks=1, bytes=len(encode(orphan)), objects_kept=4,
+                                      objects_expired=0)
+    for o in objs_a + objs_b:                          # byte-identical after the restart
+        got = reopened.get(o.key)
+        assert got.opaque and got.kv.tobytes() == o.kv.tobytes() and got.ns == o.ns
+    assert reopened.collect(object_ttl_s=3600)["objects_kept"] == 4
+    assert reopened.delete_objects([o.key for o in objs_a[:2]] + [objs_b[0].key], ns_a) \
+        == [o.key for o in objs_a[:2]]                 # another namespace's object is not ns_a's
+    later = reopened.collect(object_ttl_s=60, now=time.time() + 120)
+    assert (later["objects_expired"], later["chunks"]) == (2, 2) and reopened.chunk_count == 0
+    with pytest.raises(StoreError, match="object_ttl_s"):
+        reopened.collect(object_ttl_s=-1)
+
+
+def test_put_chunks_is_durable_with_one_fsync_per_file_and_folder(tmp_path, monkeypatch):
+    s = ChunkStore(tmp_path)
+    objs = objects_of(bytes(16), 24)
+    folders = {o.key.hex()[:2] for o in objs}
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_ino), real(fd))[1])
+    s.put_objects(objs)
+    assert len(synced) == len(objs) + len(folders)     # per object it was a file and a folder
+    assert all(s.get(o.key).kv.tobytes() == o.kv.tobytes() for o in objs)
