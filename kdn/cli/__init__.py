@@ -176,7 +176,8 @@ def _service_lines(info: dict) -> list:
         lines.append(f"  {region}: {url}  replicas " + (", ".join(f"{n} {s}" for s, n in sorted(d["replicas"].items()))
                                                         or "none")
                      + f" ({how}; admits {d.get('max_ongoing_requests')}, queues {d.get('max_queued_requests')})")
-    return lines
+    from kdn.serve.metrics import summary_lines
+    return lines + summary_lines(info.get("routing") or {})
 
 
 def _where(args) -> tuple:
