@@ -158,7 +158,7 @@ def _deploy_service(network: str, opts: dict, as_json: bool = False) -> int:
     if as_json:
         print(json.dumps(info))
         return 0
-    print(f"KDN service of network {network!r}: {info['url']} (the caller's nearest region)")
+    print(f"KDN service of network {network!r}: {info['url']} (the caller's region, or a faster neighbour)")
     for region, url in info["regions"].items():
         print(f"  {region}: {url}")
     return 0
@@ -167,7 +167,7 @@ def _deploy_service(network: str, opts: dict, as_json: bool = False) -> int:
 def _service_lines(info: dict) -> list:
     if not info:
         return ["service: not running (start it with `kdn serve`)"]
-    lines = [f"service: {info['status']} at {info['url']} (the caller's nearest region)"]
+    lines = [f"service: {info['status']} at {info['url']} (the caller's region, or a faster neighbour)"]
     for region, url in info["regions"].items():
         d = info["deployments"][region]
         scale = d.get("autoscaling")

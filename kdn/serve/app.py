@@ -324,7 +324,7 @@ class Router:
 
     def _replica_id(self) -> str:
         from ray import serve
-        return serve.get_replica_context().replica_id.unique_id
+        return serve.get_replica_context().replica_tag
 
     async def _publish_counters(self):
         """Every PUBLISH_PERIOD_S: this replica's snapshot to the GCS store (kdn.serve.metrics),
@@ -383,46 +383,70 @@ class Router:
             raw = await read_body(request, MAX_CHAT_BODY_BYTES)
             request.state.body_read = True
             req = parse_chat(parse_json(raw), self.base_model)
-        region, why = self.pick(request, region, None if endpoint == "models" else f"{tenant}/{req.kb}")
+        kb = None if endpoint == "models" else f"{tenant}/{req.kb}"
+        region, why = self.pick(request, region, kb)
         self.counters[f"route_{why}"] += 1
         self.counters[f"region_{region}"] += 1
-        handle = self.workers[region]
+        where = [region]                # the region answering (a retry may move it once: _cross_once)
         routed = {"X-KDN-Region": region, "X-KDN-Route": why}
         self.in_flight[region] += 1     # until its answer (a stream: its first event) came
+
+        def again():
+            self._cross_once(where, why, kb, routed)
         try:
             if endpoint == "models":
-                return self._reply(await handle.models.remote(tenant, token))
+                return self._reply(await self.workers[region].models.remote(tenant, token))
             body = dict(req.__dict__)
             if not req.stream:
-                return self._reply(await self._twice(lambda: handle.complete.remote(body, tenant, token)), routed)
+                return self._reply(await self._twice(
+                    lambda: self.workers[where[0]].complete.remote(body, tenant, token), again), routed)
             self.counters["streams"] += 1
 
             async def head_of():
-                gen = handle.options(stream=True).stream.remote(body, tenant, token)
+                gen = self.workers[where[0]].options(stream=True).stream.remote(body, tenant, token)
                 return gen, await gen.__anext__()
-            gen, head = await self._twice(head_of)
+            gen, head = await self._twice(head_of, again)
             if head["status"] != 200:
                 return self._reply(head, routed)
             return self._streaming(gen, routed)
         except serve.exceptions.BackPressureError:
-            raise ApiError(429, f"region {region}'s workers are all busy and their queues full; retry",
+            raise ApiError(429, f"region {where[0]}'s workers are all busy and their queues full; retry",
                            "overloaded", retry_after=RETRY_AFTER_S) from None
         except (serve.exceptions.DeploymentUnavailableError, serve.exceptions.ReplicaUnavailableError,
                 RayActorError, StopAsyncIteration) as e:
-            raise ApiError(503, f"no worker of region {region} could answer ({type(e).__name__}); retry",
+            raise ApiError(503, f"no worker of region {where[0]} could answer ({type(e).__name__}); retry",
                            "unavailable", retry_after=RETRY_AFTER_S) from None
         finally:
-            self.in_flight[region] -= 1
+            self.in_flight[where[0]] -= 1
 
-    async def _twice(self, call):
-        """await call(), once more on another replica when the first died before it answered
-        (nothing of the answer was sent yet, so the retry is invisible to the caller)."""
+    def _cross_once(self, where: list, why: str, kb, routed: dict) -> None:
+        """Before the retry of a request whose replica died: one that stayed home may now go
+        to a neighbour, decided afresh (home may have no replica left: Serve dropped the dead
+        one from its router); one that crossed regions, or named its region, stays."""
+        if kb is None or why not in ("home", "no_view"):
+            return
+        region, now = self.across(where[0], kb)
+        if region == where[0]:
+            return
+        self.in_flight[where[0]] -= 1
+        self.in_flight[region] += 1
+        self.counters[f"route_{now}"] += 1
+        self.counters[f"region_{region}"] += 1
+        where[0] = region
+        routed.update({"X-KDN-Region": region, "X-KDN-Route": now})
+
+    async def _twice(self, call, before_retry=None):
+        """await call(), once more (after before_retry(), which may move it to another region)
+        when the replica died before it answered (nothing of the answer was sent yet, so the
+        retry is invisible to the caller)."""
         from ray import serve
         from ray.exceptions import RayActorError
         try:
             return await call()
         except (RayActorError, serve.exceptions.ReplicaUnavailableError):
             self.counters["retried_replica_died"] += 1
+            if before_retry is not None:
+                before_retry()
             return await call()
 
     def _reply(self, r: dict, routed: dict = None):

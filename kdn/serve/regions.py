@@ -12,9 +12,10 @@ fetched, the origin's link to it at the KB's size ("origin_estimate") or, size u
 DEFAULT_FETCH_S for every region alike ("unknown"). The ingress builds each region's View
 from what Serve already gives its request router there (kdn.serve.router.KBAffinityRouter:
 the replicas, their reports, their queue lengths); `decide_region` is pure and one pass
-over the regions (microseconds). The region it picks is final: the request goes to that
-region's deployment and a retry after a replica's death stays there, so a request is
-routed across regions at most once and never loops.
+over the regions (microseconds). The region it picks is final for a request it sends
+across: the request goes to that region's deployment, and a retry after a replica's death
+is decided afresh only for a request that had stayed home, so a request is routed across
+regions at most once and never loops.
 """
 import math
 from dataclasses import dataclass

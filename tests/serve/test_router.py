@@ -144,8 +144,9 @@ def test_a_request_whose_replica_died_before_answering_is_sent_once_more():
         if len(calls) == 1:
             raise RayActorError()
         return {"status": 200}
-    assert asyncio.run(router._twice(dies_once)) == {"status": 200}
-    assert router.counters["retried_replica_died"] == 1 and len(calls) == 2
+    moved = []
+    assert asyncio.run(router._twice(dies_once, lambda: moved.append(1))) == {"status": 200}
+    assert router.counters["retried_replica_died"] == 1 and len(calls) == 2 and moved == [1]
 
     async def always_dies():
         raise RayActorError()
@@ -222,3 +223,27 @@ def test_the_region_decision_weighs_no_farther_region_past_its_budget(monkeypatc
     monkeypatch.setattr(serve_app, "DECISION_BUDGET_S", 0.0)       # spent before eu-west is weighed
     assert ingress.across("us-east", "t/kb") == ("us-east", "home")
     assert ingress.counters["route_over_budget"] == 1
+
+
+def test_a_retry_after_a_death_may_cross_regions_once_if_the_request_had_not():
+    """kdn.serve.app.Router._cross_once: us-east's only replica died (Serve's router dropped
+    it: no replica left); a request that had stayed home is retried in eu-west, one that had
+    already crossed regions, or named its region, is retried where it was."""
+    import collections
+    from kdn.serve.app import Router
+    _region_router("kdn-retry", "us-east", [])
+    _region_router("kdn-retry", "eu-west", [_Replica("re", {"service_s": 1.0})], {"re": 0})
+    ingress = Router.__new__(Router)
+    ingress.network, ingress.workers = "retry", {"us-east": None, "eu-west": None}
+    ingress.nearest = {"us-east": ["us-east", "eu-west"], "eu-west": ["eu-west", "us-east"]}
+    ingress.links = {"rtt_s": {"us-east": {"us-east": 0.0, "eu-west": 0.11},
+                               "eu-west": {"eu-west": 0.0, "us-east": 0.11}}, "origin": {}}
+    ingress.in_flight, ingress.counters = collections.Counter({"us-east": 1}), collections.Counter()
+    where, routed = ["us-east"], {"X-KDN-Region": "us-east", "X-KDN-Route": "home"}
+    ingress._cross_once(where, "home", "t/kb", routed)
+    assert where == ["eu-west"] and routed == {"X-KDN-Region": "eu-west", "X-KDN-Route": "home_unavailable"}
+    assert ingress.in_flight == {"us-east": 0, "eu-west": 1} and ingress.counters["route_home_unavailable"] == 1
+    for why in ("cross_region_queue", "home_unavailable", "pinned"):
+        where = ["us-east"]
+        ingress._cross_once(where, why, "t/kb", {})
+        assert where == ["us-east"]
