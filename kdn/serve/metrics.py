@@ -107,6 +107,10 @@ class ServiceCollector:
         for r in sorted(routing):
             rs.add_metric((r,), routing[r].get("decisions", 0), routing[r].get("decision_us", 0) / 1e6)
         yield rs
+        yield _family(CounterMetricFamily, "kdn_serve_replica_rechosen_total",
+                      "Times Serve asked a region's router again for a request it had decided, "
+                      "the replicas it was given being full.", ["region"],
+                      [((r,), routing[r].get("rechosen", 0)) for r in sorted(routing)])
         yield _family(CounterMetricFamily, "kdn_serve_replicas_died_total",
                       "Replicas a region's router saw die.", ["region"],
                       [((r,), routing[r].get("replicas_died", 0)) for r in sorted(routing)])
@@ -144,6 +148,7 @@ def summary_lines(snapshot: dict) -> list:
         outcomes = ", ".join(f"{o.replace('_', ' ')} {d[o]}" for o in REPLICA_OUTCOMES if d.get(o))
         lines.append(f"  {r} replicas: {d.get('decisions', 0)} decisions "
                      f"({d.get('decision_us', 0) / max(1, d.get('decisions', 0)):.0f} us mean): {outcomes or 'none'}"
+                     + (f"; asked again {d['rechosen']} times (replicas full)" if d.get("rechosen") else "")
                      + (f", {d['replicas_died']} replicas died" if d.get("replicas_died") else ""))
     lines.append(f"  ingress: {c.get('requests', 0)} requests, {c.get('retried_replica_died', 0)} retried "
                  f"(replica died), {c.get('broken_streams', 0)} broken streams, over {snapshot['replicas']} replicas")

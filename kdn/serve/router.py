@@ -105,6 +105,7 @@ class KBAffinityRouter(RequestRouter):
         self.counters = collections.Counter()
         self.recent = collections.OrderedDict()     # kb -> replica id it was last sent to
         self._held = {}                             # replica id -> (its report, the KBs it lists)
+        self._deciding = collections.OrderedDict()  # ids of requests decided, not yet routed
         dep = getattr(self, "_deployment_id", None)  # Serve sets it before this call
         self.region = getattr(dep, "name", None)
         self.app = getattr(dep, "app_name", None)
@@ -131,6 +132,12 @@ class KBAffinityRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if not candidate_replicas:
             return []
+        context = getattr(pending_request, "routing_context", None)
+        if context is not None:
+            # Serve's loop asks again at once, in a tight loop, while every replica it was
+            # given is full, unless told to back off (as Ray's own routers do): 14,107 asks
+            # for 15 requests to one busy replica were measured before this
+            context.should_backoff = True
         kb = None if pending_request is None else kb_of(pending_request.args)
         if kb is None:          # /v1/models and the like: Serve's own choice suffices
             return [list(candidate_replicas)]
@@ -148,11 +155,28 @@ class KBAffinityRouter(RequestRouter):
         if self.recent.get(kb) in queues:
             holders.add(self.recent[kb])
         chosen, why = decide(kb, queues, holders, max(service), max(fetch or [DEFAULT_FETCH_S]))
-        self.counters[why] += 1
-        self.counters["decisions"] += 1
-        self.counters["decision_us"] += int((time.perf_counter() - t0) * 1e6)
+        if self._first_time(pending_request):
+            self.counters[why] += 1
+            self.counters["decisions"] += 1
+            self.counters["decision_us"] += int((time.perf_counter() - t0) * 1e6)
+        else:       # Serve asks again while the replicas it was given are full: not a new request
+            self.counters["rechosen"] += 1
         rest = [r for rid, r in by_id.items() if rid != chosen]
         return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
+
+    def _first_time(self, pending_request) -> bool:
+        """Whether this is the request's first decision (Serve calls choose_replicas again,
+        with backoff, until a replica it was given accepts); a request without an id counts
+        every time."""
+        rid = getattr(getattr(pending_request, "metadata", None), "internal_request_id", None)
+        if rid is None:
+            return True
+        if rid in self._deciding:
+            return False
+        self._deciding[rid] = None
+        while len(self._deciding) > RECENT:       # a request cancelled before it was routed
+            self._deciding.popitem(last=False)
+        return True
 
     def view(self, kb: str, in_flight: int = 0) -> View:
         """This region's View of kb (kdn.serve.regions): requests ahead per replica (the larger
@@ -186,6 +210,7 @@ class KBAffinityRouter(RequestRouter):
         return None
 
     def on_request_routed(self, pending_request, replica_id, result):
+        self._deciding.pop(getattr(getattr(pending_request, "metadata", None), "internal_request_id", None), None)
         kb = kb_of(pending_request.args)
         if kb is not None:
             self.recent[kb] = replica_id.to_full_id_str()

@@ -14,7 +14,7 @@ SNAPSHOT = {"replicas": 2,
                          "route_cross_region_queue": 2, "route_pinned": 2, "route_decisions": 6,
                          "route_decision_us": 120, "tier_engine": 5, "tier_unknown": 1, "errors_429": 1,
                          "retried_replica_died": 1},
-            "routing": {"us-east": {"engine_hit": 3, "owner": 2, "decisions": 5, "decision_us": 40},
+            "routing": {"us-east": {"engine_hit": 3, "owner": 2, "decisions": 5, "decision_us": 40, "rechosen": 7},
                         "eu-west": {"routed_away_queue": 1, "decisions": 1, "decision_us": 9,
                                     "replicas_died": 1}}}
 
@@ -36,6 +36,7 @@ def test_every_decision_is_exported_by_outcome_tier_and_region():
     assert got[("kdn_serve_replica_decision_seconds_sum", (("region", "us-east"),))] == pytest.approx(40e-6)
     assert got[("kdn_serve_region_decision_seconds_count", ())] == 6
     assert got[("kdn_serve_replicas_died_total", (("region", "eu-west"),))] == 1
+    assert got[("kdn_serve_replica_rechosen_total", (("region", "us-east"),))] == 7
     assert got[("kdn_serve_errors_total", (("code", "429"),))] == 1
     assert got[("kdn_serve_retries_total", ())] == 1 and got[("kdn_serve_ingress_replicas", ())] == 2
 
@@ -62,7 +63,7 @@ def test_status_lines_say_each_kind_of_decision():
     lines = "\n".join(summary_lines(SNAPSHOT))
     assert "regions: 6 decisions (20 us mean): home 4, cross region queue 2, pinned 2" in lines
     assert "KV expected in: engine 5, unknown 1" in lines
-    assert "us-east replicas: 5 decisions (8 us mean): engine hit 3, owner 2" in lines
+    assert "us-east replicas: 5 decisions (8 us mean): engine hit 3, owner 2; asked again 7 times" in lines
     assert "eu-west replicas: 1 decisions (9 us mean): routed away queue 1, 1 replicas died" in lines
     assert "9 requests, 1 retried (replica died)" in lines
     assert summary_lines({}) == ["  routing: no decisions yet"]

@@ -247,3 +247,21 @@ def test_a_retry_after_a_death_may_cross_regions_once_if_the_request_had_not():
         where = ["us-east"]
         ingress._cross_once(where, why, "t/kb", {})
         assert where == ["us-east"]
+
+
+def test_a_request_serve_asks_about_again_is_one_decision():
+    """Serve calls choose_replicas again while the replicas it was given are full (with
+    backoff: the router asks for it): the request is counted once (its decision), the asks
+    after it as "rechosen"."""
+    router = _region_router("kdn-again", "us-east", [])
+    reps = [_Replica("a", {"kbs": ["default/rights"]}), _Replica("b")]
+    req = types.SimpleNamespace(args=({"kb": "rights"}, "default", None),
+                                metadata=types.SimpleNamespace(internal_request_id="req-1"),
+                                routing_context=types.SimpleNamespace(should_backoff=False))
+    for _ in range(3):
+        asyncio.run(router.choose_replicas(reps, req))
+    assert router.counters["decisions"] == 1 and router.counters["engine_hit"] == 1
+    assert router.counters["rechosen"] == 2
+    assert req.routing_context.should_backoff      # Serve sleeps between asks, never a tight loop
+    router.on_request_routed(req, reps[0].replica_id, None)      # routed: its id is forgotten
+    assert not router._deciding

@@ -332,6 +332,7 @@ def test_metrics_and_status_show_every_routing_decision(service, model, kdn_cli)
     _promtool_check(_metric_samples(service)[0])
     rc, out = kdn_cli("status", *service["where"])
     assert "regions: " in out and "decisions" in out and "us-east replicas:" in out, out
+    print("\n" + out[out.index("service:"):])
     rc, out = kdn_cli("status", "--json", *service["where"])
     routing = json.loads(out)["service"]["routing"]
     assert routing["counters"]["route_decisions"] >= 1 and set(routing["routing"]) == set(SERVED)
