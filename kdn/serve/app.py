@@ -385,7 +385,8 @@ class Router:
             req = parse_chat(parse_json(raw), self.base_model)
         kb = None if endpoint == "models" else f"{tenant}/{req.kb}"
         region, why = self.pick(request, region, kb)
-        self.counters[f"route_{why}"] += 1
+        if kb is not None:              # a KB's request: its region decision (or its path's)
+            self.counters[f"route_{why}"] += 1
         self.counters[f"region_{region}"] += 1
         where = [region]                # the region answering (a retry may move it once: _cross_once)
         routed = {"X-KDN-Region": region, "X-KDN-Route": why}
