@@ -158,7 +158,7 @@ def _deploy_service(network: str, opts: dict, as_json: bool = False) -> int:
     if as_json:
         print(json.dumps(info))
         return 0
-    print(f"KDN service of network {network!r}: {info['url']} (the caller's nearest region)")
+    print(f"KDN service of network {network!r}: {info['url']} (the caller's region, or a faster neighbour)")
     for region, url in info["regions"].items():
         print(f"  {region}: {url}")
     return 0
@@ -167,7 +167,7 @@ def _deploy_service(network: str, opts: dict, as_json: bool = False) -> int:
 def _service_lines(info: dict) -> list:
     if not info:
         return ["service: not running (start it with `kdn serve`)"]
-    lines = [f"service: {info['status']} at {info['url']} (the caller's nearest region)"]
+    lines = [f"service: {info['status']} at {info['url']} (the caller's region, or a faster neighbour)"]
     for region, url in info["regions"].items():
         d = info["deployments"][region]
         scale = d.get("autoscaling")
@@ -176,7 +176,8 @@ def _service_lines(info: dict) -> list:
         lines.append(f"  {region}: {url}  replicas " + (", ".join(f"{n} {s}" for s, n in sorted(d["replicas"].items()))
                                                         or "none")
                      + f" ({how}; admits {d.get('max_ongoing_requests')}, queues {d.get('max_queued_requests')})")
-    return lines
+    from kdn.serve.metrics import summary_lines
+    return lines + summary_lines(info.get("routing") or {})
 
 
 def _where(args) -> tuple:

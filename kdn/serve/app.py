@@ -21,6 +21,11 @@ network — Serve's one proxy runs on the head node and the router is placed in 
 region, which is the head's under `kdn up` — when it is served, else the served region
 nearest to it by the topology's latencies. The caller's address says nothing about its
 region here (every node of an embedded cluster is 127.0.0.1), so no guess is made from it.
+A chat request for a KB on /v1 may then be answered in another region, when that region's
+expected time to first token beats the caller's by more than the round trip between them
+(kdn.serve.regions; decided once, in the ingress, never again for that request); the answer's
+X-KDN-Region and X-KDN-Route headers say where it went and why. GET /metrics is the whole
+service's routing counters in Prometheus text (kdn.serve.metrics: every ingress replica's).
 The proxy binds 127.0.0.1 (`kdn serve --port`, default 8000): nothing listens off loopback.
 
 Errors are OpenAI-shaped: unknown model or KB 404, bad input 400, token missing 401 / wrong
@@ -45,6 +50,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import time
 
 from kdn.core.checks import check_int, check_number
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, NetworkError
@@ -58,6 +64,8 @@ log = logging.getLogger("kdn.serve.app")
 DEFAULT_PORT = 8000
 ROUTER = "router"
 REGION_HEADER = "x-kdn-region"
+DECISION_BUDGET_S = 0.0005  # the region decision stops weighing farther regions past this
+WARM_TIMEOUT_S = 5.0        # the ingress's first call to a region, which makes its router exist
 
 
 def app_name(network: str) -> str:
@@ -197,35 +205,86 @@ class RegionWorker:
 class Router:
     """The ingress: HTTP in, a region's deployment chosen, the answer relayed (see the module)."""
 
-    def __init__(self, workers: dict, nearest: dict, auth: dict, base_model: str):
+    def __init__(self, workers: dict, nearest: dict, auth: dict, base_model: str, links: dict = None,
+                 network: str = None):
         from kdn.core.auth import Tokens
         from kdn.client.view import node_region
         self.workers = workers                # region -> DeploymentHandle
         self.nearest = nearest                # region -> [regions with a deployment, nearest first]
         self.tokens = Tokens.from_dict(auth)
         self.base_model = base_model
+        # links: "rtt_s" {home: {region: round trip s}}, "origin" {region: (latency s, bytes/s)}
+        self.links = links or {"rtt_s": {}, "origin": {}}
+        self.network = network
         self.home = node_region()
-        # requests, streams, errors_<status>, broken_streams, region_<name>
+        self.in_flight = collections.Counter()  # region -> this replica's requests there now
+        # requests, streams, errors_<status>, broken_streams, region_<name>, route_<outcome>,
+        # tier_<tier>, route_decisions, route_decision_us, retried_replica_died
         self.counters = collections.Counter()
+        self._publisher = None
+        try:    # Serve runs the constructor on the replica's event loop: start at once
+            self._start_publisher(asyncio.get_running_loop())
+        except RuntimeError:    # no loop here (constructed outside Serve): the first request starts it
+            pass
+
+    def _start_publisher(self, loop) -> None:
+        if self._publisher is None and self.network is not None:
+            self._publisher = loop.create_task(self._publish_counters())
 
     def stats(self) -> dict:
         from kdn.serve.router import routing_counters
         return {"home": self.home, "counters": dict(self.counters), "routing": routing_counters()}
 
-    def pick(self, request, path_region: str) -> str:
+    def snapshot(self) -> dict:
+        """This replica's counters for /metrics and `kdn status` (kdn.serve.metrics)."""
+        from kdn.serve.router import routing_counters_by_region
+        return {"counters": dict(self.counters),
+                "routing": routing_counters_by_region(app_name(self.network) if self.network else None)}
+
+    def pick(self, request, path_region: str, kb: str = None) -> tuple:
+        """(region, why) for a request: the region its path names ("pinned"), else the
+        caller's (X-KDN-Region, else where the request entered) unless, for a KB's request,
+        another region's expected time to first token beats it by more than the round trip
+        (kdn.serve.regions)."""
         if path_region is not None:
             if path_region not in self.workers:
                 raise ApiError(404, f"no service in region {path_region!r:.64} (regions: "
                                     f"{', '.join(sorted(self.workers))})", "unknown_region")
-            return path_region
+            return path_region, "pinned"
         asked = request.headers.get(REGION_HEADER)
         if asked:
             if asked not in self.workers:
                 raise ApiError(400, f"{REGION_HEADER} names region {asked!r:.64}; the service runs in "
                                     f"{', '.join(sorted(self.workers))}", "unknown_region")
-            return asked
-        order = self.nearest.get(self.home) or sorted(self.workers)
-        return order[0]
+            home = asked
+        else:
+            home = (self.nearest.get(self.home) or sorted(self.workers))[0]
+        if kb is None:
+            return home, "home"
+        return self.across(home, kb)
+
+    def across(self, home: str, kb: str) -> tuple:
+        """(region, why) for a request for kb whose caller is in home (kdn.serve.regions), counted."""
+        from kdn.serve.regions import View, decide_region
+        from kdn.serve.router import region_routers
+        t0 = time.perf_counter()
+        routers = region_routers(app_name(self.network)) if self.network else {}
+        views = {}
+        for r in self.nearest.get(home) or sorted(self.workers):    # home first, then nearest first
+            if views and time.perf_counter() - t0 > DECISION_BUDGET_S:   # home always; farther ones not
+                self.counters["route_over_budget"] += 1
+                break
+            views[r] = routers[r].view(kb, self.in_flight[r]) if r in routers else None
+        nbytes = next((n for rt in routers.values() if (n := rt.kv_bytes(kb)) is not None), None)
+        for r, v in views.items():          # never fetched there: the origin's link, at the KB's size
+            if v is not None and v.tier == "unknown" and nbytes is not None and r in self.links["origin"]:
+                lat, bw = self.links["origin"][r]
+                views[r] = View(v.wait_s, lat + nbytes / bw, "origin_estimate")
+        region, why = decide_region(home, views, self.links["rtt_s"].get(home, {}))
+        self.counters["route_decision_us"] += int((time.perf_counter() - t0) * 1e6)
+        self.counters["route_decisions"] += 1
+        self.counters[f"tier_{views[region].tier if views.get(region) else 'unknown'}"] += 1
+        return region, why
 
     async def __call__(self, request):
         from ray.exceptions import RayTaskError
@@ -256,9 +315,59 @@ class Router:
             raise ApiError(404, f"no route {path!r:.120}: use /v1/... or /<region>/v1/...", "unknown_route")
         return region, "/".join(parts[1:])
 
+    async def _metrics(self):
+        """GET /metrics: the whole service's counters (every ingress replica's, kdn.serve.metrics)."""
+        from starlette.responses import Response
+        from kdn.serve import metrics
+        await asyncio.to_thread(metrics.publish, self.network, self._replica_id(), self.snapshot())
+        body = metrics.exposition(await asyncio.to_thread(metrics.gather, self.network))
+        return Response(body, media_type=metrics.CONTENT_TYPE)
+
+    def _replica_id(self) -> str:
+        from ray import serve
+        return serve.get_replica_context().replica_tag
+
+    async def _publish_counters(self):
+        """Every PUBLISH_PERIOD_S: this replica's snapshot to the GCS store (kdn.serve.metrics),
+        and each region's request router in this process made to exist (a region this replica
+        never sent to would have no View). This loop must survive anything: a failure is
+        counted and logged, and the next period tries again."""
+        from kdn.serve import metrics
+        warmed = set()
+        while True:
+            try:
+                await asyncio.to_thread(metrics.publish, self.network, self._replica_id(), self.snapshot())
+                if len(warmed) < len(self.workers):
+                    warmed |= await self._warm(set(self.workers) - warmed)
+            except Exception:  # noqa: BLE001 - a background loop: counted, logged, tried again
+                self.counters["publish_failures"] += 1
+                log.exception("kdn serve: publishing the ingress's counters or warming its routers failed")
+            await asyncio.sleep(metrics.PUBLISH_PERIOD_S)
+
+    async def _warm(self, regions) -> set:
+        """The regions whose request router now exists in this process: a call through a
+        handle creates it (Serve makes it for the first call); a region with no replica up
+        yet, or a full one, is tried again next period."""
+        from ray import serve
+        from ray.exceptions import RayActorError
+
+        async def one(r):
+            try:
+                await asyncio.wait_for(self.workers[r].stats.remote(), WARM_TIMEOUT_S)
+                return r
+            except (asyncio.TimeoutError, RayActorError, serve.exceptions.BackPressureError,
+                    serve.exceptions.DeploymentUnavailableError, serve.exceptions.ReplicaUnavailableError):
+                return None
+        return {r for r in await asyncio.gather(*(one(r) for r in sorted(regions))) if r is not None}
+
     async def _handle(self, request):
         from ray import serve
         from ray.exceptions import RayActorError
+        self._start_publisher(asyncio.get_running_loop())
+        if request.url.path == "/metrics" and self.network is not None:
+            if request.method != "GET":
+                raise ApiError(405, f"/metrics takes GET, not {request.method}", "method_not_allowed")
+            return await self._metrics()
         region, endpoint = self._route(request.url.path)
         routes = {"chat/completions": "POST", "models": "GET"}
         if endpoint not in routes:
@@ -275,50 +384,81 @@ class Router:
             raw = await read_body(request, MAX_CHAT_BODY_BYTES)
             request.state.body_read = True
             req = parse_chat(parse_json(raw), self.base_model)
-        region = self.pick(request, region)
+        kb = None if endpoint == "models" else f"{tenant}/{req.kb}"
+        region, why = self.pick(request, region, kb)
+        if kb is not None:              # a KB's request: its region decision (or its path's)
+            self.counters[f"route_{why}"] += 1
         self.counters[f"region_{region}"] += 1
-        handle = self.workers[region]
+        where = [region]                # the region answering (a retry may move it once: _cross_once)
+        routed = {"X-KDN-Region": region, "X-KDN-Route": why}
+        self.in_flight[region] += 1     # until its answer (a stream: its first event) came
+
+        def again():
+            self._cross_once(where, why, kb, routed)
         try:
             if endpoint == "models":
-                return self._reply(await handle.models.remote(tenant, token))
+                return self._reply(await self.workers[region].models.remote(tenant, token))
             body = dict(req.__dict__)
             if not req.stream:
-                return self._reply(await self._twice(lambda: handle.complete.remote(body, tenant, token)))
+                return self._reply(await self._twice(
+                    lambda: self.workers[where[0]].complete.remote(body, tenant, token), again), routed)
             self.counters["streams"] += 1
 
             async def head_of():
-                gen = handle.options(stream=True).stream.remote(body, tenant, token)
+                gen = self.workers[where[0]].options(stream=True).stream.remote(body, tenant, token)
                 return gen, await gen.__anext__()
-            gen, head = await self._twice(head_of)
+            gen, head = await self._twice(head_of, again)
             if head["status"] != 200:
-                return self._reply(head)
-            return self._streaming(gen)
+                return self._reply(head, routed)
+            return self._streaming(gen, routed)
         except serve.exceptions.BackPressureError:
-            raise ApiError(429, f"region {region}'s workers are all busy and their queues full; retry",
+            raise ApiError(429, f"region {where[0]}'s workers are all busy and their queues full; retry",
                            "overloaded", retry_after=RETRY_AFTER_S) from None
         except (serve.exceptions.DeploymentUnavailableError, serve.exceptions.ReplicaUnavailableError,
                 RayActorError, StopAsyncIteration) as e:
-            raise ApiError(503, f"no worker of region {region} could answer ({type(e).__name__}); retry",
+            raise ApiError(503, f"no worker of region {where[0]} could answer ({type(e).__name__}); retry",
                            "unavailable", retry_after=RETRY_AFTER_S) from None
+        finally:
+            self.in_flight[where[0]] -= 1
 
-    async def _twice(self, call):
-        """await call(), once more on another replica when the first died before it answered
-        (nothing of the answer was sent yet, so the retry is invisible to the caller)."""
+    def _cross_once(self, where: list, why: str, kb, routed: dict) -> None:
+        """Before the retry of a request whose replica died: one that stayed home may now go
+        to a neighbour, decided afresh (home may have no replica left: Serve dropped the dead
+        one from its router); one that crossed regions, or named its region, stays."""
+        if kb is None or why not in ("home", "no_view"):
+            return
+        region, now = self.across(where[0], kb)
+        if region == where[0]:
+            return
+        self.in_flight[where[0]] -= 1
+        self.in_flight[region] += 1
+        self.counters[f"route_{now}"] += 1
+        self.counters[f"region_{region}"] += 1
+        where[0] = region
+        routed.update({"X-KDN-Region": region, "X-KDN-Route": now})
+
+    async def _twice(self, call, before_retry=None):
+        """await call(), once more (after before_retry(), which may move it to another region)
+        when the replica died before it answered (nothing of the answer was sent yet, so the
+        retry is invisible to the caller)."""
         from ray import serve
         from ray.exceptions import RayActorError
         try:
             return await call()
         except (RayActorError, serve.exceptions.ReplicaUnavailableError):
             self.counters["retried_replica_died"] += 1
+            if before_retry is not None:
+                before_retry()
             return await call()
 
-    def _reply(self, r: dict):
+    def _reply(self, r: dict, routed: dict = None):
         from starlette.responses import JSONResponse
         if r["status"] != 200:
             self.counters[f"errors_{r['status']}"] += 1
-        return JSONResponse(r["body"], status_code=r["status"], headers=r.get("headers") or {})
+        return JSONResponse(r["body"], status_code=r["status"], headers={**(r.get("headers") or {}),
+                                                                         **(routed or {})})
 
-    def _streaming(self, gen):
+    def _streaming(self, gen, routed: dict = None):
         from ray import serve
         from ray.exceptions import RayActorError, RayTaskError
         from starlette.responses import StreamingResponse
@@ -334,7 +474,7 @@ class Router:
                 yield sse(error_body(503, f"the answer broke off: its worker failed ({type(e).__name__}); "
                                           "retry the request", "stream_broken"))
         return StreamingResponse(relay(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache", **(routed or {})})
 
 
 def nearest_regions(topology, regions) -> dict:
@@ -343,6 +483,15 @@ def nearest_regions(topology, regions) -> dict:
     for src in topology.regions:
         out[src] = sorted(regions, key=lambda r: (0 if r == src else 1, topology.latency_ms(src, r), r))
     return out
+
+
+def links_of(topology, regions) -> dict:
+    """What the ingress's region decision needs of the topology (kdn.serve.regions): "rtt_s",
+    {caller's region: {served region: the round trip between them, seconds}}, and "origin",
+    {served region: (one-way latency s, bytes/s) of the origin's link to it}."""
+    o = topology.origin_region
+    return {"rtt_s": {src: {r: 2 * topology.latency_ms(src, r) / 1000 for r in regions} for src in topology.regions},
+            "origin": {r: (topology.latency_ms(o, r) / 1000, topology.bandwidth_gbps(o, r) * 1e9) for r in regions}}
 
 
 def check_autoscaling(min_replicas: int = 1, max_replicas: int = 1, target_ongoing_requests: float = 1.0) -> dict:
@@ -417,7 +566,8 @@ def deploy(network: str = "kdn", regions=None, port: int = DEFAULT_PORT, auth: d
     router = serve.deployment(Router).options(
         name=ROUTER, num_replicas=routers, max_ongoing_requests=1000,
         ray_actor_options={"num_cpus": 0, "label_selector": {"region": topo.origin_region}})
-    app = router.bind(workers, nearest_regions(topo, regions), auth or {}, base_model or MODEL_NAME)
+    app = router.bind(workers, nearest_regions(topo, regions), auth or {}, base_model or MODEL_NAME,
+                      links_of(topo, regions), network)
     serve.run(app, name=app_name(network), route_prefix="/")
     return service_info(network)      # the port Serve listens on (a running Serve keeps its own)
 
@@ -447,11 +597,17 @@ def load_config(path) -> dict:
 
 
 def running_info(network: str = "kdn") -> dict:
-    """service_info() when Serve runs on the connected cluster, else {} (starts nothing)."""
+    """service_info() when Serve runs on the connected cluster, with "routing", the counters
+    of its ingress summed (kdn.serve.metrics.gather: {} before its first request), else {}
+    (starts nothing)."""
     from ray.serve.context import _get_global_client
+    from kdn.serve.metrics import gather
     if _get_global_client(raise_if_no_controller_running=False) is None:
         return {}
-    return service_info(network)
+    info = service_info(network)
+    if info:
+        info["routing"] = gather(network)
+    return info
 
 
 SETTINGS = ("max_ongoing_requests", "max_queued_requests")
@@ -498,6 +654,8 @@ def undeploy(network: str = "kdn") -> bool:
     if app_name(network) not in serve.status().applications:
         return False
     serve.delete(app_name(network))
+    from kdn.serve.metrics import forget
+    forget(network)
     if not serve.status().applications:
         serve.shutdown()
     return True

@@ -20,6 +20,7 @@ from kdn.core.checks import check_int
 from kdn.core.emphasis import override_of
 from kdn.core.errors import BadRequest, ModelError
 from kdn.serve.api import check_messages
+from kdn.serve.regions import tier_of
 
 def messages_tokens(model, messages) -> list:
     """Token ids of the request's turns and the generation prompt, as they follow a system
@@ -98,7 +99,8 @@ class Chat:
         self.counters["rebuild_s"] += time.perf_counter() - t1
         if self.engine_kv is not None and f.tokens == len(ids):   # the whole KB only
             self.engine_kv.put(kb, manifest.version, (cache, f.tokens),
-                               (f.tokens + spare) * self.model.kv_bytes_per_token, t1 - t0)
+                               (f.tokens + spare) * self.model.kv_bytes_per_token, t1 - t0,
+                               tier_of(f.source_counts()))
         return prompt, cache, f.tokens
 
     def stream(self, prompt, cache, cached_tokens: int, max_tokens: int, temperature: float = 0.0,

@@ -21,8 +21,10 @@ KDN knows exactly, the KB a request names, instead of a character prefix tree in
   (kdn.client.reader's Fetched, the edge's objects mapped), bounded in bytes, LRU. A hit skips the
   fetch; the cache rebuild (one copy) is done either way.
 
-Counters (`counters`, summed over this process's routers by `routing_counters()`): engine
-hits, misses, routed away and why.
+Counters (`counters`, per region's router and summed by `routing_counters()`): engine
+hits, misses, routed away and why. Across regions, the ingress asks each region's router for
+its View of a KB (`view`: the wait there and the fetch from the tier that holds it; see
+kdn.serve.regions).
 """
 import collections
 import threading
@@ -31,9 +33,10 @@ import time
 import xxhash
 from ray.serve.request_router import RequestRouter
 
+from kdn.serve.regions import DEFAULT_FETCH_S, UNAVAILABLE, View
+
 ROUTING_STATS_PERIOD_S = 1.0      # how often a replica reports what its engine holds
 DEFAULT_SERVICE_S = 1.0           # a request's service time before any is measured
-DEFAULT_FETCH_S = 0.05            # a KB's fetch from the edge before any is measured
 RECENT = 4096                     # KBs whose last replica this router remembers
 ENGINE_KV_BYTES = 256 << 20       # the transformers replica's engine-side KV cache
 
@@ -74,10 +77,25 @@ def decide(kb, queues: dict, holders, service_s: float, fetch_s: float) -> tuple
 def routing_counters() -> dict:
     """This process's routers' counters, summed (the ingress reports them in its stats)."""
     out = collections.Counter()
+    for c in routing_counters_by_region().values():
+        out.update(c)
+    return dict(out)
+
+
+def routing_counters_by_region(app: str = None) -> dict:
+    """region (the deployment's name) -> its routers' counters in this process (of app, if given)."""
+    out = collections.defaultdict(collections.Counter)
     with _lock:
         for r in _ROUTERS:
-            out.update(r.counters)
-    return dict(out)
+            if app is None or r.app == app:
+                out[r.region].update(r.counters)
+    return {k: dict(v) for k, v in out.items()}
+
+
+def region_routers(app: str) -> dict:
+    """region -> this process's request router of that region's deployment in app (the ingress's)."""
+    with _lock:
+        return {r.region: r for r in _ROUTERS if r.app == app}
 
 
 class KBAffinityRouter(RequestRouter):
@@ -86,6 +104,11 @@ class KBAffinityRouter(RequestRouter):
     def initialize_state(self, **kwargs):
         self.counters = collections.Counter()
         self.recent = collections.OrderedDict()     # kb -> replica id it was last sent to
+        self._held = {}                             # replica id -> (its report, the KBs it lists)
+        self._deciding = collections.OrderedDict()  # ids of requests decided, not yet routed
+        dep = getattr(self, "_deployment_id", None)  # Serve sets it before this call
+        self.region = getattr(dep, "name", None)
+        self.app = getattr(dep, "app_name", None)
         # Serve pickles this class by value: the registry is reached through the module
         # imported here, never captured (a lock does not pickle)
         import kdn.serve.router as here
@@ -96,9 +119,25 @@ class KBAffinityRouter(RequestRouter):
         s = getattr(replica, "routing_stats", None)
         return s if isinstance(s, dict) else {}
 
+    def _holds(self, replica, kb: str) -> bool:
+        """Whether the replica's last report lists kb in its engine (a set per report, so a
+        decision costs the same with 4,096 KBs held as with one)."""
+        s = self._stats(replica)
+        rid = replica.replica_id
+        seen = self._held.get(rid)
+        if seen is None or seen[0] is not s:
+            seen = self._held[rid] = (s, frozenset(s.get("kbs", ())))
+        return kb in seen[1]
+
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if not candidate_replicas:
             return []
+        context = getattr(pending_request, "routing_context", None)
+        if context is not None:
+            # Serve's loop asks again at once, in a tight loop, while every replica it was
+            # given is full, unless told to back off (as Ray's own routers do): 14,107 asks
+            # for 15 requests to one busy replica were measured before this
+            context.should_backoff = True
         kb = None if pending_request is None else kb_of(pending_request.args)
         if kb is None:          # /v1/models and the like: Serve's own choice suffices
             return [list(candidate_replicas)]
@@ -109,20 +148,69 @@ class KBAffinityRouter(RequestRouter):
             q = self._replica_queue_len_cache.get(r.replica_id)
             queues[rid] = 0 if q is None else q
             s = self._stats(r)
-            if kb in s.get("kbs", ()):
+            if self._holds(r, kb):
                 holders.add(rid)
                 fetch.append(s.get("fetch_s", {}).get(kb, DEFAULT_FETCH_S))
             service.append(s.get("service_s") or DEFAULT_SERVICE_S)
         if self.recent.get(kb) in queues:
             holders.add(self.recent[kb])
         chosen, why = decide(kb, queues, holders, max(service), max(fetch or [DEFAULT_FETCH_S]))
-        self.counters[why] += 1
-        self.counters["decisions"] += 1
-        self.counters["decision_us"] += int((time.perf_counter() - t0) * 1e6)
+        if self._first_time(pending_request):
+            self.counters[why] += 1
+            self.counters["decisions"] += 1
+            self.counters["decision_us"] += int((time.perf_counter() - t0) * 1e6)
+        else:       # Serve asks again while the replicas it was given are full: not a new request
+            self.counters["rechosen"] += 1
         rest = [r for rid, r in by_id.items() if rid != chosen]
         return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
 
+    def _first_time(self, pending_request) -> bool:
+        """Whether this is the request's first decision (Serve calls choose_replicas again,
+        with backoff, until a replica it was given accepts); a request without an id counts
+        every time."""
+        rid = getattr(getattr(pending_request, "metadata", None), "internal_request_id", None)
+        if rid is None:
+            return True
+        if rid in self._deciding:
+            return False
+        self._deciding[rid] = None
+        while len(self._deciding) > RECENT:       # a request cancelled before it was routed
+            self._deciding.popitem(last=False)
+        return True
+
+    def view(self, kb: str, in_flight: int = 0) -> View:
+        """This region's View of kb (kdn.serve.regions): requests ahead per replica (the larger
+        of its replicas' queue lengths as Serve last heard them and in_flight, the caller's own
+        requests there) x the replicas' service time, plus nothing when an engine holds kb,
+        else the region's last measured fetch of it and its tier ("unknown" when none)."""
+        replicas = list(self.curr_replicas.values())
+        if not replicas:
+            return UNAVAILABLE
+        queued, service, held, fetch, tier = 0, [], False, None, "unknown"
+        for r in replicas:
+            queued += self._replica_queue_len_cache.get(r.replica_id) or 0
+            s = self._stats(r)
+            service.append(s.get("service_s") or DEFAULT_SERVICE_S)
+            held = held or self._holds(r, kb)
+            f = s.get("fetch_s", {}).get(kb)
+            if f is not None and (fetch is None or f < fetch):
+                fetch, tier = f, s.get("tiers", {}).get(kb, "edge")
+        held = held or self.recent.get(kb) in {r.replica_id.to_full_id_str() for r in replicas}
+        wait = max(queued, in_flight) / len(replicas) * max(service)
+        if held:
+            return View(wait, 0.0, "engine")
+        return View(wait, DEFAULT_FETCH_S if fetch is None else fetch, tier)
+
+    def kv_bytes(self, kb: str):
+        """The bytes of kb's KV, as a replica of this region last fetched it (None: none did)."""
+        for r in self.curr_replicas.values():
+            n = self._stats(r).get("kv_bytes", {}).get(kb)
+            if n is not None:
+                return n
+        return None
+
     def on_request_routed(self, pending_request, replica_id, result):
+        self._deciding.pop(getattr(getattr(pending_request, "metadata", None), "internal_request_id", None), None)
         kb = kb_of(pending_request.args)
         if kb is not None:
             self.recent[kb] = replica_id.to_full_id_str()
@@ -133,6 +221,7 @@ class KBAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id):
         super().on_replica_actor_died(replica_id)
         dead = replica_id.to_full_id_str()
+        self._held.pop(replica_id, None)
         for kb in [k for k, r in self.recent.items() if r == dead]:
             del self.recent[kb]
         self.counters["replicas_died"] += 1
@@ -155,6 +244,8 @@ class EngineKV:
         self.entries = collections.OrderedDict()     # (kb, version) -> (Fetched, nbytes)
         self.bytes = 0
         self.fetch_s = {}                            # kb -> seconds its last fetch took
+        self.tiers = {}                              # kb -> where that fetch came from (regions.tier_of)
+        self.kv_bytes = {}                           # kb -> bytes of its KV
         self.service_s = None                        # mean seconds per request (EWMA)
         self.counters = collections.Counter()
 
@@ -167,11 +258,15 @@ class EngineKV:
         self.counters["engine_hits"] += 1
         return got[0]
 
-    def put(self, kb: str, version, fetched, nbytes: int, fetch_s: float) -> bool:
-        """Keep fetched (nbytes of KV); False when it is larger than the whole cache."""
-        self.fetch_s[kb] = fetch_s
-        if len(self.fetch_s) > RECENT:
-            self.fetch_s.pop(next(iter(self.fetch_s)))
+    def put(self, kb: str, version, fetched, nbytes: int, fetch_s: float, tier: str = "edge") -> bool:
+        """Keep fetched (nbytes of KV, fetched in fetch_s from `tier`); False when it is larger
+        than the whole cache."""
+        for table, v in ((self.fetch_s, fetch_s), (self.tiers, tier), (self.kv_bytes, nbytes)):
+            table.pop(kb, None)
+            table[kb] = v                            # the latest last: the oldest goes first
+            if len(table) > RECENT:
+                table.pop(next(iter(table)))
+        self.counters[f"fetched_{tier}"] += 1
         if nbytes > self.capacity:
             self.counters["engine_rejected"] += 1
             return False
@@ -192,7 +287,8 @@ class EngineKV:
     def routing_stats(self) -> dict:
         """What the router reads (record_routing_stats)."""
         return {"kbs": sorted({kb for kb, _ in self.entries}), "service_s": self.service_s,
-                "fetch_s": dict(self.fetch_s), "bytes": self.bytes}
+                "fetch_s": dict(self.fetch_s), "tiers": dict(self.tiers), "kv_bytes": dict(self.kv_bytes),
+                "bytes": self.bytes}
 
     def stats(self) -> dict:
         return {"kbs": len(self.entries), "bytes": self.bytes, "capacity": self.capacity,

@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from kdn.serve.router import EngineKV, KBAffinityRouter, decide, kb_of, owner
+from kdn.serve.regions import UNAVAILABLE, View
+from kdn.serve.router import EngineKV, KBAffinityRouter, decide, kb_of, owner, region_routers
 
 R = ["r1", "r2", "r3"]
 
@@ -72,11 +73,42 @@ def test_the_engine_cache_is_bounded_in_bytes_and_least_recently_used_goes_first
     assert kv.routing_stats()["service_s"] == pytest.approx(1.8)
 
 
+def test_the_engine_cache_reports_each_kbs_tier_and_size():
+    kv = EngineKV(100)
+    kv.put("t/a", 1, "A", 40, 0.5, "origin")
+    kv.put("t/a", 2, "A2", 40, 0.1, "edge")          # the latest fetch of a KB is what counts
+    st = kv.routing_stats()
+    assert st["tiers"] == {"t/a": "edge"} and st["kv_bytes"] == {"t/a": 40} and st["fetch_s"] == {"t/a": 0.1}
+    assert kv.stats()["fetched_origin"] == 1 and kv.stats()["fetched_edge"] == 1
+
+
+class _Rid:
+    """A stand-in for Serve's ReplicaID (hashable, as Serve's replica maps key by it)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def to_full_id_str(self):
+        return self.name
+
+
 class _Replica:
     def __init__(self, name, stats=None):
-        self.replica_id = types.SimpleNamespace(to_full_id_str=lambda: name, name=name)
+        self.replica_id = _Rid(name)
         self.routing_stats = stats or {}
         self.max_ongoing_requests = 4
+
+
+def _region_router(app: str, region: str, replicas, queues=None):
+    """A KBAffinityRouter of region's deployment in app, as Serve makes it (its deployment id,
+    its replicas, its queue-length cache; queues: replica name -> queue length)."""
+    router = KBAffinityRouter.__new__(KBAffinityRouter)
+    router._deployment_id = types.SimpleNamespace(name=region, app_name=app)
+    q = queues or {}
+    router._replica_queue_len_cache = types.SimpleNamespace(get=lambda rid: q.get(rid.name))
+    router.initialize_state()
+    router._replicas = {r.replica_id: r for r in replicas}      # what curr_replicas returns
+    return router
 
 
 def test_the_serve_router_ranks_the_holder_first_and_the_rest_after():
@@ -112,8 +144,9 @@ def test_a_request_whose_replica_died_before_answering_is_sent_once_more():
         if len(calls) == 1:
             raise RayActorError()
         return {"status": 200}
-    assert asyncio.run(router._twice(dies_once)) == {"status": 200}
-    assert router.counters["retried_replica_died"] == 1 and len(calls) == 2
+    moved = []
+    assert asyncio.run(router._twice(dies_once, lambda: moved.append(1))) == {"status": 200}
+    assert router.counters["retried_replica_died"] == 1 and len(calls) == 2 and moved == [1]
 
     async def always_dies():
         raise RayActorError()
@@ -124,3 +157,111 @@ def test_a_request_whose_replica_died_before_answering_is_sent_once_more():
         raise ValueError("a bug")
     with pytest.raises(ValueError):
         asyncio.run(router._twice(a_bug))
+
+
+def test_a_regions_view_is_its_wait_plus_the_fetch_from_the_tier_that_holds_the_kb():
+    """KBAffinityRouter.view: what the ingress weighs across regions (kdn.serve.regions)."""
+    reps = [_Replica("a", {"kbs": ["t/held"], "service_s": 2.0}),
+            _Replica("b", {"fetch_s": {"t/seen": 0.3}, "tiers": {"t/seen": "peer"}, "kv_bytes": {"t/seen": 7},
+                           "service_s": 1.0})]
+    router = _region_router("kdn-view", "eu-west", reps, {"a": 3, "b": 1})
+    # 4 requests on 2 replicas, 2 s each (the slowest replica's): 4 s ahead
+    assert router.view("t/held") == View(4.0, 0.0, "engine")
+    assert router.view("t/seen") == View(4.0, 0.3, "peer") and router.kv_bytes("t/seen") == 7
+    assert router.view("t/never") == View(4.0, 0.05, "unknown") and router.kv_bytes("t/never") is None
+    assert router.view("t/held", in_flight=10).wait_s == 10.0     # the caller's own requests there
+    assert _region_router("kdn-view", "ap-south", []).view("t/held") is UNAVAILABLE
+    assert set(region_routers("kdn-view")) == {"eu-west", "ap-south"}
+
+
+def test_the_ingress_routes_a_kb_across_regions_and_counts_the_decision():
+    """kdn.serve.app.Router.across over the request routers Serve made in its process (here
+    made by hand): us-east's one replica has 3 requests ahead; eu-west's is idle and its
+    engine holds the KB; 110 ms between them."""
+    import collections
+    from kdn.serve.app import Router
+    app = "kdn-across"
+    _region_router(app, "us-east", [_Replica("u", {"kbs": ["t/kb"], "service_s": 1.0})], {"u": 3})
+    _region_router(app, "eu-west", [_Replica("e", {"kbs": ["t/kb"], "service_s": 1.0})], {"e": 0})
+    ingress = Router.__new__(Router)
+    ingress.network, ingress.workers = "across", {"us-east": None, "eu-west": None}
+    ingress.links = {"rtt_s": {"us-east": {"us-east": 0.0, "eu-west": 0.11}},
+                     "origin": {"us-east": (0.0002, 1e10), "eu-west": (0.055, 1e9)}}
+    ingress.in_flight, ingress.counters, ingress.nearest = collections.Counter(), collections.Counter(), {}
+    assert ingress.across("us-east", "t/kb") == ("eu-west", "cross_region_queue")
+    assert ingress.across("us-east", "t/other") == ("eu-west", "cross_region_queue")   # the queue alone
+    c = ingress.counters
+    assert c["route_decisions"] == 2 and c["tier_engine"] == 1 and c["tier_unknown"] == 1
+    assert c["route_decision_us"] < 1000 * c["route_decisions"]
+    # a KB fetched in one region only: elsewhere, its fetch is estimated over the origin's link
+    _region_router("kdn-est", "us-east", [_Replica("u2", {"fetch_s": {"t/big": 0.01}, "kv_bytes": {"t/big": 10**9},
+                                                          "service_s": 1.0})], {"u2": 0})
+    _region_router("kdn-est", "eu-west", [_Replica("e2", {"service_s": 1.0})], {"e2": 0})
+    ingress.network, ingress.counters = "est", collections.Counter()
+    ingress.links["rtt_s"]["eu-west"] = {"eu-west": 0.0, "us-east": 0.11}
+    # from eu-west: 55 ms + 1 GB at 1 GB/s from the origin, or 10 ms at us-east's edge + 110 ms
+    assert ingress.across("eu-west", "t/big") == ("us-east", "cross_region_kv")
+    assert ingress.counters["tier_edge"] == 1
+    ingress.links["origin"]["eu-west"] = (0.055, 1e11)      # a fat link: 65 ms, home is best
+    assert ingress.across("eu-west", "t/big") == ("eu-west", "home")
+    assert ingress.counters["tier_origin_estimate"] == 1
+
+
+def test_the_region_decision_weighs_no_farther_region_past_its_budget(monkeypatch):
+    """Past DECISION_BUDGET_S the ingress stops building Views (home first, then nearest
+    first): the decision's own work is bounded whatever the number of regions."""
+    import collections
+    from kdn.serve import app as serve_app
+    _region_router("kdn-budget", "us-east", [_Replica("bu", {"service_s": 1.0})], {"bu": 9})
+    _region_router("kdn-budget", "eu-west", [_Replica("be", {"service_s": 1.0})], {"be": 0})
+    ingress = serve_app.Router.__new__(serve_app.Router)
+    ingress.network, ingress.workers = "budget", {"us-east": None, "eu-west": None}
+    ingress.nearest = {"us-east": ["us-east", "eu-west"]}
+    ingress.links = {"rtt_s": {"us-east": {"us-east": 0.0, "eu-west": 0.11}}, "origin": {}}
+    ingress.in_flight, ingress.counters = collections.Counter(), collections.Counter()
+    assert ingress.across("us-east", "t/kb") == ("eu-west", "cross_region_queue")
+    monkeypatch.setattr(serve_app, "DECISION_BUDGET_S", 0.0)       # spent before eu-west is weighed
+    assert ingress.across("us-east", "t/kb") == ("us-east", "home")
+    assert ingress.counters["route_over_budget"] == 1
+
+
+def test_a_retry_after_a_death_may_cross_regions_once_if_the_request_had_not():
+    """kdn.serve.app.Router._cross_once: us-east's only replica died (Serve's router dropped
+    it: no replica left); a request that had stayed home is retried in eu-west, one that had
+    already crossed regions, or named its region, is retried where it was."""
+    import collections
+    from kdn.serve.app import Router
+    _region_router("kdn-retry", "us-east", [])
+    _region_router("kdn-retry", "eu-west", [_Replica("re", {"service_s": 1.0})], {"re": 0})
+    ingress = Router.__new__(Router)
+    ingress.network, ingress.workers = "retry", {"us-east": None, "eu-west": None}
+    ingress.nearest = {"us-east": ["us-east", "eu-west"], "eu-west": ["eu-west", "us-east"]}
+    ingress.links = {"rtt_s": {"us-east": {"us-east": 0.0, "eu-west": 0.11},
+                               "eu-west": {"eu-west": 0.0, "us-east": 0.11}}, "origin": {}}
+    ingress.in_flight, ingress.counters = collections.Counter({"us-east": 1}), collections.Counter()
+    where, routed = ["us-east"], {"X-KDN-Region": "us-east", "X-KDN-Route": "home"}
+    ingress._cross_once(where, "home", "t/kb", routed)
+    assert where == ["eu-west"] and routed == {"X-KDN-Region": "eu-west", "X-KDN-Route": "home_unavailable"}
+    assert ingress.in_flight == {"us-east": 0, "eu-west": 1} and ingress.counters["route_home_unavailable"] == 1
+    for why in ("cross_region_queue", "home_unavailable", "pinned"):
+        where = ["us-east"]
+        ingress._cross_once(where, why, "t/kb", {})
+        assert where == ["us-east"]
+
+
+def test_a_request_serve_asks_about_again_is_one_decision():
+    """Serve calls choose_replicas again while the replicas it was given are full (with
+    backoff: the router asks for it): the request is counted once (its decision), the asks
+    after it as "rechosen"."""
+    router = _region_router("kdn-again", "us-east", [])
+    reps = [_Replica("a", {"kbs": ["default/rights"]}), _Replica("b")]
+    req = types.SimpleNamespace(args=({"kb": "rights"}, "default", None),
+                                metadata=types.SimpleNamespace(internal_request_id="req-1"),
+                                routing_context=types.SimpleNamespace(should_backoff=False))
+    for _ in range(3):
+        asyncio.run(router.choose_replicas(reps, req))
+    assert router.counters["decisions"] == 1 and router.counters["engine_hit"] == 1
+    assert router.counters["rechosen"] == 2
+    assert req.routing_context.should_backoff      # Serve sleeps between asks, never a tight loop
+    router.on_request_routed(req, reps[0].replica_id, None)      # routed: its id is forgotten
+    assert not router._deciding

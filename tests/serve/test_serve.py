@@ -6,7 +6,8 @@ the module in two regions (us-east, eu-west), each with one replica placed by no
 Answers, plain and streamed, must be the tokens `kdn query --check` (kdn.engines.transformers.worker.answer with
 check=True: both with KDN and with a full prefill) gives for the same KB and question, and
 usage.prompt_tokens_details.cached_tokens the KB's tokens. Then every error the API promises,
-concurrent clients in both regions, and a replica killed in the middle of a stream.
+concurrent clients in both regions, the routing counters (/metrics, `kdn status`), a replica
+killed while requests run (none fails) and a replica killed in the middle of a stream.
 """
 import collections
 import json
@@ -348,6 +349,54 @@ def test_concurrent_clients_in_two_regions(service, model):
     assert not errors and got == [want] * 4
 
 
+def _metric_samples(service) -> tuple:
+    """(the service's /metrics as fetched, {(name, labels): value})."""
+    from prometheus_client.parser import text_string_to_metric_families
+    r = httpx.get(f"http://127.0.0.1:{service['port']}/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text[:200]
+    return r.content, {(x.name, tuple(sorted(x.labels.items()))): x.value
+                       for f in text_string_to_metric_families(r.text) for x in f.samples}
+
+
+def test_metrics_and_status_show_every_routing_decision(service, model, kdn_cli):
+    """/metrics (no token: no counter names a tenant or a KB) sums every ingress replica's
+    counters: each /v1 request's region decision (and its tier), each replica decision of
+    each region; promtool finds nothing to fix in it; `kdn status` prints the same counters."""
+    def decided(got):
+        return sum(v for (name, _), v in got.items() if name == "kdn_serve_region_decisions_total")
+    _, before = _metric_samples(service)
+    r = _client(service["url"]).chat.completions.with_raw_response.create(
+        model=f"{MODEL_NAME}@rights", messages=[{"role": "user", "content": QUESTION}], max_tokens=NEW_TOKENS)
+    assert r.parse().choices[0].message.content == _text(model, service["expected"].baseline_tokens)
+    assert r.headers["x-kdn-region"] in SERVED and r.headers["x-kdn-route"] in ("home", "cross_region_queue",
+                                                                               "cross_region_kv")
+    deadline = time.monotonic() + 10         # another ingress replica's counters: within a second
+    while decided(got := _metric_samples(service)[1]) < decided(before) + 1:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.3)
+    assert got[("kdn_serve_region_decisions_total", (("outcome", "pinned"),))] >= 1     # /<region>/v1 tests
+    assert sum(v for (name, _), v in got.items() if name == "kdn_serve_region_tier_total") >= 1
+    hits = {labels: v for (name, labels), v in got.items() if name == "kdn_serve_replica_decisions_total"}
+    assert sum(hits.values()) >= 1 and {dict(k)["region"] for k in hits} == set(SERVED), hits
+    assert got[("kdn_serve_ingress_replicas", ())] >= ROUTERS
+    _promtool_check(_metric_samples(service)[0])
+    rc, out = kdn_cli("status", *service["where"])
+    assert "regions: " in out and "decisions" in out and "us-east replicas:" in out, out
+    print("\n" + out[out.index("service:"):])
+    rc, out = kdn_cli("status", "--json", *service["where"])
+    routing = json.loads(out)["service"]["routing"]
+    assert routing["counters"]["route_decisions"] >= 1 and set(routing["routing"]) == set(SERVED)
+
+
+def _promtool_check(text: bytes) -> None:
+    import importlib.util
+    import pathlib
+    spec = importlib.util.spec_from_file_location("serve_test_metrics", pathlib.Path(__file__).with_name("test_metrics.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.promtool_check(text)
+
+
 def test_the_demo_step_answers_through_the_openai_client(service, model):
     from kdn.serve.demo import ask
     said = []
@@ -422,6 +471,62 @@ def test_the_bench_measures_this_service(service):
     got = load(list(service["info"]["regions"].values()), f"{MODEL_NAME}@rights", QUESTION, clients=2,
                per_client=1, max_tokens=4, kb_tokens=service["kb_tokens"], token=READ)
     assert got["ok"] == got["requests"] == 2 and got["n_errors"] == 0 and got["rps"] > 0
+
+
+def test_a_replica_killed_mid_run_costs_no_failed_request(service, model):
+    """us-east's only replica is killed while three /v1 requests (the caller's region:
+    us-east) run or wait there: the one it was answering is sent once more (to eu-west when
+    Serve already dropped the dead replica: it had not crossed regions yet), those waiting
+    get the replacement, and requests that arrive while us-east has no replica go to eu-west
+    (home_unavailable). Every answer is the unkilled one, token for token (temperature 0)."""
+    from kdn.serve import metrics
+    want = _text(model, service["expected"].baseline_tokens)
+    c = _client(service["url"])
+    args = dict(model=f"{MODEL_NAME}@rights", messages=[{"role": "user", "content": QUESTION}],
+                max_tokens=NEW_TOKENS, temperature=0)
+    t0 = time.monotonic()
+    assert c.chat.completions.create(**args).choices[0].message.content == want
+    one_s = time.monotonic() - t0
+    retried = metrics.gather(service["network"])["counters"].get("retried_replica_died", 0)
+    prefix = f"SERVE_REPLICA::kdn-{service['network']}#us-east#"
+    victims = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    assert len(victims) == 1, victims
+    got, errors = [], []
+
+    def ask():
+        try:
+            r = c.chat.completions.with_raw_response.create(**args)
+            got.append((r.parse().choices[0].message.content, r.headers["x-kdn-region"], r.headers["x-kdn-route"]))
+        except openai.OpenAIError as e:
+            errors.append(e)
+    threads = [threading.Thread(target=ask) for _ in range(3)]   # 3: none is refused (1 + 2 queued per router)
+    for t in threads:
+        t.start()
+    time.sleep(one_s / 2)                    # the first is being answered
+    ray.kill(ray.get_actor(victims[0], namespace="serve"), no_restart=True)
+    killed = time.monotonic()
+    while serve_info(service)["deployments"]["us-east"]["replicas"].get("RUNNING", 0):
+        assert time.monotonic() < killed + 30, "Serve never saw the replica die"
+        time.sleep(0.2)
+    time.sleep(1.0)                          # the routers hear it from the controller
+    for _ in range(3):                       # meanwhile, one at a time
+        if serve_info(service)["deployments"]["us-east"]["replicas"].get("RUNNING"):
+            break
+        ask()
+    for t in threads:
+        t.join(300)
+    replaced = time.monotonic()
+    print(f"\none answer {one_s:.2f} s; killed after {one_s / 2:.2f} s; answers (region, route): "
+          f"{[g[1:] for g in got]}; retried {metrics.gather(service['network'])['counters'].get('retried_replica_died', 0) - retried}")
+    assert not errors, errors
+    assert [g[0] for g in got] == [want] * len(got) and len(got) >= 4
+    assert ("eu-west", "home_unavailable") in [g[1:] for g in got], got
+    deadline = time.monotonic() + 180        # the replacement loads the model: later tests find it
+    while serve_info(service)["deployments"]["us-east"]["replicas"].get("RUNNING") != 1:
+        assert time.monotonic() < deadline, serve_info(service)["deployments"]["us-east"]
+        time.sleep(0.5)
+    print(f"replacement running {time.monotonic() - killed:.1f} s after the kill "
+          f"({replaced - killed:.1f} s until every request was answered)")
 
 
 def test_replica_killed_mid_stream_is_a_clear_error_never_a_cut_answer(service, model):

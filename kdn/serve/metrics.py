@@ -1,0 +1,155 @@
+"""`kdn serve`'s counters for `/metrics` (Prometheus text) and `kdn status`, summed over the ingress.
+
+Each ingress replica (kdn.serve.app.Router) counts its requests, errors and region decisions,
+and its request routers (kdn.serve.router, one per region) count their replica decisions. A
+scrape reaches one ingress replica, chosen by Serve, so each replica writes its snapshot to
+Ray's GCS key-value store (the store Serve keeps its own state in) under the service's
+prefix, every PUBLISH_PERIOD_S and at each scrape, and `/metrics` and `kdn status` read and
+sum every replica's: any scrape sees the whole service, at most PUBLISH_PERIOD_S behind for
+the other replicas. A replica that died keeps its entry (its decisions happened), so every
+sum only grows, as a Prometheus counter must; `kdn serve --down` deletes the entries.
+The exposition is prometheus_client's, as the edge's (edge/metrics.py): a collector over the
+snapshot in a registry of its own. No counter names a tenant or a KB.
+"""
+import collections
+import json
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+from kdn.serve.regions import OUTCOMES, TIERS
+
+PUBLISH_PERIOD_S = 1.0
+KV_NAMESPACE = "kdn-serve"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+REPLICA_OUTCOMES = ("engine_hit", "routed_away_queue", "owner", "owner_busy")
+REGION_OUTCOMES = OUTCOMES + ("pinned",)
+
+
+def _prefix(network: str) -> str:
+    return f"{network}/ingress/"
+
+
+def publish(network: str, replica: str, snapshot: dict) -> None:
+    """Write one ingress replica's snapshot ({"counters", "routing": {region: counters}})."""
+    from ray.experimental.internal_kv import _internal_kv_put
+    _internal_kv_put(_prefix(network) + replica, json.dumps(snapshot), namespace=KV_NAMESPACE)
+
+
+def gather(network: str) -> dict:
+    """Every ingress replica's snapshot summed: {"counters", "routing", "replicas"} ({} when
+    no replica ever wrote one)."""
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
+    keys = _internal_kv_list(_prefix(network), namespace=KV_NAMESPACE)
+    counters, routing, n = collections.Counter(), collections.defaultdict(collections.Counter), 0
+    for k in keys:
+        raw = _internal_kv_get(k, namespace=KV_NAMESPACE)
+        if raw is None:              # deleted between the list and the get
+            continue
+        snap = json.loads(raw)
+        counters.update(snap.get("counters", {}))
+        for region, c in snap.get("routing", {}).items():
+            routing[region].update(c)
+        n += 1
+    if not n:
+        return {}
+    return {"counters": dict(counters), "routing": {r: dict(c) for r, c in routing.items()}, "replicas": n}
+
+
+def forget(network: str) -> None:
+    """Delete the service's snapshots (when it is stopped)."""
+    from ray.experimental.internal_kv import _internal_kv_del
+    _internal_kv_del(_prefix(network), del_by_prefix=True, namespace=KV_NAMESPACE)
+
+
+def _family(kind, name, doc, labels, samples):
+    m = kind(name, doc, labels=labels)
+    for label_values, v in samples:
+        m.add_metric(label_values, v)
+    return m
+
+
+class ServiceCollector:
+    """Metric families of one service snapshot (gather())."""
+
+    def __init__(self, snapshot: dict):
+        self.snap = snapshot
+
+    def collect(self):
+        c = collections.Counter(self.snap.get("counters", {}))
+        routing = self.snap.get("routing", {})
+        regions = sorted({k[len("region_"):] for k in c if k.startswith("region_")} | set(routing))
+        yield GaugeMetricFamily("kdn_serve_ingress_replicas", "Ingress replicas that reported "
+                                "(every one ever started: counters are kept across their deaths).",
+                                value=self.snap.get("replicas", 0))
+        yield CounterMetricFamily("kdn_serve_requests_total", "HTTP requests the ingress received.",
+                                  value=c["requests"])
+        yield _family(CounterMetricFamily, "kdn_serve_region_requests_total",
+                      "Requests sent to a region's deployment.", ["region"],
+                      [((r,), c[f"region_{r}"]) for r in regions])
+        yield _family(CounterMetricFamily, "kdn_serve_region_decisions_total",
+                      "Which region answers: home, routed across regions (for the queue or for "
+                      "where the KV is), home had no replica, nothing known yet, or named in the path.",
+                      ["outcome"], [((o,), c[f"route_{o}"]) for o in REGION_OUTCOMES])
+        yield _family(CounterMetricFamily, "kdn_serve_region_tier_total",
+                      "Region decisions by the tier expected to hold the KB's KV where the request went.",
+                      ["tier"], [((t,), c[f"tier_{t}"]) for t in TIERS])
+        s = SummaryMetricFamily("kdn_serve_region_decision_seconds", "Time the region decision took.",
+                                count_value=c["route_decisions"], sum_value=c["route_decision_us"] / 1e6)
+        yield s
+        yield _family(CounterMetricFamily, "kdn_serve_replica_decisions_total",
+                      "Which replica of a region answers: its engine holds the KB, routed away for "
+                      "the queue, the KB's rendezvous owner, or the owner was busy.",
+                      ["region", "outcome"],
+                      [((r, o), routing[r].get(o, 0)) for r in sorted(routing) for o in REPLICA_OUTCOMES])
+        rs = SummaryMetricFamily("kdn_serve_replica_decision_seconds", "Time the replica decision took.",
+                                 labels=["region"])
+        for r in sorted(routing):
+            rs.add_metric((r,), routing[r].get("decisions", 0), routing[r].get("decision_us", 0) / 1e6)
+        yield rs
+        yield _family(CounterMetricFamily, "kdn_serve_replica_rechosen_total",
+                      "Times Serve asked a region's router again for a request it had decided, "
+                      "the replicas it was given being full.", ["region"],
+                      [((r,), routing[r].get("rechosen", 0)) for r in sorted(routing)])
+        yield _family(CounterMetricFamily, "kdn_serve_replicas_died_total",
+                      "Replicas a region's router saw die.", ["region"],
+                      [((r,), routing[r].get("replicas_died", 0)) for r in sorted(routing)])
+        yield _family(CounterMetricFamily, "kdn_serve_errors_total", "Error answers, by HTTP status.",
+                      ["code"], [((k[len("errors_"):],), v) for k, v in sorted(c.items())
+                                 if k.startswith("errors_")])
+        yield CounterMetricFamily("kdn_serve_retries_total", "Requests sent once more because their "
+                                  "replica died before answering.", value=c["retried_replica_died"])
+        yield CounterMetricFamily("kdn_serve_broken_streams_total", "Streams ended by an error event "
+                                  "(their replica failed mid-answer).", value=c["broken_streams"])
+        yield _family(CounterMetricFamily, "kdn_serve_events_total", "Every counter of the ingress, by name.",
+                      ["event"], [((k,), v) for k, v in sorted(c.items())])
+
+
+def exposition(snapshot: dict) -> bytes:
+    """A service snapshot in the Prometheus text format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServiceCollector(snapshot))
+    return generate_latest(registry)
+
+
+def summary_lines(snapshot: dict) -> list:
+    """What `kdn status` prints of the service's routing (snapshot: gather())."""
+    if not snapshot:
+        return ["  routing: no decisions yet"]
+    c, routing = snapshot["counters"], snapshot["routing"]
+    n = c.get("route_decisions", 0)
+    regions = ", ".join(f"{o.replace('_', ' ')} {c[f'route_{o}']}" for o in REGION_OUTCOMES if c.get(f"route_{o}"))
+    tiers = ", ".join(f"{t.replace('_', ' ')} {c[f'tier_{t}']}" for t in TIERS if c.get(f"tier_{t}"))
+    us = c.get("route_decision_us", 0) / max(1, n)
+    lines = [f"  regions: {n} decisions ({us:.0f} us mean): {regions or 'none'}",
+             f"  KV expected in: {tiers or 'none yet'}"]
+    for r in sorted(routing):
+        d = routing[r]
+        outcomes = ", ".join(f"{o.replace('_', ' ')} {d[o]}" for o in REPLICA_OUTCOMES if d.get(o))
+        lines.append(f"  {r} replicas: {d.get('decisions', 0)} decisions "
+                     f"({d.get('decision_us', 0) / max(1, d.get('decisions', 0)):.0f} us mean): {outcomes or 'none'}"
+                     + (f"; asked again {d['rechosen']} times (replicas full)" if d.get("rechosen") else "")
+                     + (f", {d['replicas_died']} replicas died" if d.get("replicas_died") else ""))
+    lines.append(f"  ingress: {c.get('requests', 0)} requests, {c.get('retried_replica_died', 0)} retried "
+                 f"(replica died), {c.get('broken_streams', 0)} broken streams, over {snapshot['replicas']} replicas")
+    return lines
