@@ -222,6 +222,7 @@ class Router:
         # tier_<tier>, route_decisions, route_decision_us, retried_replica_died
         self.counters = collections.Counter()
         self._publisher = None
+        self.publish_failure = None   # the bug that stopped the counter loop, if one did
         try:    # Serve runs the constructor on the replica's event loop: start at once
             self._start_publisher(asyncio.get_running_loop())
         except RuntimeError:    # no loop here (constructed outside Serve): the first request starts it
@@ -230,10 +231,19 @@ class Router:
     def _start_publisher(self, loop) -> None:
         if self._publisher is None and self.network is not None:
             self._publisher = loop.create_task(self._publish_counters())
+            self._publisher.add_done_callback(self._publisher_stopped)
+
+    def _publisher_stopped(self, task) -> None:
+        """The counter loop only ends on a bug (or the replica's shutdown): say so in stats()."""
+        if not task.cancelled() and task.exception() is not None:
+            e = task.exception()
+            self.publish_failure = f"{type(e).__name__}: {e}"
+            log.error("kdn serve: the ingress's counter loop stopped on a bug", exc_info=e)
 
     def stats(self) -> dict:
         from kdn.serve.router import routing_counters
-        return {"home": self.home, "counters": dict(self.counters), "routing": routing_counters()}
+        return {"home": self.home, "counters": dict(self.counters), "routing": routing_counters(),
+                "publish_failure": self.publish_failure}
 
     def snapshot(self) -> dict:
         """This replica's counters for /metrics and `kdn status` (kdn.serve.metrics)."""
@@ -330,8 +340,10 @@ class Router:
     async def _publish_counters(self):
         """Every PUBLISH_PERIOD_S: this replica's snapshot to the GCS store (kdn.serve.metrics),
         and each region's request router in this process made to exist (a region this replica
-        never sent to would have no View). This loop must survive anything: a failure is
-        counted and logged, and the next period tries again."""
+        never sent to would have no View). What the GCS store can answer (a Ray error, a lost
+        connection, a timeout) is counted and logged, and the next period tries again; anything
+        else is a bug: it ends the loop, and stats() shows it (publish_failure)."""
+        from ray.exceptions import RayError
         from kdn.serve import metrics
         warmed = set()
         while True:
@@ -339,9 +351,10 @@ class Router:
                 await asyncio.to_thread(metrics.publish, self.network, self._replica_id(), self.snapshot())
                 if len(warmed) < len(self.workers):
                     warmed |= await self._warm(set(self.workers) - warmed)
-            except Exception:  # noqa: BLE001 - a background loop: counted, logged, tried again
+            except (RayError, ConnectionError, TimeoutError) as e:
                 self.counters["publish_failures"] += 1
-                log.exception("kdn serve: publishing the ingress's counters or warming its routers failed")
+                log.warning("kdn serve: publishing the ingress's counters failed (%s: %s); retrying",
+                            type(e).__name__, e)
             await asyncio.sleep(metrics.PUBLISH_PERIOD_S)
 
     async def _warm(self, regions) -> set:

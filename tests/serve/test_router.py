@@ -265,3 +265,33 @@ def test_a_request_serve_asks_about_again_is_one_decision():
     assert req.routing_context.should_backoff      # Serve sleeps between asks, never a tight loop
     router.on_request_routed(req, reps[0].replica_id, None)      # routed: its id is forgotten
     assert not router._deciding
+
+
+def test_the_counter_loop_retries_what_the_store_can_answer_and_stops_on_a_bug_visibly(monkeypatch):
+    """kdn.serve.app.Router._publish_counters: a lost GCS connection is counted and tried again
+    next period; any other error ends the loop, and stats() names it (publish_failure)."""
+    import collections
+    from kdn.serve import app as serve_app, metrics
+    router = serve_app.Router.__new__(serve_app.Router)
+    router.network, router.workers, router.home = "n", {}, "us-east"
+    router.counters, router.publish_failure, router._publisher = collections.Counter(), None, None
+    monkeypatch.setattr(router, "_replica_id", lambda: "r0")
+    monkeypatch.setattr(router, "snapshot", lambda: {})
+    monkeypatch.setattr(metrics, "PUBLISH_PERIOD_S", 0.01)
+    calls = []
+
+    def publish(*args):
+        calls.append(args)
+        if len(calls) <= 2:
+            raise ConnectionError("GCS away")
+        raise KeyError("a bug")
+    monkeypatch.setattr(metrics, "publish", publish)
+
+    async def run():
+        router._start_publisher(asyncio.get_running_loop())
+        with pytest.raises(KeyError):
+            await router._publisher
+        await asyncio.sleep(0)      # the done callback
+    asyncio.run(run())
+    assert len(calls) == 3 and router.counters["publish_failures"] == 2
+    assert router.stats()["publish_failure"] == "KeyError: 'a bug'"
