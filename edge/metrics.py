@@ -13,6 +13,8 @@ queue to the disk full).
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kdn.core.names import SOURCE_KINDS
+
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0)
 HIDDEN = frozenset({"namespace_refused"})     # counted for the operator (stats), not exported
@@ -53,7 +55,7 @@ class EdgeCollector:
                        labels=("tier",), samples=[((t,), c[t + "_hits"]) for t in tiers])
         yield _counter("kdn_edge_chunks_served_total", "Chunks served, by where they came from.",
                        labels=("source",), samples=[((s,), c["served_" + s])
-                                                     for s in ("local", "peer", "origin")])
+                                                     for s in SOURCE_KINDS])
         yield _counter("kdn_edge_bytes_served_total", "KV bytes served over any transport.",
                        value=c["bytes_served"])
         yield _counter("kdn_edge_fetches_total", "Fetch requests over any transport.", value=c["fetches"])

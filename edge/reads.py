@@ -25,7 +25,7 @@ import time
 from kdn.core.names import ORIGIN_NODE
 from kdn.core.errors import BadRequest
 from kdn.core.keys import MAX_FETCH_KEYS, check_key
-from kdn.core.names import LOCAL, source_kind
+from kdn.core.names import DISK, LOCAL, source_kind
 
 MAX_REPLY_BYTES = 1 << 30       # KV bytes one reply carries
 FIRST_ROUND_KEYS = 64           # keys loaded at once before any chunk size is known
@@ -141,7 +141,7 @@ class Reads:
         got = await self.read_disk([keys[i] for i in want], ns)
         for i, held in zip(want, got):
             if held is not None:
-                found[i] = (held, LOCAL)
+                found[i] = (held, DISK)
 
     async def read_disk(self, keys, ns) -> list:
         """Held per key from the disk tier (None where absent), promoted to memory: main
@@ -177,7 +177,7 @@ class Reads:
         for k, h, s in zip(keys, helds, sources):
             self.demand.record(k, region, h.nbytes)
             self.counters["served_" + source_kind(s)] += 1
-            if s != LOCAL:
+            if s not in (LOCAL, DISK):           # this edge's own tiers already hold it
                 keep.append((k, h, region))
         if keep:
             await self.pull.keep(keep)

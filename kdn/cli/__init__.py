@@ -96,6 +96,7 @@ def status_rows(st: dict) -> list:
             "hot copies": e["hot_copies"],
             "fetches": c.get("fetches", 0),
             "local %": f"{100 * c.get('served_local', 0) / served:.0f}",
+            "disk %": f"{100 * c.get('served_disk', 0) / served:.0f}",
             "peer %": f"{100 * c.get('served_peer', 0) / served:.0f}",
             "origin %": f"{100 * c.get('served_origin', 0) / served:.0f}",
             "served": _gib(c.get("bytes_served", 0)),

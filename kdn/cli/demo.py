@@ -173,12 +173,13 @@ def _savings(client, model, results, say) -> dict:
     """What KDN saved, and a re-publish of the unchanged KB (nothing prefilled or sent)."""
     from kdn.cli.knowledge import bundled_documents
     from kdn.client.publish import publish_documents
+    from kdn.core.names import SOURCE_KINDS
     from kdn.engines.transformers.worker import compared
     full = float(np.median([a["baseline_ttft_s"] for a in results if a["baseline_ttft_s"]]))
     kdn = float(np.median([a["ttft_s"] for a in results]))
     again = publish_documents(client, model, KB, bundled_documents())
     served = {k: sum(e.get("counters", {}).get(f"served_{k}", 0) for e in client.status()["edges"])
-              for k in ("local", "peer", "origin")}
+              for k in SOURCE_KINDS}
     computed = int(np.median([a["prompt_tokens"] - a["cached_tokens"] for a in results]))
     same = [a["identical"] for a in results if a["identical"] is not None]
     say("\nWhat KDN saved")
@@ -188,8 +189,8 @@ def _savings(client, model, results, say) -> dict:
         f"question tokens instead of ~{results[0]['prompt_tokens']}: about {len(results) * (full - kdn):.0f} s of "
         f"CPU prefill saved in this run alone")
     say(f"  exactness: {sum(same)}/{len(same)} checked answers token-identical to a plain full prefill")
-    say(f"  chunks served by edges: {served['local']} from the local edge, {served['peer']} from a peer, "
-        f"{served['origin']} from the origin")
+    say(f"  chunks served by edges: {served['local']} from the local edge's memory, {served['disk']} from "
+        f"its disk, {served['peer']} from a peer, {served['origin']} from the origin")
     say(f"  re-publishing the unchanged KB: {again['prefilled_tokens']} tokens prefilled, "
         f"{again['sent_chunks']} chunks sent, version still v{again['version']}")
     return {"republish": again, "speedup": full / kdn}

@@ -11,7 +11,10 @@ MAX_NAME = 64
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 # Where a served chunk came from (Fetched.sources, X-KDN-Sources): one of these, or PEER + edge.
-LOCAL, ORIGIN, PEER = "local", "origin", "peer:"
+# LOCAL: the serving edge's memory tiers; DISK: its disk tier (edge/disk.py), read for this
+# reply; ORIGIN: pulled from the origin; PEER + edge: pulled from another edge.
+LOCAL, DISK, ORIGIN, PEER = "local", "disk", "origin", "peer:"
+SOURCE_KINDS = (LOCAL, DISK, "peer", ORIGIN)
 
 # A node of a network, as calls name it (kdn.core.rpc.Actors, actor_name): an edge by its name,
 # the origin by ORIGIN_NODE. None, not a string, so that no edge's name can ever mean the origin.
@@ -46,7 +49,7 @@ def peer_source(edge: str) -> str:
 
 
 def source_kind(source: str) -> str:
-    """local, peer or origin."""
+    """local, disk, peer or origin (SOURCE_KINDS)."""
     return "peer" if source.startswith(PEER) else source
 
 

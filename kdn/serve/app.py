@@ -247,9 +247,10 @@ class Router:
 
     def snapshot(self) -> dict:
         """This replica's counters for /metrics and `kdn status` (kdn.serve.metrics)."""
-        from kdn.serve.router import routing_counters_by_region
-        return {"counters": dict(self.counters),
-                "routing": routing_counters_by_region(app_name(self.network) if self.network else None)}
+        from kdn.serve.router import replica_kv_sources, routing_counters_by_region
+        app = app_name(self.network) if self.network else None
+        return {"counters": dict(self.counters), "routing": routing_counters_by_region(app),
+                "kv_sources": replica_kv_sources(app)}
 
     def pick(self, request, path_region: str, kb: str = None) -> tuple:
         """(region, why) for a request: the region its path names ("pinned"), else the

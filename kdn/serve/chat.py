@@ -70,6 +70,7 @@ class Chat:
         if emphasis and not fetch:
             raise BadRequest("emphasis edits the KB's KV: it cannot be combined with kdn_fetch false")
         if not fetch:
+            self._served_from("none")
             return prompt, None, 0
         if emphasis is None:
             emphasis = override_of(manifest)
@@ -89,6 +90,7 @@ class Chat:
             cache, tokens = kept
             self.model.crop(cache, tokens)     # back to the KB's KV, bitwise as rebuilt
             self.counters["engine_hits"] += 1
+            self._served_from("engine")
             return prompt, cache, tokens
         t0 = time.perf_counter()
         f = self.client.fetch(prompt, kb=manifest.name, version=manifest.version)
@@ -97,11 +99,18 @@ class Chat:
         cache = self.model.cache_from_kv(f.kv_parts(), spare) if f.tokens else None
         self.counters["fetch_s"] += t1 - t0
         self.counters["rebuild_s"] += time.perf_counter() - t1
+        tier = tier_of(f.source_counts()) if f.tokens else "none"
+        self._served_from(tier)
         if self.engine_kv is not None and f.tokens == len(ids):   # the whole KB only
             self.engine_kv.put(kb, manifest.version, (cache, f.tokens),
-                               (f.tokens + spare) * self.model.kv_bytes_per_token, t1 - t0,
-                               tier_of(f.source_counts()))
+                               (f.tokens + spare) * self.model.kv_bytes_per_token, t1 - t0, tier)
         return prompt, cache, f.tokens
+
+    def _served_from(self, source: str) -> None:
+        """Count where this answer's exact knowledge KV came from, for the router's report
+        (an emphasized answer is counted under emphasized_*, not here)."""
+        if self.engine_kv is not None:
+            self.engine_kv.served_from(source)
 
     def stream(self, prompt, cache, cached_tokens: int, max_tokens: int, temperature: float = 0.0,
                seed: int = None):

@@ -6,7 +6,9 @@ scrape reaches one ingress replica, chosen by Serve, so each replica writes its 
 Ray's GCS key-value store (the store Serve keeps its own state in) under the service's
 prefix, every PUBLISH_PERIOD_S and at each scrape, and `/metrics` and `kdn status` read and
 sum every replica's: any scrape sees the whole service, at most PUBLISH_PERIOD_S behind for
-the other replicas. A replica that died keeps its entry (its decisions happened), so every
+the other replicas. Where answers' KV came from is counted by the region's replicas, which
+every ingress replica hears of: those counts are merged per region replica (the largest
+count any ingress replica heard: each only grows), then summed. A replica that died keeps its entry (its decisions happened), so every
 sum only grows, as a Prometheus counter must; `kdn serve --down` deletes the entries.
 The exposition is prometheus_client's, as the edge's (edge/metrics.py): a collector over the
 snapshot in a registry of its own. No counter names a tenant or a KB.
@@ -17,7 +19,7 @@ import json
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
-from kdn.serve.regions import OUTCOMES, TIERS
+from kdn.serve.regions import KV_SOURCES, OUTCOMES, TIERS
 
 PUBLISH_PERIOD_S = 1.0
 KV_NAMESPACE = "kdn-serve"
@@ -31,29 +33,46 @@ def _prefix(network: str) -> str:
 
 
 def publish(network: str, replica: str, snapshot: dict) -> None:
-    """Write one ingress replica's snapshot ({"counters", "routing": {region: counters}})."""
+    """Write one ingress replica's snapshot ({"counters", "routing": {region: counters},
+    "kv_sources": {region: {region replica: {source: answers}}}})."""
     from ray.experimental.internal_kv import _internal_kv_put
     _internal_kv_put(_prefix(network) + replica, json.dumps(snapshot), namespace=KV_NAMESPACE)
 
 
 def gather(network: str) -> dict:
-    """Every ingress replica's snapshot summed: {"counters", "routing", "replicas"} ({} when
-    no replica ever wrote one)."""
+    """Every ingress replica's snapshot summed: {"counters", "routing", "kv_sources": {region:
+    {source: answers}}, "replicas"} ({} when no replica ever wrote one)."""
     from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
-    keys = _internal_kv_list(_prefix(network), namespace=KV_NAMESPACE)
-    counters, routing, n = collections.Counter(), collections.defaultdict(collections.Counter), 0
-    for k in keys:
+    snaps = []
+    for k in _internal_kv_list(_prefix(network), namespace=KV_NAMESPACE):
         raw = _internal_kv_get(k, namespace=KV_NAMESPACE)
-        if raw is None:              # deleted between the list and the get
-            continue
-        snap = json.loads(raw)
+        if raw is not None:          # (None: deleted between the list and the get)
+            snaps.append(json.loads(raw))
+    return merged(snaps)
+
+
+def merged(snaps) -> dict:
+    """Ingress replicas' snapshots as one (gather()): their counters summed, the region
+    replicas' KV sources merged per region replica (largest count heard), then summed."""
+    counters, routing, n = collections.Counter(), collections.defaultdict(collections.Counter), 0
+    heard = collections.defaultdict(dict)        # (region, region replica) -> {source: largest count}
+    for snap in snaps:
         counters.update(snap.get("counters", {}))
         for region, c in snap.get("routing", {}).items():
             routing[region].update(c)
+        for region, replicas in snap.get("kv_sources", {}).items():
+            for replica, c in replicas.items():
+                mine = heard[(region, replica)]
+                for source, v in c.items():
+                    mine[source] = max(mine.get(source, 0), v)
         n += 1
     if not n:
         return {}
-    return {"counters": dict(counters), "routing": {r: dict(c) for r, c in routing.items()}, "replicas": n}
+    sources = collections.defaultdict(collections.Counter)
+    for (region, _), c in heard.items():
+        sources[region].update(c)
+    return {"counters": dict(counters), "routing": {r: dict(c) for r, c in routing.items()},
+            "kv_sources": {r: dict(c) for r, c in sources.items()}, "replicas": n}
 
 
 def forget(network: str) -> None:
@@ -114,6 +133,13 @@ class ServiceCollector:
         yield _family(CounterMetricFamily, "kdn_serve_replicas_died_total",
                       "Replicas a region's router saw die.", ["region"],
                       [((r,), routing[r].get("replicas_died", 0)) for r in sorted(routing)])
+        sources = self.snap.get("kv_sources", {})
+        yield _family(CounterMetricFamily, "kdn_serve_kv_source_total",
+                      "Answers over a KB's exact KV by where that KV came from, as the replica "
+                      "that answered measured it: its engine's cache, the region's edge (memory "
+                      "or disk tier), a peer edge, the origin (the farthest any chunk came "
+                      "from), or none (computed).", ["region", "source"],
+                      [((r, s), sources[r].get(s, 0)) for r in sorted(sources) for s in KV_SOURCES])
         yield _family(CounterMetricFamily, "kdn_serve_errors_total", "Error answers, by HTTP status.",
                       ["code"], [((k[len("errors_"):],), v) for k, v in sorted(c.items())
                                  if k.startswith("errors_")])
@@ -143,13 +169,17 @@ def summary_lines(snapshot: dict) -> list:
     us = c.get("route_decision_us", 0) / max(1, n)
     lines = [f"  regions: {n} decisions ({us:.0f} us mean): {regions or 'none'}",
              f"  KV expected in: {tiers or 'none yet'}"]
-    for r in sorted(routing):
-        d = routing[r]
+    sources = snapshot.get("kv_sources", {})
+    for r in sorted(set(routing) | set(sources)):
+        d = routing.get(r, {})
         outcomes = ", ".join(f"{o.replace('_', ' ')} {d[o]}" for o in REPLICA_OUTCOMES if d.get(o))
+        kv = sources.get(r, {})
+        got = ", ".join(f"{s.replace('_', ' ')} {kv[s]}" for s in KV_SOURCES if kv.get(s))
         lines.append(f"  {r} replicas: {d.get('decisions', 0)} decisions "
                      f"({d.get('decision_us', 0) / max(1, d.get('decisions', 0)):.0f} us mean): {outcomes or 'none'}"
                      + (f"; asked again {d['rechosen']} times (replicas full)" if d.get("rechosen") else "")
                      + (f", {d['replicas_died']} replicas died" if d.get("replicas_died") else ""))
+        lines.append(f"  {r} answers' KV from: {got or 'none yet'}")
     lines.append(f"  ingress: {c.get('requests', 0)} requests, {c.get('retried_replica_died', 0)} retried "
                  f"(replica died), {c.get('broken_streams', 0)} broken streams, over {snapshot['replicas']} replicas")
     return lines

@@ -6,8 +6,8 @@ neighbour's by more than the round trip between them. A region's expected time t
 token for k (`View.ttft_s`) is its wait, requests ahead per replica x its replicas' mean
 service time, plus the fetch of k from the tier that holds it for that region: nothing
 when a replica's engine holds it ("engine"), else the region's last measured fetch of k,
-named by where it came from ("edge": the region's edge, memory or disk, which its reply
-does not tell apart; "peer": another edge; "origin"), else, for a KB the region never
+named by where it came from ("edge_memory" or "edge_disk": the region's edge, its memory
+tiers or its disk tier; "peer": another edge; "origin"), else, for a KB the region never
 fetched, the origin's link to it at the KB's size ("origin_estimate") or, size unknown,
 DEFAULT_FETCH_S for every region alike ("unknown"). The ingress builds each region's View
 from what Serve already gives its request router there (kdn.serve.router.KBAffinityRouter:
@@ -21,7 +21,10 @@ import math
 from dataclasses import dataclass
 
 DEFAULT_FETCH_S = 0.05        # a KB's fetch when nothing says where it is (every region alike)
-TIERS = ("engine", "edge", "peer", "origin", "origin_estimate", "unknown")
+TIERS = ("engine", "edge_memory", "edge_disk", "peer", "origin", "origin_estimate", "unknown")
+# where an answer's knowledge KV came from, measured by the replica (EngineKV.served_from):
+# its engine, the fetch's farthest tier (tier_of), or nowhere ("none": the prompt was computed)
+KV_SOURCES = ("engine", "edge_memory", "edge_disk", "peer", "origin", "none")
 # why a region was chosen: stayed home; routed away for the queue or for where the KV is; the
 # caller's region had no replica; nothing known of the caller's region (no view yet)
 OUTCOMES = ("home", "cross_region_queue", "cross_region_kv", "home_unavailable", "no_view")
@@ -44,11 +47,12 @@ UNAVAILABLE = View(math.inf, 0.0, "unknown")     # a region with no running repl
 
 def tier_of(source_counts: dict) -> str:
     """The tier a fetch came from, by its chunks' sources (kdn.core.names.source_kind):
-    the farthest any chunk came from (origin, then peer, then the region's own edge)."""
-    for tier, kind in (("origin", "origin"), ("peer", "peer")):
+    the farthest any chunk came from (origin, then peer, then the region's edge's disk, then
+    its memory)."""
+    for tier, kind in (("origin", "origin"), ("peer", "peer"), ("edge_disk", "disk")):
         if source_counts.get(kind):
             return tier
-    return "edge"
+    return "edge_memory"
 
 
 def decide_region(home: str, views: dict, rtt_s: dict) -> tuple:

@@ -22,7 +22,10 @@ KDN knows exactly, the KB a request names, instead of a character prefix tree in
   fetch; the cache rebuild (one copy) is done either way.
 
 Counters (`counters`, per region's router and summed by `routing_counters()`): engine
-hits, misses, routed away and why. Across regions, the ingress asks each region's router for
+hits, misses, routed away and why. Where each answer's KV came from is counted by the
+replica that answered (EngineKV.served_from: engine, edge memory, edge disk, peer, origin,
+none) and reported with its routing stats; the router keeps each replica's latest counts,
+also after the replica died (`replica_kv_sources`), so the service's sums only grow. Across regions, the ingress asks each region's router for
 its View of a KB (`view`: the wait there and the fetch from the tier that holds it; see
 kdn.serve.regions).
 """
@@ -33,7 +36,7 @@ import time
 import xxhash
 from ray.serve.request_router import RequestRouter
 
-from kdn.serve.regions import DEFAULT_FETCH_S, UNAVAILABLE, View
+from kdn.serve.regions import DEFAULT_FETCH_S, KV_SOURCES, UNAVAILABLE, View
 
 ROUTING_STATS_PERIOD_S = 1.0      # how often a replica reports what its engine holds
 DEFAULT_SERVICE_S = 1.0           # a request's service time before any is measured
@@ -92,6 +95,17 @@ def routing_counters_by_region(app: str = None) -> dict:
     return {k: dict(v) for k, v in out.items()}
 
 
+def replica_kv_sources(app: str = None) -> dict:
+    """region -> replica id -> {source: answers} (kdn.serve.regions.KV_SOURCES), as this
+    process's routers (of app, if given) last heard each replica, dead ones included."""
+    out = collections.defaultdict(dict)
+    with _lock:
+        routers = [r for r in _ROUTERS if app is None or r.app == app]
+    for r in routers:
+        out[r.region].update(r.kv_sources_seen())
+    return dict(out)
+
+
 def region_routers(app: str) -> dict:
     """region -> this process's request router of that region's deployment in app (the ingress's)."""
     with _lock:
@@ -106,6 +120,7 @@ class KBAffinityRouter(RequestRouter):
         self.recent = collections.OrderedDict()     # kb -> replica id it was last sent to
         self._held = {}                             # replica id -> (its report, the KBs it lists)
         self._deciding = collections.OrderedDict()  # ids of requests decided, not yet routed
+        self._kv_sources = {}                       # replica id -> its last reported kv_sources
         dep = getattr(self, "_deployment_id", None)  # Serve sets it before this call
         self.region = getattr(dep, "name", None)
         self.app = getattr(dep, "app_name", None)
@@ -118,6 +133,14 @@ class KBAffinityRouter(RequestRouter):
     def _stats(self, replica) -> dict:
         s = getattr(replica, "routing_stats", None)
         return s if isinstance(s, dict) else {}
+
+    def kv_sources_seen(self) -> dict:
+        """replica id -> {source: answers}: each replica's latest report, kept after its death."""
+        for r in list(self.curr_replicas.values()):     # (another thread's dict: copied at once)
+            got = self._stats(r).get("kv_sources")
+            if isinstance(got, dict):
+                self._kv_sources[r.replica_id.to_full_id_str()] = dict(got)
+        return dict(self._kv_sources)
 
     def _holds(self, replica, kb: str) -> bool:
         """Whether the replica's last report lists kb in its engine (a set per report, so a
@@ -194,7 +217,7 @@ class KBAffinityRouter(RequestRouter):
             held = held or self._holds(r, kb)
             f = s.get("fetch_s", {}).get(kb)
             if f is not None and (fetch is None or f < fetch):
-                fetch, tier = f, s.get("tiers", {}).get(kb, "edge")
+                fetch, tier = f, s.get("tiers", {}).get(kb, "edge_memory")
         held = held or self.recent.get(kb) in {r.replica_id.to_full_id_str() for r in replicas}
         wait = max(queued, in_flight) / len(replicas) * max(service)
         if held:
@@ -258,7 +281,7 @@ class EngineKV:
         self.counters["engine_hits"] += 1
         return got[0]
 
-    def put(self, kb: str, version, fetched, nbytes: int, fetch_s: float, tier: str = "edge") -> bool:
+    def put(self, kb: str, version, fetched, nbytes: int, fetch_s: float, tier: str = "edge_memory") -> bool:
         """Keep fetched (nbytes of KV, fetched in fetch_s from `tier`); False when it is larger
         than the whole cache."""
         for table, v in ((self.fetch_s, fetch_s), (self.tiers, tier), (self.kv_bytes, nbytes)):
@@ -281,6 +304,12 @@ class EngineKV:
         self.bytes += nbytes
         return True
 
+    def served_from(self, source: str) -> None:
+        """Count where one answer's knowledge KV came from (kdn.serve.regions.KV_SOURCES)."""
+        if source not in KV_SOURCES:
+            raise ValueError(f"unknown KV source {source!r} (expected one of {', '.join(KV_SOURCES)})")
+        self.counters[f"kv_{source}"] += 1
+
     def served(self, seconds: float) -> None:
         self.service_s = seconds if self.service_s is None else 0.8 * self.service_s + 0.2 * seconds
 
@@ -288,6 +317,7 @@ class EngineKV:
         """What the router reads (record_routing_stats)."""
         return {"kbs": sorted({kb for kb, _ in self.entries}), "service_s": self.service_s,
                 "fetch_s": dict(self.fetch_s), "tiers": dict(self.tiers), "kv_bytes": dict(self.kv_bytes),
+                "kv_sources": {s: self.counters[f"kv_{s}"] for s in KV_SOURCES if self.counters[f"kv_{s}"]},
                 "bytes": self.bytes}
 
     def stats(self) -> dict:

@@ -224,15 +224,19 @@ def test_an_edge_restarted_on_its_disk_comes_back_warm_and_serves_only_verified_
         assert s["main"]["items"] == 0 and s["disk"]["items"] == len(files) - 1, "torn record dropped"
         served = 0
         for i, k in enumerate(keys):
-            got = _edge_call(h, "fetch", [k], ns, resolve=True)["chunks"]
+            reply = _edge_call(h, "fetch", [k], ns, resolve=True)
+            got = reply["chunks"]
             if k in on_disk and k not in (torn, corrupt):
                 expect = kv[:, :, :, 256 * i:256 * (i + 1), :]
                 assert len(got) == 1 and np.array_equal(got[0].kv, expect), f"chunk {i}"
-                served += 1
+                assert reply["sources"] == ["disk"], "a disk hit is named as one"
+                served, from_disk = served + 1, k
             else:
                 assert got == [], f"chunk {i}: not on disk, or bad there, and the origin is down"
         c = _edge_call(h, "stats")["counters"]
-        assert served == len(files) - 2 and c["disk_hits"] == served
+        assert served == len(files) - 2 and c["disk_hits"] == c["served_disk"] == served
+        again = _edge_call(h, "fetch", [from_disk], ns, resolve=True)   # promoted to memory by its read
+        assert again["sources"] == ["local"] and "served_local" not in c
         assert c["disk_dropped_corrupt"] == 2 and not on_disk[corrupt].exists()
     finally:
         stop_network(net)

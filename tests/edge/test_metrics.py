@@ -109,4 +109,6 @@ def test_an_edge_with_a_disk_tier_reports_it_beside_main_and_hot(kit, tmp_path):
     assert s[("kdn_edge_capacity_bytes", (("tier", "disk"),))] == 1 << 20
     assert s[("kdn_edge_write_backs_total", (("tier", "disk"),))] == 2
     assert s[("kdn_edge_write_backs_dropped_total", (("reason", "full"), ("tier", "disk")))] == 0
-    assert s[("kdn_edge_chunks_served_total", (("source", "local"),))] == 3
+    assert got["sources"] == ["disk", "disk", "local"]     # main kept the last put
+    assert s[("kdn_edge_chunks_served_total", (("source", "local"),))] == 1
+    assert s[("kdn_edge_chunks_served_total", (("source", "disk"),))] == 2

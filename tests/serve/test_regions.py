@@ -11,7 +11,7 @@ RTT = {"us-east": 0.0, "eu-west": 0.110, "ap-south": 0.160}
 
 
 def test_equal_regions_stay_home():
-    views = {r: View(1.0, 0.05, "edge") for r in RTT}
+    views = {r: View(1.0, 0.05, "edge_memory") for r in RTT}
     assert decide_region("us-east", views, RTT) == ("us-east", "home")
 
 
@@ -45,18 +45,18 @@ def test_a_home_without_replicas_sends_to_the_nearest_region_that_has_one():
 
 
 def test_regions_not_known_are_never_chosen():
-    views = {"us-east": View(9.0, 0.0, "engine"), "eu-west": None, "ap-south": View(0.0, 0.0, "edge")}
+    views = {"us-east": View(9.0, 0.0, "engine"), "eu-west": None, "ap-south": View(0.0, 0.0, "edge_memory")}
     assert decide_region("us-east", views, RTT) == ("ap-south", "cross_region_queue")
-    assert decide_region("us-east", {"us-east": None, "eu-west": View(0, 0, "edge")}, RTT) == ("us-east", "no_view")
+    assert decide_region("us-east", {"us-east": None, "eu-west": View(0, 0, "edge_memory")}, RTT) == ("us-east", "no_view")
     # a region with no round trip known (not in the topology's table) is not a candidate
-    assert decide_region("us-east", {"us-east": View(9.0, 0, "edge"), "mars": View(0, 0, "edge")}, RTT) == \
+    assert decide_region("us-east", {"us-east": View(9.0, 0, "edge_memory"), "mars": View(0, 0, "edge_memory")}, RTT) == \
         ("us-east", "home")
 
 
 def test_a_decision_over_many_regions_takes_well_under_a_millisecond():
     regions = [f"r{i}" for i in range(64)]
     rtt = {r: 0.001 * i for i, r in enumerate(regions)}
-    views = {r: View(i % 5, 0.01 * (i % 3), "edge") for i, r in enumerate(regions)}
+    views = {r: View(i % 5, 0.01 * (i % 3), "edge_memory") for i, r in enumerate(regions)}
     t0 = time.perf_counter()
     for _ in range(1000):
         decide_region("r7", views, rtt)
@@ -64,7 +64,9 @@ def test_a_decision_over_many_regions_takes_well_under_a_millisecond():
 
 
 def test_the_tier_of_a_fetch_is_the_farthest_source_of_its_chunks():
-    assert tier_of({"local": 3}) == "edge"
+    assert tier_of({"local": 3}) == "edge_memory"
+    assert tier_of({"local": 2, "disk": 1}) == "edge_disk"
+    assert tier_of({"disk": 1, "peer": 1}) == "peer"
     assert tier_of({"local": 2, "peer": 1}) == "peer"
     assert tier_of({"local": 1, "peer": 1, "origin": 1}) == "origin"
-    assert View(1.5, 0.25, "edge").ttft_s == 1.75 and UNAVAILABLE.ttft_s == math.inf
+    assert View(1.5, 0.25, "edge_memory").ttft_s == 1.75 and UNAVAILABLE.ttft_s == math.inf

@@ -9,7 +9,7 @@ import types
 import pytest
 
 from kdn.serve.regions import UNAVAILABLE, View
-from kdn.serve.router import EngineKV, KBAffinityRouter, decide, kb_of, owner, region_routers
+from kdn.serve.router import EngineKV, KBAffinityRouter, decide, kb_of, owner, region_routers, replica_kv_sources
 
 R = ["r1", "r2", "r3"]
 
@@ -76,10 +76,20 @@ def test_the_engine_cache_is_bounded_in_bytes_and_least_recently_used_goes_first
 def test_the_engine_cache_reports_each_kbs_tier_and_size():
     kv = EngineKV(100)
     kv.put("t/a", 1, "A", 40, 0.5, "origin")
-    kv.put("t/a", 2, "A2", 40, 0.1, "edge")          # the latest fetch of a KB is what counts
+    kv.put("t/a", 2, "A2", 40, 0.1, "edge_disk")     # the latest fetch of a KB is what counts
     st = kv.routing_stats()
-    assert st["tiers"] == {"t/a": "edge"} and st["kv_bytes"] == {"t/a": 40} and st["fetch_s"] == {"t/a": 0.1}
-    assert kv.stats()["fetched_origin"] == 1 and kv.stats()["fetched_edge"] == 1
+    assert st["tiers"] == {"t/a": "edge_disk"} and st["kv_bytes"] == {"t/a": 40} and st["fetch_s"] == {"t/a": 0.1}
+    assert kv.stats()["fetched_origin"] == 1 and kv.stats()["fetched_edge_disk"] == 1
+
+
+def test_the_engine_cache_counts_where_each_answers_kv_came_from():
+    kv = EngineKV(100)
+    for s in ("engine", "engine", "edge_memory", "edge_disk", "none"):
+        kv.served_from(s)
+    assert kv.routing_stats()["kv_sources"] == {"engine": 2, "edge_memory": 1, "edge_disk": 1, "none": 1}
+    with pytest.raises(ValueError, match="unknown KV source 'edge'"):
+        kv.served_from("edge")
+    assert kv.routing_stats()["kv_sources"]["engine"] == 2
 
 
 class _Rid:
@@ -170,7 +180,7 @@ def test_a_regions_view_is_its_wait_plus_the_fetch_from_the_tier_that_holds_the_
     assert router.view("t/seen") == View(4.0, 0.3, "peer") and router.kv_bytes("t/seen") == 7
     assert router.view("t/never") == View(4.0, 0.05, "unknown") and router.kv_bytes("t/never") is None
     assert router.view("t/held", in_flight=10).wait_s == 10.0     # the caller's own requests there
-    assert _region_router("kdn-view", "ap-south", []).view("t/held") is UNAVAILABLE
+    assert _region_router("kdn-view", "ap-south", []).view("t/held") == UNAVAILABLE
     assert set(region_routers("kdn-view")) == {"eu-west", "ap-south"}
 
 
@@ -201,7 +211,7 @@ def test_the_ingress_routes_a_kb_across_regions_and_counts_the_decision():
     ingress.links["rtt_s"]["eu-west"] = {"eu-west": 0.0, "us-east": 0.11}
     # from eu-west: 55 ms + 1 GB at 1 GB/s from the origin, or 10 ms at us-east's edge + 110 ms
     assert ingress.across("eu-west", "t/big") == ("us-east", "cross_region_kv")
-    assert ingress.counters["tier_edge"] == 1
+    assert ingress.counters["tier_edge_memory"] == 1
     ingress.links["origin"]["eu-west"] = (0.055, 1e11)      # a fat link: 65 ms, home is best
     assert ingress.across("eu-west", "t/big") == ("eu-west", "home")
     assert ingress.counters["tier_origin_estimate"] == 1
@@ -295,3 +305,17 @@ def test_the_counter_loop_retries_what_the_store_can_answer_and_stops_on_a_bug_v
     asyncio.run(run())
     assert len(calls) == 3 and router.counters["publish_failures"] == 2
     assert router.stats()["publish_failure"] == "KeyError: 'a bug'"
+
+
+def test_the_router_keeps_each_replicas_kv_sources_after_it_is_gone():
+    """What a replica reported of its answers' KV stays counted once Serve drops it (its
+    answers happened), so the service's sums only grow."""
+    a = _Replica("ka", {"kv_sources": {"engine": 2, "edge_disk": 1}})
+    b = _Replica("kb", {"kv_sources": {"edge_memory": 3}})
+    router = _region_router("kdn-kvsrc", "us-east", [a, b])
+    assert replica_kv_sources("kdn-kvsrc") == {"us-east": {"ka": {"engine": 2, "edge_disk": 1},
+                                                           "kb": {"edge_memory": 3}}}
+    a.routing_stats = {"kv_sources": {"engine": 5, "edge_disk": 1}}     # a later report
+    del router._replicas[b.replica_id]                                  # b died
+    assert replica_kv_sources("kdn-kvsrc")["us-east"] == {"ka": {"engine": 5, "edge_disk": 1},
+                                                          "kb": {"edge_memory": 3}}

@@ -361,9 +361,15 @@ def _metric_samples(service) -> tuple:
 def test_metrics_and_status_show_every_routing_decision(service, model, kdn_cli):
     """/metrics (no token: no counter names a tenant or a KB) sums every ingress replica's
     counters: each /v1 request's region decision (and its tier), each replica decision of
-    each region; promtool finds nothing to fix in it; `kdn status` prints the same counters."""
+    each region, where each answer's KV came from as its replica measured it (its reports
+    reach the ingress within a second or two); promtool finds nothing to fix in it; `kdn
+    status` prints the same counters."""
     def decided(got):
         return sum(v for (name, _), v in got.items() if name == "kdn_serve_region_decisions_total")
+
+    def kv_from(got, sources=("engine", "edge_memory", "edge_disk", "peer", "origin")):
+        return sum(v for (name, labels), v in got.items()
+                   if name == "kdn_serve_kv_source_total" and dict(labels)["source"] in sources)
     _, before = _metric_samples(service)
     r = _client(service["url"]).chat.completions.with_raw_response.create(
         model=f"{MODEL_NAME}@rights", messages=[{"role": "user", "content": QUESTION}], max_tokens=NEW_TOKENS)
@@ -371,9 +377,11 @@ def test_metrics_and_status_show_every_routing_decision(service, model, kdn_cli)
     assert r.headers["x-kdn-region"] in SERVED and r.headers["x-kdn-route"] in ("home", "cross_region_queue",
                                                                                "cross_region_kv")
     deadline = time.monotonic() + 10         # another ingress replica's counters: within a second
-    while decided(got := _metric_samples(service)[1]) < decided(before) + 1:
+    while (decided(got := _metric_samples(service)[1]) < decided(before) + 1
+           or kv_from(got) < kv_from(before) + 1):
         assert time.monotonic() < deadline, got
         time.sleep(0.3)
+    assert kv_from(got, ("none",)) == kv_from(before, ("none",)), "the answer read its KV from KDN"
     assert got[("kdn_serve_region_decisions_total", (("outcome", "pinned"),))] >= 1     # /<region>/v1 tests
     assert sum(v for (name, _), v in got.items() if name == "kdn_serve_region_tier_total") >= 1
     hits = {labels: v for (name, labels), v in got.items() if name == "kdn_serve_replica_decisions_total"}
@@ -382,6 +390,7 @@ def test_metrics_and_status_show_every_routing_decision(service, model, kdn_cli)
     _promtool_check(_metric_samples(service)[0])
     rc, out = kdn_cli("status", *service["where"])
     assert "regions: " in out and "decisions" in out and "us-east replicas:" in out, out
+    assert "answers' KV from: " in out, out
     print("\n" + out[out.index("service:"):])
     rc, out = kdn_cli("status", "--json", *service["where"])
     routing = json.loads(out)["service"]["routing"]
