@@ -1,6 +1,7 @@
 """LMCache's own L2 bench (`lmcache bench l2`) on KDN beside LMCache's fs and resp adapters.
 
-One run, one table: KDN read from a warm edge on the reader's node (`kdn-local`), KDN read
+One run, one table: KDN read from the edge on the reader's node (`kdn-local`, then again once
+every push has landed: `kdn-local (warm)`), KDN read
 from another region's edge on another Ray node (`kdn-remote`), LMCache's `fs` adapter over a
 temp directory (the page cache) and its `resp` adapter over a `redis-server` started here on
 127.0.0.1. Each row is one `lmcache bench l2 ... --no-skip-verify --format json` process
@@ -12,6 +13,12 @@ every key on every edge (replicas = 3, so the reader's edge is warm once stores 
 memory enough for the whole run. Nothing enforces the topology's WAN on loopback, so the
 table gives the modelled floor of a cross-region load (bytes / link bandwidth + one-way
 latency, kdn.placement.topology.default_local) beside the measured row.
+
+`--breakdown` adds where a KDN load's time goes, measured in this process on the same
+network (kdn.engines.objects, no LMCache in between): per round of --num-keys objects never
+read before, the fetch call (the reader's edge answers with object references), the first
+touch of the objects' pages in this process, and the verified copy into the host's buffers;
+then one more load() of objects already touched.
 """
 import argparse
 import json
@@ -73,6 +80,15 @@ def lmcache_bench(adapter: dict, args, out_path: str) -> dict:
         return json.load(f)["metrics"]
 
 
+def settle_pushes(net) -> None:
+    """Wait until every object push the origin queued has landed (admin)."""
+    from kdn.client.view import NetworkView
+    from kdn.core.auth import ensure_admin_token
+    from kdn.core.env import kdn_home
+    NetworkView(net.name, region=READER, admin_token=ensure_admin_token(kdn_home())).origin(
+        "pushes_settled", timeout=600)
+
+
 def row(name: str, metrics: dict, note: str = "") -> dict:
     ops = {m["operation"]: m for k, m in metrics.items() if k.startswith("op_")}
     load, store = ops["Load"], ops["Store"]
@@ -92,6 +108,8 @@ def main(argv=None):
     ap.add_argument("--only", nargs="*", default=None,
                     help="run only these rows (kdn-local kdn-remote fs resp)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per lmcache bench process")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time a KDN load's parts in this process (fetch, first touch, verified copy)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     want = args.only or ["kdn-local", "kdn-remote", "fs", "resp"]
@@ -114,6 +132,10 @@ def main(argv=None):
             net = start_network(topo, os.path.join(work, name), network=name, replicas=len(REGIONS))
         round_bytes = args.num_keys * args.data_size_kb * 1024
         wan_s = round_bytes / (topo.bandwidth_gbps(READER, REMOTE) * 1e9) + topo.latency_ms(READER, REMOTE) / 1e3
+        if args.breakdown:       # first, on the empty network (its objects are deleted after)
+            if net is None:
+                raise SystemExit("--breakdown times KDN's load: keep a kdn row in --only")
+            parts = breakdown(net, cluster.address, args)
         for which in want:
             out = os.path.join(work, f"{which}.json")
             if which.startswith("kdn"):
@@ -141,6 +163,17 @@ def main(argv=None):
             else:
                 raise SystemExit(f"unknown row {which!r}")
             rows.append(row(which, lmcache_bench(adapter, args, out), note))
+            if which == "kdn-local":
+                # a store is answered once the origin holds it durably; the reader's edge gets
+                # it in the background, so the run above may load some objects before their push
+                # lands (pulled from the origin, on another node). Once every push has landed,
+                # the same run again (the same keys and bytes: every store is deduplicated)
+                # loads from the warm edge.
+                settle_pushes(net)
+                again = row("kdn-local (warm)", lmcache_bench(adapter, args, out),
+                            "the same, every push landed first: loads from a warm edge")
+                again["store GB/s"] = None      # its stores were deduplicated
+                rows.append(again)
             if redis is not None:
                 redis.terminate()
                 redis.wait(10)
@@ -156,10 +189,71 @@ def main(argv=None):
     print(f"lmcache bench l2: {args.num_keys} keys x {args.data_size_kb} KiB a round, "
           f"{args.rounds} rounds (+1 warmup), --no-skip-verify")
     table(rows, ["adapter", "load GB/s", "load p99 ms", "store GB/s", "verified", "note"])
+    out = {"bench": "l2", "rows": rows}
+    if args.breakdown:
+        print(f"\nwhere a KDN load of {args.num_keys} x {args.data_size_kb} KiB goes (this process, the "
+              f"reader's edge; medians of {args.rounds} rounds of objects this process never read):")
+        table(parts, ["store memory", "fetch ms", "first touch ms", "verified copy ms", "round ms", "GB/s",
+                        "warm load() ms", "warm GB/s"])
+        out["breakdown"] = parts
     if args.json:
-        emit_json({"bench": "l2", "rows": rows})
+        emit_json(out)
     return 0
 
 
-if __name__ == "__main__":
-    main()
+def breakdown(net, address: str, args) -> list:
+    """The parts of a KDN load (see the module), medians over args.rounds rounds: one row for
+    objects in object-store memory this process never touched, one for objects stored after
+    those were deleted (memory the store hands out again, this process's pages mapped)."""
+    import numpy as np
+    from kdn.core.auth import ensure_admin_token
+    from kdn.core.env import kdn_home
+    from kdn.engines import objects
+    size, n = args.data_size_kb * 1024, args.num_keys
+    obj = objects.Objects.connect(net.name, READER, "bench", admin_token=ensure_admin_token(kdn_home()),
+                                  address=address)
+    ns = obj.namespace("breakdown", "bench")
+    data = [np.frombuffer(os.urandom(size), np.uint8) for _ in range(n)]
+    outs = [bytearray(size) for _ in range(n)]
+    rows = []
+    for memory in ("fresh", "reused"):
+        rows.append({"store memory": memory, **_load_parts(obj, ns, data, outs, args.rounds)})
+    return rows
+
+
+def _load_parts(obj, ns, data, outs, n_rounds: int) -> dict:
+    """Store n_rounds rounds of objects, wait for every push, time each round's load in
+    parts, load the last round once more (warm), delete them all."""
+    from kdn.bench import median
+    from kdn.engines import objects
+    n, size = len(data), data[0].nbytes
+    rounds = [[os.urandom(16) for _ in range(n)] for _ in range(n_rounds)]
+    for keys in rounds:
+        obj.store([(ns, k) for k in keys], data)
+    obj.view.origin("pushes_settled", timeout=300, token=obj.token)  # every edge holds every key
+    reader, fetch, touch, copy = obj._reader(ns), [], [], []
+    for keys in rounds:
+        t0 = time.perf_counter()
+        got = reader.fetch_objects(keys, timeout_s=60)
+        t1 = time.perf_counter()
+        for c in got.chunks:
+            int(c.kv[::4096].sum())                 # one byte a page
+        t2 = time.perf_counter()
+        ok = list(objects._UNPACK.map(obj._unpacked, got.chunks, outs))
+        t3 = time.perf_counter()
+        if sum(ok) != n:
+            raise SystemExit(f"breakdown: {n - sum(ok)} of {n} objects did not load intact")
+        fetch.append(t1 - t0)
+        touch.append(t2 - t1)
+        copy.append(t3 - t2)
+        del got
+    t0 = time.perf_counter()
+    ok = obj.load(ns, rounds[-1], outs)
+    warm = time.perf_counter() - t0
+    for keys in rounds:                            # room for what comes after
+        obj.delete(ns, keys)
+    whole = median(fetch) + median(touch) + median(copy)
+    return {"fetch ms": round(median(fetch) * 1e3, 1), "first touch ms": round(median(touch) * 1e3, 1),
+            "verified copy ms": round(median(copy) * 1e3, 1), "round ms": round(whole * 1e3, 1),
+            "GB/s": round(n * size / whole / 1e9, 2), "warm load() ms": round(warm * 1e3, 1),
+            "warm GB/s": round(n * size / warm / 1e9, 2) if sum(ok) == n else None}

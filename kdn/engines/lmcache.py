@@ -62,6 +62,7 @@ PARAMS = {               # adapter_params: name -> (type, default)
     "read_tokens": ((dict, type(None)), None),  # tenant -> read token, for the tenants salts map to
     "capacity_bytes": (int, 0),            # > 0: LMCache's eviction deletes beyond it (0: none)
     "address": ((str, type(None)), None),  # Ray's address (default: `kdn up`'s, else auto)
+    "prefault": (bool, True),              # map the object store's pages ahead of loads (kdn.engines.prefault)
 }
 
 
@@ -69,8 +70,9 @@ class KDNL2AdapterConfig(L2AdapterConfigBase):
     """adapter_params, checked: a bad one is a BadConfig (a ValueError) naming the field."""
 
     def __init__(self, network="kdn", region=None, tenant="default", tenants=None, token=None,
-                 read_token=None, read_tokens=None, capacity_bytes=0, address=None):
+                 read_token=None, read_tokens=None, capacity_bytes=0, address=None, prefault=True):
         self.network, self.region, self.tenant = network, region, tenant
+        self.prefault = prefault
         self.tenancy = Tenancy(tenant, tenants, "adapter_params")
         self.token, self.address = token, address
         self.read_tokens = read_tokens_of(tenant, read_token, read_tokens, "adapter_params")
@@ -103,7 +105,8 @@ class KDNL2Adapter(L2AdapterInterface):
         self.config = config
         self.objects = objects or Objects.connect(config.network, config.region, LAYER,
                                                   admin_token=config.token, address=config.address,
-                                                  read_tokens=config.read_tokens)
+                                                  read_tokens=config.read_tokens,
+                                                  prefault=config.prefault)
         self._refusals = set()                     # refusal messages logged (each once)
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
@@ -316,6 +319,7 @@ class KDNL2Adapter(L2AdapterInterface):
             self._loop.close()
         for efd in (self._store_efd, self._lookup_efd, self._load_efd):
             efd.close()
+        self.objects.close()
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)

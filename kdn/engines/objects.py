@@ -178,10 +178,16 @@ class Objects:
     or write raises AccessDenied naming the setting to fix. Counters in `counters`.
     """
 
-    def __init__(self, view, layer: str, admin_token: str = None, read_tokens: dict = None):
+    def __init__(self, view, layer: str, admin_token: str = None, read_tokens: dict = None,
+                 prefault: bool = False):
         from kdn.client.reader import Reader
         self.view, self.layer, self.token = view, layer, admin_token
         self.read_tokens = dict(read_tokens or {})
+        # the object store's pages mapped ahead of the loads (kdn.engines.prefault)
+        self.prefaulter = None
+        if prefault:
+            from kdn.engines.prefault import Prefaulter
+            self.prefaulter = Prefaulter().start()
         self._names = {}               # ns -> (tenant, fingerprint) it digests
         self._readers = {}             # ns -> Reader
         self._reader_cls = Reader
@@ -189,8 +195,10 @@ class Objects:
 
     @classmethod
     def connect(cls, network: str, region: str, layer: str, admin_token: str = None,
-                address: str = None, read_tokens: dict = None) -> "Objects":
-        """Join Ray (at address, else where `kdn up` recorded, else 'auto') and view network."""
+                address: str = None, read_tokens: dict = None, prefault: bool = True) -> "Objects":
+        """Join Ray (at address, else where `kdn up` recorded, else 'auto') and view network;
+        prefault: keep this process's page tables over the object store filled (a host
+        layer's process, whose loads are on the engine's time)."""
         import ray
         from kdn.client.join import init_ray, read_state, state_path
         from kdn.client.view import NetworkView
@@ -199,10 +207,18 @@ class Objects:
                 address = read_state(require_alive=True)["address"]
             init_ray(address or "auto")
         return cls(NetworkView(network, region=region, admin_token=admin_token), layer, admin_token,
-                   read_tokens)
+                   read_tokens, prefault)
 
     def stats(self) -> dict:
-        return {"layer": self.layer, "region": self.view.region, "counters": dict(self.counters)}
+        out = {"layer": self.layer, "region": self.view.region, "counters": dict(self.counters)}
+        if self.prefaulter is not None:
+            out["prefault"] = self.prefaulter.stats()
+        return out
+
+    def close(self) -> None:
+        """Stop the prefault thread (the network view stays usable)."""
+        if self.prefaulter is not None:
+            self.prefaulter.stop()
 
     def namespace(self, tenant: str, model: str) -> bytes:
         """The namespace of this layer's objects of model for tenant (see object_namespace)."""

@@ -47,6 +47,7 @@ PARAMS = {                       # the extra config: SGLang's fields, then KDN's
     "token": ((str, type(None)), None),            # the network's admin token: stores only
     "read_token": ((str, type(None)), None),       # the tenant's read token: lookups and loads
     "address": ((str, type(None)), None),          # Ray's address (default: `kdn up`'s, else auto)
+    "prefault": (bool, True),                      # map the object store's pages ahead of loads
 }
 
 
@@ -75,7 +76,7 @@ class KDNHiCacheStorage(HiCacheStorage):
         read_tokens = read_tokens_of(cfg["tenant"], cfg["read_token"], None, "KDN HiCache extra config")
         self.objects = objects or Objects.connect(cfg["network"], cfg["region"], LAYER,
                                                   admin_token=cfg["token"], address=cfg["address"],
-                                                  read_tokens=read_tokens)
+                                                  read_tokens=read_tokens, prefault=cfg["prefault"])
         self._refusals = set()                     # refusal messages logged (each once)
         self.ns = self.objects.namespace(cfg["tenant"], model)
         self.mem_pool_host = None
@@ -211,4 +212,4 @@ class KDNHiCacheStorage(HiCacheStorage):
         return self.objects.stats()
 
     def close(self) -> None:
-        pass
+        self.objects.close()

@@ -259,7 +259,8 @@ def test_reads_carry_the_read_token_writes_the_admin_token_and_a_wrong_one_is_na
                                         ({"tenants": {"s": ""}}, "tenants"), ({"token": ["x"]}, "token"),
                                         ({"read_tokens": {"t": 5}}, "read_tokens"),
                                         ({"read_token": ""}, "read_token"),
-                                        ({"capacity_bytes": -1}, "capacity_bytes")])
+                                        ({"capacity_bytes": -1}, "capacity_bytes"),
+                                        ({"prefault": "yes"}, "prefault")])
 def test_bad_adapter_params_name_the_field(bad, field):
     with pytest.raises(BadConfig, match=f"'{field}'"):
         KDNL2AdapterConfig.from_dict(bad)
@@ -273,8 +274,15 @@ def test_lmcache_plugin_loader_builds_the_adapter_and_reports_bad_params(net):
     a = create_l2_adapter(cfg)
     try:
         assert isinstance(a, KDNL2Adapter) and a.objects.view.region == "eu-west"
+        # the object store's pages are mapped ahead of loads by default (kdn.engines.prefault)
+        deadline = time.monotonic() + 10
+        while a.stats()["objects"]["prefault"]["passes"] < 1:
+            assert time.monotonic() < deadline, a.stats()["objects"]["prefault"]
+            time.sleep(0.05)
+        assert a.stats()["objects"]["prefault"]["stopped_why"] is None
     finally:
         a.close()
+    assert not a.stats()["objects"]["prefault"]["running"], "close() stops its thread"
     cfg.adapter_params = {"network": net.name, "regoin": "eu-west"}
     with pytest.raises(BadConfig, match="'regoin'"):
         create_l2_adapter(cfg)
