@@ -31,6 +31,7 @@ from kdn.core.chunk import Chunk, Encoded
 from kdn.core.codecs import LOSSLESS
 from kdn.edge.catalog import Catalog
 from kdn.edge.disk import DiskTier
+from kdn.edge.drops import Replay
 from kdn.edge.forms import Forms, corrupted
 from kdn.edge.membership import Membership
 from kdn.core.names import ORIGIN_NODE
@@ -77,6 +78,9 @@ class EdgeNode:
         self.demand = ReplicationPolicy(**{"hot_budget_fraction": hot_fraction, **(replication or {})})
         self.peers = Peers(network, self.tokens.admin, edge=name)
         self.catalog = Catalog(self.tokens, self.peers)
+        # the origin's drop log replayed: a copy of a key removed while this edge was away
+        # never stands beside bytes stored later under that key (edge/drops.py)
+        self.replay = Replay(self.tiers, self.peers, None if disk is None else disk.dir)
         self.events = None if kv_events is None else self._start_events(kv_events)
         self.forms = Forms(store_codec, self.catalog.sum_of, lambda: self.membership.topology, region)
         self.pull = Pull(name, region, self.membership, self.tiers, self.forms, self.peers,
@@ -118,6 +122,7 @@ class EdgeNode:
     # --- lifecycle ----------------------------------------------------------------------
     def _start_background(self):
         if self._bg is None:
+            self._catch_up()                  # level with the drop log before long
             self._bg = asyncio.get_running_loop().create_task(self._background())
             self._bg.add_done_callback(self._background_ended)
         if self._writer is None and self.tiers.disk is not None:
@@ -126,6 +131,12 @@ class EdgeNode:
         if self.events is not None and not self._events_started:
             self._events_started = True    # a restarted edge learns manifests for its disk's keys
             self.peers.later(self.catalog.refresh(), "manifests for KV events")
+
+    def _catch_up(self) -> None:
+        """Replay the origin's drop log in the background (edge/drops.py). Only inside Ray: an
+        edge outside it (a unit test's) has no origin, and a lookup would start Ray."""
+        if self.node_id is not None:
+            self.replay.start()
 
     async def _write_backs(self):
         """Write memory's victims (and fills) to the disk tier as they come, off the readers'
@@ -180,8 +191,12 @@ class EdgeNode:
         if m is not None and self.membership.apply(m):
             self.counters["membership_refreshed"] += 1
 
-    async def ping(self, token=None) -> dict:
+    async def ping(self, token=None, drops=None) -> dict:
+        """Alive; starts the background work (and HTTP) on the first call. drops: the origin's
+        drop-log state its health pings carry; one this edge has not replayed starts a catch-up."""
         self._start_background()
+        if drops is not None and self.replay.behind(drops):
+            self._catch_up()
         if self.http_port_wanted is not None and self.http is None:
             await self.start_http(self.http_port_wanted, self.http_host, token=self.tokens.admin)
         return {"role": "edge", "name": self.name, "region": self.region, "pid": os.getpid(),
@@ -380,7 +395,7 @@ class EdgeNode:
         """Every component's counters in one (their names do not overlap)."""
         out = collections.Counter(self.counters)
         for part in (self.membership, self.tiers, self.forms, self.pull, self.pull.loads,
-                     self.reads, self.catalog, self.peers):
+                     self.reads, self.catalog, self.peers, self.replay):
             out.update(part.counters)
         if self.tiers.disk is not None:
             out.update(self.tiers.disk.snapshot())

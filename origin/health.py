@@ -17,8 +17,10 @@ DOWN_AFTER = 5           # consecutive misses before its keys are re-homed (a re
 class Health:
     """Misses per edge and the edges taken out for them: name -> (region, weight)."""
 
-    def __init__(self, actors, down_after: int = DOWN_AFTER, timeout_s: float = PING_TIMEOUT_S):
+    def __init__(self, actors, down_after: int = DOWN_AFTER, timeout_s: float = PING_TIMEOUT_S,
+                 beat=None):
         self.actors = actors
+        self.beat = beat or dict      # () -> what each ping carries (keyword arguments)
         self.down_after, self.timeout_s = down_after, timeout_s
         self.down = {}
         self.misses = collections.Counter()
@@ -27,7 +29,8 @@ class Health:
     async def round(self, members) -> "list | None":
         """Ping members and down edges; the membership to apply now, or None when none changed."""
         names = [m[0] for m in members] + list(self.down)
-        replies = await asyncio.gather(*(self.actors.try_call(n, "ping", timeout=self.timeout_s)
+        beat = self.beat()
+        replies = await asyncio.gather(*(self.actors.try_call(n, "ping", timeout=self.timeout_s, **beat)
                                          for n in names))
         alive = {n for n, r in zip(names, replies) if r is not None}
         for n in names:

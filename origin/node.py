@@ -111,7 +111,8 @@ class OriginNode:
                             network, e, wait)
                 time.sleep(wait)
         self.actors = actors if actors is not None else Actors(network, token=self.tokens.admin)
-        self.health = Health(self.actors)
+        # each ping carries the drop log's head: an edge behind it replays (origin/drops.py)
+        self.health = Health(self.actors, beat=lambda: {"drops": self.store.drops.state()})
         self.pusher = Pusher(self.store, self.actors, self.roster)
         self.counters = collections.Counter(chunks_received=0, chunks_written=0, versions_committed=0,
                                             chunks_served=0, rehomed_chunks=0, health_errors=0)
@@ -433,6 +434,17 @@ class OriginNode:
         await asyncio.to_thread(self.store.delete_version, ns, name, version)
         await self.pusher.broadcast("drop_manifest", ns, name, version)
         return {"deleted": f"{name}@v{version}"}
+
+    async def drops(self, since: int = None, token=None) -> dict:
+        """The drop log (origin/drops.py) for an edge catching up: its id ("log"), its head,
+        and the keys logged from sequence number since on ("keys"; None when since is None
+        or the log no longer keeps it: the edge then starts over)."""
+        self.tokens.check_admin(token, "drops")
+        log = self.store.drops
+        if since is None:
+            return {**log.state(), "keys": None}
+        keys, head = await asyncio.to_thread(log.since, check_int(since, "since", 0))
+        return {"log": log.id, "head": head, "keys": keys}
 
     async def collect(self, object_ttl_s: float = None, token=None) -> dict:
         """Delete chunks no committed version names; opaque objects stay unless written more

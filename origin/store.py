@@ -72,6 +72,7 @@ from kdn.core.errors import (ChunkNotFound, CorruptChunk, FrameError, ManifestEr
 from kdn.core.files import make_dirs
 from kdn.core.keys import check_key
 from kdn.core.manifest import Manifest, check_name
+from kdn.origin.drops import DropLog
 from kdn.origin.objects import CORRUPT_SUFFIX, LocalObjects, open_objects
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ class ChunkStore:
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self.counters["cleaned_partials"] = self.objects.clean_partials()
         self._count, self._bytes = self._scan_chunks()
+        # every key removed is logged here first, for edges that miss the drop (origin/drops.py)
+        self.drops = DropLog(self.objects)
 
     # --- opening -----------------------------------------------------------------------
     def _scan_chunks(self):
@@ -582,6 +585,7 @@ class ChunkStore:
             # read in the I/O threads, which never take the lock held here
             kinds = self.map(lambda kn: self._object_age(kn[0], now), unnamed)
             n = size = kept = expired = 0
+            doomed = []
             for (key, nbytes), age in zip(unnamed, kinds):
                 if age is _GONE:
                     continue
@@ -590,6 +594,9 @@ class ChunkStore:
                         kept += 1
                         continue
                     expired += 1
+                doomed.append((key, nbytes))
+            self.drops.append([k for k, _ in doomed])   # logged before any is gone
+            for key, nbytes in doomed:
                 if self.objects.delete(_chunk_name(key)):
                     size += nbytes
                     n += 1
@@ -630,8 +637,10 @@ class ChunkStore:
             return header["dtype"] == OPAQUE and header["ns"] == ns
         gone = []
         with self._lock:
-            for k, mine in zip(keys, self.map(ours, keys)):
-                n = self.objects.size(_chunk_name(k)) if mine else None
+            mine = [k for k, m in zip(keys, self.map(ours, keys)) if m]
+            self.drops.append(mine)                  # logged before any is gone
+            for k in mine:
+                n = self.objects.size(_chunk_name(k))
                 if n is not None and self.objects.delete(_chunk_name(k)):
                     self._count -= 1
                     self._bytes -= n

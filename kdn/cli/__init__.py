@@ -286,6 +286,28 @@ def _emphasize(args, rest):
     return 0
 
 
+def _delete(args, rest):
+    """Retire one version of a KB (kdn.client.operator: Operator.delete)."""
+    from kdn.core.manifest import check_name
+    check_name(args.kb, "knowledge base name")
+    check_name(args.tenant, "tenant")
+    r = _connect(args, tenant=args.tenant, fingerprint=args.fingerprint).delete(args.kb, args.version)
+    print(f"{args.tenant}/{r['deleted']} retired: its chunks no other version names go at the next "
+          f"`kdn collect`")
+    return 0
+
+
+def _collect(args, rest):
+    """Delete the origin's unreferenced chunks (kdn.client.operator: Operator.collect)."""
+    from kdn.core.checks import check_number
+    ttl = None if args.object_ttl is None else check_number(args.object_ttl, "--object-ttl", 0)
+    r = _connect(args).collect(object_ttl_s=ttl)
+    print(f"collected {r['chunks']} chunks ({r['bytes'] / 2**20:.1f} MiB); other layers' objects: "
+          f"{r['objects_kept']} kept, {r['objects_expired']} expired; edges drop their copies as "
+          f"they replay the origin's drop log (within a second or two)")
+    return 0
+
+
 def _connector_settings(args, client, admin: bool = False) -> dict:
     """What an engine with KDN's connector needs to reach this network (vLLM)."""
     import os
@@ -379,7 +401,7 @@ def build_parser():
     ap = argparse.ArgumentParser(prog="kdn", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     for add in (_up_args, _down_args, _status_args, _serve_args, _publish_args, _emphasize_args, _query_args,
-                _demo_args, _bench_args):
+                _delete_args, _collect_args, _demo_args, _bench_args):
         add(sub)
     return ap
 
@@ -506,6 +528,27 @@ def _emphasize_args(sub):
     e.add_argument("--tenant", default="default")
     _network_args(e)
     e.set_defaults(func=_emphasize)
+
+
+def _delete_args(sub):
+    d = sub.add_parser("delete", help="retire one version of a KB (its chunks go at the next `kdn collect`)")
+    d.add_argument("kb", help="knowledge-base name")
+    d.add_argument("version", type=int, help="the version to retire (`kdn status --json` lists them)")
+    d.add_argument("--tenant", default="default")
+    d.add_argument("--fingerprint", default=None,
+                   help="the model's fingerprint, where several models published this version")
+    _network_args(d)
+    d.set_defaults(func=_delete)
+
+
+def _collect_args(sub):
+    c = sub.add_parser("collect", help="delete the origin's chunks no version names; edges drop "
+                                       "their copies as they replay the origin's drop log")
+    c.add_argument("--object-ttl", type=float, default=None, metavar="SECONDS",
+                   help="also delete other cache layers' objects (LMCache's, SGLang's) written "
+                        "more than SECONDS ago (default: keep them all)")
+    _network_args(c)
+    c.set_defaults(func=_collect)
 
 
 def _query_args(sub):

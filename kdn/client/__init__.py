@@ -131,6 +131,10 @@ class Client:
             self._reader.forget_manifests()
         return receipt
 
+    def collect(self, object_ttl_s: float = None) -> dict:
+        """Delete the origin's chunks no version names (kdn.client.operator.Operator.collect)."""
+        return self.operator.collect(object_ttl_s)
+
     def pin(self, kb: str, regions) -> dict:
         return self.operator.pin(kb, regions)
 

@@ -21,8 +21,10 @@ class Edge:
         self.version = 0
         self.membership = None
         self.manifests = []
+        self.drops = None           # the drop log's state the last ping carried
 
-    def ping(self):
+    def ping(self, drops=None):
+        self.drops = drops
         return {"role": "edge", "name": self.name}
 
     def have(self, keys, ns=None):

@@ -489,7 +489,7 @@ def test_store_files_are_private(tmp_path):
     modes = {p: os.stat(p).st_mode & 0o777 for p in [str(root)] + [os.path.join(d, x) for d, ds, fs in os.walk(root)
                                                                     for x in ds + fs]}
     files = [p for p in modes if os.path.isfile(p)]
-    assert len(files) == len(v1.keys) + 2                # chunks, the manifest, last_version
+    assert len(files) == len(v1.keys) + 3                # chunks, the manifest, last_version, drops/log-id
     assert {modes[p] for p in files} == {0o600}
     assert {modes[p] for p in modes if os.path.isdir(p)} == {0o700}
 

@@ -1,0 +1,129 @@
+"""How far an edge has replayed the origin's drop log (origin/drops.py), and the replay.
+
+The origin logs every key it stops holding (a host's delete, a collect) and broadcasts the
+drop; an edge that was down, restarting or too slow misses the broadcast, and a copy it
+kept would stand beside other bytes stored later under the same key. So an edge keeps
+(log id, head) of what it has replayed, in a small file on its disk tier (a restarted edge
+keeps its disk, so it must remember; a memory-only edge restarts empty and needs nothing),
+and `Replay.catch_up` brings it level with the origin: it is run when the edge starts and
+whenever a ping from the origin carries another head:
+- at the origin's head already: nothing;
+- behind it: the keys logged since are dropped from every tier;
+- no position (a new edge, a lost or unreadable file): the copies its disk kept from before
+  this process started are dropped (it cannot tell which are stale), then it starts at the
+  head; copies received since came from this origin, whose drops reach a live edge;
+- a position that does not follow (another log id: another store; a head ahead of the
+  origin's: a store rebuilt; a number the log no longer keeps): every copy it holds is
+  dropped. A cache emptied refills from the origin; a stale copy would be served.
+An origin that does not answer changes nothing: the edge serves what it holds (an origin
+outage is what edges outlast) and catches up at the next ping.
+"""
+import asyncio
+import json
+import logging
+import os
+
+from kdn.core.checks import check_int
+from kdn.core.errors import BadRequest
+from kdn.core.files import write_atomic
+from kdn.core.names import ORIGIN_NODE
+
+log = logging.getLogger(__name__)
+
+POSITION_FILE = "drops-replayed.json"
+DROPS_TIMEOUT_S = 10.0
+
+
+def check_state(state) -> tuple:
+    """(log id, head) of a ping's drops= argument, or BadRequest naming the problem."""
+    if not isinstance(state, dict) or not isinstance(state.get("log"), str):
+        raise BadRequest(f"drops must be {{'log': str, 'head': int >= 0}}, got {state!r:.80}")
+    return state["log"], check_int(state.get("head"), "drops head", 0,
+                                   note="drops must be {'log': str, 'head': int >= 0}")
+
+
+class Replay:
+    """An edge's replay of the drop log: its position, where it keeps it, the catch-up."""
+
+    def __init__(self, tiers, peers, directory=None):
+        self.tiers, self.peers = tiers, peers
+        self.path = None if directory is None else os.path.join(directory, POSITION_FILE)
+        self.seen = self._load()               # (log id, head) replayed, or None
+        self.from_before = set(self._held())   # copies its disk kept from an earlier life
+        self._lock = asyncio.Lock()
+        self._task = None                      # the catch-up running now, if any
+        self.counters = {"drops_replayed": 0, "drops_resets": 0, "drops_catch_ups": 0,
+                         "drops_failures": 0}
+
+    def _load(self):
+        if self.path is None:
+            return None
+        try:
+            with open(self.path) as f:
+                return check_state(json.load(f))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, BadRequest) as e:    # unreadable: start over, safely
+            log.warning("edge drop-log position %s is unreadable (%s): replaying from scratch",
+                        self.path, e)
+            return None
+
+    def _save(self) -> None:
+        if self.path is not None:
+            write_atomic(self.path, json.dumps({"log": self.seen[0], "head": self.seen[1]}).encode())
+
+    def behind(self, state) -> bool:
+        """Whether a ping's drop-log state is not what this edge has replayed."""
+        return self.seen != check_state(state)
+
+    def start(self) -> None:
+        """Catch up in the background unless a catch-up is running (its failure is logged and
+        counted as drops_failures; the next ping that finds this edge behind starts another)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self.catch_up())
+            self._task.add_done_callback(self._ended)
+
+    def _ended(self, task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            e = task.exception()
+            self.counters["drops_failures"] += 1
+            log.error("edge: catching up with the origin's drop log failed: %s: %s",
+                      type(e).__name__, e, exc_info=e)
+
+    def _held(self) -> list:
+        t = self.tiers
+        return list(dict.fromkeys(t.main.keys() + t.hot.keys()
+                                  + ([] if t.disk is None else t.disk.index.keys())))
+
+    async def catch_up(self) -> bool:
+        """Level with the origin's drop log (see the module); False when the origin did not
+        answer. One at a time: a second caller waits for the first, then finds it level."""
+        async with self._lock:
+            since = None if self.seen is None else self.seen[1]
+            r = await self.peers.ask(ORIGIN_NODE, "drops", since, timeout=DROPS_TIMEOUT_S)
+            if r is None:
+                return False
+            self.counters["drops_catch_ups"] += 1
+            if self.seen is None:
+                # no position: only what the disk brought from before this process can be
+                # stale; what came since came from this origin, whose drops reach a live edge
+                keys = [k for k in self._held() if k in self.from_before]
+                if keys:
+                    self._reset(r, keys)
+            elif self.seen[0] != r["log"] or r["keys"] is None:
+                keys = self._held()
+                self._reset(r, keys)
+            else:
+                keys = r["keys"]
+            if keys:
+                self.counters["drops_replayed"] += await self.tiers.drop(keys)
+            self.seen = (r["log"], r["head"])
+            self.from_before = set()
+            await asyncio.to_thread(self._save)
+            return True
+
+    def _reset(self, r, keys) -> None:
+        self.counters["drops_resets"] += 1
+        log.warning("edge: the origin's drop log (%s at %d) does not follow from what this edge "
+                    "replayed (%s): dropping the %d copies that may be stale", r["log"], r["head"],
+                    self.seen, len(keys))
