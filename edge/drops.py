@@ -4,7 +4,7 @@ The origin logs every key it stops holding (a host's delete, a collect) and broa
 drop; an edge that was down, restarting or too slow misses the broadcast, and a copy it
 kept would stand beside other bytes stored later under the same key. So an edge keeps
 (log id, head) of what it has replayed, in a small file on its disk tier (a restarted edge
-keeps its disk, so it must remember; a memory-only edge restarts empty and needs nothing),
+keeps its disk, so it must remember; a memory-only edge restarts empty and keeps it in memory),
 and `Replay.catch_up` brings it level with the origin: it is run when the edge starts and
 whenever a ping from the origin carries another head:
 - at the origin's head already: nothing;
@@ -49,7 +49,7 @@ class Replay:
         self.tiers, self.peers = tiers, peers
         self.path = None if directory is None else os.path.join(directory, POSITION_FILE)
         self.seen = self._load()               # (log id, head) replayed, or None
-        self.from_before = set(self._held())   # copies its disk kept from an earlier life
+        self.from_before = set(self.tiers.held())   # copies its disk kept from an earlier life
         self._lock = asyncio.Lock()
         self._task = None                      # the catch-up running now, if any
         self.counters = {"drops_replayed": 0, "drops_resets": 0, "drops_catch_ups": 0,
@@ -90,11 +90,6 @@ class Replay:
             log.error("edge: catching up with the origin's drop log failed: %s: %s",
                       type(e).__name__, e, exc_info=e)
 
-    def _held(self) -> list:
-        t = self.tiers
-        return list(dict.fromkeys(t.main.keys() + t.hot.keys()
-                                  + ([] if t.disk is None else t.disk.index.keys())))
-
     async def catch_up(self) -> bool:
         """Level with the origin's drop log (see the module); False when the origin did not
         answer. One at a time: a second caller waits for the first, then finds it level."""
@@ -107,11 +102,11 @@ class Replay:
             if self.seen is None:
                 # no position: only what the disk brought from before this process can be
                 # stale; what came since came from this origin, whose drops reach a live edge
-                keys = [k for k in self._held() if k in self.from_before]
+                keys = [k for k in self.tiers.held() if k in self.from_before]
                 if keys:
                     self._reset(r, keys)
             elif self.seen[0] != r["log"] or r["keys"] is None:
-                keys = self._held()
+                keys = self.tiers.held()
                 self._reset(r, keys)
             else:
                 keys = r["keys"]

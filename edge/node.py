@@ -106,9 +106,7 @@ class EdgeNode:
         def where(key):
             return t.peek(key) is not None, t.disk is not None and key in t.disk
 
-        def held():
-            return t.main.keys() + t.hot.keys() + ([] if t.disk is None else t.disk.index.keys())
-        events = KVEvents(options, self.region, where, held)
+        events = KVEvents(options, self.region, where, t.held)
         t.observer = events.note
         if t.disk is not None:
             t.disk.on_change = events.note

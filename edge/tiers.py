@@ -123,6 +123,11 @@ class Tiers:
             return queued[0]
         return None
 
+    def held(self) -> list:
+        """Every key held in memory (main, hot) or on disk, listed once each."""
+        disk = [] if self.disk is None else self.disk.index.keys()
+        return list(dict.fromkeys(self.main.keys() + self.hot.keys() + disk))
+
     def peek(self, key):
         """The Held for key in either tier, without counting or changing recency."""
         return self.main.peek(key) or self.hot.peek(key)

@@ -2,7 +2,8 @@
 real tiers (the disk tier included) outside Ray, the origin's answers coming from a real
 origin/drops.py log: a key dropped while the edge was away is dropped when it catches up, its
 position survives a restart on its disk, and when the position is lost or does not follow,
-only copies that may be stale go. The same on a real network: test_drops_network below."""
+only copies that may be stale go. On a real network: `kdn delete` and `kdn collect` reach
+every edge, and a republish reads its own bytes (the last test)."""
 import asyncio
 import json
 
