@@ -13,6 +13,25 @@ import pytest
 
 from kdn.core.env import prepare_ray_env
 
+
+def _own_cores() -> None:
+    """Under pytest-xdist (`make test` runs two workers), give each worker its own share of the
+    cores, before torch or Ray starts: every process it starts (Ray's nodes and actors, vLLM's
+    engine, `kdn` commands) inherits the mask and sizes its threads by it
+    (kdn.core.env.usable_cpus). Two workers whose OpenMP threads shared both cores spun
+    against each other: an engine's setup took 3x longer beside another's prefill."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < count:                 # fewer cores than workers: nothing to share out
+        return
+    mine = cores[int(worker.removeprefix("gw")) % count::count]
+    os.sched_setaffinity(0, mine)
+    os.environ["OMP_NUM_THREADS"] = str(len(mine))
+
+
+_own_cores()
 prepare_ray_env()
 # Ray declares a crashed node dead after 5 missed health checks; at its default period (3 s)
 # that is ~15 s that the tests removing a node wait through, CPU idle. At 1 s it is ~5 s. A
@@ -21,6 +40,23 @@ for _k, _v in {"RAY_health_check_period_ms": "1000", "RAY_health_check_initial_d
     os.environ.setdefault(_k, _v)
 
 REGIONS = ("us-east", "eu-west", "ap-south")
+
+# The modules that take minutes (engines, services, the README's whole walk), longest first:
+# under `make test`'s workers (--dist loadfile) they start first, so no worker is left
+# running one of them alone at the end. Everything else keeps its collected order.
+LONGEST_FIRST = ("test_readme.py", "engines/vllm/test_connector.py", "serve/test_serve.py",
+                 "serve/test_vllm.py", "engines/transformers/test_worker.py",
+                 "engines/transformers/test_model.py", "engines/transformers/test_blend.py",
+                 "cli/test_cli.py", "multinode/test_faults.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def key(item):
+        path = item.nodeid.split("::")[0].removeprefix("tests/")
+        return rank.get(path, len(rank))
+    items.sort(key=key)                    # stable: each module's own order is kept
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,15 @@ def prepare_ray_env() -> None:
         Config.initialize("")
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask, which a scheduler or a test
+    runner may have narrowed), not the machine's count: threads beyond it only spin."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:                     # no affinity API on this OS
+        return os.cpu_count() or 1
+
+
 def kdn_home() -> Path:
     """Where KDN keeps state by default: $KDN_HOME, else ~/.cache/kdn."""
     return Path(os.environ.get("KDN_HOME") or Path.home() / ".cache" / "kdn")

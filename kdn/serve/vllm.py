@@ -36,9 +36,9 @@ import collections
 import concurrent.futures
 import contextlib
 import itertools
-import os
 
 from kdn.core.emphasis import override_of
+from kdn.core.env import usable_cpus
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, ModelError, NetworkError
 from kdn.serve.api import (DEFAULT_TENANT, ApiError, api_error, completion, completion_id, model_list,
                            kv_note, sse_answer, usage)
@@ -100,7 +100,7 @@ class VllmRegionWorker:
     def _start_engine(self):
         import torch
         from kdn.engines.vllm.run import start_engine
-        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+        torch.set_num_threads(min(2, usable_cpus()))
         tenants = {salt_of(t): {"tenant": t, "token": tok}
                    for t, tok in self.readers.items() if t != DEFAULT_TENANT}
         return start_engine("kv_consumer", str(self.model.cache_path), network=self.network,

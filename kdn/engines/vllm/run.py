@@ -20,6 +20,7 @@ import dataclasses
 import os
 import time
 
+from kdn.core.env import usable_cpus
 from kdn.core.errors import KDNError, ModelError
 from kdn.engines.base import Answer
 from kdn.client.publish import check_documents, knowledge_documents
@@ -196,7 +197,7 @@ class EngineWorker:
 
     def __init__(self, role: str = "kv_consumer", engine: dict = None, **settings):
         import torch
-        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+        torch.set_num_threads(min(2, usable_cpus()))
         from kdn.engines.transformers.model import load_model
         self.model = load_model()
         self.llm = start_engine(role, str(self.model.cache_path), engine, **settings)
