@@ -41,6 +41,7 @@ import uuid
 from kdn.bench import emit_json, table
 
 REGIONS = ("us-east", "eu-west", "ap-south")
+SPILL_THRESHOLD = 0.8     # Ray spills objects to disk once a node's store is this full (its default)
 MIB = 1 << 20        # LMCache's "mbps" are MiB/s (the mean of its rounds'); the table gives GB/s (1e9 B/s)
 READER, REMOTE = "us-east", "eu-west"      # the bench process runs on the head node: us-east
 
@@ -71,6 +72,16 @@ def start_redis(workdir: str):
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"redis-server did not answer on 127.0.0.1:{port} within 10 s")
+
+
+def object_store_bytes(edge_capacity: int) -> int:
+    """Each node's object store: what its edge may hold in memory, the origin's object pushes
+    in flight and two store batches, below Ray's spilling threshold (80% full by default).
+    Sized smaller (1.5 x the run, before session 11), Ray spilled 0.9-1.8 GB of the edges'
+    objects to disk mid-run, and the rounds that read them back took 265-460 ms, not ~45."""
+    from kdn.engines.objects import PUT_BATCH_BYTES
+    from kdn.origin.node import OBJECT_PUSH_BACKLOG_BYTES
+    return int((edge_capacity + OBJECT_PUSH_BACKLOG_BYTES + 2 * PUT_BATCH_BYTES) / SPILL_THRESHOLD) + (512 << 20)
 
 
 def lmcache_bench(adapter: dict, args, out_path: str) -> dict:
@@ -129,12 +140,11 @@ def main(argv=None):
     work = tempfile.mkdtemp(prefix="kdn-bench-l2-")
     rows, cluster, net, redis = [], None, None, None
     try:
-        # every edge holds the whole run (replicas = 3); each node's object store that and a
-        # round in flight
-        # (an edge's main tier is 75% of its capacity)
+        # every edge holds the whole run (replicas = 3; an edge's main tier is 75% of its
+        # capacity)
         topo = Topology.default_local(list(REGIONS), capacity_bytes=int(1.6 * run_bytes))
         if any(n.startswith("kdn") for n in want):
-            cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=int(1.5 * run_bytes) + (512 << 20))
+            cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=object_store_bytes(int(1.6 * run_bytes)))
             init_ray(cluster.address)
             name = f"l2{uuid.uuid4().hex[:6]}"
             net = start_network(topo, os.path.join(work, name), network=name, replicas=len(REGIONS))
