@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kdn.core.env import is_loopback
 
 
@@ -27,3 +29,32 @@ def test_loopback_addresses():
     assert is_loopback("127.0.0.1") and is_loopback("127.3.2.1") and is_loopback("::1")
     assert is_loopback("localhost")
     assert not is_loopback("10.0.0.1") and not is_loopback("0.0.0.0") and not is_loopback("example.com")
+
+
+def test_usable_cpus_follows_the_affinity_mask_not_the_machine():
+    """Threads are sized by the cores a process may run on (a scheduler's or a test worker's
+    mask): on one core of two, one thread, not the machine's count."""
+    one = min(os.sched_getaffinity(0))
+    code = ("import os\n"
+            "from kdn.core.env import usable_cpus\n"
+            "before = usable_cpus()\n"
+            f"os.sched_setaffinity(0, {{{one}}})\n"
+            "print(before, usable_cpus(), os.cpu_count())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after, machine = map(int, out.stdout.split())
+    assert before == len(os.sched_getaffinity(0)) and after == 1 and machine == os.cpu_count()
+
+
+def test_a_test_worker_runs_on_its_own_share_of_the_cores():
+    """Under `make test` (two pytest-xdist workers, tests/conftest.py) this process and all it
+    starts run on its share of the cores, with as many OpenMP threads; run alone, all cores."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if "PYTEST_XDIST_WORKER" not in os.environ or count < 2 or (os.cpu_count() or 1) < count:
+        pytest.skip("not one of several pytest-xdist workers on enough cores")
+    mine = os.sched_getaffinity(0)
+    assert len(mine) in (os.cpu_count() // count, -(-os.cpu_count() // count))
+    assert os.environ["OMP_NUM_THREADS"] == str(len(mine))
+    child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                           capture_output=True, text=True, timeout=60)
+    assert child.stdout.strip() == str(sorted(mine))          # what it starts inherits the mask
