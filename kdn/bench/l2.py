@@ -41,7 +41,6 @@ import uuid
 from kdn.bench import emit_json, table
 
 REGIONS = ("us-east", "eu-west", "ap-south")
-SPILL_THRESHOLD = 0.8     # Ray spills objects to disk once a node's store is this full (its default)
 MIB = 1 << 20        # LMCache's "mbps" are MiB/s (the mean of its rounds'); the table gives GB/s (1e9 B/s)
 READER, REMOTE = "us-east", "eu-west"      # the bench process runs on the head node: us-east
 
@@ -80,6 +79,7 @@ def object_store_bytes(edge_capacity: int) -> int:
     Sized smaller (1.5 x the run, before session 11), Ray spilled 0.9-1.8 GB of the edges'
     objects to disk mid-run, and the rounds that read them back took 265-460 ms, not ~45."""
     from kdn.engines.objects import PUT_BATCH_BYTES
+    from kdn.launch.cluster import SPILL_THRESHOLD
     from kdn.origin.node import OBJECT_PUSH_BACKLOG_BYTES
     return int((edge_capacity + OBJECT_PUSH_BACKLOG_BYTES + 2 * PUT_BATCH_BYTES) / SPILL_THRESHOLD) + (512 << 20)
 

@@ -49,6 +49,8 @@ def _up(args, rest):
                kv_events=_kv_events_arg(args))
     where = "an embedded local cluster" if state["embedded"] else f"the cluster at {state['address']}"
     print(f"KDN network {state['network']!r} is up on {where}; origin store in {state['root']}")
+    for line in state.get("warnings", []):
+        print(f"kdn: warning: {line}", file=sys.stderr)
     if args.serve:          # the OpenAI-compatible service too, with `kdn serve`'s defaults
         return _deploy_service(state["network"], {})
     print("next: kdn publish KB PATH...   kdn query KB \"question\"   kdn serve   kdn status   kdn down")

@@ -49,7 +49,7 @@ def run(questions_per_region: int = 2, max_new_tokens: int = 24, out=None,
     """The demo end to end (the module docstring's five steps); returns what it measured."""
     from kdn.client.join import init_ray
     from kdn.engines.base import check_engine
-    from kdn.launch.cluster import LocalCluster, stop_network
+    from kdn.launch.cluster import LocalCluster, object_store_for, stop_network
     check_engine(engine)
     out = out or sys.stdout
 
@@ -59,7 +59,7 @@ def run(questions_per_region: int = 2, max_new_tokens: int = 24, out=None,
     t_start = time.perf_counter()
     say("KDN demo: a CDN for the KV cache of shared knowledge\n")
     say("[1/5] starting a 3-region network on this machine (one labelled Ray node per region) ...")
-    cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=1 << 30)
+    cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=object_store_for(_topology()))
     try:
         init_ray(cluster.address)
         net = _start(say)
@@ -86,12 +86,16 @@ def run(questions_per_region: int = 2, max_new_tokens: int = 24, out=None,
         cluster.shutdown()
 
 
+def _topology():
+    from kdn.placement.topology import Topology
+    return Topology.default_local(list(REGIONS), edges_per_region=1)
+
+
 def _start(say):
     """The demo's network: origin and one edge per region, HTTP on."""
     import tempfile
     from kdn.launch.cluster import start_network
-    from kdn.placement.topology import Topology
-    topo = Topology.default_local(list(REGIONS), edges_per_region=1)
+    topo = _topology()
     net = start_network(topo, tempfile.mkdtemp(prefix="kdn-demo-origin-"), network=NETWORK, http=True)
     say(f"      origin in {topo.origin_region}, edges: {', '.join(e.name for e in topo.edges)}; "
         f"WAN latency between regions {topo.latency_ms(REGIONS[0], REGIONS[1]):.0f}-"

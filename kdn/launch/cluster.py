@@ -34,6 +34,9 @@ from kdn.client.join import LOOPBACK, cluster_alive, ensure_ray_token, init_ray,
 from kdn.core.names import NAMESPACE, ORIGIN_NODE, check_node_name, edge_actor_name, origin_name
 
 DEFAULT_REGIONS = ("us-east", "eu-west", "ap-south")
+SPILL_THRESHOLD = 0.8        # Ray spills objects to disk once a node's object store is this full (its default)
+IN_FLIGHT_BYTES = 256 << 20  # room beside the edges' memory for chunks in flight (pushes, replies)
+MAX_STORE_SHARE = 0.3        # of this machine's memory, the most one embedded node's object store gets
 
 
 class LocalCluster:
@@ -120,6 +123,40 @@ class Network:
 def _edge_class():
     from kdn.edge.node import EdgeNode
     return EdgeNode
+
+
+def object_store_for(topo, floor: int = 1 << 30) -> int:
+    """A node's object store for an embedded cluster (one node per region): its region's edges'
+    memory (they hold chunks in it) and chunks in flight, below Ray's spilling threshold, so
+    Ray never moves what an edge holds to disk; at least floor, at most Ray's own default
+    share of this machine's memory (30%: then `kdn up` warns, store_room_warnings)."""
+    import psutil
+    edges = max(topo.region_capacity_bytes().values(), default=0)
+    most = max(floor, int(MAX_STORE_SHARE * psutil.virtual_memory().total))
+    return min(most, max(floor, int((edges + IN_FLIGHT_BYTES) / SPILL_THRESHOLD)))
+
+
+def store_room_warnings(topo) -> list:
+    """One line per region whose edges' memory does not fit below Ray's spilling threshold in
+    the object store of its smallest live node (`ray start --object-store-memory`): Ray would
+    spill chunks the edges hold to disk, and reads of them would wait on it."""
+    import ray
+    smallest = {}
+    for n in ray.nodes():
+        region = (n.get("Labels") or {}).get("region")
+        store = (n.get("Resources") or {}).get("object_store_memory")
+        if n.get("Alive") and region and store:
+            smallest[region] = min(store, smallest.get(region, store))
+    out = []
+    for region, need in sorted(topo.region_capacity_bytes().items()):
+        store = smallest.get(region)
+        if store and need + IN_FLIGHT_BYTES > SPILL_THRESHOLD * store:
+            out.append(f"region {region}: its edges may hold {need / 2**30:.2f} GiB in memory, but a node "
+                       f"there has a {store / 2**30:.2f} GiB object store, and Ray spills to disk past "
+                       f"{SPILL_THRESHOLD:.0%} of it: give its nodes at least "
+                       f"{(need + IN_FLIGHT_BYTES) / SPILL_THRESHOLD / 2**30:.2f} GiB "
+                       f"(`ray start --object-store-memory`) or its edges less capacity_bytes")
+    return out
 
 
 def _origin_class():
@@ -387,7 +424,7 @@ def up(topology_file=None, address=None, root=None, network: str = "kdn", http: 
     Tokens.from_dict(auth)                       # token lengths checked here, not in an actor
     if address is None:
         regions = [topo.origin_region] + [r for r in topo.regions if r != topo.origin_region]
-        cluster = LocalCluster(regions, shutdown_at_exit=False)
+        cluster = LocalCluster(regions, shutdown_at_exit=False, object_store_bytes=object_store_for(topo))
         state.update(address=cluster.address, pids=process_records(cluster.pids()), embedded=True)
     else:
         state.update(address=address, pids=[], embedded=False)
@@ -396,6 +433,7 @@ def up(topology_file=None, address=None, root=None, network: str = "kdn", http: 
     started = False
     try:
         init_ray(state["address"])
+        state["warnings"] = store_room_warnings(topo)
         start_network(topo, root, network=network, detached=True, http=http, auth=auth,
                       edge_options={"store_codec": edge_codec, **disk_options},
                       origin_options={"store_codec": origin_codec, **origin_store})

@@ -131,3 +131,32 @@ def test_wrong_bucket_credentials_are_a_clear_error_at_up(home, monkeypatch):
         assert _ray_heads() == before and not cluster.state_path().exists()
     finally:
         s3.stop()
+
+
+def test_an_embedded_nodes_object_store_holds_its_regions_edges_below_rays_spilling_point():
+    """Edges keep the chunks they hold in their node's object store, and Ray spills to disk
+    past 80% of it: `kdn up` and the demo size each node for its region's edges plus chunks
+    in flight (an edge of 2 GiB once got a 1 GiB store)."""
+    from kdn.placement.topology import Topology
+    topo = Topology.default_local(["a", "b"], capacity_bytes=2 << 30)
+    got = cluster.object_store_for(topo)
+    assert (2 << 30) + cluster.IN_FLIGHT_BYTES <= cluster.SPILL_THRESHOLD * got < (2 << 30) + (512 << 20)
+    two = Topology.default_local(["a", "b"], edges_per_region=2, capacity_bytes=1 << 30)
+    assert cluster.object_store_for(two) == got               # two edges of a region share its node
+    assert cluster.object_store_for(Topology.default_local(["a"], capacity_bytes=1 << 20)) == 1 << 30
+    huge = Topology.default_local(["a"], capacity_bytes=1 << 50)   # more than the machine: capped
+    assert cluster.object_store_for(huge) == max(1 << 30, int(0.3 * psutil.virtual_memory().total))
+
+
+def test_edges_bigger_than_their_nodes_object_store_are_named_with_the_size_to_give(ray_cluster):
+    """On a cluster KDN did not size (`kdn up --address`): one warning per region whose edges'
+    memory would spill, naming the region, both sizes and the fix; none where it fits."""
+    from kdn.placement.topology import Topology
+    regions = ray_cluster.regions                              # 768 MiB object stores
+    topo = Topology.default_local(regions, capacity_bytes=64 << 20)
+    assert cluster.store_room_warnings(topo) == []
+    topo.add_edge(f"{regions[0]}-big", regions[0], 1 << 30)
+    lines = cluster.store_room_warnings(topo)
+    assert len(lines) == 1 and lines[0].startswith(f"region {regions[0]}: ")
+    assert "1.06 GiB in memory" in lines[0] and "0.75 GiB object store" in lines[0]
+    assert "at least 1.64 GiB" in lines[0] and "--object-store-memory" in lines[0]
