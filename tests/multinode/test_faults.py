@@ -48,9 +48,13 @@ def test_a_removed_ray_node_has_its_edge_keys_rehomed_and_no_fetch_fails(ray_clu
         t.start()
         try:
             ray_cluster.remove_node(node)               # the machine is gone, not politely stopped
+            # the origin marks the edge down, then saves the ring without it, broadcasts it and
+            # re-homes its chunks (counted once done): wait for all of it, fetches running
+            # throughout (on a busy machine that takes seconds, not one)
             deadline = time.time() + 40
-            while "sa-east-0" not in ray.get(net.origin.stats.remote(), timeout=10)["down"]:
-                assert time.time() < deadline, "the origin must take a dead edge out of the ring"
+            while not ((st := ray.get(net.origin.stats.remote(), timeout=10))["counters"].get("rehomed_chunks")
+                       and "sa-east-0" in st["down"]):
+                assert time.time() < deadline, f"the origin must take a dead edge out of the ring: {st}"
                 time.sleep(0.5)
             time.sleep(1.0)
         finally:
