@@ -630,11 +630,11 @@ def test_the_origin_over_ray(ray_cluster, tmp_path, network_name):
         actors.call_sync(ORIGIN_NODE, "put_chunks", chunks_of(m2), timeout=30)
         receipt = actors.call_sync(ORIGIN_NODE, "commit", m2.to_dict(), timeout=60)
         assert receipt["version"] == 1 and receipt["pushed"]["eu-west-0"] == 0
-        deadline = time.time() + 30
-        while "eu-west-0" not in ray.get(origin.stats.remote(), timeout=10)["down"]:
-            assert time.time() < deadline, "the origin must take a dead edge out of the ring"
+        deadline = time.time() + 30             # marked down, then the ring without it saved
+        while not ((st := ray.get(origin.stats.remote(token=ADMIN), timeout=10))["membership_version"] == 2
+                   and "eu-west-0" in st["down"]):
+            assert time.time() < deadline, f"the origin must take a dead edge out of the ring: {st}"
             time.sleep(0.5)
-        st = ray.get(origin.stats.remote(token=ADMIN), timeout=10)
         assert st["counters"]["edge_call_failures"] >= 2 and st["counters"]["edges_marked_down"] == 1
         assert st["membership_version"] == 2 and st["members"] == 2
     finally:
