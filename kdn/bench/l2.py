@@ -84,15 +84,23 @@ def object_store_bytes(edge_capacity: int) -> int:
     return int((edge_capacity + OBJECT_PUSH_BACKLOG_BYTES + 2 * PUT_BATCH_BYTES) / SPILL_THRESHOLD) + (512 << 20)
 
 
+def lmcache_cmd(*args) -> list:
+    """`lmcache ARGS` as LMCache's CLI module run by this interpreter: its console script's
+    shebang may name another environment's Python (a copied venv), which would use that one's kdn."""
+    return [sys.executable, "-m", "lmcache.cli.main", *args]
+
+
+def lmcache_env() -> dict:
+    """This environment for an LMCache process: no usage tracking, no banner."""
+    return dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", LMCACHE_DISABLE_BANNER="1")
+
+
 def lmcache_bench(adapter: dict, args, out_path: str) -> dict:
     """One `lmcache bench l2` process; its JSON metrics."""
-    # LMCache's CLI module run by this interpreter: its console script's shebang may name
-    # another environment's Python (a copied venv), which would bench that one's kdn
-    cmd = [sys.executable, "-m", "lmcache.cli.main", "bench", "l2", "--l2-adapter", json.dumps(adapter), "--num-keys", str(args.num_keys),
-           "--data-size-kb", str(args.data_size_kb), "--rounds", str(args.rounds),
-           "--no-skip-verify", "--format", "json", "--output", out_path, "-q"]
-    env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, env=env)
+    cmd = lmcache_cmd("bench", "l2", "--l2-adapter", json.dumps(adapter), "--num-keys", str(args.num_keys),
+                      "--data-size-kb", str(args.data_size_kb), "--rounds", str(args.rounds),
+                      "--no-skip-verify", "--format", "json", "--output", out_path, "-q")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, env=lmcache_env())
     if done.returncode != 0 or not os.path.exists(out_path):
         raise RuntimeError(f"lmcache bench l2 failed ({done.returncode}):\n{done.stderr[-2000:]}")
     with open(out_path) as f:

@@ -25,24 +25,15 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
 
 from kdn.bench import emit_json, table
+from kdn.bench.l2 import lmcache_cmd, lmcache_env
 
 REGIONS = ("us-east", "eu-west", "ap-south")
 _LINE = re.compile(r"\[seq (\d+)/(cold|warm)\] (LOOKUP|CHECKSUM): (.*)")
-
-
-def _env() -> dict:
-    return dict(os.environ, LMCACHE_DISABLE_BANNER="1", LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
-
-
-def _lmcache(*args) -> list:
-    # LMCache's CLI module run by this interpreter (its console script may name another venv's)
-    return [sys.executable, "-m", "lmcache.cli.main", *args]
 
 
 def start_server(region: str, network: str, address: str, ports: tuple, log_path: str):
@@ -51,11 +42,11 @@ def start_server(region: str, network: str, address: str, ports: tuple, log_path
     adapter = {"type": "plugin", "module_path": "kdn.engines.lmcache", "class_name": "KDNL2Adapter",
                "adapter_params": {"network": network, "region": region, "address": address}}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(_lmcache("server", "--host", "127.0.0.1", "--port", str(rpc),
+        proc = subprocess.Popen(lmcache_cmd("server", "--host", "127.0.0.1", "--port", str(rpc),
                                          "--http-host", "127.0.0.1", "--http-port", str(http),
                                          "--l1-size-gb", "1", "--eviction-policy", "LRU",
                                          "--l2-adapter", json.dumps(adapter)),
-                                stdout=log, stderr=subprocess.STDOUT, env=_env())
+                                stdout=log, stderr=subprocess.STDOUT, env=lmcache_env())
     return proc, f"tcp://127.0.0.1:{rpc}", f"http://127.0.0.1:{http}"
 
 
@@ -75,11 +66,11 @@ def wait_listening(proc, port: int, log_path: str, timeout_s: float) -> None:
 
 def run_bench(rpc: str, http: str, args, out_path: str) -> tuple:
     """One `lmcache bench server` run; ({seq: {kind: {"lookup", "checksum"}}}, its JSON metrics)."""
-    cmd = _lmcache("bench", "server", "--rpc-url", rpc, "--url", http, "--mode", "cpu",
+    cmd = lmcache_cmd("bench", "server", "--rpc-url", rpc, "--url", http, "--mode", "cpu",
                    "--transfer-mode", "lmcache_driven", "--num-tokens", str(args.num_tokens),
                    "--start", "0", "--end", str(args.sequences), "--interval", "0.2",
                    "--format", "json", "--output", out_path)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, env=_env())
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, env=lmcache_env())
     if done.returncode != 0 or not os.path.exists(out_path):
         raise SystemExit(f"lmcache bench server failed ({done.returncode}):\n{done.stdout[-2000:]}"
                          f"{done.stderr[-2000:]}")
