@@ -6,7 +6,9 @@ big-endian sequence number, msgpack(EventBatch)]`, the batch's events `BlockStor
 `BlockRemoved` and `AllBlocksCleared` encoded exactly as `vllm.distributed.kv_events`
 encodes them, and a ROUTER socket beside it that replays the batches a late subscriber
 missed (ask with the first sequence number wanted, 8 bytes big-endian; the batches come
-back as `[b"", topic, seq, payload]`, then `[b"", b"", -1, b""]`).
+back as `[b"", topic, seq, payload]`, then `[b"", b"", -1, b""]`). Both sockets refuse
+a frame over MAX_INBOUND bytes (ZMQ drops the peer before reading it): a peer cannot make
+the edge hold more than that per frame.
 
 What a chunk is announced as. Edges know keys, not tokens; manifests (which every edge
 receives) carry both, so the publisher learns each key's tokens and position from them.
@@ -55,6 +57,12 @@ NOTE_QUEUE = 1 << 16             # changed keys waiting for the publisher thread
 WAITING_KEYS = 1 << 16           # keys held before their manifest arrived, at most
 REPLAY_BATCHES = 10_000          # batches kept for replay (vLLM's default buffer_steps)
 HWM = 100_000                    # ZMQ high-water mark of the PUB socket (vLLM's default)
+# What a peer can make the edge hold. A replay request is 8 bytes and a subscription a topic
+# (at most 256 characters) and a byte: ZMQ disconnects a peer whose frame is larger than
+# MAX_INBOUND before it allocates the frame (ZMQ_MAXMSGSIZE, on both sockets: a PUB socket
+# receives subscriptions). A 256 MiB frame to an unbounded socket cost the edge 300 MiB.
+MAX_INBOUND = 4096
+REPLAY_RCVHWM = 64               # replay requests queued per peer, at most
 MAX_BATCH_KEYS = 4096            # notes one batch covers
 BLOCK_CACHE = 64                 # manifests whose block hashes are kept
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -282,6 +290,9 @@ class KVEvents:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(HWM)
         self._replay = self._ctx.socket(zmq.ROUTER)
+        for sock in (self._pub, self._replay):     # before bind: a connection takes them then
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND)
+        self._replay.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
         try:
             self._pub.bind(o["endpoint"])
             self._replay.bind(o["replay"])

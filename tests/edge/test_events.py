@@ -285,6 +285,71 @@ def test_a_port_in_use_is_a_clear_error(kit):
     s.close()
 
 
+# --- what a peer can make the edge hold ---------------------------------------------------------------
+EVENTS_ALONE = """
+import sys
+from kdn.edge.events import KVEvents
+ev = KVEvents({"endpoint": sys.argv[1], "replay": sys.argv[2]}, "here", lambda k: (False, False), lambda: ())
+print("ready", flush=True)
+sys.stdin.read()
+ev.close()
+"""
+
+
+def _peak_rss_mib(pid) -> float:
+    """A process's peak resident set (VmHWM), MiB: a frame held for a moment counts too."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def test_large_frames_to_the_replay_and_pub_sockets_do_not_grow_the_edge():
+    """Three DEALERs each send one 256 MiB frame to the replay socket (and a SUB one to the
+    PUB socket): the edge's publisher, alone in its own process, keeps its peak memory
+    flat, and a replay request from each of them after is still answered."""
+    import subprocess
+    import sys
+    pub, replay = (f"tcp://127.0.0.1:{p}" for p in free_ports(2))
+    proc = subprocess.Popen([sys.executable, "-c", EVENTS_ALONE, pub, replay],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ctx = zmq.Context.instance()
+    socks = []
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        sub = Subscriber(pub, replay)
+        socks.append(sub.sub)
+        assert [isinstance(b.events[0], AllBlocksCleared) for _, b in sub.replay(0)] == [True]
+        before = _peak_rss_mib(proc.pid)
+        big = bytes(256 << 20)                 # one buffer, shared by every send (copy=False)
+        trackers = []
+        for _ in range(3):
+            d = ctx.socket(zmq.DEALER)
+            socks.append(d)
+            d.connect(replay)
+            d.send(b"", zmq.SNDMORE)
+            trackers.append(d.send(big, copy=False, track=True))
+            d.send_multipart((b"", (0).to_bytes(8, "big")))   # a request after it, same peer
+        s = ctx.socket(zmq.XSUB)          # a subscription is a frame the PUB socket receives
+        socks.append(s)
+        s.connect(pub)
+        s.send(big, copy=False)
+        for t in trackers:
+            t.wait(30)                    # every byte of the frame left this process
+        for d in socks[1:4]:              # the edge read (or refused) the frame: it answers
+            got = []                      # the request behind it
+            while not got or got[-1][2] != ev.END_SEQ:
+                assert d.poll(10_000), "the replay socket did not answer after a large frame"
+                got.append(d.recv_multipart())
+            assert len(got) == 2 and got[0][2] == (0).to_bytes(8, "big")
+        grew = _peak_rss_mib(proc.pid) - before
+        assert grew < 32, f"the edge's peak memory grew by {grew:.0f} MiB"
+        assert proc.poll() is None
+    finally:
+        for so in socks:
+            so.close(linger=0)
+        proc.stdin.close()
+        proc.wait(10)
+
+
 # --- a real network ---------------------------------------------------------------------------------
 N_TOKENS = 1024 + 100             # 4 full chunks and one of 100 tokens
 
