@@ -7,8 +7,10 @@ big-endian sequence number, msgpack(EventBatch)]`, the batch's events `BlockStor
 encodes them, and a ROUTER socket beside it that replays the batches a late subscriber
 missed (ask with the first sequence number wanted, 8 bytes big-endian; the batches come
 back as `[b"", topic, seq, payload]`, then `[b"", b"", -1, b""]`). Both sockets refuse
-a frame over MAX_INBOUND bytes (ZMQ drops the peer before reading it): a peer cannot make
-the edge hold more than that per frame.
+a frame over MAX_INBOUND bytes (ZMQ drops the peer before reading it). That bounds a frame,
+not the frames of one message: libzmq queues a message's frames until its last arrives
+(no socket option bounds their count), so a peer speaking ZMTP by hand could still send an
+endless one; the sockets bind loopback only unless kv_events_remote is set.
 
 What a chunk is announced as. Edges know keys, not tokens; manifests (which every edge
 receives) carry both, so the publisher learns each key's tokens and position from them.

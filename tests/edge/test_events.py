@@ -288,8 +288,11 @@ def test_a_port_in_use_is_a_clear_error(kit):
 # --- what a peer can make the edge hold ---------------------------------------------------------------
 EVENTS_ALONE = """
 import sys
+import time
 from kdn.edge.events import KVEvents
 ev = KVEvents({"endpoint": sys.argv[1], "replay": sys.argv[2]}, "here", lambda k: (False, False), lambda: ())
+while not ev.snapshot().get("kv_events_batches"):      # its first batch (AllBlocksCleared) is out
+    time.sleep(0.01)
 print("ready", flush=True)
 sys.stdin.read()
 ev.close()
