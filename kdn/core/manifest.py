@@ -33,6 +33,7 @@ import xxhash
 from kdn.core.checks import check_int, check_number
 from kdn.core.errors import KDNError, ManifestError
 from kdn.core.keys import CHUNK_TOKENS, KEY_BYTES, as_token_array, check_key, chunk_keys, namespace_digest
+from kdn.core.names import unsafe_char
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 LAYOUTS = ("prefix", "segments")
@@ -49,7 +50,9 @@ MAX_TTL_S = 10 * 365 * 86400.0       # ten years: anything longer is a mistake, 
 def check_name(value, what: str) -> str:
     """`value` if it is a safe KB name or tenant (usable as a path component), else ManifestError."""
     if not isinstance(value, str) or not NAME_RE.fullmatch(value) or ".." in value:
-        raise ManifestError(f"{what} must match {NAME_RE.pattern} and not contain '..', got {value!r}")
+        why = isinstance(value, str) and unsafe_char(value)
+        raise ManifestError(f"{what} must match {NAME_RE.pattern} and not contain '..', got {value!r:.200}"
+                            + (f" (it holds {why})" if why else ""))
     return value
 
 
@@ -63,8 +66,13 @@ def _int(value, what, lo=0, hi=None):
 
 
 def _str(value, what, maxlen=1024):
-    if not isinstance(value, str) or not value or len(value) > maxlen or "\0" in value:
-        raise ManifestError(f"{what} must be a non-empty str of at most {maxlen} chars without NUL, got {value!r}")
+    """value if a non-empty str of at most maxlen characters, none of them one that rewrites
+    what a terminal shows (kdn.core.names.unsafe_char), else ManifestError naming it."""
+    if not isinstance(value, str) or not value or len(value) > maxlen:
+        raise ManifestError(f"{what} must be a non-empty str of at most {maxlen} chars, got {value!r:.200}")
+    if unsafe_char(value):
+        raise ManifestError(f"{what} {value!r:.200} holds {unsafe_char(value)}; names may not hold "
+                            f"control or bidirectional-control characters")
     return value
 
 

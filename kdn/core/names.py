@@ -3,8 +3,15 @@
 The launcher (kdn.launch.cluster), the nodes (kdn.edge, kdn.origin) and the client all find each
 other by these names, so they live here in the vocabulary rather than in any one of them:
 the launcher imports the nodes, never the reverse.
+
+Names people read too (document names, KB names, tenants) reach `kdn status`, logs and error
+messages, so none may hold a character that rewrites what a terminal shows: a control
+character (a newline forges a log line, an escape drives the terminal) or a line separator,
+or a bidirectional control (U+202E shows the text after it reversed). `unsafe_char` finds
+the first; the validators that own each name (kdn.core.manifest, kdn.client.documents) refuse it.
 """
 import re
+import unicodedata
 
 NAMESPACE = "kdn"                # the Ray namespace every KDN actor is named in
 MAX_NAME = 64
@@ -19,6 +26,27 @@ SOURCE_KINDS = (LOCAL, DISK, "peer", ORIGIN)
 # A node of a network, as calls name it (kdn.core.rpc.Actors, actor_name): an edge by its name,
 # the origin by ORIGIN_NODE. None, not a string, so that no edge's name can ever mean the origin.
 ORIGIN_NODE = None
+
+
+# Unicode's bidirectional formatting controls: embeddings and overrides (U+202A-U+202E),
+# isolates (U+2066-U+2069), and the marks (LRM U+200E, RLM U+200F, ALM U+061C)
+BIDI_CONTROLS = frozenset([*map(chr, range(0x202A, 0x202F)), *map(chr, range(0x2066, 0x206A)),
+                           "\u200e", "\u200f", "\u061c"])
+UNSAFE_CATEGORIES = ("Cc", "Zl", "Zp")       # control characters, line and paragraph separators
+
+
+def unsafe_char(value: str) -> "str | None":
+    """The first character of value a name may not hold, described with its code point and
+    position ('U+202E (RIGHT-TO-LEFT OVERRIDE, a bidirectional control) at character 3'),
+    or None when there is none."""
+    for i, ch in enumerate(value):
+        cat = unicodedata.category(ch)
+        if ch in BIDI_CONTROLS or cat in UNSAFE_CATEGORIES:
+            kind = "a bidirectional control" if ch in BIDI_CONTROLS else \
+                "a control character" if cat == "Cc" else "a line or paragraph separator"
+            label = unicodedata.name(ch, "")
+            return f"U+{ord(ch):04X} ({label + ', ' if label else ''}{kind}) at character {i + 1}"
+    return None
 
 
 def check_node_name(value, what: str = "edge name") -> str:

@@ -1,5 +1,6 @@
 """KB manifests: building from tokens, validation of every field, and the checksummed wire form."""
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -87,6 +88,28 @@ def test_names_cannot_smuggle_paths(bad):
 def test_good_names():
     for ok in ("a", "Handbook_v2.1-final", "x" * 128):
         assert check_name(ok, "manifest name") == ok
+
+
+@pytest.mark.parametrize("bad, code", [("notes\nFAKE LOG LINE", "U+000A"), ("a\rb", "U+000D"),
+                                       ("a\tb", "U+0009"), ("invoice\u202efdp.exe", "U+202E"),
+                                       ("x\u2066y", "U+2066"), ("x\u200f", "U+200F"), ("x\u061c", "U+061C")])
+def test_document_names_refuse_control_and_bidirectional_characters(bad, code):
+    """Such a name would reach `kdn status`, logs and errors rewritten: refused when the
+    manifest is built and when one arrives, naming the document and the character."""
+    with pytest.raises(ManifestError) as e:
+        Manifest.build("kb", "t", "fp", [("ok.md", [1, 2, 3]), (bad, [4, 5])])
+    assert str(e.value).startswith(f"document name {bad!r} holds {code} (")
+    d = build().to_dict()
+    d["documents"][0]["name"] = bad
+    with pytest.raises(ManifestError, match=rf"document name .* holds {re.escape(code)} "):
+        Manifest.from_dict(d)
+    # KB names and tenants are plain words: refused too, and the message says which character
+    for what in ("manifest name", "manifest tenant"):
+        with pytest.raises(ManifestError, match=rf"{what} must match .* holds {re.escape(code)} "):
+            check_name(f"kb{bad}", what)
+    with pytest.raises(ManifestError, match=rf"manifest fingerprint .* holds {re.escape(code)} "):
+        Manifest.build("kb", "t", f"fp{bad}", [("ok.md", [1, 2, 3])])
+    assert Manifest.build("kb", "t", "fp", [("pkg/módulo 1.py", [1]), ("日本.md", [2])]).documents[1].name == "日本.md"
 
 
 def mutated(**changes):

@@ -24,3 +24,22 @@ def test_node_names_are_plain_words(bad):
     with pytest.raises(BadRequest, match="letters, digits"):
         names.check_node_name(bad, "network name")
     assert names.check_node_name("eu-west_0.a") == "eu-west_0.a"
+
+
+@pytest.mark.parametrize("name, where, code", [
+    ("a\nb", 2, "U+000A"), ("report\r.md", 7, "U+000D"), ("\tx", 1, "U+0009"), ("x\x1b[2J", 2, "U+001B"),
+    ("a\x00", 2, "U+0000"), ("cod\u202egnp.exe", 4, "U+202E"), ("a\u202ab", 2, "U+202A"),
+    ("\u2066x", 1, "U+2066"), ("x\u2069", 2, "U+2069"), ("x\u200e", 2, "U+200E"), ("x\u200f", 2, "U+200F"),
+    ("x\u061c", 2, "U+061C"), ("x\x85", 2, "U+0085"), ("x\u2028y", 2, "U+2028"), ("x\u2029", 2, "U+2029"),
+])
+def test_names_may_not_hold_control_or_bidirectional_characters(name, where, code):
+    why = names.unsafe_char(name)
+    assert why.startswith(f"{code} (") and why.endswith(f") at character {where}")
+
+
+def test_what_a_name_may_hold():
+    for ok in ("a.md", "pkg/sub dir/módulo.py", "日本語.txt", "[weird] (name).md", "emoji 🙂.md", "a\u200db"):
+        assert names.unsafe_char(ok) is None
+    assert names.unsafe_char("cod\u202egnp.exe") == \
+        "U+202E (RIGHT-TO-LEFT OVERRIDE, a bidirectional control) at character 4"
+    assert names.unsafe_char("a\nb") == "U+000A (a control character) at character 2"
