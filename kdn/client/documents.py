@@ -19,8 +19,12 @@ bytes that are not UTF-8. Sizes are bounded before any file is read whole.
   named; otherwise the deepest folder holding everything named (`kdn/data/0*.md` gives
   `01-declaration.md`, ...; `a/x.py b/x.py` gives `a/x.py` and `b/x.py`: never a collision).
   Names use '/' and are valid manifest document names (kdn.core.manifest: a non-empty str of at
-  most MAX_DOC_NAME characters without NUL). A file reached twice is read once, at its first
-  place.
+  most MAX_DOC_NAME characters, none of them a control or bidirectional-control character,
+  kdn.core.names.unsafe_char); a file whose name is not is refused, naming it.
+- Paths named twice count once: a folder named twice is walked once, a file reached twice
+  (named and walked, or by two overlapping folders) is read once, at its first place, and
+  is treated as named if it was named anywhere; a skipped entry is counted once however
+  often it was reached (skipped entries are kept by absolute path until the end).
 - Nothing selected is a clear error, saying what was skipped and why.
 
 `check_documents` checks (name, text) pairs given in Python the same way (names unique
@@ -37,6 +41,7 @@ from pathlib import Path
 from kdn.core.errors import BadRequest
 from kdn.core.keys import MAX_TOKENS_PER_KB
 from kdn.core.manifest import MAX_DOC_NAME
+from kdn.core.names import unsafe_char
 
 MAX_KB_TOKENS = MAX_TOKENS_PER_KB      # the origin refuses a longer KB
 # Text is bounded before it is tokenized (tokenizing 50 MB takes GBs and tens of seconds):
@@ -153,7 +158,8 @@ def _is_within(path: str, root: str) -> bool:
 
 
 def _walk(folder: Path, include, exclude, skipped: dict, out: list) -> None:
-    """Append the folder's selected regular files, sorted by path, to out."""
+    """Append the folder's selected regular files, sorted by path, to out; skipped entries
+    by absolute path to skipped[reason]."""
     top = os.path.abspath(folder)
     real_top = os.path.realpath(folder)
 
@@ -173,7 +179,7 @@ def _walk(folder: Path, include, exclude, skipped: dict, out: list) -> None:
             if entry.is_symlink():
                 target = os.path.realpath(entry.path)
                 if os.path.isdir(target) or not os.path.isfile(target) or not _is_within(target, real_top):
-                    skipped.setdefault("symlink", []).append(rel)   # folder, dangling, or outside
+                    skipped.setdefault("symlink", []).append(entry.path)   # folder, dangling, outside
                     continue
             if entry.is_dir(follow_symlinks=False):
                 if entry.name not in SKIP_DIRS:
@@ -184,7 +190,7 @@ def _walk(folder: Path, include, exclude, skipped: dict, out: list) -> None:
             except OSError as e:
                 raise _open_error(entry.path, e) from None
             if not stat.S_ISREG(st.st_mode):
-                skipped.setdefault("not a regular file", []).append(rel)
+                skipped.setdefault("not a regular file", []).append(entry.path)
                 continue
             if include and not any(matches(rel, p) for p in include):
                 continue
@@ -196,13 +202,16 @@ def _walk(folder: Path, include, exclude, skipped: dict, out: list) -> None:
 
 
 def _gather(paths, include, exclude) -> tuple:
-    """([_File] in order, skipped, root): every path's files, first occurrence kept."""
-    files, skipped, roots = [], {}, []
+    """([_File] in order, skipped, root): every path's files once, at its first place (named
+    if it was named anywhere); skipped {reason: [absolute path, ...]}, possibly repeated."""
+    files, skipped, roots, walked = [], {}, [], set()
     for p in paths:
         path = Path(p)
         if path.is_dir():
             roots.append(os.path.abspath(path))
-            _walk(path, include, exclude, skipped, files)
+            if roots[-1] not in walked:              # the same folder twice: walked once
+                walked.add(roots[-1])
+                _walk(path, include, exclude, skipped, files)
         elif path.is_file():
             roots.append(os.path.dirname(os.path.abspath(path)))
             files.append(_File(path, os.path.abspath(path), True, path.stat().st_size))
@@ -211,12 +220,30 @@ def _gather(paths, include, exclude) -> tuple:
         else:
             raise BadRequest(f"{path}: no such file or folder")
     root = os.path.commonpath(roots) if roots else os.getcwd()
-    seen, unique = set(), []
+    unique = {}
     for f in files:
-        if f.abs not in seen:
-            seen.add(f.abs)
-            unique.append(f)
-    return unique, skipped, Path(root)
+        first = unique.setdefault(f.abs, f)
+        first.named = first.named or f.named
+    return list(unique.values()), skipped, Path(root)
+
+
+def _skipped_names(skipped: dict, root: Path) -> dict:
+    """{reason: [name relative to root, ...]}: each entry once, sorted by path components."""
+    out = {}
+    for reason, paths in skipped.items():
+        names = {os.path.relpath(p, root).replace(os.sep, "/") for p in paths}
+        out[reason] = sorted(names, key=lambda n: n.split("/"))
+    return out
+
+
+def _shown(name: str) -> str:
+    """name as a message may print it: quoted and escaped when it holds a character that
+    would rewrite the message (a newline, a bidirectional control) or is not UTF-8."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return repr(name)
+    return repr(name) if unsafe_char(name) else name
 
 
 def _name(f: _File, root: Path) -> str:
@@ -225,6 +252,10 @@ def _name(f: _File, root: Path) -> str:
         name.encode("utf-8")
     except UnicodeEncodeError:
         raise BadRequest(f"{f.path}: the file's name is not UTF-8; rename it or exclude it") from None
+    if unsafe_char(name):
+        raise BadRequest(f"{_shown(str(f.path))}: the document name {name!r} holds {unsafe_char(name)}; "
+                         f"names may not hold control or bidirectional-control characters: rename it "
+                         f"or exclude it")
     if len(name) > MAX_DOC_NAME:
         raise BadRequest(f"{f.path}: its path ({len(name)} characters) is longer than a document "
                          f"name may be ({MAX_DOC_NAME})")
@@ -248,7 +279,7 @@ def select_documents(paths, include=(), exclude=()) -> Selection:
         if why and f.named:
             raise BadRequest(f"{f.path}: {why}; only text files can be published")
         if why:
-            skipped.setdefault("binary", []).append(_name(f, root))
+            skipped.setdefault("binary", []).append(f.abs)
             continue
         if f.named and f.size > MAX_KB_BYTES:
             raise BadRequest(f"{f.path}: {f.size} bytes, over the {MAX_KB_BYTES}-byte limit of one "
@@ -266,18 +297,19 @@ def select_documents(paths, include=(), exclude=()) -> Selection:
         if why:
             if f.named:
                 raise BadRequest(f"{f.path}: {why}; only text files can be published")
-            skipped.setdefault("binary", []).append(name)
+            skipped.setdefault("binary", []).append(f.abs)
             continue
         if not text.strip():
             if f.named:
                 raise BadRequest(f"{f.path}: the document is empty")
-            skipped.setdefault("empty", []).append(name)
+            skipped.setdefault("empty", []).append(f.abs)
             continue
         docs.append((name, text))
         size += len(text.encode("utf-8"))
-    skipped = {r: sorted(v, key=lambda n: n.split("/")) for r, v in skipped.items()}
+    skipped = _skipped_names(skipped, root)
     if not docs:
-        what = "; ".join(f"{len(skipped[r])} {r}: {', '.join(skipped[r][:3])}" + (" ..." if len(skipped[r]) > 3 else "")
+        what = "; ".join(f"{len(skipped[r])} {r}: {', '.join(map(_shown, skipped[r][:3]))}"
+                         + (" ..." if len(skipped[r]) > 3 else "")
                          for r in SKIPPED if skipped.get(r)) or "no files"
         filters = "".join(f" --include {p!r}" for p in include) + "".join(f" --exclude {p!r}" for p in exclude)
         raise BadRequest(f"nothing to publish: no text file in {', '.join(map(str, paths))}{filters} "
@@ -303,9 +335,12 @@ def check_documents(documents) -> list:
                 or not isinstance(item[0], str) or not isinstance(item[1], str):
             raise BadRequest(f"documents[{i}] must be a (name, text) pair of str, got {item!r:.80}")
         name, text = item
-        if not name or len(name) > MAX_DOC_NAME or "\0" in name:
+        if not name or len(name) > MAX_DOC_NAME:
             raise BadRequest(f"documents[{i}] name must be a non-empty str of at most {MAX_DOC_NAME} "
-                             f"characters without NUL, got {name!r:.80}")
+                             f"characters, got {name!r:.80}")
+        if unsafe_char(name):
+            raise BadRequest(f"documents[{i}] name {name!r:.200} holds {unsafe_char(name)}; names may "
+                             f"not hold control or bidirectional-control characters")
         if name in names:
             raise BadRequest(f"documents[{i}] name {name!r:.200} is given twice; names must be unique")
         names.add(name)

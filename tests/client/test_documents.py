@@ -187,6 +187,51 @@ def test_names_that_cannot_be_document_names_are_refused(tmp_path):
         D.read_documents([tree])
 
 
+@pytest.mark.parametrize("bad, code", [("notes\nINFO forged.md", "U+000A"), ("a\rb.md", "U+000D"),
+                                       ("a\tb.md", "U+0009"), ("invoice\u202efdp.md", "U+202E"),
+                                       ("x\u2067y.md", "U+2067"), ("x\u200e.md", "U+200E")])
+def test_names_with_control_or_bidirectional_characters_are_refused(tmp_path, bad, code):
+    """Refused before anything is published, whether named, walked or given in Python: the
+    error names the document (escaped) and the character by code point."""
+    tree = tmp_path / "t"
+    tree.mkdir()
+    (tree / "fine.md").write_text("ok\n")
+    (tree / bad).write_text("x\n")
+    for paths in ([tree], [tree / bad]):
+        with pytest.raises(BadRequest) as e:
+            D.read_documents(paths)
+        msg = str(e.value)
+        assert f"the document name {bad!r} holds {code} (" in msg and "rename it or exclude it" in msg
+        assert "\n" not in msg and "\r" not in msg and "\u202e" not in msg, "the message is escaped"
+    assert D.read_documents([tree], exclude=[bad]) == [("fine.md", "ok\n")]
+    with pytest.raises(BadRequest) as e:
+        D.check_documents([("fine.md", "ok"), (bad, "x")])
+    assert str(e.value).startswith(f"documents[1] name {bad!r} holds {code} (")
+
+
+def test_a_path_named_twice_counts_its_skipped_entries_once(tmp_path):
+    """The same folder twice, a folder and a file inside it, a folder and a folder inside
+    it: each file is read once and each skipped entry counted once."""
+    _write(tmp_path, {"pkg/a.py": "A = 1\n", "pkg/__init__.py": "", "pkg/logo.png": b"\x89PNG" + bytes(8),
+                      "pkg/sub/b.py": "B = 1\n", "pkg/sub/c.bin": b"\0\1"})
+    (tmp_path / "pkg" / "gone.py").symlink_to(tmp_path / "missing.py")
+    pkg = tmp_path / "pkg"
+    once = D.select_documents([pkg])
+    assert once.summary() == "2 documents (0.0 KiB of text); skipped 2 binary, 1 empty, 1 symlink"
+    for paths in ([pkg, pkg], [pkg, str(pkg) + "/", pkg / ".." / "pkg"], [pkg, pkg / "sub"],
+                  [pkg / "sub", pkg], [pkg, pkg / "a.py"]):
+        sel = D.select_documents(paths)
+        assert sorted(sel.documents) == sorted(once.documents) and sel.skipped == once.skipped, paths
+        assert sel.summary() == once.summary()
+    assert once.skipped == {"binary": ["logo.png", "sub/c.bin"], "empty": ["__init__.py"], "symlink": ["gone.py"]}
+    # a file both walked and named is a named file: its problems are errors, not skips
+    with pytest.raises(BadRequest, match=r"logo\.png: .*only text files can be published"):
+        D.select_documents([pkg, pkg / "logo.png"])
+    # two folders: skipped entries are named relative to the root, like documents
+    two = D.select_documents([pkg / "sub", tmp_path / "pkg"])
+    assert two.skipped["binary"] == ["logo.png", "sub/c.bin"]
+
+
 def test_walked_names_are_valid_manifest_document_names(tmp_path):
     _write(tmp_path, {"pkg/sub dir/módulo.py": "x = 1\n", "pkg/a-b_c.d.txt": "y\n", "[weird] (name).md": "z\n"})
     docs = D.read_documents([tmp_path])
@@ -212,7 +257,7 @@ def test_check_documents_refuses_what_a_manifest_would_refuse_after_the_prefill(
     assert D.check_documents([("a/x.py", "x"), ["b", "y"]]) == [("a/x.py", "x"), ("b", "y")]
     for docs, msg in (([], "at least one document"), ([("d", "  ")], "is empty"),
                       ([("d", b"bytes")], "pair of str"), (["text"], "pair of str"),
-                      ([("", "t")], "name must be a non-empty str"), ([("a\0b", "t")], "without NUL"),
+                      ([("", "t")], "name must be a non-empty str"), ([("a\0b", "t")], r"holds U\+0000 \(a control character\) at character 2"),
                       ([("x" * 1025, "t")], "at most 1024"),
                       ([("a.py", "t"), ("a.py", "u")], r"name 'a.py' is given twice")):
         with pytest.raises(BadRequest, match=msg):
