@@ -117,6 +117,11 @@ class ModelError(KDNError):
     """A model cannot be loaded, or KV does not fit it."""
 
 
+class BadKey(BadRequest, TypeError):
+    """A key handed to an integration is not what its interface takes (SGLang's HiCache: a
+    non-empty str); a TypeError too, which is what the host's own backends raise for one."""
+
+
 class BadConfig(BadRequest, ValueError):
     """An integration's settings (LMCache adapter_params, SGLang's extra config) are wrong;
     the message names the field. A ValueError too, which is what those hosts' config

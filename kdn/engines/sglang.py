@@ -24,6 +24,11 @@ delete: pages stay until an operator's `collect(object_ttl_s=...)` (kdn.engines.
 
 Calls block, as SGLang's own backends' do: SGLang makes them from its cache controller's
 I/O threads, never its scheduler's.
+
+Keys are checked before anything moves: every call refuses a key that is not a non-empty
+str (and a batch whose keys are not a list, or whose values do not match its keys) with
+BadKey, a TypeError, as SGLang's own backends raise for a caller's mistake; a page that is
+merely missing or not stored is answered False / None, as they answer it.
 """
 import ctypes
 import logging
@@ -32,7 +37,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kdn.engines.objects import REQUIRED, Objects, as_bytes, check_params, object_key, read_tokens_of
-from kdn.core.errors import AccessDenied, BadConfig, NetworkError
+from kdn.core.errors import AccessDenied, BadConfig, BadKey, NetworkError
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,34 @@ PARAMS = {                       # the extra config: SGLang's fields, then KDN's
     "address": ((str, type(None)), None),          # Ray's address (default: `kdn up`'s, else auto)
     "prefault": (bool, True),                      # map the object store's pages ahead of loads
 }
+
+
+def _check_keys(keys, call: str) -> list:
+    """keys, if a list (or tuple) of non-empty str (SGLang's page hashes), else BadKey
+    naming the call and the first key that is not."""
+    if not isinstance(keys, (list, tuple)):
+        raise BadKey(f"KDN HiCache {call}: keys must be a list of str, got {type(keys).__name__}")
+    for i, k in enumerate(keys):
+        if not isinstance(k, str) or not k:
+            raise BadKey(f"KDN HiCache {call}: keys[{i}] must be a non-empty str (a page hash), "
+                         f"got {k!r:.60}")
+    return keys
+
+
+def _check_key(key, call: str) -> str:
+    if not isinstance(key, str) or not key:
+        raise BadKey(f"KDN HiCache {call}: the key must be a non-empty str (a page hash), got {key!r:.60}")
+    return key
+
+
+def _per_key(values, n: int, what: str, call: str) -> list:
+    """values (one per key), or n Nones when not given (None or empty); BadKey if their
+    number is not n."""
+    if values is None or len(values) == 0:
+        return [None] * n
+    if len(values) != n:
+        raise BadKey(f"KDN HiCache {call}: {n} keys but {len(values)} {what}")
+    return list(values)
 
 
 def _buffer(ptr: int, size: int):
@@ -105,12 +138,14 @@ class KDNHiCacheStorage(HiCacheStorage):
         return [_buffer(int(p), int(s)) for p, s in zip(ptrs, sizes)], self.entries
 
     def batch_set_v1(self, keys, host_indices, extra_info=None) -> list:
+        _check_keys(keys, "batch_set_v1")
         if self.mem_pool_host is not None and getattr(self.mem_pool_host, "kv_buffer", 0) is None:
             return [True] * len(keys)          # a logical-only pool: nothing to move (as mooncake)
         bufs, n = self._meta(keys, host_indices)
         return self._set(self._keys(keys, n), bufs, len(keys))
 
     def batch_get_v1(self, keys, host_indices, extra_info=None) -> list:
+        _check_keys(keys, "batch_get_v1")
         if self.mem_pool_host is not None and getattr(self.mem_pool_host, "kv_buffer", 0) is None:
             return [True] * len(keys)
         bufs, n = self._meta(keys, host_indices)
@@ -159,22 +194,26 @@ class KDNHiCacheStorage(HiCacheStorage):
                         "with target_sizes (its byte size)")
 
     def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
+        _check_key(key, "set")
         return self.batch_set([key], [value], [target_location], [target_sizes])
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
-        n = len(keys)
-        bufs = [self._one(v, t, s)[0] for v, t, s in zip(values or [None] * n,
-                                                         target_locations or [None] * n,
-                                                         target_sizes or [None] * n)]
+        n = len(_check_keys(keys, "batch_set"))
+        given = zip(_per_key(values, n, "values", "batch_set"),
+                    _per_key(target_locations, n, "target_locations", "batch_set"),
+                    _per_key(target_sizes, n, "target_sizes", "batch_set"))
+        bufs = [self._one(v, t, s)[0] for v, t, s in given]
         return all(self._set(self._whole(keys), bufs, n))
 
     def get(self, key, target_location=None, target_sizes=None):
+        _check_key(key, "get")
         return self.batch_get([key], [target_location], [target_sizes])[0]
 
     def batch_get(self, keys, target_locations=None, target_sizes=None) -> list:
-        n = len(keys)
-        outs = [self._one(None, t, s) for t, s in zip(target_locations or [None] * n,
-                                                      target_sizes or [None] * n)]
+        n = len(_check_keys(keys, "batch_get"))
+        given = zip(_per_key(target_locations, n, "target_locations", "batch_get"),
+                    _per_key(target_sizes, n, "target_sizes", "batch_get"))
+        outs = [self._one(None, t, s) for t, s in given]
         oks = self._load(self._whole(keys), [b for b, _ in outs])
         return [answer if ok else (False if answer is True else None)
                 for ok, (_, answer) in zip(oks, outs)]
@@ -182,6 +221,7 @@ class KDNHiCacheStorage(HiCacheStorage):
     # --- exists -------------------------------------------------------------------------------
     def exists(self, key) -> bool:
         """Whether the network holds key's value, stored whole or as a page of entries."""
+        _check_key(key, "exists")
         try:
             whole = self.objects.lookup(self.ns, self._whole([key]))[0]
         except NetworkError as e:
@@ -194,7 +234,7 @@ class KDNHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys, extra_info=None) -> int:
         """How many leading pages of keys the network holds (every entry of each)."""
-        if not keys:
+        if not _check_keys(keys, "batch_exists"):
             return 0
         n = self.entries
         try:

@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  
 
 from kdn.engines.objects import object_key, pack  # noqa: E402
 from kdn.engines.sglang import KDNHiCacheStorage  # noqa: E402
-from kdn.core.errors import BadConfig  # noqa: E402
+from kdn.core.errors import BadConfig, BadKey  # noqa: E402
 
 MODEL = "test-model"
 
@@ -223,6 +223,86 @@ def test_bad_extra_config_names_the_field(net, extra, field):
     cfg.model_name = None
     with pytest.raises(BadConfig, match="'model'"):
         KDNHiCacheStorage(cfg, {})
+
+
+class MemoryObjects:
+    """kdn.engines.objects.Objects in a dict: what the backend would store, by KDN key."""
+
+    def __init__(self):
+        self.stored, self.counters = {}, {"refused": 0}
+
+    def namespace(self, tenant, model):
+        return f"{tenant}/{model}".encode().ljust(16, b"\0")
+
+    def store(self, ns_keys, datas):
+        for (_, k), d in zip(ns_keys, datas, strict=True):
+            self.stored[k] = bytes(d)
+
+    def lookup(self, ns, keys):
+        return [k in self.stored for k in keys]
+
+    def load(self, ns, keys, outs):
+        for k, out in zip(keys, outs, strict=True):
+            if k in self.stored:
+                out[:] = self.stored[k]
+        return [k in self.stored for k in keys]
+
+
+def offline_backend():
+    """The backend over MemoryObjects: no network, keys checked as on one."""
+    cfg = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=True, model_name=MODEL,
+        extra_config={"backend_name": "kdn", "module_path": "kdn.engines.sglang",
+                      "class_name": "KDNHiCacheStorage"})
+    store = KDNHiCacheStorage(cfg, {}, objects=MemoryObjects())
+    pool, _ = create_mock_host_kv_cache(1 << 12, entries_per_page=2, page_elements=16)
+    store.register_mem_pool_host(pool)
+    return store
+
+
+@pytest.mark.parametrize("key", [None, 7, b"abc", "", ["a"], 1.5])
+def test_a_key_that_is_not_a_str_is_refused_by_every_call_and_nothing_is_stored(key):
+    """set(None, v) once answered True and stored the value under "None". Every call taking
+    keys refuses such a key with BadKey (a TypeError, as SGLang's own backends raise for a
+    caller's mistake), naming the call and the key, before anything moves."""
+    store = offline_backend()
+    value = torch.arange(8, dtype=torch.float32)
+    out = torch.zeros(8)
+    calls = {"set": lambda: store.set(key, value),
+             "get": lambda: store.get(key, out),
+             "exists": lambda: store.exists(key),
+             "batch_set": lambda: store.batch_set(["ok", key], [value, value]),
+             "batch_get": lambda: store.batch_get(["ok", key], [out, out]),
+             "batch_exists": lambda: store.batch_exists(["ok", key]),
+             "batch_set_v1": lambda: store.batch_set_v1(["ok", key], torch.arange(2)),
+             "batch_get_v1": lambda: store.batch_get_v1(["ok", key], torch.arange(2))}
+    for call, do in calls.items():
+        with pytest.raises(BadKey) as e:
+            do()
+        assert isinstance(e.value, TypeError)
+        where = "the key" if call in ("set", "get", "exists") else "keys[1]"
+        assert str(e.value).startswith(f"KDN HiCache {call}: {where} must be a non-empty str (a page hash), "
+                                       f"got {key!r:.60}"), str(e.value)
+    assert store.objects.stored == {}, "nothing was stored"
+
+
+def test_batches_must_be_lists_with_a_value_per_key():
+    store = offline_backend()
+    value = torch.arange(8, dtype=torch.float32)
+    with pytest.raises(BadKey, match="KDN HiCache batch_exists: keys must be a list of str, got str"):
+        store.batch_exists("abc")
+    with pytest.raises(BadKey, match="KDN HiCache batch_set: 2 keys but 1 values"):
+        store.batch_set(["a", "b"], [value])
+    with pytest.raises(BadKey, match="KDN HiCache batch_get: 1 keys but 2 target_locations"):
+        store.batch_get(["a"], [torch.zeros(8), torch.zeros(8)])
+    assert store.objects.stored == {}
+    # str keys, as SGLang gives them, still work
+    assert store.set("page-0", value) is True and store.exists("page-0") and not store.exists("page-1")
+    out = torch.zeros(8)
+    assert store.get("page-0", out) is out and torch.equal(out, value)
+    assert store.batch_set_v1(["p1", "p2"], torch.arange(2)) == [True, True]
+    assert store.batch_exists(["p1", "p2", "p3"]) == 2
 
 
 def test_an_edge_killed_during_a_load_never_yields_wrong_pages(net):
