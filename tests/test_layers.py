@@ -11,6 +11,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
+from kdn.core.errors import BadRequest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,6 +35,31 @@ def test_no_module_imports_a_layer_above_its_own():
     loose = [m for m in mods if health.layer_of(m) is None
              and not m.startswith(("kdn.cli", "kdn.bench", "kdn.testing")) and m != "kdn"]
     assert loose == []
+
+
+def test_no_import_circle_even_through_imports_inside_functions():
+    """An import deferred into a function is still a dependency: the engine interface
+    (kdn.engines.base) once imported both engines inside load_engine, and each engine
+    imported base.Answer. The interface now names its implementations by module path."""
+    health = _health()
+    assert health.cycles(health.import_graph(health.modules(), deferred=True)) == []
+
+
+def test_the_engine_interface_finds_its_engines_by_module_path():
+    import types
+
+    from kdn.engines import base
+    model = types.SimpleNamespace(hf=types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=2048)))
+    assert base.context_of("transformers", model) == (2048, "max_position_embeddings")
+    assert base.context_of("vllm", model) == (2048, "vLLM's max_model_len")
+    model.hf.config.max_position_embeddings = 1 << 20
+    assert base.context_of("vllm", model)[0] == 8192              # vLLM's max_model_len
+    assert base.engine_class("transformers").__name__ == "TransformersEngine"
+    assert base.engine_class("vllm").name == "vllm"
+    engine = base.load_engine("transformers", types.SimpleNamespace(fingerprint="fp"), "kv_both")
+    assert (engine.name, engine.fingerprint) == ("transformers", "fp")
+    with pytest.raises(BadRequest, match="engine must be one of transformers, vllm, got 'sglang'"):
+        base.load_engine("sglang", model)
 
 
 def test_the_vocabulary_and_the_nodes_start_without_torch_or_the_upper_layers():

@@ -13,13 +13,21 @@ name an engine (ENGINES), check the name once (`check_engine`), and from then on
   also the engine's own full prefill and whether the greedy tokens are identical;
 `load_engine(name, model, role, **settings)` makes one; `context_of(name, model)` is the
 longest prompt it takes, known before a slow engine starts.
+
+This module knows its implementations by module path only (IMPLEMENTATIONS, imported when
+one is asked for, as vLLM finds KDN's connector by path): each engine class answers
+`load(model, role, **settings)` and `context(model)` itself, and imports `Answer` from here
+with no import circle.
 """
+import importlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kdn.core.errors import BadRequest
 
-ENGINES = ("transformers", "vllm")
+IMPLEMENTATIONS = {"transformers": "kdn.engines.transformers.engine:TransformersEngine",
+                   "vllm": "kdn.engines.vllm.run:VllmEngine"}
+ENGINES = tuple(IMPLEMENTATIONS)
 
 
 def check_engine(name: str) -> str:
@@ -61,19 +69,27 @@ class Engine(Protocol):
     name: str
     fingerprint: str
 
+    @classmethod
+    def load(cls, model, role: str = "kv_consumer", **settings) -> "Engine": ...
+
+    @staticmethod
+    def context(model) -> tuple: ...
+
     def publish(self, client, kb: str, documents, meta: dict = None, progress=None) -> dict: ...
 
     def answer(self, client, kb: str, question: str, max_new_tokens: int = 48,
                check: bool = False) -> Answer: ...
 
 
+def engine_class(name: str):
+    """The class of engine `name`, imported from its module path (IMPLEMENTATIONS)."""
+    module, _, cls = IMPLEMENTATIONS[check_engine(name)].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
 def context_of(name: str, model) -> tuple:
     """(tokens, what names that limit): the longest prompt engine `name` takes over `model`."""
-    from kdn.client.documents import model_context
-    if check_engine(name) == "vllm":
-        from kdn.engines.vllm.run import MAX_MODEL_LEN
-        return min(MAX_MODEL_LEN, model_context(model) or MAX_MODEL_LEN), "vLLM's max_model_len"
-    return model_context(model), "max_position_embeddings"
+    return engine_class(name).context(model)
 
 
 def load_engine(name: str, model, role: str = "kv_consumer", **settings) -> Engine:
@@ -81,8 +97,4 @@ def load_engine(name: str, model, role: str = "kv_consumer", **settings) -> Engi
     its weights, tokenizer and chat template). vLLM starts in this process with KDN's
     connector as `role`; settings are the connector's (network, region, tenant, token,
     admin_token; kdn.engines.vllm.connector.Settings)."""
-    if check_engine(name) == "transformers":
-        from kdn.engines.transformers.engine import TransformersEngine
-        return TransformersEngine(model)
-    from kdn.engines.vllm.run import VllmEngine, start_engine
-    return VllmEngine(start_engine(role, str(model.cache_path), **settings), model)
+    return engine_class(name).load(model, role, **settings)

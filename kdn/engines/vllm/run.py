@@ -12,7 +12,7 @@
   with check, vLLM's own full prefill of the same prompt (its prefix cache skipped), and
   whether the tokens are identical.
 - `VllmEngine(llm, model)`: the two behind the engine interface (kdn.engines.base), which
-  `kdn publish/query --engine vllm` use (kdn.engines.base.load_engine starts it).
+  `kdn publish/query --engine vllm` use (kdn.engines.base.load_engine starts it: VllmEngine.load).
 - `EngineWorker`: an engine in a Ray actor, to place it in a region; `demo_answers` runs one
   beside the demo's transformers workers.
 """
@@ -23,6 +23,7 @@ import time
 from kdn.core.env import usable_cpus
 from kdn.core.errors import KDNError, ModelError
 from kdn.engines.base import Answer
+from kdn.client.documents import model_context
 from kdn.client.publish import check_documents, knowledge_documents
 
 MAX_MODEL_LEN = 8192
@@ -153,6 +154,18 @@ class VllmEngine:
         from kdn.engines.fingerprint import fingerprints
         self.llm, self.model = llm, model
         self.fingerprint = fingerprints(model.cache_path)["vllm"]
+
+    @classmethod
+    def load(cls, model, role: str = "kv_consumer", **settings) -> "VllmEngine":
+        """vLLM over model's folder, started in this process with KDN's connector as role;
+        settings are the connector's (kdn.engines.vllm.connector.Settings)."""
+        return cls(start_engine(role, str(model.cache_path), **settings), model)
+
+    @staticmethod
+    def context(model) -> tuple:
+        """(the longest prompt, what names that limit): vLLM's max_model_len, or the model's
+        context when shorter."""
+        return min(MAX_MODEL_LEN, model_context(model) or MAX_MODEL_LEN), "vLLM's max_model_len"
 
     def publish(self, client, kb: str, documents, meta: dict = None, progress=None) -> dict:
         """vLLM prefills; its connector publishes (client: unused, the connector has its own)."""
