@@ -54,6 +54,25 @@ class Override:
     prefetch: bool = False
 
 
+class _Round:
+    """One decide() call: its time, its Decision, each (key, region)'s last request, and
+    the owner regions asked of owners_region so far (once per key per call)."""
+
+    def __init__(self, now: float, out: Decision, owners_region, last: dict):
+        self.now, self.out, self.last = now, out, last
+        self._owners_region = owners_region
+        self._owners: dict[bytes, frozenset] = {}
+
+    def owner_regions(self, key: bytes) -> frozenset:
+        if self._owners_region is None:
+            return frozenset()
+        o = self._owners.get(key)
+        if o is None:
+            r = self._owners_region(key)
+            o = self._owners[key] = frozenset([r] if isinstance(r, str) else r)
+        return o
+
+
 class ReplicationPolicy:
     """Demand-driven hot copies per region, with hysteresis, a byte budget and overrides."""
 
@@ -204,19 +223,17 @@ class ReplicationPolicy:
         """
         now = self.clock() if now is None else now
         self.counters["decisions"] += 1
-        out = Decision()
-        owner_cache: dict[bytes, frozenset] = {}
+        rates, last = self._rates(now)
+        pins = self._pins()
+        rnd = _Round(now, Decision(), owners_region, last)
+        for region in sorted(set(rates) | set(self._hot) | set(pins)):
+            self._decide_region(rnd, region, rates.get(region, {}), pins.get(region, set()),
+                                self.budget(region, region_capacity_bytes))
+        return rnd.out
 
-        def owner_regions(key):
-            if owners_region is None:
-                return frozenset()
-            o = owner_cache.get(key)
-            if o is None:
-                r = owners_region(key)
-                o = owner_cache[key] = frozenset([r] if isinstance(r, str) else r)
-            return o
-
-        # rates per region; forget demand that has decayed to nothing
+    def _rates(self, now: float) -> tuple:
+        """(region -> key -> request rate, (key, region) -> time of its last request); demand
+        decayed to nothing (and not held hot) is forgotten."""
         rates: dict[str, dict[bytes, float]] = {}
         last: dict[tuple, float] = {}
         forget = self.forget_below * self._k
@@ -228,80 +245,85 @@ class ReplicationPolicy:
                 continue
             rates.setdefault(region, {})[key] = r
             last[(key, region)] = d[1]
+        return rates, last
 
+    def _pins(self) -> dict:
+        """region -> the keys operators pin there."""
         pins: dict[str, set] = {}
         for kb, o in self._overrides.items():
             for reg in o.pin_regions:
                 pins.setdefault(reg, set()).update(self._kb_keys.get(kb, ()))
+        return pins
 
-        def demote(key, region, why):
-            del self._hot[region][key]
-            self._hot_bytes[region] -= self._size.get(key, 0)
-            out.demote.append((key, region))
-            self.counters["demotions"] += 1
-            self.counters[why] += 1
+    def _demote(self, rnd: _Round, key: bytes, region: str, why: str) -> None:
+        del self._hot[region][key]
+        self._hot_bytes[region] -= self._size.get(key, 0)
+        rnd.out.demote.append((key, region))
+        self.counters["demotions"] += 1
+        self.counters[why] += 1
 
-        def promote(key, region):
-            self._hot.setdefault(region, {})[key] = now
-            self._hot_bytes[region] = self._hot_bytes.get(region, 0) + self._size.get(key, 0)
-            out.promote.append((key, region))
-            self.counters["promotions"] += 1
+    def _promote(self, rnd: _Round, key: bytes, region: str) -> None:
+        self._hot.setdefault(region, {})[key] = rnd.now
+        self._hot_bytes[region] = self._hot_bytes.get(region, 0) + self._size.get(key, 0)
+        rnd.out.promote.append((key, region))
+        self.counters["promotions"] += 1
 
-        def idle_past_ttl(key, region):
-            o = self._overrides.get(self._kb.get(key))
-            return o is not None and o.ttl_s is not None and now - last.get((key, region), now) > o.ttl_s
+    def _idle_past_ttl(self, rnd: _Round, key: bytes, region: str) -> bool:
+        o = self._overrides.get(self._kb.get(key))
+        return o is not None and o.ttl_s is not None and rnd.now - rnd.last.get((key, region), rnd.now) > o.ttl_s
 
-        for region in sorted(set(rates) | set(self._hot) | set(pins)):
-            rr = rates.get(region, {})
-            hot = self._hot.setdefault(region, {})
-            pinned = pins.get(region, set())
-            budget = self.budget(region, region_capacity_bytes)
-            # 1. drop copies that are redundant, cold, or idle past their KB's TTL
-            for key in sorted(hot):
-                if region in owner_regions(key):
-                    demote(key, region, "redundant")
-                elif key in pinned:
-                    continue
-                elif rr.get(key, 0.0) < self.demote_rate:
-                    demote(key, region, "cold")
-                elif idle_past_ttl(key, region):
-                    demote(key, region, "expired")
-            # 2. pins: always, first
-            for key in sorted(pinned):
-                if key not in hot and region not in owner_regions(key):
-                    promote(key, region)
-                    self.counters["pinned"] += 1
-            # 3. over budget (capacity shrank, pins grew): shed the coldest unpinned copies
-            if self._hot_bytes.get(region, 0) > budget:
-                for key in sorted((k for k in hot if k not in pinned), key=lambda k: (rr.get(k, 0.0), k)):
-                    if self._hot_bytes[region] <= budget:
+    def _decide_region(self, rnd: _Round, region: str, rr: dict, pinned: set, budget: float) -> None:
+        """One region's changes: drops, pins, shedding over budget, then promotions."""
+        hot = self._hot.setdefault(region, {})
+        # 1. drop copies that are redundant, cold, or idle past their KB's TTL
+        for key in sorted(hot):
+            if region in rnd.owner_regions(key):
+                self._demote(rnd, key, region, "redundant")
+            elif key in pinned:
+                continue
+            elif rr.get(key, 0.0) < self.demote_rate:
+                self._demote(rnd, key, region, "cold")
+            elif self._idle_past_ttl(rnd, key, region):
+                self._demote(rnd, key, region, "expired")
+        # 2. pins: always, first
+        for key in sorted(pinned):
+            if key not in hot and region not in rnd.owner_regions(key):
+                self._promote(rnd, key, region)
+                self.counters["pinned"] += 1
+        # 3. over budget (capacity shrank, pins grew): shed the coldest unpinned copies
+        if self._hot_bytes.get(region, 0) > budget:
+            for key in sorted((k for k in hot if k not in pinned), key=lambda k: (rr.get(k, 0.0), k)):
+                if self._hot_bytes[region] <= budget:
+                    break
+                self._demote(rnd, key, region, "displaced")
+        self._promote_hottest(rnd, region, rr, pinned, budget)
+
+    def _promote_hottest(self, rnd: _Round, region: str, rr: dict, pinned: set, budget: float) -> None:
+        """4. candidates hottest first: fit in the budget, or displace much colder copies."""
+        hot = self._hot[region]
+        cands = sorted(((r, k) for k, r in rr.items() if r >= self.promote_rate and k not in hot),
+                       key=lambda t: (-t[0], t[1]))
+        victims = sorted((rr.get(k, 0.0), k) for k in hot if k not in pinned)   # coldest first
+        for r, key in cands:
+            if region in rnd.owner_regions(key) or self._idle_past_ttl(rnd, key, region):
+                continue
+            size = self._size.get(key, 0)
+            need = self._hot_bytes.get(region, 0) + size - budget
+            if need > 0:
+                freed, n = 0, 0
+                for vr, vk in victims:
+                    if freed >= need or vr * self.displace_ratio >= r:
                         break
-                    demote(key, region, "displaced")
-            # 4. candidates hottest first: fit in the budget, or displace much colder copies
-            cands = sorted(((r, k) for k, r in rr.items() if r >= self.promote_rate and k not in hot),
-                           key=lambda t: (-t[0], t[1]))
-            victims = sorted((rr.get(k, 0.0), k) for k in hot if k not in pinned)   # coldest first
-            for r, key in cands:
-                if region in owner_regions(key) or idle_past_ttl(key, region):
+                    freed += self._size.get(vk, 0)
+                    n += 1
+                if freed < need:
+                    self.counters["budget_refused"] += 1
                     continue
-                size = self._size.get(key, 0)
-                need = self._hot_bytes.get(region, 0) + size - budget
-                if need > 0:
-                    freed, n = 0, 0
-                    for vr, vk in victims:
-                        if freed >= need or vr * self.displace_ratio >= r:
-                            break
-                        freed += self._size.get(vk, 0)
-                        n += 1
-                    if freed < need:
-                        self.counters["budget_refused"] += 1
-                        continue
-                    for vr, vk in victims[:n]:
-                        demote(vk, region, "displaced")
-                    del victims[:n]
-                promote(key, region)
-                bisect.insort(victims, (r, key))
-        return out
+                for vr, vk in victims[:n]:
+                    self._demote(rnd, vk, region, "displaced")
+                del victims[:n]
+            self._promote(rnd, key, region)
+            bisect.insort(victims, (r, key))
 
     def stats(self) -> dict:
         return {**self.counters, "tracked": len(self._demand), "keys": len(self._size),

@@ -37,6 +37,7 @@ import math
 import sys
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -157,6 +158,178 @@ class RegionDisks:
         return sum(len(x) for x in self.lru)
 
 
+@dataclass
+class Tally:
+    """One policy's running byte counts over the trace (ints: exact)."""
+    local: int = 0            # bytes served from the reader's region
+    wan: int = 0              # bytes that crossed regions (pushes, fills, remote reads)
+    origin: int = 0           # bytes the origin sent
+    total_bytes: int = 0      # bytes read
+    all_local: int = 0        # requests served entirely from the reader's region
+    peak: int = 0             # most bytes stored at once
+    stored: int = 0           # bytes stored at the end
+
+
+class OwnersOnly:
+    """(b): a chunk not owned in the reader's region comes from its nearest owner region.
+    The base of the ring policies: sources(i, d, k, now) -> ({source region: bytes},
+    bytes read from disk) of request i (region d, KB k); finish(extra) -> the extra figures."""
+    disks = None
+
+    def __init__(self, sim: "Sim", tally: Tally):
+        self.sim, self.t, self.cb = sim, tally, sim.tr.chunk_bytes
+
+    def chunks(self, k: int) -> range:
+        s0 = int(self.sim.tr.kb_start[k])
+        return range(s0, s0 + int(self.sim.tr.kb_chunks[k]))
+
+    def remote(self, remote: dict, c: int, d: int) -> None:
+        s = int(self.sim.src[c, d])
+        remote[s] = remote.get(s, 0) + self.cb
+
+    def sources(self, i: int, d: int, k: int, now: float) -> tuple:
+        remote: dict = {}
+        for c in self.chunks(k):
+            if d not in self.sim.owner_regions[c]:
+                self.remote(remote, c, d)
+        return remote, 0
+
+    def finish(self, extra: dict) -> dict:
+        return extra
+
+
+class EdgeLRU(OwnersOnly):
+    """(c): owners, and a pull-through LRU in every edge (its bytes beyond what it owns)
+    for chunks fetched from another region; a reader uses one edge of its region."""
+
+    def __init__(self, sim: "Sim", tally: Tally):
+        super().__init__(sim, tally)
+        self.lru = [OrderedDict() for _ in sim.edges]
+        self.room = [max(0, int(x)) // self.cb for x in (sim.cap - sim.main_bytes)]
+        self.cached = 0
+
+    def sources(self, i: int, d: int, k: int, now: float) -> tuple:
+        sim = self.sim
+        re = sim.region_edges[d]
+        e = int(re[sim.tr.edge_pick[i] % len(re)])
+        cache, r_e = self.lru[e], self.room[e]
+        remote: dict = {}
+        for c in self.chunks(k):
+            if d in sim.owner_regions[c]:
+                continue
+            if c in cache:
+                cache.move_to_end(c)
+                continue
+            self.remote(remote, c, d)
+            if r_e > 0:
+                cache[c] = True
+                self.cached += 1
+                if len(cache) > r_e:
+                    cache.popitem(last=False)
+                    self.cached -= 1
+        self.t.peak = max(self.t.peak, int(sim.main_bytes.sum()) + self.cached * self.cb)
+        return remote, 0
+
+    def finish(self, extra: dict) -> dict:
+        self.t.stored = int(self.sim.main_bytes.sum()) + self.cached * self.cb
+        self.sim._lru = self.lru
+        return extra
+
+
+class BudgetOracle(OwnersOnly):
+    """(f): owners, and per region and phase (d)'s byte budget of hot copies, chosen knowing
+    the true popularity."""
+
+    def __init__(self, sim: "Sim", tally: Tally):
+        super().__init__(sim, tally)
+        self.known = [sim.best_hot(ph) for ph in range(2)]
+        hot_max = max(sum(len(h) for h in x) for x in self.known)
+        tally.peak = max(tally.peak, int(sim.main_bytes.sum()) + hot_max * self.cb)
+
+    def sources(self, i: int, d: int, k: int, now: float) -> tuple:
+        hd = self.known[int(now >= self.sim.tr.duration / 2)][d]
+        remote: dict = {}
+        for c in self.chunks(k):
+            if d not in self.sim.owner_regions[c] and c not in hd:
+                self.remote(remote, c, d)
+        return remote, 0
+
+
+class HotCopies(OwnersOnly):
+    """(d): owners, and the hot copies ReplicationPolicy decides every decide_every seconds
+    from the demand it records; (g) with_disks: a region's disks beneath, filled by every
+    chunk the region reads from elsewhere (RegionDisks)."""
+
+    def __init__(self, sim: "Sim", tally: Tally, with_disks: bool = False):
+        super().__init__(sim, tally)
+        a = sim.a
+        self.pol = ReplicationPolicy(half_life_s=a.half_life, promote_rate=a.promote_rate,
+                                     demote_rate=a.demote_rate, hot_budget_fraction=a.hot_budget,
+                                     displace_ratio=a.displace_ratio)
+        self.caps = sim.topo.region_capacity_bytes()
+        self.cid = {k: c for c, k in enumerate(sim.tr.keys)}
+        self.owner_names = {sim.tr.keys[c]: [sim.R[r] for r in regs]
+                            for c, regs in enumerate(sim.owner_regions)}
+        self.hot = [set() for _ in sim.R]
+        self.next_decide = a.decide_every
+        self.fills = 0
+        self.disks = RegionDisks(sim.disk_region_bytes // self.cb) if with_disks else None
+        sim._pol = self.pol
+
+    def decide(self, now: float) -> None:
+        """Every decision due by now: demoted copies dropped, promoted ones filled over the WAN."""
+        sim, t = self.sim, self.t
+        while now >= self.next_decide:
+            dec = self.pol.decide(now=self.next_decide, region_capacity_bytes=self.caps,
+                                  owners_region=self.owner_names.__getitem__)
+            for key, reg in dec.demote:
+                self.hot[sim.rix[reg]].discard(self.cid[key])
+            for key, reg in dec.promote:
+                self.hot[sim.rix[reg]].add(self.cid[key])
+                t.wan += self.cb
+                self.fills += 1
+            t.stored = int(sim.main_bytes.sum()) + sum(len(h) for h in self.hot) * self.cb
+            t.peak = max(t.peak, t.stored)
+            self.next_decide += sim.a.decide_every
+
+    def sources(self, i: int, d: int, k: int, now: float) -> tuple:
+        sim = self.sim
+        self.decide(now)
+        hd, rname, kbname = self.hot[d], sim.R[d], f"kb{k}"
+        remote: dict = {}
+        from_disk = 0
+        for c in self.chunks(k):
+            self.pol.record(sim.tr.keys[c], rname, self.cb, now=now, kb=kbname)
+            if d in sim.owner_regions[c] or c in hd:
+                continue
+            if self.disks is not None and self.disks.read(d, c):
+                from_disk += self.cb
+                continue
+            self.remote(remote, c, d)
+        return remote, from_disk
+
+    def finish(self, extra: dict) -> dict:
+        self.sim._hot = self.hot
+        if self.disks is None:            # (d)
+            extra = {"hot_fills": self.fills, "replication": self.pol.stats()}
+            extra["replication"].pop("hot_copies", None)
+            extra["replication"].pop("hot_bytes", None)
+            return extra
+        disks = self.disks                # (g)
+        cold = extra.pop("cold", {})
+        extra.update(cold, disk_hits=disks.hits, disk_fills=disks.fills,
+                     disk_gb=disks.held() * self.cb / 1e9,
+                     disk_capacity_gb=float(self.sim.disk_region_bytes.sum()) / 1e9)
+        extra.update(hot_fills=self.fills)
+        return extra
+
+
+# the ring policies: each one's copies beside the owners
+RING_COPIES = {"b_ring": OwnersOnly, "c_ring_lru": EdgeLRU, "d_ring_hot": HotCopies,
+               "f_budget_oracle": BudgetOracle,
+               DISK_POLICY: lambda sim, tally: HotCopies(sim, tally, with_disks=True)}
+
+
 class Sim:
     def __init__(self, tr: Trace, a):
         self.tr, self.a = tr, a
@@ -213,160 +386,83 @@ class Sim:
         return t
 
     def run(self, name: str) -> dict:
+        """Policy `name` over the trace: its figures (see the module docstring)."""
+        if name == "a_origin":
+            times, tally, extra = self._run_origin()
+        elif name == "e_oracle":
+            times, tally, extra = self._run_oracle()
+        else:
+            times, tally, extra = self._run_ring(name)
+        return self._figures(name, times, tally, extra)
+
+    def _run_origin(self) -> tuple:
+        """(a): every request reads its KB from the origin's region."""
+        tr, cb = self.tr, self.tr.chunk_bytes
+        times, t = np.empty(len(tr.t)), Tally()
+        o = self.origin
+        for i in range(len(tr.t)):
+            d, k = int(tr.region[i]), int(tr.kb[i])
+            b = int(tr.kb_chunks[k]) * cb
+            times[i] = self.lat[o, d] + b / self.bw[o, d]
+            t.origin += b
+            t.wan += b if o != d else 0
+            t.local += b if o == d else 0
+            t.all_local += o == d
+            t.total_bytes += b
+        return times, t, {}
+
+    def _run_oracle(self) -> tuple:
+        """(e): every chunk at every reader's edge, each copy fetched from the origin once."""
+        tr, cb = self.tr, self.tr.chunk_bytes
+        times, t = np.empty(len(tr.t)), Tally()
+        seen = set()
+        for i in range(len(tr.t)):
+            d, k = int(tr.region[i]), int(tr.kb[i])
+            b = int(tr.kb_chunks[k]) * cb
+            times[i] = self.lat[d, d] + b / self.bw[d, d]
+            t.local += b
+            t.all_local += 1
+            t.total_bytes += b
+            seen.add((k, d))
+        t.stored = t.peak = sum(int(tr.kb_chunks[k]) for k, _ in seen) * cb
+        t.origin = t.wan = t.stored                   # every copy comes from the origin once
+        self._oracle_seen = seen
+        return times, t, {}
+
+    def _run_ring(self, name: str) -> tuple:
+        """(b), (c), (d), (f), (g): ring owners (pushed from the origin) and the policy's
+        copies; (g) replays the trace disk_warm_passes times first, unmeasured."""
         tr, cb = self.tr, self.tr.chunk_bytes
         n = len(tr.t)
-        times = np.empty(n)
-        local = wan = origin = 0
-        total_bytes = 0
-        all_local = 0                         # requests served entirely from the reader's region
-        peak = stored = 0
-        extra = {}
-        if name == "a_origin":
-            o = self.origin
-            for i in range(n):
-                d, k = int(tr.region[i]), int(tr.kb[i])
-                b = int(tr.kb_chunks[k]) * cb
-                times[i] = self.lat[o, d] + b / self.bw[o, d]
-                origin += b
-                wan += b if o != d else 0
-                local += b if o == d else 0
-                all_local += o == d
-                total_bytes += b
-        elif name == "e_oracle":
-            seen = set()
-            for i in range(n):
-                d, k = int(tr.region[i]), int(tr.kb[i])
-                b = int(tr.kb_chunks[k]) * cb
-                times[i] = self.lat[d, d] + b / self.bw[d, d]
-                local += b
-                all_local += 1
-                total_bytes += b
-                seen.add((k, d))
-            stored = peak = sum(int(tr.kb_chunks[k]) for k, _ in seen) * cb
-            origin = wan = stored                     # every copy comes from the origin once
-            self._oracle_seen = seen
-        else:
-            origin = stored = peak = int(self.main_bytes.sum())     # the push to owners
-            wan = sum(cb for c in range(tr.n_chunks) for r in self.edge_region[self.owners[c]]
-                      if r != self.origin)
-            if name == "c_ring_lru":
-                lru = [OrderedDict() for _ in self.edges]
-                room = [max(0, int(x)) // cb for x in (self.cap - self.main_bytes)]
-                cached = 0
-            if name == "f_budget_oracle":
-                known = [self.best_hot(ph) for ph in range(2)]
-                peak = max(peak, int(self.main_bytes.sum()) + max(sum(len(h) for h in x) for x in known) * cb)
-            if name in ("d_ring_hot", DISK_POLICY):
-                pol = ReplicationPolicy(half_life_s=self.a.half_life, promote_rate=self.a.promote_rate,
-                                        demote_rate=self.a.demote_rate,
-                                        hot_budget_fraction=self.a.hot_budget,
-                                        displace_ratio=self.a.displace_ratio)
-                caps = self.topo.region_capacity_bytes()
-                key_of = tr.keys
-                cid = {k: c for c, k in enumerate(key_of)}
-                regnames = self.R
-                owner_names = {key_of[c]: [regnames[r] for r in regs]
-                               for c, regs in enumerate(self.owner_regions)}
-                hot = [set() for _ in self.R]
-                next_decide = self.a.decide_every
-                fills = 0
-                self._pol = pol
-            npass = 1
-            if name == DISK_POLICY:
-                disks = RegionDisks(self.disk_region_bytes // cb)
-                npass = self.a.disk_warm_passes + 1
-            for step in range(n * npass):
-                i, run = step % n, step // n        # (g): the trace again, time running on
-                if i == 0 and run > 0:
-                    if run == 1:                    # the cold first pass, for the record
-                        extra["cold"] = {"local_share_cold": local / total_bytes,
-                                         "mean_ms_cold": 1000 * float(times.mean())}
-                    if run == npass - 1:            # the measured pass counts afresh
-                        local = total_bytes = all_local = disks.hits = disks.fills = 0
-                        wan = int(self.wan_push)
-                d, k = int(tr.region[i]), int(tr.kb[i])
-                now = float(tr.t[i]) + run * tr.duration
-                s0, m = int(tr.kb_start[k]), int(tr.kb_chunks[k])
-                total = m * cb
-                remote: dict = {}
-                from_disk = 0
-                if name in ("d_ring_hot", DISK_POLICY):
-                    while now >= next_decide:
-                        dec = pol.decide(now=next_decide, region_capacity_bytes=caps,
-                                         owners_region=owner_names.__getitem__)
-                        for key, reg in dec.demote:
-                            hot[self.rix[reg]].discard(cid[key])
-                        for key, reg in dec.promote:
-                            c = cid[key]
-                            hot[self.rix[reg]].add(c)
-                            wan += cb
-                            fills += 1
-                        stored = int(self.main_bytes.sum()) + sum(len(h) for h in hot) * cb
-                        peak = max(peak, stored)
-                        next_decide += self.a.decide_every
-                    hd = hot[d]
-                    rname = regnames[d]
-                    kbname = f"kb{k}"
-                    for c in range(s0, s0 + m):
-                        pol.record(key_of[c], rname, cb, now=now, kb=kbname)
-                        if d in self.owner_regions[c] or c in hd:
-                            continue
-                        if name == DISK_POLICY and disks.read(d, c):
-                            from_disk += cb
-                            continue
-                        s = int(self.src[c, d])
-                        remote[s] = remote.get(s, 0) + cb
-                elif name == "c_ring_lru":
-                    re = self.region_edges[d]
-                    e = int(re[tr.edge_pick[i] % len(re)])
-                    cache, r_e = lru[e], room[e]
-                    for c in range(s0, s0 + m):
-                        if d in self.owner_regions[c]:
-                            continue
-                        if c in cache:
-                            cache.move_to_end(c)
-                            continue
-                        s = int(self.src[c, d])
-                        remote[s] = remote.get(s, 0) + cb
-                        if r_e > 0:
-                            cache[c] = True
-                            cached += 1
-                            if len(cache) > r_e:
-                                cache.popitem(last=False)
-                                cached -= 1
-                    peak = max(peak, int(self.main_bytes.sum()) + cached * cb)
-                elif name == "f_budget_oracle":
-                    hd = known[int(now >= tr.duration / 2)][d]
-                    for c in range(s0, s0 + m):
-                        if d not in self.owner_regions[c] and c not in hd:
-                            s = int(self.src[c, d])
-                            remote[s] = remote.get(s, 0) + cb
-                else:  # b_ring
-                    for c in range(s0, s0 + m):
-                        if d not in self.owner_regions[c]:
-                            s = int(self.src[c, d])
-                            remote[s] = remote.get(s, 0) + cb
-                rb = sum(remote.values())
-                wan += rb
-                local += total - rb
-                all_local += not remote
-                total_bytes += total
-                times[i] = self.fetch_time(d, total, remote) + from_disk / self.disk_bw
-            if name == "c_ring_lru":
-                stored = int(self.main_bytes.sum()) + cached * cb
-                self._lru = lru
-            if name == DISK_POLICY:
-                cold = extra.pop("cold", {})
-                extra.update(cold, disk_hits=disks.hits, disk_fills=disks.fills,
-                             disk_gb=disks.held() * cb / 1e9,
-                             disk_capacity_gb=float(self.disk_region_bytes.sum()) / 1e9)
-                self._hot = hot
-                extra.update(hot_fills=fills)
-            if name == "d_ring_hot":
-                self._hot = hot
-                extra = {"hot_fills": fills, "replication": pol.stats()}
-                extra["replication"].pop("hot_copies", None)
-                extra["replication"].pop("hot_bytes", None)
+        times, t, extra = np.empty(n), Tally(), {}
+        t.origin = t.stored = t.peak = int(self.main_bytes.sum())     # the push to owners
+        t.wan = int(self.wan_push)
+        copies = RING_COPIES[name](self, t)
+        npass = self.a.disk_warm_passes + 1 if name == DISK_POLICY else 1
+        for step in range(n * npass):
+            i, run = step % n, step // n        # (g): the trace again, time running on
+            if i == 0 and run > 0:
+                if run == 1:                    # the cold first pass, for the record
+                    extra["cold"] = {"local_share_cold": t.local / t.total_bytes,
+                                     "mean_ms_cold": 1000 * float(times.mean())}
+                if run == npass - 1:            # the measured pass counts afresh
+                    t.local = t.total_bytes = t.all_local = 0
+                    copies.disks.hits = copies.disks.fills = 0
+                    t.wan = int(self.wan_push)
+            d, k = int(tr.region[i]), int(tr.kb[i])
+            now = float(tr.t[i]) + run * tr.duration
+            total = int(tr.kb_chunks[k]) * cb
+            remote, from_disk = copies.sources(i, d, k, now)
+            rb = sum(remote.values())
+            t.wan += rb
+            t.local += total - rb
+            t.all_local += not remote
+            t.total_bytes += total
+            times[i] = self.fetch_time(d, total, remote) + from_disk / self.disk_bw
+        return times, t, copies.finish(extra)
+
+    def _figures(self, name: str, times, t: "Tally", extra: dict) -> dict:
+        tr, n = self.tr, len(self.tr.t)
         join, leave = self.movement(name)
         half = tr.t >= tr.duration / 2
         window = max(tr.duration / 30, 1e-9)
@@ -375,10 +471,10 @@ class Sim:
         return {"policy": name, "mean_ms": 1000 * float(times.mean()),
                 "p99_ms": 1000 * float(np.percentile(times, 99)),
                 "mean_ms_after_shift": 1000 * float(times[half].mean()) if half.any() else float("nan"),
-                "local_share": local / total_bytes if total_bytes else 0.0,
-                "local_fetch_share": all_local / n if n else 0.0,
-                "origin_egress_gb": origin / 1e9, "wan_gb": wan / 1e9,
-                "stored_gb": peak / 1e9, "stored_end_gb": stored / 1e9,
+                "local_share": t.local / t.total_bytes if t.total_bytes else 0.0,
+                "local_fetch_share": t.all_local / n if n else 0.0,
+                "origin_egress_gb": t.origin / 1e9, "wan_gb": t.wan / 1e9,
+                "stored_gb": t.peak / 1e9, "stored_end_gb": t.stored / 1e9,
                 "join_moved_gb": join / 1e9, "leave_moved_gb": leave / 1e9,
                 "series_ms": [1000 * x for x in series], **extra}
 

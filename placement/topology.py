@@ -70,6 +70,102 @@ def _name(src, where, v):
     return v
 
 
+# --- reading a topology's dict: one function per table ---------------------------------
+def _region(src, rname, r, edges: list, seen: dict, disks: dict) -> tuple:
+    """regions.<rname>: its (latency_ms, bandwidth_gbps); its edges appended to edges (seen:
+    edge name -> where it was defined; disks: edge name -> its disk settings)."""
+    where = f"regions.{rname}"
+    _name(src, where, rname)
+    if not isinstance(r, dict):
+        raise TopologyError(f"{src}: {where}: must be a table, got {r!r:.80}")
+    extra = set(r) - {"latency_ms", "bandwidth_gbps", "edges"}
+    if extra:
+        raise TopologyError(f"{src}: {where}: unknown key(s) {sorted(extra)}")
+    for k in ("latency_ms", "bandwidth_gbps"):
+        if k not in r:
+            raise TopologyError(f"{src}: {where}.{k} is missing (latency and bandwidth within the region)")
+    within = (_num(src, f"{where}.latency_ms", r["latency_ms"]),
+              _num(src, f"{where}.bandwidth_gbps", r["bandwidth_gbps"], positive=True))
+    es = r.get("edges", [])
+    if not isinstance(es, list):
+        raise TopologyError(f"{src}: {where}.edges: must be a list of {{name, capacity_bytes}}, got {es!r:.80}")
+    for i, e in enumerate(es):
+        ew = f"{where}.edges[{i}]"
+        if not isinstance(e, dict):
+            raise TopologyError(f"{src}: {ew}: must be a table {{name, capacity_bytes}}, got {e!r:.80}")
+        extra = set(e) - {"name", "capacity_bytes", "disk_bytes", "disk_dir", "kv_events"}
+        if extra:
+            raise TopologyError(f"{src}: {ew}: unknown key(s) {sorted(extra)}")
+        if "name" not in e:
+            raise TopologyError(f"{src}: {ew}.name is missing")
+        name = _name(src, f"{ew}.name", e["name"])
+        if name in seen:
+            raise TopologyError(f"{src}: {ew}: duplicate edge {name!r} (also in {seen[name]})")
+        seen[name] = where
+        if "capacity_bytes" not in e:
+            raise TopologyError(f"{src}: {ew}.capacity_bytes is missing for edge {name!r}")
+        cap = check_int(e["capacity_bytes"], f"{src}: {ew}.capacity_bytes", 1, error=TopologyError)
+        edges.append((name, rname, cap))
+        disk = _edge_disk(src, ew, name, e)
+        if disk:
+            disks[name] = disk
+    return within
+
+
+def _edge_disk(src, ew, name, e: dict) -> dict:
+    """An edge's optional settings beside its capacity: disk_bytes, disk_dir, kv_events."""
+    disk = {}
+    if "disk_bytes" in e:
+        disk["disk_bytes"] = check_int(e["disk_bytes"], f"{src}: {ew}.disk_bytes", 1, error=TopologyError)
+    if "disk_dir" in e:
+        dd = e["disk_dir"]
+        if "disk_bytes" not in e:
+            raise TopologyError(f"{src}: {ew}.disk_dir without disk_bytes for edge {name!r}")
+        if not isinstance(dd, str) or not dd or "\0" in dd:
+            raise TopologyError(f"{src}: {ew}.disk_dir: must be a directory path, got {dd!r:.80}")
+        disk["disk_dir"] = dd
+    if "kv_events" in e:      # checked by the edge (kdn.edge.events.check_kv_events)
+        kv = e["kv_events"]
+        if not isinstance(kv, (str, dict)):
+            raise TopologyError(f"{src}: {ew}.kv_events: must be an endpoint "
+                                f"(tcp://127.0.0.1:PORT) or a table, got {kv!r:.80}")
+        disk["kv_events"] = kv
+    return disk
+
+
+def _links(src, ls, regions: dict) -> dict:
+    """[[links]]: (region a, region b) sorted -> (latency_ms, bandwidth_gbps)."""
+    links = {}
+    if not isinstance(ls, list):
+        raise TopologyError(f"{src}: links: must be an array of tables ([[links]]), got {ls!r:.80}")
+    for i, link in enumerate(ls):
+        where = f"links[{i}]"
+        if not isinstance(link, dict):
+            raise TopologyError(f"{src}: {where}: must be a table, got {link!r:.80}")
+        extra = set(link) - {"between", "latency_ms", "bandwidth_gbps"}
+        if extra:
+            raise TopologyError(f"{src}: {where}: unknown key(s) {sorted(extra)}")
+        pair = link.get("between")
+        if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(x, str) for x in pair):
+            raise TopologyError(f"{src}: {where}.between: must be two region names, got {pair!r}")
+        a, b = pair
+        for x in (a, b):
+            if x not in regions:
+                raise TopologyError(f"{src}: {where}: unknown region {x!r} (regions: {sorted(regions)})")
+        if a == b:
+            raise TopologyError(f"{src}: {where}: links join two different regions; "
+                                f"set regions.{a}.latency_ms/bandwidth_gbps for within {a!r}")
+        key = tuple(sorted((a, b)))
+        if key in links:
+            raise TopologyError(f"{src}: {where}: duplicate link between {a!r} and {b!r}")
+        for k in ("latency_ms", "bandwidth_gbps"):
+            if k not in link:
+                raise TopologyError(f"{src}: {where}.{k} is missing for the link {a!r}-{b!r}")
+        links[key] = (_num(src, f"{where}.latency_ms", link["latency_ms"]),
+                      _num(src, f"{where}.bandwidth_gbps", link["bandwidth_gbps"], positive=True))
+    return links
+
+
 class Topology:
     """Regions, latency/bandwidth between them, edges and their capacities, the origin region."""
 
@@ -134,6 +230,8 @@ class Topology:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "<dict>") -> "Topology":
+        """The topology of a TOML-shaped dict (to_dict's form); TopologyError naming the
+        source and the key at fault."""
         src = source
         if not isinstance(d, dict):
             raise TopologyError(f"{src}: a topology must be a table, got {type(d).__name__}")
@@ -149,85 +247,8 @@ class Topology:
             raise TopologyError(f"{src}: regions: must be a non-empty table of regions, got {regs!r:.80}")
         regions, edges, seen, disks = {}, [], {}, {}
         for rname, r in regs.items():
-            where = f"regions.{rname}"
-            _name(src, where, rname)
-            if not isinstance(r, dict):
-                raise TopologyError(f"{src}: {where}: must be a table, got {r!r:.80}")
-            extra = set(r) - {"latency_ms", "bandwidth_gbps", "edges"}
-            if extra:
-                raise TopologyError(f"{src}: {where}: unknown key(s) {sorted(extra)}")
-            for k in ("latency_ms", "bandwidth_gbps"):
-                if k not in r:
-                    raise TopologyError(f"{src}: {where}.{k} is missing (latency and bandwidth within the region)")
-            regions[rname] = (_num(src, f"{where}.latency_ms", r["latency_ms"]),
-                              _num(src, f"{where}.bandwidth_gbps", r["bandwidth_gbps"], positive=True))
-            es = r.get("edges", [])
-            if not isinstance(es, list):
-                raise TopologyError(f"{src}: {where}.edges: must be a list of {{name, capacity_bytes}}, got {es!r:.80}")
-            for i, e in enumerate(es):
-                ew = f"{where}.edges[{i}]"
-                if not isinstance(e, dict):
-                    raise TopologyError(f"{src}: {ew}: must be a table {{name, capacity_bytes}}, got {e!r:.80}")
-                extra = set(e) - {"name", "capacity_bytes", "disk_bytes", "disk_dir", "kv_events"}
-                if extra:
-                    raise TopologyError(f"{src}: {ew}: unknown key(s) {sorted(extra)}")
-                if "name" not in e:
-                    raise TopologyError(f"{src}: {ew}.name is missing")
-                name = _name(src, f"{ew}.name", e["name"])
-                if name in seen:
-                    raise TopologyError(f"{src}: {ew}: duplicate edge {name!r} (also in {seen[name]})")
-                seen[name] = where
-                if "capacity_bytes" not in e:
-                    raise TopologyError(f"{src}: {ew}.capacity_bytes is missing for edge {name!r}")
-                cap = check_int(e["capacity_bytes"], f"{src}: {ew}.capacity_bytes", 1, error=TopologyError)
-                edges.append((name, rname, cap))
-                disk = {}
-                if "disk_bytes" in e:
-                    disk["disk_bytes"] = check_int(e["disk_bytes"], f"{src}: {ew}.disk_bytes", 1, error=TopologyError)
-                if "disk_dir" in e:
-                    dd = e["disk_dir"]
-                    if "disk_bytes" not in e:
-                        raise TopologyError(f"{src}: {ew}.disk_dir without disk_bytes for edge {name!r}")
-                    if not isinstance(dd, str) or not dd or "\0" in dd:
-                        raise TopologyError(f"{src}: {ew}.disk_dir: must be a directory path, got {dd!r:.80}")
-                    disk["disk_dir"] = dd
-                if "kv_events" in e:      # checked by the edge (kdn.edge.events.check_kv_events)
-                    kv = e["kv_events"]
-                    if not isinstance(kv, (str, dict)):
-                        raise TopologyError(f"{src}: {ew}.kv_events: must be an endpoint "
-                                            f"(tcp://127.0.0.1:PORT) or a table, got {kv!r:.80}")
-                    disk["kv_events"] = kv
-                if disk:
-                    disks[name] = disk
-        links = {}
-        ls = d.get("links", [])
-        if not isinstance(ls, list):
-            raise TopologyError(f"{src}: links: must be an array of tables ([[links]]), got {ls!r:.80}")
-        for i, link in enumerate(ls):
-            where = f"links[{i}]"
-            if not isinstance(link, dict):
-                raise TopologyError(f"{src}: {where}: must be a table, got {link!r:.80}")
-            extra = set(link) - {"between", "latency_ms", "bandwidth_gbps"}
-            if extra:
-                raise TopologyError(f"{src}: {where}: unknown key(s) {sorted(extra)}")
-            pair = link.get("between")
-            if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(x, str) for x in pair):
-                raise TopologyError(f"{src}: {where}.between: must be two region names, got {pair!r}")
-            a, b = pair
-            for x in (a, b):
-                if x not in regions:
-                    raise TopologyError(f"{src}: {where}: unknown region {x!r} (regions: {sorted(regions)})")
-            if a == b:
-                raise TopologyError(f"{src}: {where}: links join two different regions; "
-                                    f"set regions.{a}.latency_ms/bandwidth_gbps for within {a!r}")
-            key = tuple(sorted((a, b)))
-            if key in links:
-                raise TopologyError(f"{src}: {where}: duplicate link between {a!r} and {b!r}")
-            for k in ("latency_ms", "bandwidth_gbps"):
-                if k not in link:
-                    raise TopologyError(f"{src}: {where}.{k} is missing for the link {a!r}-{b!r}")
-            links[key] = (_num(src, f"{where}.latency_ms", link["latency_ms"]),
-                          _num(src, f"{where}.bandwidth_gbps", link["bandwidth_gbps"], positive=True))
+            regions[rname] = _region(src, rname, r, edges, seen, disks)
+        links = _links(src, d.get("links", []), regions)
         if origin not in regions:
             raise TopologyError(f"{src}: origin_region: unknown region {origin!r} (regions: {sorted(regions)})")
         return cls(regions, links, edges, origin, source=src, disks=disks)

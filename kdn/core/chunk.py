@@ -428,7 +428,14 @@ def read_header(buf, *, max_payload: int = MAX_PAYLOAD):
     if buf ends before the header does, another FrameError if the header is wrong. The
     dict holds v, key, ns, layers, heads, head_dim, tokens, dtype, codec, nbytes, raw, xxh.
     """
-    mv = _byte_view(buf)
+    header, end = _header_map(_byte_view(buf))
+    _check_fields(header, max_payload)
+    return {k: v for k, v in header.items() if k not in ("pad", "hx")}, end
+
+
+def _header_map(mv) -> tuple:
+    """(the header's map, where it ends): the magic, the prefix's length, msgpack, the format
+    version and the header's own checksum (its last field, 'hx') checked."""
     n = len(mv)
     if mv[:min(n, 4)] != FRAME_MAGIC[:min(n, 4)]:
         raise _reject(BadHeader, f"not a KDN chunk frame: starts {bytes(mv[:4])!r}, "
@@ -463,6 +470,11 @@ def read_header(buf, *, max_payload: int = MAX_PAYLOAD):
         raise _reject(ChecksumMismatch, f"frame header checksum mismatch: stored "
                                         f"{stored.hex()}, computed "
                                         f"{xxhash.xxh3_64_hexdigest(mv[:end - 8])}")
+    return header, end
+
+
+def _check_fields(header: dict, max_payload: int) -> None:
+    """The header's fields: key and ns, dtype, dimensions, codec, sizes, payload checksum."""
     for name in ("key", "ns"):
         if len(_field(header, name, bytes)) != KEY_BYTES:
             raise _reject(BadHeader, f"frame header field {name!r} must be {KEY_BYTES} bytes, "
@@ -471,18 +483,7 @@ def read_header(buf, *, max_payload: int = MAX_PAYLOAD):
     if dtype not in DTYPES and dtype != OPAQUE:
         raise _reject(UnknownDtype, f"frame dtype {dtype!r:.40} is not one of {', '.join(DTYPES)} "
                                     f"or {OPAQUE}")
-    least = 0 if dtype == OPAQUE else 1     # an opaque frame declares no KV dimensions
-    dims = []
-    for name, limit in _DIMS:
-        size = _field(header, name, int)
-        if dtype == OPAQUE and size != 0:
-            raise _reject(BadHeader, f"opaque frame declares {name}={size}; it must be 0")
-        if size < least:
-            raise _reject(BadHeader, f"frame header field {name!r} must be >= 1, got {size}")
-        if size > limit:
-            raise _reject(SizeLimitExceeded,
-                          f"frame declares {name}={size}, over the limit {limit}")
-        dims.append(size)
+    dims = _dims(header, dtype)
     codec = _field(header, "codec", str)
     if codec not in _CODECS:
         raise _reject(UnknownCodec, f"frame codec {codec!r:.40} is not registered; "
@@ -504,7 +505,23 @@ def read_header(buf, *, max_payload: int = MAX_PAYLOAD):
     xxh = _field(header, "xxh", int)
     if not 0 <= xxh < 2**64:
         raise _reject(BadHeader, f"frame checksum xxh={xxh} is not a uint64")
-    return {k: v for k, v in header.items() if k not in ("pad", "hx")}, end
+
+
+def _dims(header: dict, dtype: str) -> list:
+    """[layers, heads, head_dim, tokens], each within its limit (0 in an opaque frame)."""
+    least = 0 if dtype == OPAQUE else 1     # an opaque frame declares no KV dimensions
+    dims = []
+    for name, limit in _DIMS:
+        size = _field(header, name, int)
+        if dtype == OPAQUE and size != 0:
+            raise _reject(BadHeader, f"opaque frame declares {name}={size}; it must be 0")
+        if size < least:
+            raise _reject(BadHeader, f"frame header field {name!r} must be >= 1, got {size}")
+        if size > limit:
+            raise _reject(SizeLimitExceeded,
+                          f"frame declares {name}={size}, over the limit {limit}")
+        dims.append(size)
+    return dims
 
 
 def _check_kv_size(dims, dtype: str, raw: int, max_payload: int) -> None:

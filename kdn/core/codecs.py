@@ -384,83 +384,108 @@ def _quant_encoder(kbits: int, vbits: int, entropy: bool, kg: int, vg: int):
     return encode
 
 
+def _quant_head(name: str, payload, kbits: int, vbits: int, entropy: bool) -> tuple:
+    """(version, key group, value group, exact tokens, header bytes) of a quantized payload,
+    checked against the codec's bits and entropy coding. Group sizes and exact tokens are
+    read from the payload (any valid value decodes)."""
+    if len(payload) < _QUANT_HEAD_V1.size:
+        raise _bad(f"{name} payload of {len(payload)} bytes is shorter than its "
+                   f"{_QUANT_HEAD_V1.size}-byte header")
+    magic, version = bytes(payload[:2]), payload[2]
+    if magic != b"KQ" or version not in (1, QUANT_VERSION):
+        raise _bad(f"{name} payload starts {magic!r} v{version}, expected b'KQ' "
+                   f"v1 or v{QUANT_VERSION}")
+    if version == 1:
+        _, _, got_k, got_v, got_entropy, kg, vg = _QUANT_HEAD_V1.unpack_from(payload)
+        exact, head_size = 0, _QUANT_HEAD_V1.size
+    else:
+        if len(payload) < _QUANT_HEAD.size:
+            raise _bad(f"{name} payload of {len(payload)} bytes is shorter than its "
+                       f"{_QUANT_HEAD.size}-byte v2 header")
+        _, _, got_k, got_v, got_entropy, kg, vg, exact = _QUANT_HEAD.unpack_from(payload)
+        head_size = _QUANT_HEAD.size
+    if (got_k, got_v, got_entropy) != (kbits, vbits, int(entropy)):
+        raise _bad(f"{name} payload declares {got_k}-bit keys, {got_v}-bit values, "
+                   f"entropy={got_entropy}; the {name} codec is {kbits}-bit keys, "
+                   f"{vbits}-bit values, entropy={int(entropy)}")
+    if kg < 1 or vg < 1:
+        raise _bad(f"{name} payload declares group sizes key={kg}, value={vg}; both must be >= 1")
+    return version, kg, vg, exact, head_size
+
+
+def _quant_parts(name: str, body, header, packed: bool, kg: int, vg: int, exact: int) -> tuple:
+    """(key mins, key scales, value mins, value scales, exact tokens, level stream): views
+    into body (the payload after its header, decompressed), each checked finite."""
+    L, _, H, T, D = _shape(header)
+    ks, vs, nlev = _quant_sizes(header, packed, kg, vg)
+    nexact = L * 2 * H * exact * D
+    at = 0
+
+    def take(count, dtype, shape):
+        nonlocal at
+        arr = np.frombuffer(body, dtype, count=count, offset=at).reshape(shape)
+        at += arr.nbytes
+        return arr
+
+    kshape, vshape = (L, H, _groups(T, kg), D), (L, H, T, _groups(D, vg))
+    kmin, kscale = take(ks, np.float16, kshape), take(ks, np.float16, kshape)
+    vmin, vscale = take(vs, np.float16, vshape), take(vs, np.float16, vshape)
+    dtype = header["dtype"]
+    head = take(nexact, np.float16 if dtype == "float32" else DTYPES[dtype][0], (L, 2, H, exact, D))
+    stream = take(nlev, np.uint8, (nlev,))
+    for what, arr in (("key mins", kmin), ("key scales", kscale), ("value mins", vmin),
+                      ("value scales", vscale)):
+        if not np.isfinite(arr).all():
+            raise _bad(f"{name} payload holds non-finite {what}")
+    if exact and dtype != "bfloat16" and not np.isfinite(head).all():
+        raise _bad(f"{name} payload holds non-finite exact-token values")
+    return kmin, kscale, vmin, vscale, head, stream
+
+
+def _quant_levels(name: str, stream, header, version: int, packed: bool, kbits: int, vbits: int) -> tuple:
+    """(key levels [L, H, T, D], value levels [L, H, T, D]) of the level stream, each
+    checked within its bits (a packed stream's padding nibble 0)."""
+    L, _, H, T, D = _shape(header)
+    n = L * 2 * H * T * D
+    flat = _unpack4(stream, n) if packed else stream
+    if version == 1:      # levels in [L, 2, H, T, D] order
+        q = flat.reshape(L, 2, H, T, D)
+        kq, vq = q[:, 0], q[:, 1]
+    else:                 # all key levels, then all value levels
+        kq, vq = flat[:n // 2].reshape(L, H, T, D), flat[n // 2:].reshape(L, H, T, D)
+    if packed and len(stream) * 2 > n and stream[-1] >> 4:
+        raise _bad(f"{name} payload's padding nibble is {stream[-1] >> 4}, not 0")
+    if not packed:
+        for kind, bits in ((0, kbits), (1, vbits)):
+            top = int((vq if kind else kq).max()) if bits < 8 else 0
+            if top >= 1 << bits:
+                raise _bad(f"{name} payload holds level {top} in its "
+                           f"{'values' if kind else 'keys'}, over the {bits}-bit maximum "
+                           f"{(1 << bits) - 1}")
+    return kq, vq
+
+
 def _quant_decoder(name: str, kbits: int, vbits: int, entropy: bool, kg: int, vg: int):
     packed = kbits == vbits == 4
 
     def decode(payload, header) -> np.ndarray:
         if header["nbytes"] == header["raw"]:
             return _stored(payload, header)
-        if len(payload) < _QUANT_HEAD_V1.size:
-            raise _bad(f"{name} payload of {len(payload)} bytes is shorter than its "
-                       f"{_QUANT_HEAD_V1.size}-byte header")
-        magic, version = bytes(payload[:2]), payload[2]
-        if magic != b"KQ" or version not in (1, QUANT_VERSION):
-            raise _bad(f"{name} payload starts {magic!r} v{version}, expected b'KQ' "
-                       f"v1 or v{QUANT_VERSION}")
-        if version == 1:
-            _, _, got_k, got_v, got_entropy, kg, vg = _QUANT_HEAD_V1.unpack_from(payload)
-            exact, head_size = 0, _QUANT_HEAD_V1.size
-        else:
-            if len(payload) < _QUANT_HEAD.size:
-                raise _bad(f"{name} payload of {len(payload)} bytes is shorter than its "
-                           f"{_QUANT_HEAD.size}-byte v2 header")
-            _, _, got_k, got_v, got_entropy, kg, vg, exact = _QUANT_HEAD.unpack_from(payload)
-            head_size = _QUANT_HEAD.size
-        # Group sizes and exact tokens are read from the payload (any valid value decodes).
-        if (got_k, got_v, got_entropy) != (kbits, vbits, int(entropy)):
-            raise _bad(f"{name} payload declares {got_k}-bit keys, {got_v}-bit values, "
-                       f"entropy={got_entropy}; the {name} codec is {kbits}-bit keys, "
-                       f"{vbits}-bit values, entropy={int(entropy)}")
-        if kg < 1 or vg < 1:
-            raise _bad(f"{name} payload declares group sizes key={kg}, value={vg}; both must be >= 1")
+        version, kg, vg, exact, head_size = _quant_head(name, payload, kbits, vbits, entropy)
         L, _, H, T, D = _shape(header)
         if exact >= T:
             raise _bad(f"{name} payload declares {exact} exact tokens in a {T}-token chunk")
         ks, vs, nlev = _quant_sizes(header, packed, kg, vg)
-        nexact = L * 2 * H * exact * D
-        size = 4 * ks + 4 * vs + 2 * nexact + nlev
+        size = 4 * ks + 4 * vs + 2 * (L * 2 * H * exact * D) + nlev
         body = payload[head_size:]
         if entropy:
             body = memoryview(_unzstd(body, size, f"{name} body"))
         elif len(body) != size:
             raise _bad(f"{name} body is {len(body)} bytes; shape {_shape(header)} with groups "
                        f"key={kg}, value={vg} needs {size}")
-        at = 0
-
-        def take(count, dtype, shape):
-            nonlocal at
-            arr = np.frombuffer(body, dtype, count=count, offset=at).reshape(shape)
-            at += arr.nbytes
-            return arr
-
-        kshape, vshape = (L, H, _groups(T, kg), D), (L, H, T, _groups(D, vg))
-        kmin, kscale = take(ks, np.float16, kshape), take(ks, np.float16, kshape)
-        vmin, vscale = take(vs, np.float16, vshape), take(vs, np.float16, vshape)
+        kmin, kscale, vmin, vscale, head, stream = _quant_parts(name, body, header, packed, kg, vg, exact)
+        kq, vq = _quant_levels(name, stream, header, version, packed, kbits, vbits)
         dtype = header["dtype"]
-        head = take(nexact, np.float16 if dtype == "float32" else DTYPES[dtype][0], (L, 2, H, exact, D))
-        stream = take(nlev, np.uint8, (nlev,))
-        for what, arr in (("key mins", kmin), ("key scales", kscale), ("value mins", vmin),
-                          ("value scales", vscale)):
-            if not np.isfinite(arr).all():
-                raise _bad(f"{name} payload holds non-finite {what}")
-        if exact and dtype != "bfloat16" and not np.isfinite(head).all():
-            raise _bad(f"{name} payload holds non-finite exact-token values")
-        n = L * 2 * H * T * D
-        flat = _unpack4(stream, n) if packed else stream
-        if version == 1:      # levels in [L, 2, H, T, D] order
-            q = flat.reshape(L, 2, H, T, D)
-            kq, vq = q[:, 0], q[:, 1]
-        else:                 # all key levels, then all value levels
-            kq, vq = flat[:n // 2].reshape(L, H, T, D), flat[n // 2:].reshape(L, H, T, D)
-        if packed and nlev * 2 > n and stream[-1] >> 4:
-            raise _bad(f"{name} payload's padding nibble is {stream[-1] >> 4}, not 0")
-        if not packed:
-            for kind, bits in ((0, kbits), (1, vbits)):
-                top = int((vq if kind else kq).max()) if bits < 8 else 0
-                if top >= 1 << bits:
-                    raise _bad(f"{name} payload holds level {top} in its "
-                               f"{'values' if kind else 'keys'}, over the {bits}-bit maximum "
-                               f"{(1 << bits) - 1}")
         out = np.empty(_shape(header), DTYPES[dtype][0])
         work = out if dtype == "float32" else np.empty(out.shape, np.float32)
         _dequantize(kq, kmin, kscale, 2, kg, work[:, 0])
