@@ -62,6 +62,14 @@ def test_the_engine_interface_finds_its_engines_by_module_path():
         base.load_engine("sglang", model)
 
 
+def test_no_function_outside_the_benchmarks_is_over_80_lines():
+    """A function fits in a reader's head: the longest, outside kdn/bench, is at most 80
+    lines (the simulator's run was 169, ReplicationPolicy.decide 108, ...)."""
+    health = _health()
+    longest = health.longest_functions(health.modules(), n=5)
+    assert [(n, where) for n, where in longest if n > 80] == []
+
+
 def test_the_rpc_paths_code_health_scans_exist():
     """tools/code_health.py counts broad excepts on the RPC paths: each path names a file or
     folder that is there (a list left behind by a move once scanned kdn/rpc, gone)."""
