@@ -6,7 +6,8 @@ per edge, never the library's global one, so two edges in one process never shar
 The named families are the ones dashboards use; kdn_edge_events_total carries every counter
 besides, by name, except those that depend on other tenants' data (HIDDEN): /metrics needs
 no token, and must not tell a stranger whether another tenant's keys exist.
-An edge with a disk tier reports it as tier "disk" beside main and hot (chunks, bytes,
+The conversation tier reports its bytes per tenant, reads, expiries and evictions
+(kdn_edge_conversation_*). An edge with a disk tier reports it as tier "disk" beside main and hot (chunks, bytes,
 capacity, hits, evictions), and its write-backs: written, and dropped (device full, or the
 queue to the disk full).
 """
@@ -83,6 +84,7 @@ class EdgeCollector:
                            labels=("tier", "reason"),
                            samples=[(("disk", "full"), c["disk_full_dropped"]),
                                     (("disk", "busy"), c["disk_write_back_dropped_busy"])])
+        yield from self._conversations(c)
         yield _counter("kdn_edge_tier_ops_total", "Tier operations, by tier and kind.",
                        labels=("tier", "op"), samples=[((t, op), tiers[t][op])
                                                        for t in tiers for op in TIER_OPS])
@@ -91,6 +93,26 @@ class EdgeCollector:
                                                     if k not in HIDDEN])
         if self.http is not None:
             yield from self._http()
+
+    def _conversations(self, c):
+        """The conversation tier (edge/conversations.py): bytes per tenant (an operator's
+        figure: /metrics is the operator's, like the tenants' names in `kdn status`), reads,
+        expiries and evictions by reason."""
+        conv = self.edge.conversations.stats()
+        yield _gauge("kdn_edge_conversation_bytes", "Conversation KV held, by tenant.", labels=("tenant",),
+                     samples=[((t,), b) for t, b in sorted(conv["tenant_bytes"].items())])
+        yield _gauge("kdn_edge_conversation_capacity_bytes", "The conversation tier's capacity.",
+                     value=conv["capacity"])
+        yield _gauge("kdn_edge_conversation_chunks", "Conversation chunks held.", value=conv["chunks"])
+        yield _counter("kdn_edge_conversation_reads_total", "Conversation chunk reads, by outcome.",
+                       labels=("outcome",), samples=[(("hit",), c["conv_hits"]), (("miss",), c["conv_misses"])])
+        yield _counter("kdn_edge_conversation_kept_total", "Conversation chunks kept.", value=c["conv_kept"])
+        yield _counter("kdn_edge_conversation_expired_total", "Conversation chunks idle past their TTL.",
+                       value=c["conv_expired"])
+        yield _counter("kdn_edge_conversation_evictions_total", "Conversation chunks evicted, by reason.",
+                       labels=("reason",), samples=[(("budget",), c["conv_evicted_budget"]),
+                                                    (("capacity",), c["conv_evicted_capacity"]),
+                                                    (("dropped",), c["conv_dropped"])])
 
     def _http(self):
         h, c = self.http, self.http.counters

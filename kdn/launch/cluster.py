@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kdn.core.conversation import CONVERSATION_SHARE
 from kdn.core.env import kdn_home, prepare_ray_env
 from kdn.core.errors import KDNError, NetworkError
 from kdn.client.join import LOOPBACK, cluster_alive, ensure_ray_token, init_ray, read_state, state_path
@@ -125,13 +126,19 @@ def _edge_class():
     return EdgeNode
 
 
+def edge_memory(topo) -> dict:
+    """region -> what its edges may hold in the object store: their capacity for KBs and,
+    beside it, their conversation tiers (kdn.core.conversation.CONVERSATION_SHARE)."""
+    return {r: int(b * (1 + CONVERSATION_SHARE)) for r, b in topo.region_capacity_bytes().items()}
+
+
 def object_store_for(topo, floor: int = 1 << 30) -> int:
     """A node's object store for an embedded cluster (one node per region): its region's edges'
     memory (they hold chunks in it) and chunks in flight, below Ray's spilling threshold, so
     Ray never moves what an edge holds to disk; at least floor, at most Ray's own default
     share of this machine's memory (30%: then `kdn up` warns, store_room_warnings)."""
     import psutil
-    edges = max(topo.region_capacity_bytes().values(), default=0)
+    edges = max(edge_memory(topo).values(), default=0)
     most = max(floor, int(MAX_STORE_SHARE * psutil.virtual_memory().total))
     return min(most, max(floor, int((edges + IN_FLIGHT_BYTES) / SPILL_THRESHOLD)))
 
@@ -148,7 +155,7 @@ def store_room_warnings(topo) -> list:
         if n.get("Alive") and region and store:
             smallest[region] = min(store, smallest.get(region, store))
     out = []
-    for region, need in sorted(topo.region_capacity_bytes().items()):
+    for region, need in sorted(edge_memory(topo).items()):
         store = smallest.get(region)
         if store and need + IN_FLIGHT_BYTES > SPILL_THRESHOLD * store:
             out.append(f"region {region}: its edges may hold {need / 2**30:.2f} GiB in memory, but a node "

@@ -13,6 +13,11 @@ Pure functions, no Ray and no model, so every rule is testable alone:
   those documents (kdn.engines.emphasis; integer weights, checked against the KB's documents);
   without it a KB's emphasis override applies (an operator's setting), and {} asks for the
   exact KV. Every answer says which it got: "kdn": {"exact": bool, "emphasis": {...}}.
+  "model": "<model>" with no KB is a plain chat. Every chat's KV is kept for its next turn
+  (kdn.core.conversation): prompt_cache_key names the conversation (the ingress routes its
+  turns to the region that answered it), prompt_cache_retention ("in_memory" or "24h") how
+  long its KV is kept idle, and cache_salt, safety_identifier and user narrow the cache's
+  namespace inside the caller's tenant (never across it: the tenant is the token's).
 - `tenant_of(tokens, authorization)` maps the Authorization: Bearer token to a tenant with
   the network's read tokens (kdn.core.auth.Tokens), as the edges decide reads: a tenant's read
   token reads that tenant; the admin token reads "default". Any other token, or none, reads
@@ -163,7 +168,7 @@ def check_messages(messages) -> list:
 @dataclass
 class ChatRequest:
     model: str            # as the caller named it (echoed back)
-    kb: str
+    kb: "str | None"         # None: a plain chat (no knowledge base)
     version: "int | None"
     messages: list
     max_tokens: int
@@ -174,6 +179,10 @@ class ChatRequest:
     kdn_fetch: bool = True   # False: compute the knowledge's KV here, as if there were no KDN (comparisons)
     emphasis: dict = None    # {document: int weight}: attend more to those documents (kdn.engines.emphasis);
                              # None: the KB's override, if any; {}: the exact KV
+    prompt_cache_key: str = None        # OpenAI's: which conversation (routing affinity)
+    prompt_cache_retention: str = None  # OpenAI's: "in_memory" (the tenant's idle TTL) or "24h"
+    salt: str = None         # cache_salt, safety_identifier, user: a narrower namespace inside the tenant
+    history_regions: tuple = ()   # set by the ingress, never by a caller: where earlier turns were answered
 
 
 def split_kb(text: str, param: str) -> tuple:
@@ -244,9 +253,10 @@ def parse_chat(body: dict, base_model: str) -> ChatRequest:
     if at and kb_field is not None and kb_field != kb_text:
         raise bad(f"the model names KB {kb_text!r:.80} but kb says {kb_field!r:.80}: name it once", "kb")
     kb_text = kb_text if at else kb_field
-    if not kb_text:
-        raise bad(f"no knowledge base named: use model '{base_model}@<kb>' or \"kb\": \"<kb>\"", "model")
-    kb, version = split_kb(kb_text, "model" if at else "kb")
+    if at and not kb_text:
+        raise bad(f"model {model!r:.120} names no knowledge base after '@': use '{base_model}@<kb>', "
+                  f"or '{base_model}' for a plain chat", "model")
+    kb, version = split_kb(kb_text, "model" if at else "kb") if kb_text else (None, None)
     try:
         messages = check_messages(body.get("messages"))
     except BadRequest as e:
@@ -284,7 +294,33 @@ def parse_chat(body: dict, base_model: str) -> ChatRequest:
     return ChatRequest(model=model, kb=kb, version=version, messages=messages,
                        max_tokens=mct or mt or DEFAULT_MAX_TOKENS, temperature=float(temperature),
                        stream=stream, include_usage=bool(opts.get("include_usage")), seed=seed,
-                       kdn_fetch=fetch, emphasis=emphasis)
+                       kdn_fetch=fetch, emphasis=emphasis, **prompt_cache(body))
+
+
+def prompt_cache(body: dict) -> dict:
+    """The request's prompt-cache fields, checked: prompt_cache_key and prompt_cache_retention
+    as OpenAI documents them, and the salt that narrows the cache's namespace inside the
+    tenant (vLLM's cache_salt, OpenAI's safety_identifier and user; all given ones count)."""
+    from kdn.core.conversation import MAX_SALT_CHARS, RETENTIONS
+    key = body.get("prompt_cache_key")
+    if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_SALT_CHARS):
+        raise bad(f"prompt_cache_key must be a non-empty string of at most {MAX_SALT_CHARS} "
+                  f"characters, got {key!r:.60}", "prompt_cache_key")
+    retention = body.get("prompt_cache_retention")
+    if retention is not None and retention not in RETENTIONS:
+        raise bad(f"prompt_cache_retention must be one of {', '.join(RETENTIONS)}, got {retention!r:.40}",
+                  "prompt_cache_retention")
+    salts = []
+    for name in ("cache_salt", "safety_identifier", "user"):
+        v = body.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, str) or not 0 < len(v) <= MAX_SALT_CHARS:
+            raise bad(f"{name} must be a non-empty string of at most {MAX_SALT_CHARS} characters, "
+                      f"got {v!r:.60}", name)
+        salts.append(f"{name}={v}")
+    return {"prompt_cache_key": key, "prompt_cache_retention": retention,
+            "salt": "\n".join(salts) if salts else None}
 
 
 def credentials(tokens, authorization) -> tuple:

@@ -55,6 +55,7 @@ import time
 from kdn.core.checks import check_int, check_number
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, NetworkError
 from kdn.engines.base import check_engine
+from kdn.serve.affinity import Affinity, conversation_id
 from kdn.serve.api import (MAX_CHAT_BODY_BYTES, RETRY_AFTER_S, ApiError, api_error, completion,
                            completion_id, credentials, error_body, model_list, parse_chat, parse_json,
                            kv_note, read_body, sse, sse_answer, usage)
@@ -90,6 +91,8 @@ class RegionWorker:
         # The model runs in one thread of its own; requests take it one at a time in arrival
         # order (asyncio.Lock wakes its waiters first come, first served).
         self._model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdn-model")
+        # conversation KV goes to its home edge from here, never on the model's time
+        self._store_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdn-keep")
         self._turn = asyncio.Lock()
         # requests, streams, errors, models_calls, aborted (answers cut short: the caller left)
         self.counters = collections.Counter()
@@ -135,37 +138,73 @@ class RegionWorker:
         return {"status": e.status, "body": e.body(), "headers": e.headers()}
 
     def _start(self, req: dict, tenant: str, token):
-        """(chat, prompt, cache, cached tokens) for a checked request; KDNError otherwise."""
+        """(chat, Turn) for a checked request; KDNError otherwise."""
         chat = self._chat(tenant, token)
-        m = chat.client.manifest(req["kb"], req["version"])
-        from kdn.serve.chat import messages_tokens
-        total = len(m.token_ids()) + len(messages_tokens(self.model, req["messages"])) + req["max_tokens"]
+        m = None if req.get("kb") is None else chat.client.manifest(req["kb"], req["version"])
+        if m is None:
+            n = len(self.model.chat_tokens(req["messages"]))
+            what = f"the messages' {n} tokens"
+        else:
+            from kdn.serve.chat import messages_tokens
+            n = len(m.token_ids()) + len(messages_tokens(self.model, req["messages"]))
+            what = f"the KB's {len(m.token_ids())} tokens and the messages' {n - len(m.token_ids())}"
+        total = n + req["max_tokens"]
         if total > self.max_context:
-            raise ApiError(400, f"the KB's {len(m.token_ids())} tokens, the messages and max_tokens "
-                                f"({req['max_tokens']}) make {total} tokens; the model's context is "
-                                f"{self.max_context}", "context_length_exceeded", "messages")
-        prompt, cache, cached = chat.prepare(m, req["messages"], req["max_tokens"], req.get("kdn_fetch", True),
-                                             req.get("emphasis"))
-        return chat, prompt, cache, cached
+            raise ApiError(400, f"{what} and max_tokens ({req['max_tokens']}) make {total} tokens; "
+                                f"the model's context is {self.max_context} tokens",
+                           "context_length_exceeded", "messages")
+        turn = chat.begin(m, req["messages"], req["max_tokens"], req.get("kdn_fetch", True),
+                          req.get("emphasis"), salt=req.get("salt"),
+                          retention=req.get("prompt_cache_retention"), hints=req.get("history_regions") or ())
+        return chat, turn
+
+    def _keep_later(self, chat, turn, steps) -> None:
+        """After the reply: the conversation's new KV copied out in the model's thread (before
+        the next request can touch the cache) and sent to its home edge from the store thread,
+        so neither this answer nor the next waits for the edge. A store that fails on a bug is
+        logged and counted (stats: keep_failures); the next turn then recomputes."""
+        tokens = [s.token for s in steps if s.token is not None]
+        text = "".join(s.text for s in steps)
+        copied = self._model_thread.submit(chat.to_keep, turn, tokens, text)
+
+        def send(f):
+            if f.exception() is not None:
+                self._kept(None, f.exception())
+                return
+            self._store_thread.submit(chat.store, f.result()).add_done_callback(
+                lambda g: self._kept(g.result() if g.exception() is None else None, g.exception()))
+        copied.add_done_callback(send)
+
+    def _kept(self, got, error) -> None:
+        if error is not None:
+            self.counters["keep_failures"] += 1
+            log.error("kdn serve: keeping a conversation's KV failed", exc_info=error)
+        elif got["chunks"]:
+            self.counters["kept_chunks"] += got["chunks"]
 
     async def _on_model(self, fn, *args):
         """await fn(*args) in the model's own thread (the replica's event loop stays free)."""
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
 
-    async def _steps(self, chat, prompt, cache, cached: int, req: dict):
+    async def _steps(self, chat, turn, req: dict):
         """kdn.serve.chat's Steps, each computed in the model's thread. A caller that goes away
         (Serve cancels its request) stops the generation at the next token: the rest of the
-        answer is not computed while later requests wait."""
-        gen = chat.stream(prompt, cache, cached, req["max_tokens"], req["temperature"], req["seed"])
-        done = False
+        answer is not computed while later requests wait, and nothing of it is kept. A whole
+        answer's conversation KV is kept after it (_keep_later)."""
+        gen = chat.stream(turn.prompt, turn.cache, turn.cached, req["max_tokens"], req["temperature"],
+                          req["seed"])
+        done, steps = False, []
         try:
             while (step := await self._on_model(next, gen, None)) is not None:
                 done = step.finish is not None
+                steps.append(step)
                 yield step
         finally:
             if not done:
                 self.counters["aborted"] += 1
             self._model_thread.submit(gen.close)     # in its thread: never while a step runs
+            if done:
+                self._keep_later(chat, turn, steps)
 
     async def complete(self, req: dict, tenant: str, token) -> dict:
         """{"status", "body"[, "headers"]}: one plain chat completion."""
@@ -173,8 +212,8 @@ class RegionWorker:
         async with self._turn:
             t0 = asyncio.get_running_loop().time()
             try:
-                chat, prompt, cache, cached = await self._on_model(self._start, req, tenant, token)
-                async with contextlib.aclosing(self._steps(chat, prompt, cache, cached, req)) as gen:
+                chat, turn = await self._on_model(self._start, req, tenant, token)
+                async with contextlib.aclosing(self._steps(chat, turn, req)) as gen:
                     steps = [s async for s in gen]
             except KDNError as e:
                 return self._error(api_error(e))
@@ -182,7 +221,8 @@ class RegionWorker:
         text = "".join(s.text for s in steps)
         n = sum(1 for s in steps if s.token is not None)
         body = completion(completion_id(), req["model"], text, steps[-1].finish,
-                          usage(len(prompt), n, cached), kdn=kv_note(getattr(cache, "kdn_emphasis", None)))
+                          usage(len(turn.prompt), n, turn.cached),
+                          kdn=kv_note(getattr(turn.cache, "kdn_emphasis", None)))
         return {"status": 200, "body": body, "region": self.region}
 
     async def stream(self, req: dict, tenant: str, token):
@@ -190,15 +230,15 @@ class RegionWorker:
         self.counters["streams"] += 1
         async with self._turn:
             try:
-                chat, prompt, cache, cached = await self._on_model(self._start, req, tenant, token)
+                chat, turn = await self._on_model(self._start, req, tenant, token)
             except KDNError as e:
                 yield self._error(api_error(e))
                 return
             yield {"status": 200, "region": self.region}
-            async with contextlib.aclosing(self._steps(chat, prompt, cache, cached, req)) as gen:
+            async with contextlib.aclosing(self._steps(chat, turn, req)) as gen:
                 pieces = ((s.text, int(s.token is not None), s.finish) async for s in gen)
-                note = kv_note(getattr(cache, "kdn_emphasis", None))
-                async for event in sse_answer(req["model"], pieces, len(prompt), cached, note):
+                note = kv_note(getattr(turn.cache, "kdn_emphasis", None))
+                async for event in sse_answer(req["model"], pieces, len(turn.prompt), turn.cached, note):
                     yield event
 
 
@@ -218,6 +258,7 @@ class Router:
         self.network = network
         self.home = node_region()
         self.in_flight = collections.Counter()  # region -> this replica's requests there now
+        self.affinity = Affinity()              # conversation -> the region that answered it
         # requests, streams, errors_<status>, broken_streams, region_<name>, route_<outcome>,
         # tier_<tier>, route_decisions, route_decision_us, retried_replica_died
         self.counters = collections.Counter()
@@ -398,9 +439,18 @@ class Router:
             raw = await read_body(request, MAX_CHAT_BODY_BYTES)
             request.state.body_read = True
             req = parse_chat(parse_json(raw), self.base_model)
-        kb = None if endpoint == "models" else f"{tenant}/{req.kb}"
-        region, why = self.pick(request, region, kb)
-        if kb is not None:              # a KB's request: its region decision (or its path's)
+        kb = None if endpoint == "models" or req.kb is None else f"{tenant}/{req.kb}"
+        conversation = seen = None
+        if endpoint == "chat/completions":
+            conversation = conversation_id(tenant, kb, req.messages, req.prompt_cache_key)
+            seen = self.affinity.region_of(conversation)
+        if seen in self.workers and region is None and not request.headers.get(REGION_HEADER):
+            region, why = seen, "conversation"    # where its earlier turns' KV is
+        else:
+            region, why = self.pick(request, region, kb)
+        if seen is not None and seen != region:
+            req.history_regions = (seen,)         # the worker looks for the history there too
+        if kb is not None or why == "conversation":   # a KB's or a conversation's region decision
             self.counters[f"route_{why}"] += 1
         self.counters[f"region_{region}"] += 1
         where = [region]                # the region answering (a retry may move it once: _cross_once)
@@ -414,8 +464,10 @@ class Router:
                 return self._reply(await self.workers[region].models.remote(tenant, token))
             body = dict(req.__dict__)
             if not req.stream:
-                return self._reply(await self._twice(
-                    lambda: self.workers[where[0]].complete.remote(body, tenant, token), again), routed)
+                r = await self._twice(lambda: self.workers[where[0]].complete.remote(body, tenant, token), again)
+                if r["status"] == 200:
+                    self.affinity.answered(conversation, where[0])
+                return self._reply(r, routed)
             self.counters["streams"] += 1
 
             async def head_of():
@@ -424,6 +476,7 @@ class Router:
             gen, head = await self._twice(head_of, again)
             if head["status"] != 200:
                 return self._reply(head, routed)
+            self.affinity.answered(conversation, where[0])
             return self._streaming(gen, routed)
         except serve.exceptions.BackPressureError:
             raise ApiError(429, f"region {where[0]}'s workers are all busy and their queues full; retry",

@@ -11,14 +11,24 @@ nearest edge rebuilt into a cache with room for the rest, the rest of the prompt
 forward pass, then one token per step), so greedy tokens are identical to `kdn query
 --check`; each token is yielded as soon as its logits are known. temperature > 0 samples
 from softmax(logits / temperature) instead (seeded when the request gives a seed).
+
+Conversations (kdn.core.conversation, kdn.client.history): a request may name no KB (a plain
+chat: the messages as the chat template renders them). Either way, after the KB's KV the
+worker looks for the conversation's own KV (the earlier turns, which a worker computed and
+kept), fetches it where that beats recomputing it, and computes only the rest; after the
+answer, `keep()` stores the whole chunks it computed that the next turn's prompt will
+reproduce (the answer put back through the chat template, compared token by token), after
+the reply was sent. Only exact KV is kept: never over an emphasized or lossy cache.
 """
 import collections
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kdn.core.checks import check_int
+from kdn.core.conversation import reproduced, whole_chunks
 from kdn.core.emphasis import override_of
 from kdn.core.errors import BadRequest, ModelError
+from kdn.core.keys import CHUNK_TOKENS as CHUNK
 from kdn.serve.api import check_messages
 from kdn.serve.regions import tier_of
 
@@ -26,6 +36,25 @@ def messages_tokens(model, messages) -> list:
     """Token ids of the request's turns and the generation prompt, as they follow a system
     turn in the full rendered prompt (a KB's knowledge turn ends where these begin)."""
     return model.encode(model.turns_text(check_messages(messages)))
+
+
+@dataclass
+class Turn:
+    """One request's prompt and engine cache, and what keep() needs after its answer."""
+    prompt: list
+    cache: object               # the engine cache (None: nothing cached and nothing to keep)
+    cached: int                 # prompt tokens whose KV came from KDN (not computed here)
+    messages: list
+    kb_tokens: list = None      # the KB's token ids the prompt starts with (None: a plain chat)
+    exact: bool = True          # False: emphasized or lossy KV; nothing of it is kept
+    salt: str = None
+    retention: str = None       # prompt_cache_retention (kdn.core.conversation.retention_ttl)
+    history: dict = field(default_factory=dict)   # where the conversation's KV came from
+
+    @property
+    def start_chunk(self) -> int:
+        """The KB's whole chunks: conversation chunks are those after them."""
+        return 0 if self.kb_tokens is None else whole_chunks(len(self.kb_tokens))
 
 
 @dataclass
@@ -39,26 +68,54 @@ class Chat:
     """One replica's engine: a loaded model and its KDN client; answers one request at a time
     (the caller serialises: the model's arena lends one rebuild buffer per cache)."""
 
-    def __init__(self, model, client):
+    def __init__(self, model, client, history: bool = True):
         if client.reader.fingerprint != model.fingerprint:
             raise ModelError(f"the client reads KV of model {client.reader.fingerprint!r}, "
                              f"not of {model.fingerprint!r}")
         self.model, self.client = model, client
-        # requests, prompt_tokens, cached_tokens, completion_tokens, fetch_s, rebuild_s
+        # requests, prompt_tokens, cached_tokens, completion_tokens, fetch_s, rebuild_s,
+        # history_* (conversation KV found, fetched, kept), computed_tokens, compute_s
         self.counters = collections.Counter()
         self.engine_kv = None      # a replica's cache of its last rebuilt KBs (kdn.serve.router)
+        self.history = None
+        if history:
+            from kdn.client.history import History
+            self.history = History(client.view, client.tenant, model.fingerprint, token=client.token)
 
     def stats(self) -> dict:
-        return {"counters": dict(self.counters), "model": self.model.stats(), "client": self.client.stats()}
+        out = {"counters": dict(self.counters), "model": self.model.stats(), "client": self.client.stats()}
+        if self.history is not None:
+            out["history"] = dict(self.history.counters)
+        return out
 
     def prepare(self, manifest, messages, max_tokens: int, fetch: bool = True, emphasis=None):
-        """(prompt tokens, engine cache or None, cached tokens) for messages after the KB.
+        """(prompt tokens, engine cache or None, cached tokens): begin() without its Turn."""
+        t = self.begin(manifest, messages, max_tokens, fetch, emphasis)
+        return t.prompt, t.cache, t.cached
+
+    def begin(self, manifest, messages, max_tokens: int, fetch: bool = True, emphasis=None,
+              salt: str = None, retention: str = None, hints=()) -> Turn:
+        """The Turn for messages after the KB `manifest` (None: a plain chat).
         fetch=False: nothing is fetched, the whole prompt is computed (no KDN, for comparisons;
-        a KB's emphasis override does not apply then). emphasis {document: int weight}: the KB's
-        KV edited (kdn.engines.emphasized); None: the KB's override, if an operator set one
-        (kdn.core.emphasis.override_of); {}: the exact KV. An emphasized cache holds more entries
-        than cached tokens (its `kdn_extra`), names its weights (`kdn_emphasis`), and is never
-        exact."""
+        a KB's emphasis override does not apply then, and nothing is kept). emphasis {document:
+        int weight}: the KB's KV edited (kdn.engines.emphasized); None: the KB's override, if
+        an operator set one (kdn.core.emphasis.override_of); {}: the exact KV. An emphasized
+        cache holds more entries than cached tokens (its `kdn_extra`), names its weights
+        (`kdn_emphasis`), and is never exact. salt, retention: the conversation's narrower
+        namespace and how long its KV is kept idle (kdn.core.conversation); hints: regions the conversation was
+        answered in before (its KV is looked for there after this worker's own region)."""
+        if manifest is None:
+            if emphasis:
+                raise BadRequest("emphasis edits a KB's KV: name a knowledge base to use it")
+            prompt = self.model.chat_tokens(messages)
+            turn = Turn(prompt, None, 0, messages, salt=salt, retention=retention)
+            if not fetch:
+                self._served_from("none")
+                return turn
+            turn = self._with_history(turn, [], hints)
+            if not turn.cached:
+                self._served_from("none")
+            return self._keepable(turn)
         ids = manifest.token_ids()
         if manifest.layout != "prefix":
             raise BadRequest(f"knowledge base {manifest.name!r} has layout {manifest.layout!r}; "
@@ -67,11 +124,13 @@ class Chat:
             raise BadRequest(f"knowledge base {manifest.name!r} version {manifest.version} was "
                              "published without its token ids; republish it to serve it")
         prompt = ids.tolist() + messages_tokens(self.model, messages)
+        turn = Turn(prompt, None, 0, messages, kb_tokens=ids.tolist(), salt=salt,
+                    retention=retention)
         if emphasis and not fetch:
             raise BadRequest("emphasis edits the KB's KV: it cannot be combined with kdn_fetch false")
         if not fetch:
             self._served_from("none")
-            return prompt, None, 0
+            return turn
         if emphasis is None:
             emphasis = override_of(manifest)
             self.counters["emphasis_override"] += bool(emphasis)
@@ -83,7 +142,8 @@ class Chat:
                 cache.kdn_extra, cache.kdn_emphasis = e.extra, e.weights
                 self.counters["emphasized"] += 1
                 self.counters[f"emphasized_{e.source}"] += 1
-                return prompt, cache, e.tokens
+                turn.cache, turn.cached, turn.exact = cache, e.tokens, False
+                return turn
         kb = f"{self.client.tenant}/{manifest.name}"
         kept = None if self.engine_kv is None else self.engine_kv.get(kb, manifest.version)
         if kept is not None:   # the engine's own cache of a KB it rebuilt (kdn.serve.router.EngineKV)
@@ -91,20 +151,107 @@ class Chat:
             self.model.crop(cache, tokens)     # back to the KB's KV, bitwise as rebuilt
             self.counters["engine_hits"] += 1
             self._served_from("engine")
-            return prompt, cache, tokens
+            turn.cache, turn.cached = cache, tokens
+            return self._with_history(turn, None, hints, max_tokens)
         t0 = time.perf_counter()
         f = self.client.fetch(prompt, kb=manifest.name, version=manifest.version)
         t1 = time.perf_counter()
-        spare = len(prompt) - f.tokens + max_tokens
-        cache = self.model.cache_from_kv(f.kv_parts(), spare) if f.tokens else None
         self.counters["fetch_s"] += t1 - t0
+        turn.exact = f.exact
+        parts = f.kv_parts()
+        grown = self._with_history(turn, parts[:f.tokens // CHUNK], hints, max_tokens) \
+            if f.tokens == len(ids) and f.exact else turn
+        if grown.cache is not None:
+            return grown
+        spare = len(prompt) - f.tokens + max_tokens
+        cache = self.model.cache_from_kv(parts, spare) if f.tokens else None
         self.counters["rebuild_s"] += time.perf_counter() - t1
         tier = tier_of(f.source_counts()) if f.tokens else "none"
         self._served_from(tier)
         if self.engine_kv is not None and f.tokens == len(ids):   # the whole KB only
             self.engine_kv.put(kb, manifest.version, (cache, f.tokens),
                                (f.tokens + spare) * self.model.kv_bytes_per_token, t1 - t0, tier)
-        return prompt, cache, f.tokens
+        turn.cache, turn.cached = cache, f.tokens
+        return self._keepable(turn)
+
+    def _keepable(self, turn: Turn) -> Turn:
+        """turn with an engine cache to compute into even when nothing was cached, so that
+        what it computes can be kept (keep())."""
+        if turn.cache is None and self.history is not None:
+            turn.cache = self.model.new_cache()
+        return turn
+
+    def _with_history(self, turn: Turn, kb_parts, hints, max_tokens: int = None) -> Turn:
+        """turn with the conversation's KV after the KB's whole chunks, when some edge holds
+        it and fetching beats recomputing; turn unchanged otherwise. kb_parts: the KV of the
+        KB's whole chunks ([] for a plain chat; None: take it from turn.cache, the engine's)."""
+        if self.history is None:
+            return turn
+        start = turn.start_chunk
+        found = self.history.find(turn.prompt, start, turn.salt, hints)
+        if found is None:
+            self.counters["history_misses"] += 1
+            return turn
+        rate = self.counters["computed_tokens"] / self.counters["compute_s"] \
+            if self.counters["compute_s"] else None
+        if not self.history.worth_fetching(found, CHUNK * self.model.kv_bytes_per_token, rate):
+            self.counters["history_recomputed"] += 1
+            turn.history = {"region": found.region, "fetched": False}
+            return turn
+        t0 = time.perf_counter()
+        chunks = self.history.fetch(found)
+        if not chunks:
+            return turn
+        t1 = time.perf_counter()
+        if kb_parts is None:                   # the KB's whole chunks, copied from the engine's cache
+            kb_parts = [self.model.kv_from_cache(turn.cache, 0, start * CHUNK)] if start else []
+        tokens = (start + len(chunks)) * CHUNK      # whole chunks of the prompt: never past it
+        turn.cache = self.model.cache_from_kv(kb_parts + [c.kv for c in chunks],
+                                              len(turn.prompt) - tokens + (max_tokens or 0))
+        turn.cached = tokens
+        self.counters["fetch_s"] += t1 - t0
+        self.counters["rebuild_s"] += time.perf_counter() - t1
+        self.counters["history_hits"] += 1
+        self.counters["history_tokens"] += len(chunks) * CHUNK
+        turn.history = {"region": found.region, "edge": found.edge, "fetched": True,
+                        "chunks": len(chunks)}
+        self._served_from("history")
+        return turn
+
+    def to_keep(self, turn: Turn, generated: list, text: str) -> "dict | None":
+        """What store() sends of this answer's conversation (None: nothing new to keep): the
+        whole chunks it computed that the next turn's prompt reproduces. The answer's text put
+        back through the chat template is compared token by token with the prompt and the
+        tokens generated (whose KV the cache holds), and only their common prefix counts. In
+        the model's thread, before the next request touches the cache (its KV is copied out)."""
+        if self.history is None or turn.cache is None or not turn.exact:
+            return None
+        history = list(turn.messages) + [{"role": "assistant", "content": text}]
+        again = (self.model.chat_tokens(history, False) if turn.kb_tokens is None else
+                 turn.kb_tokens + self.model.encode(self.model.turns_text(history, False)))
+        have = self.model.cache_tokens(turn.cache) - getattr(turn.cache, "kdn_extra", 0)
+        n = min(reproduced(turn.prompt + list(generated), again), have)
+        first_new = turn.cached // CHUNK
+        end = whole_chunks(n) * CHUNK
+        if end <= max(first_new, turn.start_chunk) * CHUNK:
+            self.counters["history_nothing_new"] += 1
+            return None
+        return {"tokens": again[:end], "kv": self.model.kv_from_cache(turn.cache, first_new * CHUNK, end),
+                "start_chunk": turn.start_chunk, "first_new_chunk": first_new, "salt": turn.salt,
+                "retention": turn.retention}
+
+    def store(self, kept: "dict | None") -> dict:
+        """Send what to_keep() took to the conversation's home edge ({"chunks", "tokens", "edge"});
+        any thread (the RPC waits on the edge, not on the model)."""
+        if kept is None:
+            return {"chunks": 0, "tokens": 0, "edge": None}
+        got = self.history.store(**kept)
+        self.counters["history_kept_chunks"] += got["chunks"]
+        return got
+
+    def keep(self, turn: Turn, generated: list, text: str) -> dict:
+        """to_keep() then store(), in this thread."""
+        return self.store(self.to_keep(turn, generated, text))
 
     def _served_from(self, source: str) -> None:
         """Count where this answer's exact knowledge KV came from, for the router's report
@@ -118,7 +265,12 @@ class Chat:
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(prompt)
         self.counters["cached_tokens"] += cached_tokens
+        t0, first = time.perf_counter(), True
         for step in stream(self.model, prompt, cache, cached_tokens, max_tokens, temperature, seed):
+            if first:      # the prompt's uncached tokens took this long: the measured prefill rate
+                self.counters["computed_tokens"] += len(prompt) - cached_tokens
+                self.counters["compute_s"] += time.perf_counter() - t0
+                first = False
             self.counters["completion_tokens"] += step.token is not None
             yield step
 

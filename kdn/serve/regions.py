@@ -23,8 +23,9 @@ from dataclasses import dataclass
 DEFAULT_FETCH_S = 0.05        # a KB's fetch when nothing says where it is (every region alike)
 TIERS = ("engine", "edge_memory", "edge_disk", "peer", "origin", "origin_estimate", "unknown")
 # where an answer's knowledge KV came from, measured by the replica (EngineKV.served_from):
-# its engine, the fetch's farthest tier (tier_of), or nowhere ("none": the prompt was computed)
-KV_SOURCES = ("engine", "edge_memory", "edge_disk", "peer", "origin", "none")
+# its engine, the fetch's farthest tier (tier_of), a conversation's own KV kept by an earlier
+# turn ("history": kdn.client.history), or nowhere ("none": the prompt was computed)
+KV_SOURCES = ("engine", "edge_memory", "edge_disk", "peer", "origin", "history", "none")
 # why a region was chosen: stayed home; routed away for the queue or for where the KV is; the
 # caller's region had no replica; nothing known of the caller's region (no view yet)
 OUTCOMES = ("home", "cross_region_queue", "cross_region_kv", "home_unavailable", "no_view")

@@ -285,7 +285,9 @@ def test_models_lists_what_the_tenant_may_read(service):
     (dict(model=f"{MODEL_NAME}@nope"), 404, "kb_not_found"),
     (dict(model=f"{MODEL_NAME}@rights:99"), 404, "kb_not_found"),
     (dict(model="gpt-4o@rights"), 404, "model_not_found"),
-    (dict(model=MODEL_NAME), 400, "invalid_request"),
+    (dict(model=f"{MODEL_NAME}@"), 400, "invalid_request"),
+    (dict(model=MODEL_NAME, extra_body={"prompt_cache_retention": "1w"}), 400, "invalid_request"),
+    (dict(model=MODEL_NAME, extra_body={"cache_salt": ""}), 400, "invalid_request"),
     (dict(model=f"{MODEL_NAME}@rights", messages=[]), 400, "invalid_request"),
     (dict(model=f"{MODEL_NAME}@rights", messages=[{"role": "robot", "content": "hi"}]), 400, "invalid_request"),
     (dict(model=f"{MODEL_NAME}@rights", temperature=7), 400, "invalid_request"),
@@ -299,6 +301,50 @@ def test_errors_are_openai_shaped(service, kwargs, status, code):
         _client(service["url"]).chat.completions.create(**args)
     assert err.value.status_code == status
     assert err.value.body["code"] == code and err.value.body["message"]
+
+
+TOOL_OUTPUT = "\n".join(f"12:{i:02d} pump-{i} pressure={300 + 7 * i} status={'fail' if i % 9 == 4 else 'ok'}"
+                        for i in range(60))
+
+
+def test_a_conversations_second_turn_reports_the_first_turns_tokens_as_cached(service, model):
+    """A plain chat (no KB) through the openai client, two turns: the first computes everything
+    and its KV is kept after the answer; the second, sent as the README shows, reads the
+    history's whole chunks and says so in usage.prompt_tokens_details.cached_tokens, with the
+    tokens of a full prefill, and is routed to the region that answered the first turn."""
+    from kdn.serve.chat import stream
+    c = _client(service["url"])
+    messages = [{"role": "user", "content": f"Tool output:\n{TOOL_OUTPUT}\nWhich pumps failed?"}]
+    first = c.chat.completions.with_raw_response.create(
+        model=MODEL_NAME, messages=messages, max_tokens=NEW_TOKENS, prompt_cache_key="pumps-1")
+    one = first.parse()
+    assert one.usage.prompt_tokens_details.cached_tokens == 0 and one.usage.prompt_tokens > 512
+    messages += [{"role": "assistant", "content": one.choices[0].message.content},
+                 {"role": "user", "content": "And which pump has the highest pressure?"}]
+    time.sleep(1.0)                               # the first turn's KV is stored after its reply
+    second = c.chat.completions.with_raw_response.create(
+        model=MODEL_NAME, messages=messages, max_tokens=NEW_TOKENS, prompt_cache_key="pumps-1")
+    two = second.parse()
+    assert second.headers["x-kdn-route"] == "conversation"
+    assert second.headers["x-kdn-region"] == first.headers["x-kdn-region"]
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    # every whole chunk the first turn computed (its prompt and answer), none past them
+    assert cached % 256 == 0 and one.usage.prompt_tokens // 256 * 256 <= cached, (cached, one.usage)
+    assert cached <= one.usage.prompt_tokens + one.usage.completion_tokens
+    prompt = model.chat_tokens(messages)
+    assert two.usage.prompt_tokens == len(prompt)
+    full = [s.token for s in stream(model, prompt, None, 0, NEW_TOKENS) if s.token is not None]
+    assert two.choices[0].message.content == _text(model, full)
+
+
+def test_a_conversation_past_the_context_is_openais_400_naming_both_numbers(service):
+    long = " ".join(["tokens"] * 8300)
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(service["url"]).chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": long}], max_tokens=8)
+    assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "messages"
+    assert "the model's context is 8192 tokens" in err.value.body["message"]
+    assert "make " in err.value.body["message"] and "max_tokens (8)" in err.value.body["message"]
 
 
 def test_tokens_missing_401_wrong_403_other_tenant_404(service):

@@ -31,17 +31,25 @@ class Prompts:
         """The rendered system turn carrying the knowledge (what a real chat prompt starts with)."""
         return self._render([{"role": "system", "content": self._text(text, "knowledge")}], False)
 
-    def turns_text(self, messages) -> str:
-        """The rendered prompt after a system turn: these chat turns and the assistant's
-        generation prompt. They are rendered after a probe system turn whose rendering is cut
-        off, so a KB's knowledge turn followed by these is exactly the whole rendered prompt."""
+    def turns_text(self, messages, generation_prompt: bool = True) -> str:
+        """The rendered prompt after a system turn: these chat turns and (generation_prompt)
+        the assistant's generation prompt. They are rendered after a probe system turn whose
+        rendering is cut off, so a KB's knowledge turn followed by these is exactly the whole
+        rendered prompt. Without the generation prompt, a conversation that ends in the
+        assistant's answer renders as the next turn's prompt will start (conversation KV)."""
         system = [{"role": "system", "content": _PROBE}]
         head = self._render(system, False)
-        full = self._render(system + list(messages), True)
+        full = self._render(system + list(messages), generation_prompt)
         if not full.startswith(head):
             raise ModelError(f"{self.name}'s chat template does not render the system turn as a prefix "
                              "of the prompt; knowledge cannot be cached as a prefix")
         return full[len(head):]
+
+    def chat_tokens(self, messages, generation_prompt: bool = True) -> list:
+        """Token ids of a whole chat with no knowledge base: the messages as the chat template
+        renders them (its default system turn included, if it has one), then (generation_prompt)
+        the assistant's generation prompt."""
+        return self.encode(self._render(list(messages), generation_prompt))
 
     def question_text(self, question: str) -> str:
         """The rest of the rendered prompt: user turn and the assistant's generation prompt."""

@@ -1,0 +1,172 @@
+"""Conversation KV from a worker's side: find a prompt's cached history, and keep a new turn's.
+
+A worker that answered a turn keeps the KV it computed (kdn.core.conversation): the whole
+chunks after the knowledge base's whole chunks, keyed in the conversation's namespace, at
+the conversation's home edge in the worker's region (rendezvous hashing on the
+conversation's first key among the region's edges). The next turn, wherever it lands:
+- `find` asks each region's home edge for the longest held prefix of the prompt's keys,
+  the worker's own region first, then the regions it is told the conversation was in, then
+  the others nearest first, with a lookup (no KV moves) and stops at the first that holds
+  any of it;
+- `worth_fetching` weighs fetching those chunks over the link against recomputing them
+  (the worker's measured prefill rate; the topology's latency and bandwidth to that region);
+- `fetch` brings the held prefix from that edge, every chunk's frame verified and its key
+  and namespace the ones asked for (no manifest vouches for conversation KV: its frame does).
+A dead or slow home edge costs one timeout (kdn.core.rpc.Unreachable) and the turn is
+recomputed; nothing else is caught.
+"""
+import collections
+import time
+from dataclasses import dataclass
+
+from kdn.core.conversation import (conversation_keys, conversation_namespace, conversation_scope,
+                                   first_key)
+from kdn.core.chunk import cut
+from kdn.core.errors import FrameError, NetworkError, PlacementError
+from kdn.core.keys import CHUNK_TOKENS
+from kdn.core.rpc import Unreachable
+
+LOOKUP_TIMEOUT_S = 2.0
+STORE_TIMEOUT_S = 30.0
+FETCH_TIMEOUT_S = 4.0
+FETCH_TIMEOUT_PER_MB_S = 0.02
+
+
+@dataclass
+class Found:
+    """Where a prompt's conversation KV is held: the home edge, its region, the scope and
+    namespace, the keys from start_chunk on, and how many of them the edge holds."""
+    edge: str
+    region: str
+    scope: str
+    ns: bytes
+    keys: list
+    start_chunk: int
+    held: int
+
+
+class History:
+    """Conversation KV of one tenant and model through a network view (see the module)."""
+
+    def __init__(self, view, tenant: str, fingerprint: str, token: str = None,
+                 chunk_tokens: int = CHUNK_TOKENS):
+        self.view, self.tenant, self.fingerprint = view, tenant, fingerprint
+        self.token, self.chunk_tokens = token, chunk_tokens
+        self.counters = collections.Counter()
+
+    def home(self, tokens, start_chunk: int, region: str, salt: str = None):
+        """(edge, scope, ns) of the prompt's conversation in region, or None when the prompt
+        has no whole chunk after start_chunk (or the region has no edge)."""
+        key = first_key(tokens, self.tenant, self.fingerprint, start_chunk, self.chunk_tokens)
+        if key is None:
+            return None
+        try:
+            edge = self.view.ring.owners_in(key, region)[0]
+        except PlacementError:            # no edge in that region (any more)
+            return None
+        scope = conversation_scope(edge, salt)
+        return edge, scope, conversation_namespace(self.tenant, self.fingerprint, scope)
+
+    def regions(self, hints=()) -> list:
+        """Regions to look in: this worker's, the hinted ones, then the rest nearest first."""
+        here = self.view.region
+        rest = sorted((r for r in self.view.topology.regions if r != here),
+                      key=lambda r: self.view.topology.latency_ms(r, here))
+        out = [here] + [r for r in hints if r in rest]
+        return out + [r for r in rest if r not in out]
+
+    def find(self, tokens, start_chunk: int, salt: str = None, hints=()) -> "Found | None":
+        """The first region's home edge (see regions()) holding a prefix of the prompt's
+        conversation keys from start_chunk; None when none does."""
+        for region in self.regions(hints):
+            home = self.home(tokens, start_chunk, region, salt)
+            if home is None:
+                continue
+            edge, scope, ns = home
+            keys = conversation_keys(tokens, ns, self.chunk_tokens)[start_chunk:]
+            try:
+                held = self.view.edge_at(edge, "conversation_lookup", keys, ns, self.tenant,
+                                         self.fingerprint, scope, token=self.token,
+                                         timeout=LOOKUP_TIMEOUT_S)
+            except Unreachable:
+                self.counters["lookup_unreachable"] += 1
+                continue
+            if held:
+                self.counters["found_" + ("here" if region == self.view.region else "away")] += 1
+                return Found(edge, region, scope, ns, keys, start_chunk, held)
+        self.counters["not_found"] += 1
+        return None
+
+    def worth_fetching(self, found: Found, chunk_bytes: int, prefill_tokens_per_s: float) -> bool:
+        """Whether fetching found's chunks beats recomputing them: transfer over the link
+        (the topology's latency and bandwidth between the regions) against prefill at the
+        worker's measured rate. In the worker's own region it always is."""
+        if found.region == self.view.region or not prefill_tokens_per_s:
+            return True
+        topo = self.view.topology
+        fetch_s = topo.latency_ms(self.view.region, found.region) / 1000.0 + \
+            topo.transfer_time(found.region, self.view.region, found.held * chunk_bytes)
+        recompute_s = found.held * self.chunk_tokens / prefill_tokens_per_s
+        return fetch_s < recompute_s
+
+    def fetch(self, found: Found) -> list:
+        """The verified chunks of found's held prefix, in order (fewer when the edge lost
+        some since the lookup; [] when it is unreachable)."""
+        keys = found.keys[:found.held]
+        t0 = time.perf_counter()
+        try:
+            reply = self.view.edge_at(found.edge, "conversation_fetch", keys, found.ns, self.tenant,
+                                      self.fingerprint, found.scope, token=self.token,
+                                      timeout=FETCH_TIMEOUT_S)
+            refs = reply["refs"]
+            objs = self.view.actors.get_sync(found.edge, refs, timeout=self._timeout(reply)) if refs else []
+        except Unreachable:
+            self.counters["fetch_unreachable"] += 1
+            return []
+        chunks = []
+        for key, obj in zip(keys, objs):
+            if obj.key != key or obj.ns != found.ns:
+                raise NetworkError(f"edge {found.edge} answered a conversation chunk that is not "
+                                   "the one asked for")
+            try:
+                chunk = obj.decode()
+                chunk.verify(None)
+            except FrameError:
+                self.counters["corrupt_chunks"] += 1
+                break
+            chunks.append(chunk)
+        self.counters["fetches"] += 1
+        self.counters["chunks_fetched"] += len(chunks)
+        self.counters["fetch_s"] += time.perf_counter() - t0
+        return chunks
+
+    @staticmethod
+    def _timeout(reply) -> float:
+        return FETCH_TIMEOUT_S + FETCH_TIMEOUT_PER_MB_S * reply.get("bytes", 0) / 1e6
+
+    def store(self, tokens, kv, start_chunk: int, first_new_chunk: int, salt: str = None,
+              retention: str = None) -> dict:
+        """Keep the whole chunks of tokens from first_new_chunk on (those the worker computed;
+        the ones before it were fetched and are held already) at the home edge in this
+        worker's region. kv: the KV of tokens[first_new_chunk * chunk_tokens:] as far as it
+        goes, [layers, 2, kv_heads, T, head_dim]. retention: prompt_cache_retention, which the
+        edge turns into an idle TTL within the tenant's bounds. {"edge", "chunks" kept,
+        "tokens" covered}."""
+        home = self.home(tokens, start_chunk, self.view.region, salt)
+        n_whole = len(tokens) // self.chunk_tokens
+        first = max(start_chunk, first_new_chunk)
+        if home is None or n_whole <= first:
+            return {"edge": None, "chunks": 0, "tokens": 0}
+        edge, scope, ns = home
+        keys = conversation_keys(tokens, ns, self.chunk_tokens)[first:n_whole]
+        span = (n_whole - first) * self.chunk_tokens
+        offset = (first - first_new_chunk) * self.chunk_tokens
+        chunks = cut(kv[:, :, :, offset:offset + span], keys, ns, self.chunk_tokens)
+        try:
+            kept = self.view.edge_at(edge, "put_conversation", chunks, self.tenant, self.fingerprint,
+                                     scope, retention, token=self.token, timeout=STORE_TIMEOUT_S)
+        except Unreachable:
+            self.counters["store_unreachable"] += 1
+            return {"edge": edge, "chunks": 0, "tokens": 0}
+        self.counters["stored_chunks"] += kept
+        return {"edge": edge, "chunks": kept, "tokens": n_whole * self.chunk_tokens}

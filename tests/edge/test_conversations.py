@@ -1,0 +1,210 @@
+"""edge/conversations.py: the conversation tier's budgets per tenant, its own capacity, the idle
+TTL renewed by reads, first bytes kept, the operator's settings applied at once."""
+import pytest
+
+from kdn.core.errors import BadRequest
+from kdn.edge.conversations import Conversations
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class Held:                       # what the tier needs of edge/tiers.Held
+    def __init__(self, key, ns=b"n" * 16, nbytes=100, tag=""):
+        self.key, self.ns, self.nbytes, self.tag = key, ns, nbytes, tag
+
+
+def key(i):
+    return i.to_bytes(16, "big")
+
+
+def tier(**kw):
+    clock = Clock()
+    return Conversations(kw.pop("capacity", 1000), clock=clock, **kw), clock
+
+
+def test_a_tenant_over_its_budget_loses_its_own_oldest_chunks_and_nobody_elses():
+    c, _ = tier(capacity=10_000, default_budget_bytes=300)
+    for i in range(3):
+        assert c.put("a", key(i), Held(key(i)))
+    assert c.put("b", key(100), Held(key(100)))
+    assert c.put("a", key(3), Held(key(3)))                  # a is at its 300: its oldest goes
+    assert [k for k in (key(0), key(1), key(2), key(3)) if k in c] == [key(1), key(2), key(3)]
+    assert key(100) in c
+    s = c.stats()
+    assert s["tenant_bytes"] == {"a": 300, "b": 100} and s["conv_evicted_budget"] == 1
+
+
+def test_the_tiers_capacity_evicts_the_least_recently_used_of_anyone():
+    c, clock = tier(capacity=300)
+    c.put("a", key(1), Held(key(1)))
+    clock.t += 1
+    c.put("b", key(2), Held(key(2)))
+    clock.t += 1
+    c.put("a", key(3), Held(key(3)))
+    assert c.get(key(1)) is not None                           # read: now the most recent
+    c.put("b", key(4), Held(key(4)))
+    assert key(2) not in c and all(k in c for k in (key(1), key(3), key(4)))
+    assert c.stats()["conv_evicted_capacity"] == 1 and c.stats()["bytes"] == 300
+
+
+def test_an_idle_ttl_expires_chunks_and_every_read_renews_it():
+    c, clock = tier(default_ttl_s=60)
+    c.put("a", key(1), Held(key(1)))
+    c.put("a", key(2), Held(key(2)))
+    clock.t += 50
+    assert c.get(key(1)) is not None                           # renewed at t+50
+    clock.t += 20                                              # key 2 idle 70 s, key 1 idle 20 s
+    assert c.get(key(2)) is None and c.peek(key(1)) is not None
+    clock.t += 41
+    assert c.sweep() == 1 and c.stats()["chunks"] == 0 and c.stats()["bytes"] == 0
+    assert c.stats()["conv_expired"] == 2
+
+
+def test_retention_asks_within_the_tenants_bounds():
+    c, clock = tier(default_ttl_s=60)
+    c.set_policy("a", max_ttl_s=600)
+    c.put("a", key(1), Held(key(1)), "24h")                   # a day, capped at the tenant's 600 s
+    c.put("a", key(2), Held(key(2)), "in_memory")             # the tenant's 60 s
+    clock.t += 300
+    assert key(1) in c and key(2) not in c
+    clock.t += 301
+    assert key(1) not in c
+    with pytest.raises(BadRequest, match="prompt_cache_retention must be one of in_memory, 24h"):
+        c.put("a", key(3), Held(key(3)), "forever")
+    assert key(3) not in c
+
+
+def test_the_first_bytes_stored_under_a_key_are_kept():
+    c, _ = tier()
+    first, second = Held(key(1), tag="first"), Held(key(1), tag="second")
+    assert c.put("a", key(1), first) and c.put("a", key(1), second)
+    assert c.get(key(1)).tag == "first" and c.stats()["bytes"] == 100
+
+
+def test_a_read_of_another_namespace_is_a_miss_that_renews_nothing():
+    c, clock = tier(default_ttl_s=60)
+    c.put("a", key(1), Held(key(1), ns=b"a" * 16))
+    clock.t += 59
+    assert c.get(key(1), ns=b"b" * 16) is None
+    clock.t += 2
+    assert c.get(key(1), ns=b"a" * 16) is None                 # not renewed by the other's read
+
+
+def test_the_operators_settings_apply_at_once_and_bad_ones_are_refused():
+    c, clock = tier(capacity=10_000, default_ttl_s=600)
+    for i in range(5):
+        c.put("a", key(i), Held(key(i)))
+    assert c.set_policy("a", budget_bytes=200)["budget_bytes"] == 200
+    assert c.stats()["tenant_bytes"] == {"a": 200}             # the three oldest went now
+    clock.t += 100
+    c.set_policy("a", ttl_s=50)                                # idle 100 s > 50 s: expired now
+    assert c.stats()["chunks"] == 0
+    for bad in ({"ttl_s": 0}, {"ttl_s": float("nan")}, {"budget_bytes": -1}, {"max_ttl_s": 10 ** 9}):
+        with pytest.raises(BadRequest):
+            c.set_policy("a", **bad)
+    assert c.policy_of("a") == {"tenant": "a", "ttl_s": 50, "max_ttl_s": 86400.0, "budget_bytes": 200}
+
+
+def test_a_chunk_larger_than_the_budget_is_refused_not_flushing_everything():
+    c, _ = tier(capacity=10_000, default_budget_bytes=250)
+    c.put("a", key(1), Held(key(1)))
+    assert not c.put("a", key(2), Held(key(2), nbytes=300))
+    assert key(1) in c and c.stats()["conv_refused"] == 1
+
+
+def test_listing_and_dropping_a_tenants_conversations():
+    c, clock = tier(capacity=10_000)
+    c.put("a", key(1), Held(key(1), ns=b"x" * 16))
+    c.put("a", key(2), Held(key(2), ns=b"x" * 16))
+    clock.t += 5
+    c.put("a", key(3), Held(key(3), ns=b"y" * 16))
+    c.put("b", key(4), Held(key(4)))
+    got = c.listing("a")
+    assert [(d["ns"], d["chunks"], d["bytes"]) for d in got] == [(b"y".hex() * 16, 1, 100), (b"x".hex() * 16, 2, 200)]
+    assert got[1]["idle_s"] == 5
+    dropped = []
+    c.on_drop = dropped.append
+    assert c.drop_tenant("a") == 3 and sorted(dropped) == [key(1), key(2), key(3)]
+    assert c.listing("a") == [] and key(4) in c
+
+
+def test_a_conversation_loses_its_tail_before_its_head():
+    c, _ = tier(capacity=300)
+    assert c.put_prefix("a", [(key(i), Held(key(i))) for i in range(4)]) == 3   # the first fit last
+    assert [i for i in range(4) if key(i) in c] == [0, 1, 2]
+    got = c.get_prefix([key(0), key(1), key(2), key(3)], b"n" * 16)
+    assert [h.key for h in got] == [key(0), key(1), key(2)]
+    c.put("a", key(9), Held(key(9)))                             # room: the tail goes again
+    assert [i for i in range(3) if key(i) in c] == [0, 1]
+
+
+# --- the edge's RPCs over the tier (a real EdgeNode outside Ray: the `kit` fixture) ----------
+ADMIN, ACME, BETA = "admin-0123456789abcdef", "acme-0123456789abcdef", "beta-0123456789abcdef"
+AUTH = {"admin": ADMIN, "readers": {"acme": ACME, "beta": BETA}}
+
+
+def conversation(kit, n=3, tenant="acme", salt=None, home="here-0"):
+    from kdn.core.conversation import conversation_namespace, conversation_scope
+    scope = conversation_scope(home, salt)
+    ns = conversation_namespace(tenant, "fp", scope)
+    return scope, ns, kit.make_chunks(n, ns=ns)
+
+
+def test_a_worker_keeps_a_conversation_at_its_home_edge_and_reads_it_back(kit):
+    import asyncio
+    from kdn.edge.metrics import EdgeMetrics  # noqa: F401 - exported below
+    edge = kit.local_edge([], auth=AUTH)
+    scope, ns, chunks = conversation(kit)
+    keys = [c.key for c in chunks]
+    assert asyncio.run(edge.put_conversation(chunks, "acme", "fp", scope, token=ACME)) == 3
+    assert asyncio.run(edge.conversation_lookup(keys, ns, "acme", "fp", scope, token=ACME)) == 3
+    got = asyncio.run(edge.conversation_fetch(keys + [bytes(16)], ns, "acme", "fp", scope, token=ACME))
+    assert [o.key for o in got["refs"]] == keys and got["bytes"] == sum(c.nbytes for c in chunks)
+    assert all(o.kv.tobytes() == c.kv.tobytes() for o, c in zip(got["refs"], chunks))
+    m = samples(edge)
+    assert m[("kdn_edge_conversation_bytes", (("tenant", "acme"),))] == got["bytes"]
+    assert m[("kdn_edge_conversation_reads_total", (("outcome", "hit"),))] == 3
+    listed = asyncio.run(edge.conversations_of("acme", token=ACME))
+    assert listed["conversations"][0]["chunks"] == 3 and listed["policy"]["ttl_s"] == 1800.0
+
+
+def test_another_tenants_token_a_foreign_namespace_or_home_is_refused_and_nothing_is_stored(kit):
+    import asyncio
+    from kdn.core.errors import AccessDenied, BadRequest
+    edge = kit.local_edge([], auth=AUTH)
+    scope, ns, chunks = conversation(kit)
+    keys = [c.key for c in chunks]
+    with pytest.raises(AccessDenied):
+        asyncio.run(edge.put_conversation(chunks, "acme", "fp", scope, token=BETA))
+    with pytest.raises(AccessDenied):
+        asyncio.run(edge.put_conversation(chunks, "acme", "fp", scope))
+    with pytest.raises(BadRequest, match="of another namespace"):   # chunks keyed for beta's claim
+        asyncio.run(edge.put_conversation(chunks, "beta", "fp", scope, token=BETA))
+    away_scope, _, away = conversation(kit, home="far-0")
+    with pytest.raises(BadRequest, match="the conversation's home is edge 'far-0', not 'here-0'"):
+        asyncio.run(edge.put_conversation(away, "acme", "fp", away_scope, token=ACME))
+    with pytest.raises(BadRequest, match="prompt_cache_retention must be one of"):
+        asyncio.run(edge.put_conversation(chunks, "acme", "fp", scope, "1w", token=ACME))
+    assert edge.conversations.stats()["chunks"] == 0
+    asyncio.run(edge.put_conversation(chunks, "acme", "fp", scope, token=ACME))
+    with pytest.raises(AccessDenied):                               # beta reading acme's
+        asyncio.run(edge.conversation_fetch(keys, ns, "acme", "fp", scope, token=BETA))
+    with pytest.raises(BadRequest, match="ns is not the namespace"):
+        asyncio.run(edge.conversation_fetch(keys, ns, "beta", "fp", scope, token=BETA))
+    with pytest.raises(AccessDenied):
+        asyncio.run(edge.drop_conversations("acme", token=ACME))    # an operator's call
+    assert asyncio.run(edge.drop_conversations("acme", token=ADMIN)) == 3
+
+
+def samples(edge) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    from kdn.edge.metrics import EdgeMetrics
+    text = EdgeMetrics(edge).exposition().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}

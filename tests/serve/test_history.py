@@ -1,0 +1,118 @@
+"""Conversation KV end to end on a real 3-region network with the real model (kdn.serve.chat,
+kdn.client.history, edge/conversations.py): a turn's KV is kept at its home edge after the
+answer, the next turn reads it and computes only the rest with greedy tokens identical to a
+full prefill, in another region too; tenants and salts never read each other's; an idle TTL
+empties it."""
+import time
+
+import pytest
+
+from kdn.client import Client
+from kdn.client.publish import publish_documents
+from kdn.core.errors import AccessDenied
+from kdn.serve.chat import Chat, stream
+
+ADMIN = "admin-secret-0123456789abcdef"
+ACME, BETA = "acme-read-token-0123456789", "beta-read-token-0123456789"
+TOOL = " ".join(f"Row {i}: sensor {i % 7} read {20 + i % 13} degrees at {i % 24}:00." for i in range(40))
+KB_TEXT = " ".join(f"Section {i} of the handbook says badge {i} opens door {100 + i}." for i in range(30))
+
+
+@pytest.fixture(scope="module")
+def net(small_network, model):
+    n = small_network(auth={"admin": ADMIN, "readers": {"acme": ACME, "beta": BETA}},
+                      capacity_bytes=128 << 20, timeout_s=240)
+    admin = Client(network=n.name, region="us-east", tenant="acme", fingerprint=model.fingerprint,
+                   admin_token=ADMIN)
+    publish_documents(admin, model, "handbook", [("handbook.md", KB_TEXT)])
+    return n
+
+
+def chat(net, model, tenant="acme", token=ACME, region="us-east"):
+    return Chat(model, Client(network=net.name, region=region, tenant=tenant,
+                              fingerprint=model.fingerprint, token=token))
+
+
+def answer(c, turn, max_tokens=12):
+    steps = list(c.stream(turn.prompt, turn.cache, turn.cached, max_tokens))
+    return [s.token for s in steps if s.token is not None], "".join(s.text for s in steps)
+
+
+def full_prefill(model, prompt, max_tokens=12):
+    return [s.token for s in stream(model, prompt, None, 0, max_tokens) if s.token is not None]
+
+
+def two_turns(c, manifest=None, salt=None):
+    """Turn 1 answered and kept; the messages of turn 2 (history, answer, a new question)."""
+    first = [{"role": "user", "content": "Here is the tool output:\n" + TOOL + "\nWhich sensor is warmest?"}]
+    t1 = c.begin(manifest, first, 12, salt=salt)
+    tokens, text = answer(c, t1)
+    kept = c.keep(t1, tokens, text)
+    second = first + [{"role": "assistant", "content": text},
+                      {"role": "user", "content": "And which is coldest? One word."}]
+    return t1, kept, second
+
+
+def test_a_plain_chats_next_turn_reads_the_history_and_answers_as_a_full_prefill(net, model):
+    c = chat(net, model)
+    t1, kept, second = two_turns(c)
+    assert t1.cached == 0 and kept["chunks"] == len(t1.prompt) // 256 >= 2
+    t2 = c.begin(None, second, 12)
+    assert t2.history.get("fetched") and t2.history["region"] == "us-east", (c.history.counters, c.counters)
+    assert t2.cached == kept["tokens"] and t2.cached >= len(t1.prompt) - 255   # all but the last partial chunk
+    tokens, _ = answer(c, t2)
+    assert tokens == full_prefill(model, t2.prompt)
+    assert c.counters["history_hits"] == 1 and c.counters["cached_tokens"] == t2.cached
+
+
+def test_a_kbs_conversation_keeps_only_its_own_chunks_after_the_kbs(net, model):
+    c = chat(net, model)
+    m = c.client.manifest("handbook")
+    t1, kept, second = two_turns(c, m)
+    kb_whole = len(m.token_ids()) // 256
+    assert t1.cached == len(m.token_ids())                       # the KB from KDN, as before
+    assert kept["chunks"] == len(t1.prompt) // 256 - kb_whole >= 1
+    t2 = c.begin(m, second, 12)
+    assert t2.cached == len(t1.prompt) // 256 * 256 > len(m.token_ids())
+    tokens, _ = answer(c, t2)
+    assert tokens == full_prefill(model, t2.prompt)
+
+
+def test_another_region_reads_the_history_across_and_answers_the_same(net, model):
+    home = chat(net, model, region="us-east")
+    _, kept, second = two_turns(home, salt="across")
+    away = chat(net, model, region="ap-south")
+    t2 = away.begin(None, second, 12, salt="across", hints=("us-east",))
+    assert t2.history == {"region": "us-east", "edge": kept["edge"], "fetched": True,
+                          "chunks": kept["chunks"]}
+    assert answer(away, t2)[0] == full_prefill(model, t2.prompt)
+
+
+def test_no_tenant_and_no_salt_reads_another_ones_history(net, model):
+    acme = chat(net, model)
+    _, kept, second = two_turns(acme, salt="alice")
+    assert kept["chunks"] >= 2
+    assert chat(net, model).begin(None, second, 12, salt="alice").cached == kept["tokens"]
+    assert chat(net, model).begin(None, second, 12, salt="bob").cached == 0          # another salt
+    assert chat(net, model).begin(None, second, 12).cached == 0                       # no salt
+    beta = chat(net, model, tenant="beta", token=BETA)
+    assert beta.begin(None, second, 12, salt="alice").cached == 0    # a copied salt, another token
+    # beta's token naming acme's conversation is refused by the home edge itself
+    found = acme.history.find(second and acme.begin(None, second, 12, salt="alice").prompt, 0, "alice")
+    with pytest.raises(AccessDenied):
+        beta.client.view.edge_at(found.edge, "conversation_lookup", found.keys, found.ns, "acme",
+                                 model.fingerprint, found.scope, token=BETA)
+
+
+def test_an_idle_ttl_empties_the_home_edge(net, model):
+    c = chat(net, model)
+    _, kept, second = two_turns(c, salt="short-lived")
+    view = c.client.view
+    view.edge_at(kept["edge"], "set_conversation_policy", "acme", ttl_s=1.0, token=ADMIN)
+    time.sleep(2.5)                                                  # past the TTL; the edge sweeps each second
+    held = view.edge_at(kept["edge"], "conversations_of", "acme", token=ADMIN)
+    assert held["conversations"] == [] and held["policy"]["ttl_s"] == 1.0
+    assert chat(net, model).begin(None, second, 12, salt="short-lived").cached == 0
+    view.edge_at(kept["edge"], "set_conversation_policy", "acme", ttl_s=1800.0, token=ADMIN)
+
+
