@@ -66,10 +66,18 @@ def _int(value, what, lo=0, hi=None):
 
 
 def _str(value, what, maxlen=1024):
-    """value if a non-empty str of at most maxlen characters, none of them one that rewrites
-    what a terminal shows (kdn.core.names.unsafe_char), else ManifestError naming it."""
-    if not isinstance(value, str) or not value or len(value) > maxlen:
-        raise ManifestError(f"{what} must be a non-empty str of at most {maxlen} chars, got {value!r:.200}")
+    """value if a non-empty str of at most maxlen characters without NUL, else ManifestError."""
+    if not isinstance(value, str) or not value or len(value) > maxlen or "\0" in value:
+        raise ManifestError(f"{what} must be a non-empty str of at most {maxlen} chars without NUL, "
+                            f"got {value!r:.200}")
+    return value
+
+
+def _shown(value, what):
+    """value unless it holds a character that rewrites what a terminal shows
+    (kdn.core.names.unsafe_char), else ManifestError naming it. Checked where a name is new
+    (Manifest.build, the origin's commit: Manifest.check_names), not where a stored manifest
+    is read back, so a KB published before the rule stays readable."""
     if unsafe_char(value):
         raise ManifestError(f"{what} {value!r:.200} holds {unsafe_char(value)}; names may not hold "
                             f"control or bidirectional-control characters")
@@ -327,7 +335,16 @@ class Manifest:
         return cls(name=name, version=version, tenant=tenant, fingerprint=fingerprint, layout=layout,
                    chunk_tokens=chunk_tokens, n_tokens=pos, documents=tuple(docs), keys=tuple(keys),
                    created=time.time() if created is None else created, meta=dict(meta or {}),
-                   tokens=stream.astype("<u4").tobytes())
+                   tokens=stream.astype("<u4").tobytes()).check_names()
+
+    def check_names(self) -> "Manifest":
+        """self, unless its fingerprint or a document name holds a character that rewrites what
+        a terminal shows (ManifestError naming the name and the character): what a new
+        manifest must pass (build, the origin's commit); a stored one is read back as it is."""
+        _shown(self.fingerprint, "manifest fingerprint")
+        for d in self.documents:
+            _shown(d.name, "document name")
+        return self
 
     # --- wire / disk -------------------------------------------------------------------
     def to_dict(self) -> dict:
