@@ -19,10 +19,8 @@ from kdn.core.keys import CHUNK_TOKENS, MAX_FETCH_KEYS, as_token_array, namespac
 from kdn.core.manifest import Manifest, best_prefix
 from kdn.core.names import source_holder, source_kind
 from kdn.core.rpc import Unreachable
-from kdn.core.transfer import check_accept
+from kdn.core.transfer import check_accept, fetch_deadline_s
 
-FETCH_TIMEOUT_S = 4.0          # a fetch: base ...
-FETCH_TIMEOUT_PER_MB_S = 0.02  # ... plus this per expected MB (slow WAN links)
 CHUNK_BYTES_ESTIMATE = 64 << 20  # generous: the timeout must not cut a slow but healthy transfer
 MAX_CORRUPT_RETRIES = 2        # fetches repeated after dropping corrupt copies
 MANIFEST_TTL_S = 5.0           # a reader's cached manifests are this fresh (Ray and HTTP alike)
@@ -188,7 +186,8 @@ class Reader:
         return out
 
     def _timeout(self, n_keys: int) -> float:
-        return FETCH_TIMEOUT_S + FETCH_TIMEOUT_PER_MB_S * n_keys * CHUNK_BYTES_ESTIMATE / 1e6
+        """One edge's deadline for n_keys chunks of unknown size (kdn.core.transfer)."""
+        return fetch_deadline_s(n_keys, n_keys * CHUNK_BYTES_ESTIMATE)
 
     def _receive(self, keys, expected: dict, timeout_s: float = None, claim: bool = False) -> _Received:
         """The longest verified prefix of keys, over as many edge replies as it takes.

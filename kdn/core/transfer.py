@@ -9,6 +9,10 @@ The policy: a reader takes lossless codecs unless it accepts lossy ones by name
 (check_accept); an edge may store any codec, lossy as an operator's deliberate choice, and
 the origin only lossless ones, because it keeps the exact KV every copy is checked against
 (check_store_codec).
+
+The deadline: how long a reader waits for one edge's answer before failing over to the next
+(fetch_deadline_s) grows with the work asked, keys and bytes, never a fixed figure that a
+large request cannot meet on a healthy edge.
 """
 import numpy as np
 
@@ -36,6 +40,24 @@ PROFILE = {
     "k4v3z": {"ratio": {"float32": 8.73, "float16": 4.36, "bfloat16": 4.36},
               "encode_gbps": 0.6, "decode_gbps": 3.2},
 }
+
+
+# A reader's deadline for one edge's answer: a healthy edge on a busy 2-core machine meets
+# it, a hung one costs a bounded time proportional to the work asked. A fixed 4 s (+ bytes)
+# had a load of 16,384 small objects (10-40 s of healthy work) fail over on every edge and
+# load nothing; hosts (kdn.engines.objects) also split large loads so one answer stays short.
+DEADLINE_BASE_S = 4.0          # any call: Ray's dispatch, an actor's queue on a busy machine
+DEADLINE_PER_KEY_S = 0.005     # per key: 2-20x the 0.25-2.4 ms measured for small objects
+                               # (warm refs; cold ones, 2 cores at a load average of 10-15)
+DEADLINE_PER_MB_S = 0.02       # per MB: 50 MB/s, a slow WAN link
+
+
+def fetch_deadline_s(n_keys: int, nbytes: int = 0) -> float:
+    """Seconds one edge gets to answer a request naming n_keys keys that carries about
+    nbytes: DEADLINE_BASE_S + DEADLINE_PER_KEY_S a key + DEADLINE_PER_MB_S a MB."""
+    if n_keys < 0 or nbytes < 0:
+        raise BadRequest(f"a deadline for {n_keys} keys and {nbytes} bytes: both must be >= 0")
+    return DEADLINE_BASE_S + DEADLINE_PER_KEY_S * n_keys + DEADLINE_PER_MB_S * nbytes / 1e6
 
 
 MIN_GAIN = 0.9   # re-encoding for a link must be estimated to take <= 90% of sending raw

@@ -17,8 +17,11 @@ durable there, one fsync batch a call, and pushes them to their ring owners in t
 background); a lookup asks the nearest live edge, which answers for itself and asks the
 origin for the rest (`holds`); a load fetches from the nearest live edge (kdn.client.reader:
 failover, pull-through), which serves what it lacks from the ring owners and the origin, so
-a load right after a store finds the object even before its push arrives. An object that
-does not arrive intact is reported not loaded (the host recomputes it): never a wrong byte.
+a load right after a store finds the object even before its push arrives. Loads and lookups
+go in batches, each under the deadline of its keys and bytes (kdn.core.transfer), so a load
+of the most keys a fetch may name meets its deadlines on healthy edges, and a batch no edge
+answers ends a load with what arrived. An object that does not arrive intact is reported
+not loaded (the host recomputes it): never a wrong byte.
 Every call here blocks; hosts run them off their engine's thread.
 
 Tokens, least privilege: writes (store, delete) carry the admin token; reads carry the
@@ -43,15 +46,18 @@ import xxhash
 from kdn.core.chunk import Chunk
 from kdn.core.dtypes import OPAQUE
 from kdn.core.errors import AccessDenied, BadConfig, FrameError, NoLiveEdge
-from kdn.core.keys import MAX_FETCH_KEYS, namespace_digest
+from kdn.core.keys import namespace_digest
+from kdn.core.transfer import fetch_deadline_s
 
 TRAILER = 8                      # xxh3_64 of the object, after its bytes
 PUT_BATCH_BYTES = 256 << 20         # one put_objects call carries at most this much
 BATCH_OBJECTS = 1024
 STORE_TIMEOUT_S = 30.0           # a store batch (retried while the origin restarts)
-LOAD_TIMEOUT_S = 4.0             # a load: base ...
-LOAD_TIMEOUT_PER_MB_S = 0.02     # ... plus this per MB (slow WAN links)
-HAS_TIMEOUT_S = 5.0
+# A load or lookup asks in batches of at most these, each under its own deadline (that of its
+# keys and bytes: kdn.core.transfer.fetch_deadline_s): a hung edge costs one batch's deadline
+# (then it is tried last), and a batch no edge answers loses only itself and what follows.
+READ_BATCH_KEYS = 1024           # a 9.1 s deadline; 0.3-2.5 s healthy (small objects, 2 busy cores)
+READ_BATCH_BYTES = 512 << 20     # within an edge's reply bound (1 GiB): one answer a batch
 _BLOCK = 1 << 20                 # copy+hash block: fits L2, so the copy reads from cache
                                  # (loads of 32 x 8 MiB from the local edge: 1 MiB 41 ms, 256 KiB 46)
 _TRAILER = struct.Struct("<Q")
@@ -168,6 +174,20 @@ def unpack_into(chunk: Chunk, out) -> bool:
     return h.intdigest() == _TRAILER.unpack(kv[dst.size:].tobytes())[0]
 
 
+def read_batch(sizes: list, todo: list, max_keys: int = None, max_bytes: int = None) -> int:
+    """How many of todo's leading objects (indices into sizes, their bytes) one fetch asks
+    for: at most max_keys (READ_BATCH_KEYS) and max_bytes (READ_BATCH_BYTES), at least one."""
+    max_keys = READ_BATCH_KEYS if max_keys is None else max_keys
+    max_bytes = READ_BATCH_BYTES if max_bytes is None else max_bytes
+    n, total = 0, 0
+    for i in todo[:max_keys]:
+        total += sizes[i] + TRAILER
+        if n and total > max_bytes:
+            break
+        n += 1
+    return n
+
+
 class Objects:
     """Store, look up and load opaque objects through one network view (kdn.client.view).
 
@@ -261,12 +281,12 @@ class Objects:
         answers, AccessDenied when the read is refused."""
         held = [False] * len(keys)
         tenant, fingerprint = self._names[ns]            # namespace() named it
-        for s in range(0, len(keys), MAX_FETCH_KEYS):
-            part = keys[s:s + MAX_FETCH_KEYS]
+        for s in range(0, len(keys), READ_BATCH_KEYS):
+            part = keys[s:s + READ_BATCH_KEYS]
             with self._reads_of(tenant):
                 here, _, _ = self.view.edge("holds", part, ns, token=self.read_tokens.get(tenant),
                                             tenant=tenant, fingerprint=fingerprint,
-                                            timeout=HAS_TIMEOUT_S)
+                                            timeout=fetch_deadline_s(len(part)))
             held[s:s + len(part)] = here
         self.counters["lookups"] += 1
         self.counters["lookup_keys"] += len(keys)
@@ -316,35 +336,51 @@ class Objects:
         loaded intact. A key nobody holds, an object that fails its checksum or a network
         failure leaves it False: never a wrong byte reported loaded.
 
-        One fetch for up to MAX_FETCH_KEYS keys: fetching in smaller groups, one group's
-        fetch overlapping another's unpacking, measured slower (56 and 70 ms for 32 x 8 MiB in
-        64 and 32 MiB groups, against 46 ms in one: each call and its Ray transfer cost more
-        than the overlap wins on two cores)."""
+        In batches (read_batch: READ_BATCH_KEYS keys, READ_BATCH_BYTES), one fetch each
+        under the deadline of its keys and bytes. A batch no edge answers in time ends the
+        load: what earlier batches loaded stands (a partial answer), the rest is counted
+        load_no_edge and recomputed by the host. Fewer, larger fetches: smaller groups, one
+        group's fetch overlapping another's unpacking, measured slower (56 and 70 ms for
+        32 x 8 MiB in 64 and 32 MiB groups, against 46 ms in one: each call and its Ray
+        transfer cost more than the overlap wins on two cores)."""
         ok = [False] * len(keys)
+        sizes = [as_bytes(o).nbytes for o in outs]
         todo = list(range(len(keys)))
         reader = self._reader(ns)
         while todo:
-            part = todo[:MAX_FETCH_KEYS]
-            mb = sum(as_bytes(outs[i]).nbytes for i in part) / 1e6
+            part = todo[:read_batch(sizes, todo)]
+            nbytes = sum(sizes[i] + TRAILER for i in part)
             try:
                 with self._reads_of(reader.tenant):
                     got = reader.fetch_objects([keys[i] for i in part],
-                                               timeout_s=LOAD_TIMEOUT_S + LOAD_TIMEOUT_PER_MB_S * mb)
-            except NoLiveEdge:
-                self.counters["load_no_edge"] += len(part)
+                                               timeout_s=fetch_deadline_s(len(part), nbytes))
+            except NoLiveEdge:        # every edge failed or timed out on this batch
+                self.counters["load_no_edge"] += len(todo)
                 break
-            for i, good in zip(part, _UNPACK.map(self._unpacked, got.chunks,
-                                                 [outs[i] for i in part[:len(got.chunks)]])):
+            n = len(got.chunks)
+            for i, good in zip(part, self._unpack_all(got.chunks, [outs[i] for i in part[:n]])):
                 ok[i] = good
-            if got.chunks:
-                self.counters["from_edge:" + got.edge] += len(got.chunks)
+            if n:
+                self.counters["from_edge:" + got.edge] += n
             self.counters["load_failovers"] += len(got.failovers)
             # the prefix stopped at a key nobody holds (or a copy that stayed corrupt): skip it
-            todo = todo[len(got.chunks) + 1:] if len(got.chunks) < len(part) else todo[len(part):]
+            todo = todo[n + 1:] if n < len(part) else todo[len(part):]
         self.counters["loads"] += 1
         self.counters["load_keys"] += len(keys)
         self.counters["loaded"] += sum(ok)
         return ok
+
+    def _unpack_all(self, chunks, outs) -> list:
+        """Per chunk whether it unpacked intact into its out: two threads, each a share of
+        the chunks (one task a chunk cost more than the copy for small objects)."""
+        if len(chunks) < 2:
+            return [self._unpacked(c, o) for c, o in zip(chunks, outs)]
+        halves = _UNPACK.map(lambda s: [self._unpacked(c, o) for c, o in zip(chunks[s::2], outs[s::2])],
+                             (0, 1))
+        even, odd = halves
+        out = [None] * len(chunks)
+        out[0::2], out[1::2] = even, odd
+        return out
 
     def _unpacked(self, chunk, out) -> bool:
         try:

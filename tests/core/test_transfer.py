@@ -1,5 +1,6 @@
 """The link cost model and store/reader policy (kdn/core/transfer.py): which form crosses a link
-soonest, re-encoding only for a clear gain, a measured profile, who may store what."""
+soonest, re-encoding only for a clear gain, a measured profile, who may store what, and the
+one deadline readers give an edge, grown by the keys and bytes asked."""
 import numpy as np
 import pytest
 
@@ -66,3 +67,29 @@ def test_accept_names_codecs_and_defaults_to_lossless():
         kt.check_accept(["nope"])
     with pytest.raises(BadRequest, match="list of codec names"):
         kt.check_accept("zstd")
+
+
+def test_the_fetch_deadline_grows_with_keys_and_bytes():
+    base = kt.fetch_deadline_s(0)
+    assert base == kt.DEADLINE_BASE_S
+    assert kt.fetch_deadline_s(1000) == pytest.approx(base + 1000 * kt.DEADLINE_PER_KEY_S)
+    assert kt.fetch_deadline_s(0, 100_000_000) == pytest.approx(base + 100 * kt.DEADLINE_PER_MB_S)
+    # small objects at 2.4 ms a key (the worst measured, 2 busy cores): twice that fits, up to
+    # the most keys one fetch may name (~40 s of work, where a fixed 4 s + bytes did not)
+    from kdn.core.keys import MAX_FETCH_KEYS
+    for n in (1, 1024, MAX_FETCH_KEYS):
+        assert kt.fetch_deadline_s(n, n * 64) > 2 * n * 0.0024
+    with pytest.raises(BadRequest, match=">= 0"):
+        kt.fetch_deadline_s(-1)
+
+
+def test_readers_and_hosts_share_the_one_deadline():
+    """kdn.client.reader (KB chunks of unknown size) and kdn.engines.objects (objects of known
+    size) both take kdn.core.transfer's deadline; neither keeps a formula of its own."""
+    from kdn.client import reader
+    from kdn.engines import objects
+    r = reader.Reader.__new__(reader.Reader)
+    assert r._timeout(3) == kt.fetch_deadline_s(3, 3 * reader.CHUNK_BYTES_ESTIMATE)
+    for module in (reader, objects):
+        assert module.fetch_deadline_s is kt.fetch_deadline_s
+        assert not [n for n in vars(module) if "TIMEOUT_PER" in n or n.startswith("LOAD_TIMEOUT")]

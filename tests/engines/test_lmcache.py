@@ -7,7 +7,8 @@ exits 0 whatever happens, so its table is read. Then, in this process, through L
 ObjectKey and TensorMemoryObj: a key stored in us-east loaded in ap-south from ap-south's
 edge; two cache salts that cannot see each other's keys; an object whose bytes fail their
 checksum reported not loaded; usage, delete and the three event fds; bad adapter_params
-named; and last (it kills the network's eu-west edge) an edge killed during a load.
+named; a load of the most keys one fetch may name; and last (it kills the network's eu-west
+edge) an edge killed during a load.
 """
 import json
 import os
@@ -286,6 +287,37 @@ def test_lmcache_plugin_loader_builds_the_adapter_and_reports_bad_params(net):
     cfg.adapter_params = {"network": net.name, "regoin": "eu-west"}
     with pytest.raises(BadConfig, match="'regoin'"):
         create_l2_adapter(cfg)
+
+
+def test_a_load_of_the_documented_maximum_loads_every_key(adapters, net):
+    """MAX_FETCH_KEYS (16,384: the README's bound on one fetch) small objects, every edge
+    healthy: every key loads, with its bytes. A deadline that did not grow with the keys
+    (4 s) had every edge time out on them and LMCache recompute everything. The objects are
+    put straight into the loading region's edge (what the origin's push does, without the
+    origin's file a key, ~2 ms each here: a store of 16,384 through it takes most of a minute)."""
+    from kdn.core.keys import MAX_FETCH_KEYS
+    a = adapters("eu-west")
+    n, floats = MAX_FETCH_KEYS, 4                               # 16 bytes an object
+    keys = [key(1_000_000 + i) for i in range(n)]
+    datas = [np.full(floats, i, np.float32) for i in range(n)]
+    t0 = time.monotonic()
+    chunks = [pack(kdn_key, ns, d) for (ns, kdn_key), d in zip(a._ns_keys(keys), datas)]
+    edge = net.edge("eu-west-0")
+    for part in (chunks[s:s + 4096] for s in range(0, n, 4096)):
+        assert ray.get(edge.put_chunks.remote(part, token=ADMIN)) == len(part)
+    t1 = time.monotonic()
+    assert lookup(a, keys) == [True] * n                        # in batches too
+    t2 = time.monotonic()
+    outs = [memobj(floats, fill=-1.0) for _ in keys]
+    c = a.objects.counters
+    no_edge = c["load_no_edge"]
+    got = load(a, keys, outs)
+    print(f"seeded in {t1 - t0:.1f} s, looked up in {t2 - t1:.1f} s, loaded in "
+          f"{time.monotonic() - t2:.1f} s: {dict(c)}")
+    assert sum(got) == n, (sum(got), dict(c))
+    assert all(bytes(o.byte_array) == d.tobytes() for o, d in zip(outs, datas)), "wrong bytes loaded"
+    assert c["load_no_edge"] == no_edge, dict(c)
+    a.submit_unlock(keys)
 
 
 def test_an_edge_killed_during_a_load_never_yields_wrong_bytes(net, adapters):

@@ -1,15 +1,21 @@
 """Opaque objects in KDN (kdn.engines.objects) and their frames (kdn.core.chunk's dtype "opaque"):
 bytes and checksums round-trip, a corrupt or mis-sized object is never unpacked as good,
 frames say "opaque" and never a KV shape, only lossless codecs apply, a forged header is
-refused, namespaces separate tenants, layers and models, and bad settings name the field.
-No network: the paths through one are in test_lmcache.py and test_sglang.py."""
+refused, namespaces separate tenants, layers and models, and bad settings name the field;
+loads go in batches, each under the deadline of its keys and bytes, and a batch no edge
+answers keeps what arrived. No network (a simulated one at most): the paths through a real
+one are in test_lmcache.py and test_sglang.py."""
 import numpy as np
 import pytest
 
 from kdn.core.chunk import Chunk, Encoded, _frame_prefix, decode, encode, read_header
-from kdn.core.errors import BadConfig, BadHeader, BadLength, BadRequest, ChecksumMismatch, UnknownCodec
-from kdn.engines.objects import (TRAILER, Tenancy, check_params, object_key, object_namespace,
-                                 pack, read_tokens_of, unpack_into)
+from kdn.core.errors import (BadConfig, BadHeader, BadLength, BadRequest, ChecksumMismatch, NoLiveEdge,
+                             UnknownCodec)
+from kdn.core.keys import MAX_FETCH_KEYS
+from kdn.core.transfer import fetch_deadline_s
+from kdn.engines.objects import (READ_BATCH_BYTES, READ_BATCH_KEYS, TRAILER, Objects, Tenancy,
+                                 check_params, object_key, object_namespace, pack, read_batch,
+                                 read_tokens_of, unpack_into)
 
 NS = object_namespace("default", "lmcache", "m")
 KEY = object_key(NS, b"host-key")
@@ -118,3 +124,94 @@ def test_read_tokens_name_the_field_of_a_bad_one():
         read_tokens_of("acme", "", None, "p")
     with pytest.raises(BadConfig, match="'read_tokens'"):
         read_tokens_of("acme", None, {"beta": 7}, "p")
+
+
+# --- loads in batches, under deadlines of their work, through a simulated network -------------
+class SimulatedEdges:
+    """A network view (kdn.client.view's edge()) over edges that hold `held` (key -> Chunk) and
+    answer a fetch in `per_key_s` a key, or stall on a key in `stuck` (a hung pull-through):
+    an edge slower than the caller's deadline times out and the next is tried, as the real
+    view does; none in time is NoLiveEdge. No time passes: the clock is simulated."""
+
+    region, node_id = "eu-west", "node-0"
+
+    def __init__(self, held, per_key_s=0.0024, stuck=(), edges=("eu-west-0", "us-east-0")):
+        self.held, self.per_key_s, self.stuck, self.edges = held, per_key_s, set(stuck), edges
+        self.asked = []                  # (keys, deadline) of every fetch
+
+    def edge(self, method, keys, ns, *args, timeout, **kw):
+        assert method == "fetch" and len(keys) <= MAX_FETCH_KEYS
+        self.asked.append((len(keys), timeout))
+        took = self.per_key_s * len(keys) + (1e9 if self.stuck & set(keys) else 0)
+        if took > timeout:
+            raise NoLiveEdge(f"no edge answered fetch (tried {', '.join(self.edges)})")
+        chunks = []
+        for k in keys:
+            if k not in self.held:
+                break
+            chunks.append(self.held[k])
+        reply = {"chunks": chunks, "sources": ["local"] * len(chunks), "codecs": ["raw"] * len(chunks),
+                 "wire": [c.nbytes for c in chunks], "more": False, "ring": 0}
+        return reply, self.edges[0], []
+
+    def follow(self, ring_version):
+        pass
+
+
+def simulated(n, size=16, **kw):
+    """(Objects over SimulatedEdges holding n objects of size bytes, ns, keys, their bytes)."""
+    objs = Objects(None, "lmcache")
+    ns = objs.namespace("default", "m")
+    keys = [object_key(ns, i.to_bytes(4, "little")) for i in range(n)]
+    datas = [np.full(size, i % 251, np.uint8) for i in range(n)]
+    objs.view = SimulatedEdges({k: pack(k, ns, d) for k, d in zip(keys, datas)}, **kw)
+    return objs, ns, keys, datas
+
+
+def test_a_load_of_the_fetch_limit_meets_its_deadlines():
+    """16,384 keys (MAX_FETCH_KEYS), edges healthy but slow at 2.4 ms a key (the worst
+    measured for small objects, 2 cores at a load average of 10-15: ~40 s for them all,
+    where a fixed 4 s deadline failed over on every edge and loaded nothing): every key
+    loads, in batches of READ_BATCH_KEYS, each under its own work's deadline."""
+    objs, ns, keys, datas = simulated(MAX_FETCH_KEYS)
+    outs = [bytearray(16) for _ in keys]
+    assert objs.load(ns, keys, outs) == [True] * MAX_FETCH_KEYS
+    assert all(bytes(o) == d.tobytes() for o, d in zip(outs, datas))
+    assert objs.counters["loaded"] == MAX_FETCH_KEYS and objs.counters["load_no_edge"] == 0
+    asked = objs.view.asked
+    assert [n for n, _ in asked] == [READ_BATCH_KEYS] * (MAX_FETCH_KEYS // READ_BATCH_KEYS)
+    assert all(t == fetch_deadline_s(n, n * (16 + TRAILER)) for n, t in asked)
+
+
+def test_a_batch_no_edge_answers_keeps_what_arrived_and_counts_the_rest():
+    """Edges stall on one key of the second batch: the first batch's keys load (with their
+    bytes), that batch and the rest are reported not loaded and counted load_no_edge."""
+    n = 2 * READ_BATCH_KEYS + 500
+    objs, ns, keys, datas = simulated(n)
+    objs.view.stuck = {keys[READ_BATCH_KEYS + 7]}
+    outs = [bytearray(16) for _ in keys]
+    got = objs.load(ns, keys, outs)
+    assert got == [True] * READ_BATCH_KEYS + [False] * (n - READ_BATCH_KEYS)
+    assert all(bytes(o) == d.tobytes() for o, d in zip(outs[:READ_BATCH_KEYS], datas))
+    assert objs.counters["load_no_edge"] == n - READ_BATCH_KEYS
+    assert objs.counters["loaded"] == READ_BATCH_KEYS
+    assert len(objs.view.asked) == 2                # a dead network costs one batch's deadline
+
+
+def test_a_key_nobody_holds_is_skipped_and_the_rest_load():
+    objs, ns, keys, datas = simulated(3000)
+    del objs.view.held[keys[2500]]
+    outs = [bytearray(16) for _ in keys]
+    got = objs.load(ns, keys, outs)
+    assert got == [True] * 2500 + [False] + [True] * 499
+    assert objs.counters["load_no_edge"] == 0
+
+
+def test_read_batches_bound_keys_and_bytes():
+    sizes = [100] * 5000
+    assert read_batch(sizes, list(range(5000))) == READ_BATCH_KEYS
+    assert read_batch(sizes, list(range(10))) == 10
+    big = [8 << 20] * 100                            # 8 MiB objects: 64 a batch (512 MiB)
+    n = read_batch(big, list(range(100)))
+    assert n * ((8 << 20) + TRAILER) <= READ_BATCH_BYTES < (n + 1) * ((8 << 20) + TRAILER)
+    assert read_batch([2 * READ_BATCH_BYTES], [0]) == 1     # one larger than a batch still goes
