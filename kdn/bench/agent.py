@@ -131,7 +131,7 @@ def run(conversations: int, turns: int, baseline: int, move_at: int, seed: int, 
     cluster = net = None
     root = tempfile.mkdtemp(prefix="kdn-bench-agent-")
     try:
-        cluster = LocalCluster(list(REGIONS), cpus=1, object_store_bytes=4 << 30)
+        cluster = LocalCluster(list(REGIONS), cpus=1, object_store_bytes=3 << 30)
         init_ray(cluster.address)
         topo = Topology.default_local(list(REGIONS), capacity_bytes=2 << 30)
         net = start_network(topo, root, network=f"bench-agent-{uuid.uuid4().hex[:6]}")

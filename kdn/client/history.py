@@ -25,11 +25,10 @@ from kdn.core.chunk import cut
 from kdn.core.errors import FrameError, NetworkError, PlacementError
 from kdn.core.keys import CHUNK_TOKENS
 from kdn.core.rpc import Unreachable
+from kdn.core.transfer import fetch_deadline_s
 
 LOOKUP_TIMEOUT_S = 2.0
 STORE_TIMEOUT_S = 30.0
-FETCH_TIMEOUT_S = 4.0
-FETCH_TIMEOUT_PER_MB_S = 0.02
 
 
 @dataclass
@@ -117,9 +116,10 @@ class History:
         try:
             reply = self.view.edge_at(found.edge, "conversation_fetch", keys, found.ns, self.tenant,
                                       self.fingerprint, found.scope, token=self.token,
-                                      timeout=FETCH_TIMEOUT_S)
+                                      timeout=fetch_deadline_s(len(keys)))
             refs = reply["refs"]
-            objs = self.view.actors.get_sync(found.edge, refs, timeout=self._timeout(reply)) if refs else []
+            objs = self.view.actors.get_sync(found.edge, refs, timeout=fetch_deadline_s(
+                len(refs), reply["bytes"])) if refs else []
         except Unreachable:
             self.counters["fetch_unreachable"] += 1
             return []
@@ -139,10 +139,6 @@ class History:
         self.counters["chunks_fetched"] += len(chunks)
         self.counters["fetch_s"] += time.perf_counter() - t0
         return chunks
-
-    @staticmethod
-    def _timeout(reply) -> float:
-        return FETCH_TIMEOUT_S + FETCH_TIMEOUT_PER_MB_S * reply.get("bytes", 0) / 1e6
 
     def store(self, tokens, kv, start_chunk: int, first_new_chunk: int, salt: str = None,
               retention: str = None) -> dict:

@@ -67,6 +67,7 @@ ROUTER = "router"
 REGION_HEADER = "x-kdn-region"
 DECISION_BUDGET_S = 0.0005  # the region decision stops weighing farther regions past this
 WARM_TIMEOUT_S = 5.0        # the ingress's first call to a region, which makes its router exist
+STORE_WAIT_S = 2.0          # a request waits this long at most for the last answer's KV to be stored
 
 
 def app_name(network: str) -> str:
@@ -93,6 +94,7 @@ class RegionWorker:
         self._model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdn-model")
         # conversation KV goes to its home edge from here, never on the model's time
         self._store_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdn-keep")
+        self._storing = None          # the last store sent there (its next turn may wait for it)
         self._turn = asyncio.Lock()
         # requests, streams, errors, models_calls, aborted (answers cut short: the caller left)
         self.counters = collections.Counter()
@@ -138,7 +140,11 @@ class RegionWorker:
         return {"status": e.status, "body": e.body(), "headers": e.headers()}
 
     def _start(self, req: dict, tenant: str, token):
-        """(chat, Turn) for a checked request; KDNError otherwise."""
+        """(chat, Turn) for a checked request; KDNError otherwise. A store of the previous
+        answer's conversation KV still on its way is waited for (at most STORE_WAIT_S): the
+        next turn of a conversation often follows at once, and should find it."""
+        if self._storing is not None:
+            concurrent.futures.wait([self._storing], timeout=STORE_WAIT_S)
         chat = self._chat(tenant, token)
         m = None if req.get("kb") is None else chat.client.manifest(req["kb"], req["version"])
         if m is None:
@@ -171,7 +177,8 @@ class RegionWorker:
             if f.exception() is not None:
                 self._kept(None, f.exception())
                 return
-            self._store_thread.submit(chat.store, f.result()).add_done_callback(
+            self._storing = self._store_thread.submit(chat.store, f.result())
+            self._storing.add_done_callback(
                 lambda g: self._kept(g.result() if g.exception() is None else None, g.exception()))
         copied.add_done_callback(send)
 

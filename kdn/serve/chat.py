@@ -107,15 +107,12 @@ class Chat:
         if manifest is None:
             if emphasis:
                 raise BadRequest("emphasis edits a KB's KV: name a knowledge base to use it")
-            prompt = self.model.chat_tokens(messages)
-            turn = Turn(prompt, None, 0, messages, salt=salt, retention=retention)
-            if not fetch:
-                self._served_from("none")
-                return turn
-            turn = self._with_history(turn, [], hints)
+            turn = Turn(self.model.chat_tokens(messages), None, 0, messages, salt=salt, retention=retention)
+            if fetch:
+                turn = self._with_history(turn, [], hints)
             if not turn.cached:
                 self._served_from("none")
-            return self._keepable(turn)
+            return self._keepable(turn) if fetch else turn
         ids = manifest.token_ids()
         if manifest.layout != "prefix":
             raise BadRequest(f"knowledge base {manifest.name!r} has layout {manifest.layout!r}; "
@@ -123,9 +120,8 @@ class Chat:
         if len(ids) == 0:
             raise BadRequest(f"knowledge base {manifest.name!r} version {manifest.version} was "
                              "published without its token ids; republish it to serve it")
-        prompt = ids.tolist() + messages_tokens(self.model, messages)
-        turn = Turn(prompt, None, 0, messages, kb_tokens=ids.tolist(), salt=salt,
-                    retention=retention)
+        turn = Turn(ids.tolist() + messages_tokens(self.model, messages), None, 0, messages,
+                    kb_tokens=ids.tolist(), salt=salt, retention=retention)
         if emphasis and not fetch:
             raise BadRequest("emphasis edits the KB's KV: it cannot be combined with kdn_fetch false")
         if not fetch:
@@ -134,16 +130,8 @@ class Chat:
         if emphasis is None:
             emphasis = override_of(manifest)
             self.counters["emphasis_override"] += bool(emphasis)
-        if emphasis:
-            from kdn.engines.emphasized import emphasized_kv
-            e = emphasized_kv(self.client, self.model, manifest, emphasis)
-            if e is not None:
-                cache = self.model.cache_from_kv(e.parts, len(prompt) - e.tokens + max_tokens)
-                cache.kdn_extra, cache.kdn_emphasis = e.extra, e.weights
-                self.counters["emphasized"] += 1
-                self.counters[f"emphasized_{e.source}"] += 1
-                turn.cache, turn.cached, turn.exact = cache, e.tokens, False
-                return turn
+        if emphasis and self._emphasized(turn, manifest, emphasis, max_tokens):
+            return turn
         kb = f"{self.client.tenant}/{manifest.name}"
         kept = None if self.engine_kv is None else self.engine_kv.get(kb, manifest.version)
         if kept is not None:   # the engine's own cache of a KB it rebuilt (kdn.serve.router.EngineKV)
@@ -153,6 +141,26 @@ class Chat:
             self._served_from("engine")
             turn.cache, turn.cached = cache, tokens
             return self._with_history(turn, None, hints, max_tokens)
+        return self._fetched(turn, manifest, kb, hints, max_tokens)
+
+    def _emphasized(self, turn: Turn, manifest, emphasis: dict, max_tokens: int) -> bool:
+        """Give turn the KB's KV edited by emphasis (kdn.engines.emphasized); False when there
+        is none to be had (the exact KV is read instead)."""
+        from kdn.engines.emphasized import emphasized_kv
+        e = emphasized_kv(self.client, self.model, manifest, emphasis)
+        if e is None:
+            return False
+        cache = self.model.cache_from_kv(e.parts, len(turn.prompt) - e.tokens + max_tokens)
+        cache.kdn_extra, cache.kdn_emphasis = e.extra, e.weights
+        self.counters["emphasized"] += 1
+        self.counters[f"emphasized_{e.source}"] += 1
+        turn.cache, turn.cached, turn.exact = cache, e.tokens, False
+        return True
+
+    def _fetched(self, turn: Turn, manifest, kb: str, hints, max_tokens: int) -> Turn:
+        """turn with the KB's KV fetched from the nearest edge (and the conversation's after it,
+        when an edge holds it), the whole KB's cache kept in the engine (EngineKV)."""
+        prompt, n_kb = turn.prompt, len(turn.kb_tokens)
         t0 = time.perf_counter()
         f = self.client.fetch(prompt, kb=manifest.name, version=manifest.version)
         t1 = time.perf_counter()
@@ -160,7 +168,7 @@ class Chat:
         turn.exact = f.exact
         parts = f.kv_parts()
         grown = self._with_history(turn, parts[:f.tokens // CHUNK], hints, max_tokens) \
-            if f.tokens == len(ids) and f.exact else turn
+            if f.tokens == n_kb and f.exact else turn
         if grown.cache is not None:
             return grown
         spare = len(prompt) - f.tokens + max_tokens
@@ -168,7 +176,7 @@ class Chat:
         self.counters["rebuild_s"] += time.perf_counter() - t1
         tier = tier_of(f.source_counts()) if f.tokens else "none"
         self._served_from(tier)
-        if self.engine_kv is not None and f.tokens == len(ids):   # the whole KB only
+        if self.engine_kv is not None and f.tokens == n_kb:   # the whole KB only
             self.engine_kv.put(kb, manifest.version, (cache, f.tokens),
                                (f.tokens + spare) * self.model.kv_bytes_per_token, t1 - t0, tier)
         turn.cache, turn.cached = cache, f.tokens
