@@ -30,9 +30,9 @@ import time
 from kdn.core.auth import Tokens
 from kdn.core.checks import check_int, check_number
 from kdn.core.chunk import Chunk
-from kdn.core.emphasis import OVERRIDE_META
+from kdn.core.emphasis import OVERRIDE_META, check_copy, copy_of, is_emphasized, own_manifests
 from kdn.core.errors import BadRequest, KDNError, ManifestError, StoreError, VersionNotFound
-from kdn.core.keys import MAX_TOKENS_PER_KB, check_key
+from kdn.core.keys import MAX_TOKENS_PER_KB, check_key, namespace_digest
 from kdn.core.manifest import Manifest, check_name
 from kdn.core.names import check_node_name
 from kdn.origin import overrides
@@ -199,6 +199,7 @@ class OriginNode:
         if self._is_admin(token):
             out["overrides"] = m.overrides
             out["quarantined_manifests"] = await asyncio.to_thread(self.store.quarantined)
+            out["kbs"] = await asyncio.to_thread(self.store.kbs)   # their own versions, no copies
         return out
 
     # --- membership --------------------------------------------------------------------
@@ -370,6 +371,9 @@ class OriginNode:
                              "emphasis override, set with set_override): a publisher cannot set it")
         if m.n_tokens > MAX_TOKENS_PER_KB:
             raise BadRequest(f"KB {m.name!r} has {m.n_tokens} tokens; the limit is {MAX_TOKENS_PER_KB}")
+        check_copy(m)          # an emphasized copy names the KB version it edits: retired with it
+        if is_emphasized(m):
+            await asyncio.to_thread(self._edited_version, m)
         t0 = time.perf_counter()
         latest = await asyncio.to_thread(self._latest, m.ns, m.name)
         if latest is not None and _same_content(latest, m):
@@ -387,6 +391,16 @@ class OriginNode:
     async def _each(self, fn, items) -> list:
         """[fn(x) for x in items] off the event loop, several at once (the store's map)."""
         return await asyncio.to_thread(self.store.map, fn, items)
+
+    def _edited_version(self, copy: Manifest) -> None:
+        """BadRequest unless the KB version an emphasized copy edits is committed (a copy of no
+        version would never be retired)."""
+        fp, kb, version = copy_of(copy)
+        try:
+            self.store.manifest(namespace_digest(copy.tenant, fp), kb, version)
+        except VersionNotFound:
+            raise BadRequest(f"{copy.label()} is an emphasized copy of {kb}@v{version} under model "
+                             f"{fp!r:.120}, which is not committed") from None
 
     def _latest(self, ns, name):
         try:
@@ -407,10 +421,17 @@ class OriginNode:
         self.counters["chunks_served"] += sum(c is not None for c in chunks)
         return chunks
 
-    async def manifests(self, ns: bytes = None, token=None) -> list:
+    async def manifests(self, ns: bytes = None, name: str = None, own: bool = False, token=None) -> list:
+        """Committed manifests, of namespace ns (else of all), of KBs called name (else of all).
+        Emphasized copies (kdn.core.emphasis) are listed too, for edges, unless own=True: an
+        operator's listing, where only the KBs' own manifests are meant."""
         self.tokens.check_admin(token, "manifests")
         ns = None if ns is None else _ns(ns)
-        return [self._listed(m) for m in await asyncio.to_thread(self.store.manifests, ns)]
+        name = None if name is None else _name(name, "KB name")
+        if not isinstance(own, bool):
+            raise BadRequest(f"own must be True or False, got {own!r:.40}")
+        ms = await asyncio.to_thread(self.store.manifests, ns, name)
+        return [self._listed(m) for m in (own_manifests(ms) if own else ms)]
 
     async def manifest(self, ns: bytes, name: str, version: int = None, token=None) -> dict:
         self.tokens.check_admin(token, "manifest")
@@ -420,20 +441,25 @@ class OriginNode:
 
     def _listed(self, m: Manifest) -> dict:
         """A manifest as readers get it: as stored, plus in its meta the KB's emphasis override
-        where an operator set one (kdn.core.emphasis.OVERRIDE_META). Never on an edit's own
-        manifest (meta exact False: its KV is edited already)."""
+        where an operator set one (kdn.core.emphasis.OVERRIDE_META). Never on an emphasized
+        copy's manifest (its KV is edited already)."""
         d = m.to_dict()
         w = self.roster.overrides.get(overrides.kb_id(m.tenant, m.name), {}).get("emphasis")
-        if w and m.meta.get("exact", True) is not False:
+        if w and not is_emphasized(m):
             d["meta"] = {**d["meta"], OVERRIDE_META: w}
         return d
 
     async def delete_version(self, ns: bytes, name: str, version: int, token=None) -> dict:
+        """Retire a KB version, and its emphasized copies with it (origin/store.py:
+        ChunkStore.delete_version); edges forget each manifest. {"deleted": "name@vN",
+        "emphasized_copies": how many copies went with it}."""
         self.tokens.check_admin(token, "delete_version")
         ns, name, version = _ns(ns), _name(name, "KB name"), _version(version)
-        await asyncio.to_thread(self.store.delete_version, ns, name, version)
+        copies = await asyncio.to_thread(self.store.delete_version, ns, name, version)
+        for c in copies:
+            await self.pusher.broadcast("drop_manifest", c.ns, c.name, c.version)
         await self.pusher.broadcast("drop_manifest", ns, name, version)
-        return {"deleted": f"{name}@v{version}"}
+        return {"deleted": f"{name}@v{version}", "emphasized_copies": len(copies)}
 
     async def drops(self, since: int = None, token=None) -> dict:
         """The drop log (origin/drops.py) for an edge catching up: its id ("log"), its head,
@@ -455,10 +481,15 @@ class OriginNode:
         return await asyncio.to_thread(self.store.collect, object_ttl_s)
 
     # --- operator controls -------------------------------------------------------------
+    async def _manifests_of(self, tenant: str, kb: str) -> list:
+        """Every committed manifest of a tenant's KB under any model fingerprint, its emphasized
+        copies (kdn.core.emphasis) included."""
+        return [m for m in await asyncio.to_thread(self.store.manifests, None, kb) if m.tenant == tenant]
+
     async def _versions_of(self, tenant: str, kb: str) -> list:
-        """Every committed version of a tenant's KB, under any model fingerprint."""
-        return [m for m in await asyncio.to_thread(self.store.manifests)
-                if m.tenant == tenant and m.name == kb]
+        """Every committed version of a tenant's KB, under any model fingerprint: the KB's own
+        manifests, never its emphasized copies (same name and versions, derived fingerprints)."""
+        return own_manifests(await self._manifests_of(tenant, kb))
 
     async def set_override(self, tenant: str, kb: str, pin_regions=None, replicas=None, ttl_s=None,
                            prefetch=None, emphasis=None, token=None) -> dict:
@@ -476,7 +507,8 @@ class OriginNode:
                                      prefetch=prefetch, emphasis=emphasis, documents=documents)
 
         change()                                   # bad values: BadRequest before anything else
-        versions = await self._versions_of(tenant, kb)
+        stored = await self._manifests_of(tenant, kb)
+        versions = own_manifests(stored)
         if not versions:
             raise ManifestError(f"no committed knowledge base {tenant}/{kb}")
         latest = max(versions, key=lambda m: m.version)
@@ -489,8 +521,8 @@ class OriginNode:
         if any(v is not None for v in (pin_regions, replicas, ttl_s, prefetch)):
             await self._broadcast_membership()
             out["placement"], out["pushed"] = await self.pusher.push(latest)
-        if ttl_s is not None:
-            keys = list(dict.fromkeys(k for m in versions for k in m.keys))
+        if ttl_s is not None:                      # its emphasized copies' chunks too, as pushes do
+            keys = list(dict.fromkeys(k for m in stored for k in m.keys))
             held = await self.pusher.broadcast("set_ttl", keys, ov["ttl_s"])
             out["ttl_set"] = dict(zip(self.roster.names(), held))
         return out

@@ -38,7 +38,9 @@ other KB still are), and each KB keeps the highest number it ever committed in a
 `last_version`, so even a deleted manifest's number stays taken. (On disk "set aside" is a
 rename; in a bucket it is a copy that leaves the .kdnm in place, so its name stays taken for
 the conditional write: a version is visible while its .kdnm exists and no .retired or
-.corrupt of the same number does.)
+.corrupt of the same number does.) Retiring a version retires its emphasized copies with it
+(kdn.core.emphasis: edits of that version stored under a namespace of their own), and stats()
+counts those copies apart from the KBs' versions.
 
 Other cache layers' objects (LMCache's, SGLang's: opaque chunks, kdn.engines.objects) are
 stored the same way, but no manifest will ever name them: collect() tells them by their
@@ -67,6 +69,7 @@ from kdn.core.chunk import MAX_HEADER, Chunk, Encoded, decode, encode_parts, rea
 from kdn.core.checks import check_number
 from kdn.core.codecs import codecs
 from kdn.core.dtypes import OPAQUE
+from kdn.core.emphasis import copies_of, is_emphasized
 from kdn.core.errors import (ChunkNotFound, CorruptChunk, FrameError, ManifestError, StoreError,
                              VersionNotFound)
 from kdn.core.files import make_dirs
@@ -137,6 +140,7 @@ class ChunkStore:
         self._writing: dict = {}     # key -> [lock, users]: writers of one key take turns
         self._pending: set = set()   # keys put but not yet referenced by a commit
         self._sums = collections.OrderedDict()   # key -> its stored KV's xxh3_64 (LRU, SUMS_KEPT)
+        self._ns_names = {}          # ns hex -> (tenant, fingerprint) it digests (stats, kbs)
         self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="store-io")
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self.counters["cleaned_partials"] = self.objects.clean_partials()
@@ -533,11 +537,15 @@ class ChunkStore:
                 kbs[m.group(1), m.group(2)].append(obj.rsplit("/", 1)[-1])
         return kbs
 
-    def manifests(self, ns: "bytes | None" = None) -> list:
-        """Every committed (not retired) version, of one namespace or of all, in (ns, name,
-        version) order. A corrupt manifest is quarantined and left out: the rest are served."""
+    def manifests(self, ns: "bytes | None" = None, name: "str | None" = None) -> list:
+        """Every committed (not retired) version, of one namespace or of all (and of the KBs
+        called `name` only, when given), in (ns, name, version) order; emphasized copies
+        included (kdn.core.emphasis.own_manifests leaves them out). A corrupt manifest is
+        quarantined and left out: the rest are served."""
         out = []
         for (ns_hex, kb), names in sorted(self._manifest_objects(ns).items()):
+            if name is not None and kb != name:
+                continue
             for v in _visible(names):
                 try:
                     out.append(self._load(f"manifests/{ns_hex}/{kb}/{v:010d}{MANIFEST_SUFFIX}",
@@ -551,15 +559,25 @@ class ChunkStore:
         return sorted(f"{ns_hex}/{kb}/{n}" for (ns_hex, kb), names in self._manifest_objects().items()
                       for n in names if n.endswith(CORRUPT_SUFFIX))
 
-    def delete_version(self, ns: bytes, name: str, version: int) -> None:
-        """Retire a version: no longer visible, its number never reused, its chunks collectable."""
+    def delete_version(self, ns: bytes, name: str, version: int) -> list:
+        """Retire a version: no longer visible, its number never reused, its chunks collectable;
+        and with it every emphasized copy of it (kdn.core.emphasis.copies_of: an edit of that
+        version stored under its own namespace), retired first, so an interrupted retirement
+        leaves the version with fewer copies, never a copy without its version. The copies
+        retired, as Manifests. A copy's own version is retired like any version."""
         prefix = self._kb_prefix(ns, name)
         with self._lock:
             if version not in self._versions(prefix):
                 raise VersionNotFound(f"KB {name!r} of ns {bytes(ns).hex()} has no committed version "
                                       f"{version!r} to delete")
-            self.objects.set_aside(f"{prefix}{version:010d}{MANIFEST_SUFFIX}",
-                                   f"{prefix}{version:010d}{RETIRED_SUFFIX}")
+            name_of = f"{prefix}{version:010d}{MANIFEST_SUFFIX}"
+            kb = self._load(name_of, bytes(ns), name, version)
+            copies = copies_of(self.manifests(name=name), kb)
+            for c in copies:
+                at = f"{self._kb_prefix(c.ns, c.name)}{c.version:010d}"
+                self.objects.set_aside(at + MANIFEST_SUFFIX, at + RETIRED_SUFFIX)
+            self.objects.set_aside(name_of, f"{prefix}{version:010d}{RETIRED_SUFFIX}")
+            return copies
 
     # --- maintenance -------------------------------------------------------------------
     def collect(self, object_ttl_s: "float | None" = None, now: "float | None" = None) -> dict:
@@ -676,8 +694,48 @@ class ChunkStore:
             self._pending -= keys
             return n
 
+    def _namespace(self, ns_hex: str, kb: str, version: int) -> "tuple | None":
+        """(tenant, fingerprint) a namespace digests, from one of its manifests, read once (a
+        digest names one pair forever); None when that manifest is unreadable (quarantined or
+        retired meanwhile: asked again next time)."""
+        known = self._ns_names.get(ns_hex)
+        if known is None:
+            try:
+                m = self._load(f"manifests/{ns_hex}/{kb}/{version:010d}{MANIFEST_SUFFIX}",
+                               bytes.fromhex(ns_hex), kb, version)
+            except (ManifestError, FileNotFoundError):
+                return None
+            known = self._ns_names[ns_hex] = (m.tenant, m.fingerprint)
+        return known
+
+    def _listing(self) -> list:
+        """[(tenant, fingerprint, name, [visible versions])] of every KB and emphasized copy
+        with a visible version (tenant and fingerprint None where no manifest could be read)."""
+        out = []
+        for (ns_hex, kb), names in sorted(self._manifest_objects().items()):
+            visible = _visible(names)
+            if visible:
+                out.append((*(self._namespace(ns_hex, kb, visible[-1]) or (None, None)), kb, visible))
+        return out
+
+    def kbs(self) -> list:
+        """The KBs' committed versions, emphasized copies left out (kdn.core.emphasis):
+        [{"tenant", "name", "fingerprint", "versions"}] sorted by tenant, name, fingerprint;
+        from object names, each namespace's manifest read once."""
+        return sorted(({"tenant": t, "name": kb, "fingerprint": fp, "versions": vs}
+                       for t, fp, kb, vs in self._listing() if fp is not None and not is_emphasized(fp)),
+                      key=lambda d: (d["tenant"], d["name"], d["fingerprint"]))
+
     def stats(self) -> dict:
-        versions = sum(len(_visible(names)) for names in self._manifest_objects().values())
+        """versions: the KBs' committed versions; emphasized_copies: the emphasized copies of
+        them (kdn.core.emphasis), counted apart: a copy is not a KB version."""
+        versions = copies = 0
+        for _, fp, _, visible in self._listing():
+            if fp is not None and is_emphasized(fp):
+                copies += len(visible)
+            else:
+                versions += len(visible)
         with self._lock:
-            return dict(chunks=self._count, bytes=self._bytes, versions=versions, codec=self.codec,
-                        pending=len(self._pending), backend=self.objects.where(), **self.counters)
+            return dict(chunks=self._count, bytes=self._bytes, versions=versions,
+                        emphasized_copies=copies, codec=self.codec, pending=len(self._pending),
+                        backend=self.objects.where(), **self.counters)

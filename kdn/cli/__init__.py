@@ -127,7 +127,9 @@ def _status(args, rest):
         print(f"origin: DOWN ({o['unreachable']})")
     else:
         s = o["store"]
-        print(f"origin: up, {s['versions']} KB versions, {s['chunks']} chunks, {_gib(s['bytes'])} "
+        copies = s.get("emphasized_copies", 0)
+        also = f" (and {copies} emphasized cop{'y' if copies == 1 else 'ies'})" if copies else ""
+        print(f"origin: up, {s['versions']} KB versions{also}, {s['chunks']} chunks, {_gib(s['bytes'])} "
               f"in {s.get('backend', 'its store')}, {o['members']} edges "
               f"(membership v{o['membership_version']})")
     table(status_rows(st))
@@ -265,16 +267,17 @@ def _store_emphasis(cl, model, kb: str, weights: dict, version: int = None) -> N
 
 def _emphasize(args, rest):
     """Set (or clear) a published KB's emphasis override and store its edited chunks."""
-    from kdn.core.emphasis import check_weights, parse_weights
+    from kdn.core.emphasis import MAX_EMPHASIS, parse_weights
     from kdn.core.manifest import check_name
     check_name(args.kb, "knowledge base name")
     check_name(args.tenant, "tenant")
-    weights = check_weights(parse_weights(args.weights))
-    if bool(weights) == args.clear:
-        raise KDNError("name the weights (DOC=K, K an integer >= 2) or --clear, not both or neither"
-                       if args.weights or args.clear else "name the weights: DOC=K ... (or --clear)")
+    if bool(args.weights) == args.clear:
+        raise KDNError(f"name the weights (DOC=K, K an integer in [1, {MAX_EMPHASIS}]; 1: no emphasis) "
+                       "or --clear" + (", not both" if args.clear else ""))
+    weights = parse_weights(args.weights)            # each K an integer in [1, MAX_EMPHASIS]
     cl = _connect(args, tenant=args.tenant, fingerprint=_model_fingerprint("transformers"))
-    r = cl.set_emphasis(args.kb, weights)            # checked against the KB's documents there
+    # checked there against the KB's documents (a weight of 1 too); all 1s clear it as --clear does
+    r = cl.set_emphasis(args.kb, weights)
     now = r["override"].get("emphasis", {})
     print(f"{args.tenant}/{args.kb}: emphasis " + (f"{now}: answers attend more to these documents "
           "unless a request names its own (extra_body emphasis; {} for the exact KV)" if now
@@ -294,7 +297,9 @@ def _delete(args, rest):
     check_name(args.kb, "knowledge base name")
     check_name(args.tenant, "tenant")
     r = _connect(args, tenant=args.tenant, fingerprint=args.fingerprint).delete(args.kb, args.version)
-    print(f"{args.tenant}/{r['deleted']} retired: its chunks no other version names go at the next "
+    copies = r.get("emphasized_copies", 0)
+    also = f" with its {copies} emphasized cop{'y' if copies == 1 else 'ies'}" if copies else ""
+    print(f"{args.tenant}/{r['deleted']} retired{also}: its chunks no other version names go at the next "
           f"`kdn collect`")
     return 0
 
@@ -512,7 +517,7 @@ def _publish_args(sub):
     p.add_argument("--engine", choices=ENGINES, default="transformers",
                    help="which engine prefills the KB (vLLM's KV gets its own fingerprint)")
     p.add_argument("--emphasis", action="append", default=[], metavar="DOC=K",
-                   help="mark document DOC with weight K (an integer): answers over the KB attend "
+                   help="mark document DOC with weight K (an integer in [1, 16]): answers over the KB attend "
                         "K times more to it (the KB's emphasis override, as `kdn emphasize` sets; "
                         "its edited KV is stored under its own keys, flagged inexact); repeatable")
     _network_args(p)
@@ -524,8 +529,9 @@ def _emphasize_args(sub):
                                          "the documents named (an operator override, like pin/TTL)")
     e.add_argument("kb", help="knowledge-base name")
     e.add_argument("weights", nargs="*", metavar="DOC=K",
-                   help="document DOC of the KB gets weight K (integer 2..16: +log K on its "
-                        "attention logits); requests override it with extra_body emphasis")
+                   help="document DOC of the KB gets weight K (an integer in [1, 16], ASCII digits: "
+                        "+log K on its attention logits; 1: none); requests override it with "
+                        "extra_body emphasis")
     e.add_argument("--clear", action="store_true", help="remove the KB's emphasis (exact KV again)")
     e.add_argument("--tenant", default="default")
     _network_args(e)

@@ -10,6 +10,7 @@ asks every node at once and reports one that does not answer in time as down.
 import time
 
 from kdn.core.checks import check_int
+from kdn.core.emphasis import is_emphasized, model_of
 from kdn.core.errors import BadRequest, NetworkError, VersionNotFound
 from kdn.core.keys import namespace_digest
 from kdn.placement.topology import Topology
@@ -63,11 +64,18 @@ class Operator:
 
         A KB is versioned per model, so `kb@v3` is one version under each model fingerprint
         that published it. With no fingerprint, the one model that has this version is meant:
-        VersionNotFound when none has it, BadRequest naming the models when several do.
+        VersionNotFound when none has it, BadRequest naming the models when several do. Its
+        emphasized copies (kdn.core.emphasis) are never a model's version: they are retired with
+        it ({"deleted", "emphasized_copies": how many}), and their fingerprints are refused here.
         """
         version = check_int(version, "version", 1)
+        if fingerprint is not None and is_emphasized(fingerprint):
+            raise BadRequest(f"fingerprint {fingerprint!r:.200} is an emphasized copy's, not a model's: "
+                             f"delete the KB version under its model ({model_of(fingerprint)!r:.120}), "
+                             "and its emphasized copies go with it")
         if fingerprint is None:
-            fps = sorted({m["fingerprint"] for m in self.view.origin("manifests", timeout=MANIFESTS_TIMEOUT_S)
+            fps = sorted({m["fingerprint"] for m in self.view.origin("manifests", name=kb, own=True,
+                                                                     timeout=MANIFESTS_TIMEOUT_S)
                           if (m["tenant"], m["name"], m["version"]) == (self.tenant, kb, version)})
             if not fps:
                 raise VersionNotFound(f"KB {kb!r} of tenant {self.tenant!r} has no version {version}")

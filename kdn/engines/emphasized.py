@@ -8,7 +8,9 @@ tenants' edits of the same KB never share a key, and two different edits never c
 Only the edited chunks are stored there: the edited token stream from the chunk holding the
 first edited token on (the variant's manifest, named like the KB, holds those token ids
 with the duplicates, and its meta says what it is, `exact: False`). The chunks before it
-are the KB's own and are read from the KB.
+are the KB's own and are read from the KB. The variant belongs to the KB version it edits:
+operators' listings and "latest version" lookups never take it for the KB
+(kdn.core.emphasis.is_emphasized), and retiring that version retires it too.
 
 `publish_emphasis` (the operator, with the admin token) stores an edit of a published KB,
 computed from the KB's stored exact KV, so a variant is the same bytes a worker would edit
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kdn.engines import emphasis as E
-from kdn.core.emphasis import check_weights
+from kdn.core.emphasis import check_weights, emphasis_fingerprint
 from kdn.core.errors import BadRequest, ManifestError
 from kdn.client.reader import Reader
 
@@ -51,8 +53,9 @@ class Plan:
 
 
 def variant_fingerprint(fingerprint: str, salt: bytes) -> str:
-    """The fingerprint part of an edit's namespace: never a model's own."""
-    return f"{fingerprint}~emphasis-{salt.hex()}"
+    """The fingerprint part of an edit's namespace: never a model's own
+    (kdn.core.emphasis.emphasis_fingerprint; is_emphasized tells it from a model's)."""
+    return emphasis_fingerprint(fingerprint, salt)
 
 
 def plan(model, manifest, weights) -> Plan:

@@ -249,8 +249,10 @@ def test_query_and_publish_refusals_come_before_the_model_loads(code_net, tmp_pa
 
 def test_emphasis_at_publish_and_by_kdn_emphasize_is_the_kbs_override(code_net, cli_env, tmp_path, capsys):
     """`kdn publish --emphasis` marks a document (the KB's override, its edit stored), `kdn
-    emphasize` changes or clears it, a document the KB lacks is refused with the override
-    unchanged, and `kdn query` says it answers over the exact KV."""
+    emphasize` changes or clears it (again and again: a weight of 1 is no emphasis), a document
+    the KB lacks or a weight that is not ASCII digits is refused with the override unchanged,
+    `kdn query` says it answers over the exact KV, `kdn status` lists the KB's own version and
+    `kdn delete` retires it with its stored edits."""
     from kdn.cli import main
     from kdn.client import Client
     from kdn.core.emphasis import override_of
@@ -277,3 +279,29 @@ def test_emphasis_at_publish_and_by_kdn_emphasize_is_the_kbs_override(code_net, 
     assert "has an emphasis override {'new.md': 2}; `kdn query` answers over its exact KV" in capsys.readouterr().err
     assert main(["emphasize", "pol", "--clear"] + code_net) == 0
     assert "emphasis cleared" in capsys.readouterr().out and weights() == {}
+    # again and again (issue 35: the stored edits were taken for the KB, "it has: 'emphasized'")
+    for argv, now in ((["new.md=4"], {"new.md": 4}), (["old.md=2", "new.md=3"], {"old.md": 2, "new.md": 3}),
+                      (["--clear"], {}), (["new.md=2"], {"new.md": 2}), (["new.md=1"], {}),
+                      (["new.md=5"], {"new.md": 5})):
+        assert main(["emphasize", "pol", *argv] + code_net) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert (f"emphasis {now} on v1" in out if now else "emphasis cleared" in out) and weights() == now
+    assert main(["emphasize", "pol", "new.md=\u0664"] + code_net) == 2      # ASCII digits only
+    assert _one_error_line(capsys.readouterr().err) == (
+        "kdn: error: emphasis weight of document 'new.md' must be an int in [1, 16] (a weight k adds "
+        "log k to its tokens' attention logits), got '\u0664'")
+    assert main(["emphasize", "pol", "nope.md=1"] + code_net) == 2         # a weight of 1 names a document too
+    assert "names document 'nope.md'" in _one_error_line(capsys.readouterr().err) and weights() == {"new.md": 5}
+    # status lists the KB's own version; its stored edits (3, 2, 4, {2, 3}, 5) are counted apart
+    assert main(["status", "--json"] + code_net) == 0
+    origin = json.loads(capsys.readouterr().out)["origin"]
+    assert [k for k in origin["kbs"] if k["name"] == "pol"] == \
+        [{"tenant": "default", "name": "pol", "fingerprint": cli_env.fingerprint, "versions": [1]}]
+    assert origin["store"]["emphasized_copies"] == 5
+    listed = lambda: reader.view.origin("manifests", name="pol")
+    assert len(listed()) == 6
+    assert main(["delete", "pol", "1"] + code_net) == 0, capsys.readouterr().err
+    assert "default/pol@v1 retired with its 5 emphasized copies" in capsys.readouterr().out
+    assert listed() == []                                                # the copies went with it
+    assert main(["emphasize", "pol", "new.md=2"] + code_net) == 2
+    assert "no committed knowledge base default/pol" in _one_error_line(capsys.readouterr().err)

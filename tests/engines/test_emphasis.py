@@ -41,8 +41,34 @@ def test_bad_weights_are_refused_naming_the_document():
     assert check_weights({"new.md": 4.0, "old.md": 1}, names) == {"new.md": 4}
     assert check_weights(None, names) == {}
     assert parse_weights(["a=b.md=3", "new.md=4"]) == {"a=b.md": 3, "new.md": 4}
-    with pytest.raises(BadRequest, match="expected DOCUMENT=INTEGER"):
-        parse_weights(["new.md"])
+    for item in ("new.md", "=4"):
+        with pytest.raises(BadRequest) as e:
+            parse_weights([item])
+        assert str(e.value) == f"emphasis {item!r}: expected DOCUMENT=K (K an integer in [1, 16]), e.g. policy.md=4"
+
+
+def weight_message(got) -> str:
+    """The one message every refused weight gets, from the CLI, the origin and the service."""
+    return ("emphasis weight of document 'new.md' must be an int in [1, 16] (a weight k adds log k "
+            f"to its tokens' attention logits), got {got!r}")
+
+
+def test_a_weight_is_an_integer_in_1_to_16_in_ascii_digits_with_one_message():
+    """One rule, one message: K in [1, 16] (1 is no emphasis), written in ASCII digits on a
+    command line; whatever else is refused with the message the service gives."""
+    assert parse_weights(["new.md=1", "old.md=16"]) == {"new.md": 1, "old.md": 16}
+    assert parse_weights(["new.md=04"]) == {"new.md": 4}
+    assert check_weights(parse_weights(["new.md=1", "old.md=3"])) == {"old.md": 3}
+    for text, got in (("\u0664", "\u0664"), ("\uff14", "\uff14"), (" 4", " 4"), ("4 ", "4 "), ("+4", "+4"),
+                      ("4.0", "4.0"), ("1_0", "1_0"), ("-1", "-1"), ("", ""), ("x", "x"),
+                      ("0", 0), ("17", 17), ("0000000017", 17), ("99999999999", "99999999999")):
+        with pytest.raises(BadRequest) as e:
+            parse_weights([f"new.md={text}"])
+        assert str(e.value) == weight_message(got), text
+    for bad in (0, 17, "4", "\u0664", True):          # the origin's and the service's check: the same words
+        with pytest.raises(BadRequest) as e:
+            check_weights({"new.md": bad}, ["new.md"])
+        assert str(e.value) == weight_message(bad)
 
 
 def test_document_spans_leave_out_the_system_turn_frame(model, kb):
@@ -179,18 +205,23 @@ def test_kdn_publish_refuses_bad_emphasis_before_the_model_loads(tmp_path, capsy
     (tmp_path / "new.md").write_text(DOCS[1][1])
     for flag, msg in (("nope.md=2", "names document 'nope.md', which the knowledge base does not have"),
                       ("new.md=0", "'new.md' must be an int in [1, 16]"),
-                      ("new.md=x", "expected DOCUMENT=INTEGER")):
+                      ("new.md=x", weight_message("x")),
+                      ("new.md=\u0664", weight_message("\u0664")),
+                      ("new.md", "emphasis 'new.md': expected DOCUMENT=K (K an integer in [1, 16])")):
         assert main(["publish", "kb", str(tmp_path), "--emphasis", flag, "--network", "nowhere"]) == 2
         assert msg in capsys.readouterr().err
 
 
 def test_kdn_emphasize_refuses_bad_arguments_before_it_connects(capsys):
     from kdn.cli import main
-    for args, msg in ((["kb"], "name the weights: DOC=K"),
-                      (["kb", "new.md=2", "--clear"], "not both or neither"),
-                      (["kb", "new.md=1"], "not both or neither"),      # weight 1 is no emphasis
-                      (["kb", "new.md=17"], "'new.md' must be an int in [1, 16]"),
-                      (["kb", "new.md"], "expected DOCUMENT=INTEGER"),
+    neither = "kdn: error: name the weights (DOC=K, K an integer in [1, 16]; 1: no emphasis) or --clear"
+    for args, msg in ((["kb"], neither + "\n"),
+                      (["kb", "new.md=2", "--clear"], neither + ", not both\n"),
+                      (["kb", "new.md=17"], weight_message(17)),
+                      (["kb", "new.md=\u0664"], weight_message("\u0664")),    # a non-ASCII digit
+                      (["kb", "new.md= 4"], weight_message(" 4")),
+                      (["kb", "new.md=0"], weight_message(0)),
+                      (["kb", "new.md"], "emphasis 'new.md': expected DOCUMENT=K"),
                       (["../kb", "new.md=2"], "knowledge base name must match")):
         assert main(["emphasize", *args, "--network", "nowhere", "--address", "127.0.0.1:1"]) == 2
         assert msg in capsys.readouterr().err, args

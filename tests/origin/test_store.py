@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kdn.core.chunk import Chunk, encode
+from kdn.core.emphasis import emphasis_fingerprint
 from kdn.core.errors import (ChunkNotFound, CorruptChunk, ManifestError, StoreError,
                              VersionNotFound)
 from kdn.core.manifest import Manifest
@@ -169,6 +170,43 @@ def test_delete_version_retires_without_reusing_the_number_and_collect(tmp_path)
     assert all(s.get(k).equal(c) for k, c in zip(v2.keys, chunks_of(v2)))
     assert publish(s, kb()).version == 3                              # 1 is retired, never reused
     assert ChunkStore(tmp_path).manifest(v1.ns, "handbook").version == 3
+
+
+def copy_of(m: Manifest, salt: int, version=None, meta=None) -> Manifest:
+    """An emphasized copy of m, as kdn.engines.emphasized stores one: its own tokens under a
+    fingerprint derived from m's, its meta naming the version it edits."""
+    meta = {"emphasis": {"a": salt + 2}, "of": {"kb": m.name, "version": m.version if version is None else version},
+            "exact": False} if meta is None else meta
+    return Manifest.build(m.name, m.tenant, emphasis_fingerprint(m.fingerprint, bytes([salt]) * 16),
+                          [("emphasized", np.arange(20000 + 100 * salt, 20200 + 100 * salt))],
+                          chunk_tokens=64, meta=meta)
+
+
+def test_a_versions_emphasized_copies_are_retired_with_it_and_counted_apart(tmp_path):
+    s = ChunkStore(tmp_path)
+    v1 = publish(s, kb())
+    v2 = publish(s, kb(docs=(("a", 0, 500), ("c", 7000, 7400))))
+    of_v1 = [publish(s, copy_of(v1, i)) for i in range(3)]
+    of_v2 = publish(s, copy_of(v2, 9))
+    other = publish(s, Manifest.build("handbook", "zeta", "fp-1", [("z", np.arange(0, 300))], chunk_tokens=64))
+    assert [m.version for m in of_v1] == [1, 1, 1]               # one edit, one namespace, its v1
+    assert s.manifests(name="faq") == [] and set(s.manifests(name="handbook")) == {v1, v2, other, of_v2, *of_v1}
+    st = s.stats()
+    assert (st["versions"], st["emphasized_copies"]) == (3, 4)
+    assert s.kbs() == [{"tenant": "acme", "name": "handbook", "fingerprint": "fp-1", "versions": [1, 2]},
+                       {"tenant": "zeta", "name": "handbook", "fingerprint": "fp-1", "versions": [1]}]
+    assert sorted(c.fingerprint for c in s.delete_version(v1.ns, "handbook", 1)) == \
+        sorted(c.fingerprint for c in of_v1)
+    assert set(s.manifests()) == {v2, of_v2, other}             # v2's copy and zeta's KB stay
+    assert s.delete_version(other.ns, "handbook", 1) == []
+    reopened = ChunkStore(tmp_path)                              # retired on disk, not in memory
+    assert set(reopened.manifests()) == {v2, of_v2}
+    assert (reopened.stats()["versions"], reopened.stats()["emphasized_copies"]) == (1, 1)
+    assert reopened.kbs() == [{"tenant": "acme", "name": "handbook", "fingerprint": "fp-1", "versions": [2]}]
+    gone = reopened.collect()["chunks"]
+    assert gone and set(reopened.keys()) == set(v2.keys) | set(of_v2.keys)
+    assert [c.fingerprint for c in reopened.delete_version(v2.ns, "handbook", 2)] == [of_v2.fingerprint]
+    assert reopened.manifests() == [] and reopened.stats()["emphasized_copies"] == 0
 
 
 def test_corrupt_chunk_is_never_served(tmp_path):
