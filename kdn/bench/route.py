@@ -25,6 +25,13 @@ counted) whose service times are those measured costs. On 2 shared cores, R repl
 load generator running at once would measure their contention for the cores, not routing;
 the live path (Serve, the router class, the replicas' reports) is tested in
 tests/serve/test_serve.py. The same trace and seed go through every policy.
+
+The bound, printed beside the result (`bound`): on an idle replica a hit's first token is the
+question's prefill over the cached KV, a miss's the same plus fetch and rebuild, so a hit is
+only 1 + (fetch + rebuild) / first token faster than a miss. That ratio is the most routing
+gains by turning misses into hits; beyond it only shorter queues help. On 2 CPU cores the
+question's prefill dwarfs fetch and rebuild (the ratio measured 1.08-1.09), so the goal of
+1.3x over Serve's default is out of reach here, whatever the router does.
 """
 import argparse
 import collections
@@ -171,6 +178,19 @@ def replay(policy: str, trace, costs: dict, replicas: int, cache_kbs: int, new_t
     return out
 
 
+def bound(costs: dict, new_tokens: int) -> dict:
+    """What any routing can win on these costs. An idle replica's first token is hit_s on a hit
+    and hit_s + fetch + rebuild on a miss: their ratio (hit_speedup) is the most a policy that
+    turns misses into hits gains on a request's time to first token; beyond it only shorter
+    queues help, and those depend on how much longer a miss keeps a replica busy (service_ratio,
+    with the answer's decode). goal_reachable: hit_speedup reaches GOAL_P50_SPEEDUP."""
+    miss = costs["fetch_s"] + costs["rebuild_s"]
+    busy = costs["first_token_s"] + costs["decode_step_s"] * max(0, new_tokens - 1)
+    hit_speedup = 1 + miss / costs["first_token_s"]
+    return {"hit_speedup": hit_speedup, "service_ratio": 1 + miss / busy,
+            "goal_reachable": hit_speedup >= GOAL_P50_SPEEDUP}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="kdn bench route", description=__doc__.split("\n\n")[0])
     ap.add_argument("--kbs", type=int, default=8, help="knowledge bases (default 8)")
@@ -204,9 +224,7 @@ def main(argv=None) -> int:
                "p50_speedup_vs_default": by["default"]["ttft_p50_s"] / by["kv"]["ttft_p50_s"],
                "p99_speedup_vs_default": by["default"]["ttft_p99_s"] / by["kv"]["ttft_p99_s"],
                "oracle_p50_speedup_vs_default": by["default"]["ttft_p50_s"] / by["oracle"]["ttft_p50_s"],
-               # an idle replica's first token is hit_s on a hit and hit_s + fetch + rebuild on a
-               # miss: with no queues, what any routing can gain; beyond it, only shorter queues
-               "hit_speedup": 1 + (costs["fetch_s"] + costs["rebuild_s"]) / costs["first_token_s"]}
+               **bound(costs, a.new_tokens)}
     verdict["goal_met"] = (verdict["hit_points_below_oracle"] <= GOAL_HIT_POINTS
                            and verdict["p50_speedup_vs_default"] >= GOAL_P50_SPEEDUP)
     print(f"{a.kbs} KBs x {a.kb_tokens} tokens ({costs['kv_bytes'] / 2**20:.0f} MiB KV each), "
@@ -219,11 +237,15 @@ def main(argv=None) -> int:
           f"{verdict['p99_speedup_vs_default']:.2f}x better than default (goal p50 >= {GOAL_P50_SPEEDUP}x); "
           f"kv decisions {by['kv']['decisions']}, decide() p50/p99 {by['kv']['decision_us_p50']:.0f}/"
           f"{by['kv']['decision_us_p99']:.0f} us")
-    print(f"what routing can win here: a miss adds fetch + rebuild "
+    print(f"the bound on this machine: a miss adds fetch + rebuild "
           f"({(costs['fetch_s'] + costs['rebuild_s']) * 1000:.0f} ms) to a hit's first token "
-          f"({costs['first_token_s'] * 1000:.0f} ms): with no queue a hit is {verdict['hit_speedup']:.2f}x "
-          f"faster than a miss, the most routing gains beyond shorter queues; the oracle's p50 is "
-          f"{verdict['oracle_p50_speedup_vs_default']:.2f}x default's")
+          f"({costs['first_token_s'] * 1000:.0f} ms, the question's own prefill): with no queue a hit is "
+          f"only {verdict['hit_speedup']:.2f}x faster than a miss, the most that turning misses into hits "
+          f"gives a request; beyond it only shorter queues help, and a miss keeps a replica busy only "
+          f"{verdict['service_ratio']:.2f}x as long as a hit. The goal (p50 >= {GOAL_P50_SPEEDUP}x default's) "
+          f"is {'within' if verdict['goal_reachable'] else 'out of'} reach here: measured "
+          f"{verdict['p50_speedup_vs_default']:.2f}x, the oracle {verdict['oracle_p50_speedup_vs_default']:.2f}x. "
+          f"Routing has more to win where a miss costs a prefill (a conversation's history computed again).")
     if a.json:
         emit_json({"costs": costs, "rows": rows, "verdict": verdict, "args": vars(a)})
     return 0 if verdict["goal_met"] else 1

@@ -9,7 +9,6 @@ import torch
 
 from kdn.engines import emphasis as E
 from kdn.core.emphasis import check_weights, parse_weights
-from kdn.bench import emphasis as bench
 from kdn.serve.chat import stream
 from kdn.core.errors import BadRequest
 from kdn.client.publish import knowledge_documents
@@ -179,25 +178,6 @@ def test_the_edit_salt_names_kb_version_and_weights():
     assert len(s) == 16 and s == E.edit_salt("kb", 1, {"a.md": 2})
     assert len({s, E.edit_salt("kb", 2, {"a.md": 2}), E.edit_salt("kb", 1, {"a.md": 3}),
                 E.edit_salt("kc", 1, {"a.md": 2}), E.edit_salt("kb", 1, {"b.md": 2})}) == 5
-
-
-def test_the_bench_task_set_is_seeded_and_has_real_conflicts():
-    tasks = bench.build_tasks(84, 40, seed=0)
-    assert tasks == bench.build_tasks(84, 40, seed=0) and tasks != bench.build_tasks(84, 40, seed=1)
-    conflict = [t for t in tasks if t["set"] == "conflict"]
-    control = [t for t in tasks if t["set"] == "control"]
-    assert len(conflict) >= 60 and len(control) == 40
-    for t in conflict:
-        (_, a), (_, b) = t["docs"]
-        text = {n: x for n, x in t["docs"]}
-        assert t["gold"] != t["other"] and bench.first_answer(text[t["trusted"]], t["gold"], t["other"]) == t["gold"]
-        assert bench.first_answer(a + b, t["gold"], t["other"]) is not None
-        other = next(x for n, x in t["docs"] if n != t["trusted"])
-        assert bench.first_answer(other, t["gold"], t["other"]) == t["other"]   # each names only its own
-    assert 0.3 < np.mean([t["docs"][0][0] == t["trusted"] for t in conflict]) < 0.7   # both orders
-    assert len({t["kind"] for t in conflict}) == len(bench.TOPICS)
-    assert {t["asks_emphasized"] for t in control} == {True, False}
-    assert bench.first_answer("It opens at 8, not 2.", "2", "8") == "8"
 
 
 def test_kdn_publish_refuses_bad_emphasis_before_the_model_loads(tmp_path, capsys):
