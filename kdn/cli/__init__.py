@@ -104,6 +104,11 @@ def status_rows(st: dict) -> list:
             "served": _gib(c.get("bytes_served", 0)),
             "sent": _gib(c.get("wire_bytes", 0)),
         })
+        if e.get("conversations"):     # the conversation tier: chunks, bytes, tenants, hits, expiries
+            cv = e["conversations"]
+            rows[-1].update({"conversations": f"{cv['chunks']} / {_gib(cv['bytes'])}",
+                             "conv tenants": len(cv["tenant_bytes"]), "conv hits": cv.get("conv_hits", 0),
+                             "conv expired": cv.get("conv_expired", 0)})
         if e.get("disk"):      # an edge with a disk tier: its bytes, items, hits, write-backs
             d = e["disk"]
             rows[-1].update({"disk chunks": d["items"], "disk": _gib(d["bytes"]),
@@ -315,6 +320,41 @@ def _collect(args, rest):
     return 0
 
 
+def _conversations(args, rest):
+    """A tenant's conversation KV on every edge: list it, set its TTL and budget, or drop it."""
+    from kdn.cli.table import table
+    from kdn.core.manifest import check_name
+    from kdn.launch.cluster import parse_size
+    check_name(args.tenant, "tenant")
+    budget = None if args.budget is None else parse_size(args.budget, "--budget")
+    cl = _connect(args, tenant=args.tenant)
+    if args.drop:
+        got = cl.drop_conversations()
+        print(f"dropped {sum(n or 0 for n in got.values())} conversation chunks of tenant {args.tenant!r} "
+              f"({', '.join(f'{e} {n}' if n is not None else f'{e} DOWN' for e, n in got.items())})")
+        return 0 if all(n is not None for n in got.values()) else 1
+    if args.ttl is not None or args.budget is not None or args.max_ttl is not None:
+        cl.set_conversation_policy(ttl_s=args.ttl, max_ttl_s=args.max_ttl, budget_bytes=budget)
+    got = cl.conversations()
+    if args.json:
+        import json
+        print(json.dumps(got))
+        return 0
+    rows = []
+    for e in got:
+        if e.get("down"):
+            rows.append({"edge": e["edge"], "region": e["region"], "state": "DOWN"})
+            continue
+        p, convs = e["policy"], e["conversations"]
+        rows.append({"edge": e["edge"], "region": e["region"], "conversations": len(convs),
+                     "chunks": sum(c["chunks"] for c in convs), "bytes": _gib(sum(c["bytes"] for c in convs)),
+                     "idle TTL s": f"{p['ttl_s']:g}", "max TTL s": f"{p['max_ttl_s']:g}",
+                     "budget": _gib(p["budget_bytes"])})
+    print(f"conversation KV of tenant {args.tenant!r}:")
+    table(rows)
+    return 0 if all(not e.get("down") for e in got) else 1
+
+
 def _connector_settings(args, client, admin: bool = False) -> dict:
     """What an engine with KDN's connector needs to reach this network (vLLM)."""
     import os
@@ -408,7 +448,7 @@ def build_parser():
     ap = argparse.ArgumentParser(prog="kdn", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     for add in (_up_args, _down_args, _status_args, _serve_args, _publish_args, _emphasize_args, _query_args,
-                _delete_args, _collect_args, _demo_args, _bench_args):
+                _delete_args, _collect_args, _conversations_args, _demo_args, _bench_args):
         add(sub)
     return ap
 
@@ -557,6 +597,22 @@ def _collect_args(sub):
                         "more than SECONDS ago (default: keep them all)")
     _network_args(c)
     c.set_defaults(func=_collect)
+
+
+def _conversations_args(sub):
+    c = sub.add_parser("conversations", help="a tenant's conversation KV on every edge (what `kdn serve` "
+                                             "kept of its chats): list it, set its TTL and budget, drop it")
+    c.add_argument("--tenant", default="default")
+    c.add_argument("--ttl", type=float, default=None, metavar="SECONDS",
+                   help="the tenant's idle TTL (default 1800; prompt_cache_retention in_memory)")
+    c.add_argument("--max-ttl", dest="max_ttl", type=float, default=None, metavar="SECONDS",
+                   help="the longest TTL a request may ask for (prompt_cache_retention 24h; default 86400)")
+    c.add_argument("--budget", default=None, metavar="SIZE",
+                   help="the tenant's conversation KV per edge, e.g. 512MiB (default 1GiB)")
+    c.add_argument("--drop", action="store_true", help="drop the tenant's conversation KV everywhere")
+    c.add_argument("--json", action="store_true")
+    _network_args(c)
+    c.set_defaults(func=_conversations)
 
 
 def _query_args(sub):

@@ -4,7 +4,8 @@
 view of the network (kdn.client.view: membership, the nearest live edge, failover):
 - reads (kdn.client.reader): a prompt's keys, manifests, fetch with verification, lookup;
 - publishing (kdn.client.publish): chunks to the origin, only those it lacks, manifest last;
-- operator calls (kdn.client.operator): pin, replicas, TTL, warm, delete, add/remove edge, status.
+- operator calls (kdn.client.operator): pin, replicas, TTL, warm, delete, add/remove edge, status,
+  and a tenant's conversation KV (list, drop, TTL and budget).
 
 Reads and publishing are per namespace, so they need the model's fingerprint
 (`fingerprint=model.fingerprint`); operator calls do not, so `kdn status` connects without
@@ -161,3 +162,14 @@ class Client:
 
     def status(self, timeout_s: float = 3.0) -> dict:
         return self.operator.status(timeout_s)
+
+    # --- conversation KV (kdn.client.operator; kept by the service: kdn.client.history) --------
+    def conversations(self, tenant: str = None) -> list:
+        return self.operator.conversations(tenant)
+
+    def drop_conversations(self, tenant: str = None) -> dict:
+        return self.operator.drop_conversations(tenant)
+
+    def set_conversation_policy(self, tenant: str = None, ttl_s: float = None, budget_bytes: int = None,
+                                max_ttl_s: float = None) -> list:
+        return self.operator.set_conversation_policy(tenant, ttl_s, budget_bytes, max_ttl_s)

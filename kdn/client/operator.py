@@ -91,6 +91,40 @@ class Operator:
         object_ttl_s seconds ago."""
         return self.view.origin("collect", object_ttl_s=object_ttl_s, timeout=OVERRIDE_TIMEOUT_S)
 
+    # --- conversations (edge/conversations.py) -----------------------------------------------
+    def conversations(self, tenant: str = None) -> list:
+        """Per edge, a tenant's conversation KV there (per conversation namespace: chunks,
+        bytes, seconds idle) and its settings; an edge that does not answer is {"down": True}."""
+        return self._each_edge("conversations_of", tenant or self.tenant)
+
+    def drop_conversations(self, tenant: str = None) -> dict:
+        """Drop a tenant's conversation KV on every edge: {edge: chunks dropped, or None if down}."""
+        return {r["edge"]: r.get("value") for r in self._each_edge("drop_conversations", tenant or self.tenant)}
+
+    def set_conversation_policy(self, tenant: str = None, ttl_s: float = None, budget_bytes: int = None,
+                                max_ttl_s: float = None) -> list:
+        """A tenant's idle TTL, the longest TTL a request may ask for (prompt_cache_retention
+        "24h") and byte budget per edge, on every edge, applied at once to what they hold.
+        Edges keep it in memory: a restarted edge starts from the defaults again."""
+        if ttl_s is None and budget_bytes is None and max_ttl_s is None:
+            raise BadRequest("set_conversation_policy: name ttl_s, budget_bytes or max_ttl_s")
+        return self._each_edge("set_conversation_policy", tenant or self.tenant, ttl_s=ttl_s,
+                               budget_bytes=budget_bytes, max_ttl_s=max_ttl_s)
+
+    def _each_edge(self, method: str, *args, **kw) -> list:
+        """method on every edge of the ring with the admin token, in order; an edge that does
+        not answer is reported down, and the first refusal (a bad value) raises."""
+        out = []
+        for e in self.view.ring.edges:
+            try:
+                got = self.view.edge_at(e.name, method, *args, token=self.view.admin_token,
+                                        timeout=STATUS_TIMEOUT_S, **kw)
+            except Unreachable:
+                out.append({"edge": e.name, "region": e.region, "down": True})
+                continue
+            out.append(got if isinstance(got, dict) else {"edge": e.name, "region": e.region, "value": got})
+        return out
+
     # --- ring ----------------------------------------------------------------------------
     def add_edge(self, name: str, region: str, capacity_bytes: int = 2 << 30, **edge_options) -> dict:
         """Start an edge actor in `region` and add it to the ring (keys move to it)."""

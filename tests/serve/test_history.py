@@ -116,3 +116,28 @@ def test_an_idle_ttl_empties_the_home_edge(net, model):
     view.edge_at(kept["edge"], "set_conversation_policy", "acme", ttl_s=1800.0, token=ADMIN)
 
 
+
+
+def test_an_operator_lists_sets_and_drops_a_tenants_conversations(net, model, ray_cluster, kdn_cli,
+                                                                   monkeypatch):
+    """Python (Client.conversations, set_conversation_policy, drop_conversations) and the CLI
+    (`kdn conversations`): the chunks kept are listed at their home edge, a budget and TTL
+    apply on every edge, a drop empties them, and a bad value is refused before anything."""
+    import json
+    c = chat(net, model)
+    _, kept, second = two_turns(c, salt="operated")
+    ops = Client(network=net.name, region="us-east", tenant="acme", admin_token=ADMIN)
+    home = next(e for e in ops.conversations() if e["edge"] == kept["edge"])
+    assert sum(cv["chunks"] for cv in home["conversations"]) >= kept["chunks"]
+    set_ = ops.set_conversation_policy(ttl_s=600, budget_bytes=512 << 20)
+    assert {e["edge"] for e in set_} == set(net.edges) and all(e["ttl_s"] == 600 for e in set_)
+    monkeypatch.setenv("KDN_ADMIN_TOKEN", ADMIN)
+    where = ["--address", ray_cluster.address, "--network", net.name, "--tenant", "acme"]
+    rc, out = kdn_cli("conversations", *where, "--json")
+    assert rc == 0 and all(e["policy"]["budget_bytes"] == 512 << 20 for e in json.loads(out))
+    rc, out = kdn_cli("conversations", *where, "--drop")
+    assert rc == 0 and out.startswith("dropped ") and "conversation chunks of tenant 'acme'" in out
+    assert all(e["conversations"] == [] for e in ops.conversations())
+    assert chat(net, model).begin(None, second, 12, salt="operated").cached == 0
+    assert kdn_cli("conversations", *where, "--budget", "lots")[0] == 2
+    ops.set_conversation_policy(ttl_s=1800, budget_bytes=1 << 30)
