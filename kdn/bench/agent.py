@@ -22,6 +22,11 @@ tokens, the cached share of the tokens earlier turns computed (the last partial 
 excepted: the goal is 95%), prefill tokens saved, and bytes moved. The baselines (off, kb) run
 on the first --baseline-conversations conversations only (their prefill is the slow part);
 every mode's greedy tokens are compared with off's on the conversations both ran.
+
+Then a load (--load-conversations, default 64, for --load-seconds): that many conversations at
+once, short turns round-robin over the workers, with the tenant's conversation budget per edge
+set low (--load-budget): the most conversation KV any edge held against that budget, what was
+evicted, and every worker's and edge's RSS before and after.
 """
 import argparse
 import random
@@ -79,17 +84,21 @@ class Worker:
     def ready(self) -> bool:
         return True
 
-    def turn(self, mode: str, conversation: str, messages: list, hints=()) -> dict:
+    def rss(self) -> int:
+        import psutil
+        return psutil.Process().memory_info().rss
+
+    def turn(self, mode: str, conversation: str, messages: list, hints=(), max_tokens: int = ANSWER_TOKENS) -> dict:
         t0 = time.perf_counter()
         chat = self.history if mode in ("cached", "moved") else self.plain
         if mode == "limit":
             turn = self._from_engine(conversation, messages)
         else:
-            turn = chat.begin(self.manifest, messages, ANSWER_TOKENS, fetch=mode != "off",
+            turn = chat.begin(self.manifest, messages, max_tokens, fetch=mode != "off",
                               salt=f"{mode}/{conversation}", hints=hints)
         fetched = turn.history.get("chunks", 0) * 256 * self.model.kv_bytes_per_token
         steps, ttft = [], None
-        for s in chat.stream(turn.prompt, turn.cache, turn.cached, ANSWER_TOKENS):
+        for s in chat.stream(turn.prompt, turn.cache, turn.cached, max_tokens):
             if ttft is None:
                 ttft = time.perf_counter() - t0
             steps.append(s)
@@ -116,7 +125,8 @@ class Worker:
         return turn
 
 
-def run(conversations: int, turns: int, baseline: int, move_at: int, seed: int, log) -> dict:
+def run(conversations: int, turns: int, baseline: int, move_at: int, seed: int, log,
+        load_conversations: int = 0, load_seconds: float = 60.0, load_budget: int = 256 << 20) -> dict:
     import ray
     from kdn.bench.ttft import knowledge_texts
     from kdn.client import Client
@@ -158,9 +168,55 @@ def run(conversations: int, turns: int, baseline: int, move_at: int, seed: int, 
                     history[c].append({"role": "assistant", "content": got["text"]})
                     results[mode][c][t] = got
             log(f"{mode}: {n} conversations x {turns} turns in {time.perf_counter() - t0:.0f} s")
-        return summarize(results, conversations, turns, baseline, r["tokens"], model.kv_bytes_per_token)
+        out = summarize(results, conversations, turns, baseline, r["tokens"], model.kv_bytes_per_token)
+        if load_conversations:
+            out["load"] = load_phase(workers, net.name, load_conversations, load_seconds, load_budget,
+                                     model, seed, log)
+        return out
     finally:
         teardown(net, cluster, root)
+
+
+def load_phase(workers: dict, network: str, conversations: int, seconds: float, budget: int,
+               model, seed: int, log) -> dict:
+    """conversations at once for `seconds` (round-robin over the workers, short turns), with
+    the tenant's conversation budget set to `budget` per edge: every process's RSS before and
+    after, the most conversation KV any edge held, and what it evicted."""
+    import psutil
+    import ray
+    from kdn.client import Client
+    ops = Client(network=network, region=REGIONS[0])
+    ops.set_conversation_policy(budget_bytes=budget)
+    pids = {e["name"]: e["pid"] for e in ops.status()["edges"]}
+    names = sorted(workers)
+
+    def rss():
+        out = {f"edge {n}": psutil.Process(pid).memory_info().rss for n, pid in pids.items()}
+        out.update({f"worker {w}": ray.get(workers[w].rss.remote()) for w in names})
+        return out
+    before, most, turns = rss(), 0, 0
+    rng = random.Random(seed)
+    tools = [tool_result(rng, model, 200, 300) for _ in range(8)]
+    history = [[] for _ in range(conversations)]
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        c = turns % conversations
+        history[c].append({"role": "user", "content": f"({c}) {tools[(turns // conversations) % 8]}\nAnything failed?"})
+        w = names[c % len(names)]
+        got = ray.get(workers[w].turn.remote("cached", f"load{c}", history[c], (), 8))
+        history[c].append({"role": "assistant", "content": got["text"]})
+        turns += 1
+        if turns % 8 == 0:
+            most = max([most] + [e.get("conversations", {}).get("bytes", 0) for e in ops.status()["edges"]])
+    after = rss()
+    edges = ops.status()["edges"]
+    most = max([most] + [e["conversations"]["bytes"] for e in edges])
+    ops.set_conversation_policy(budget_bytes=1 << 30)
+    log(f"load: {turns} turns of {conversations} conversations in {time.perf_counter() - t0:.0f} s")
+    return {"conversations": conversations, "seconds": seconds, "turns": turns, "budget_bytes": budget,
+            "most_conversation_bytes": most, "rss_before": before, "rss_after": after,
+            "evicted": sum(e["conversations"].get("conv_evicted_budget", 0)
+                           + e["conversations"].get("conv_evicted_capacity", 0) for e in edges)}
 
 
 def summarize(results: dict, conversations: int, turns: int, baseline: int, kb_tokens: int,
@@ -206,6 +262,13 @@ def report(out: dict, move_at: int) -> None:
     table(rows)
     print(f"moved: turns {move_at + 1}.. answered in another region; identical greedy tokens to off: "
           + ", ".join(f"{m} {v:.0%}" for m, v in out["identical_to_off"].items() if v is not None))
+    ld = out.get("load")
+    if ld:
+        print(f"load: {ld['conversations']} conversations for {ld['seconds']:.0f} s, {ld['turns']} turns; "
+              f"a tenant's budget of {ld['budget_bytes'] / 2**20:.0f} MiB per edge: at most "
+              f"{ld['most_conversation_bytes'] / 2**20:.0f} MiB held, {ld['evicted']} chunks evicted")
+        table([{"process": k, "RSS before MiB": f"{v / 2**20:.0f}", "after MiB": f"{ld['rss_after'][k] / 2**20:.0f}"}
+               for k, v in ld["rss_before"].items()])
 
 
 def main(argv=None) -> int:
@@ -217,15 +280,26 @@ def main(argv=None) -> int:
     ap.add_argument("--move-at", dest="move_at", type=int, default=None,
                     help="turn index from which 'moved' answers in another region (default turns // 2)")
     ap.add_argument("--seed", type=int, default=7, help="seed of the tool results (default 7)")
+    ap.add_argument("--load-conversations", dest="load_conversations", type=int, default=64,
+                    help="then this many conversations at once, short turns, for --load-seconds "
+                         "(memory within budgets; 0: skip; default 64)")
+    ap.add_argument("--load-seconds", dest="load_seconds", type=float, default=60.0)
+    ap.add_argument("--load-budget", dest="load_budget", default="256MiB",
+                    help="the tenant's conversation budget per edge during the load (default 256MiB)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
+    from kdn.launch.cluster import parse_size
+    load_budget = parse_size(args.load_budget, "--load-budget")
     move_at = args.turns // 2 if args.move_at is None else args.move_at
     if args.conversations < 1 or args.turns < 2 or not 1 <= args.baseline <= args.conversations \
             or not 1 <= move_at < args.turns:
         raise BadRequest("need --conversations >= 1, --turns >= 2, 1 <= --baseline-conversations <= "
                          "--conversations and 1 <= --move-at < --turns")
+    if args.load_conversations < 0 or args.load_seconds <= 0:
+        raise BadRequest("need --load-conversations >= 0 and --load-seconds > 0")
     out = run(args.conversations, args.turns, args.baseline, move_at, args.seed,
-              log=lambda m: print(m, flush=True))
+              log=lambda m: print(m, flush=True), load_conversations=args.load_conversations,
+              load_seconds=args.load_seconds, load_budget=load_budget)
     out["move_at"] = move_at
     if args.json:
         emit_json(out)
