@@ -138,6 +138,12 @@ def _status(args, rest):
               f"in {s.get('backend', 'its store')}, {o['members']} edges "
               f"(membership v{o['membership_version']})")
     table(status_rows(st))
+    by_tenant = {}
+    for e in st["edges"]:
+        for t, b in (e.get("conversations") or {}).get("tenant_bytes", {}).items():
+            by_tenant[t] = by_tenant.get(t, 0) + b
+    if by_tenant:
+        print("conversation KV by tenant: " + ", ".join(f"{t} {_gib(b)}" for t, b in sorted(by_tenant.items())))
     print("\n".join(_service_lines(st["service"])))
     return 0 if all(not e.get("down") for e in st["edges"]) and "unreachable" not in o else 1
 

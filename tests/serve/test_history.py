@@ -135,6 +135,8 @@ def test_an_operator_lists_sets_and_drops_a_tenants_conversations(net, model, ra
     where = ["--address", ray_cluster.address, "--network", net.name, "--tenant", "acme"]
     rc, out = kdn_cli("conversations", *where, "--json")
     assert rc == 0 and all(e["policy"]["budget_bytes"] == 512 << 20 for e in json.loads(out))
+    rc, out = kdn_cli("status", "--address", ray_cluster.address, "--network", net.name)
+    assert "conversation KV by tenant: acme " in out and "conversations" in out, out
     rc, out = kdn_cli("conversations", *where, "--drop")
     assert rc == 0 and out.startswith("dropped ") and "conversation chunks of tenant 'acme'" in out
     assert all(e["conversations"] == [] for e in ops.conversations())
