@@ -17,29 +17,26 @@ whenever a ping from the origin carries another head:
   dropped. A cache emptied refills from the origin; a stale copy would be served.
 An origin that does not answer changes nothing: the edge serves what it holds (an origin
 outage is what edges outlast) and catches up at the next ping.
+
+Each key dropped leaves a tombstone at its position in the log (edge/tombstones.py), set
+before the first copy goes and the edge's position moved past it only once every copy is
+gone, so a load in flight meanwhile (a pull, a disk read, a push) never puts the old bytes
+back. A drop of every copy (a reset) first fences off everything in flight.
 """
 import asyncio
 import json
 import logging
 import os
 
-from kdn.core.checks import check_int
 from kdn.core.errors import BadRequest
 from kdn.core.files import write_atomic
 from kdn.core.names import ORIGIN_NODE
+from kdn.edge.tombstones import check_state
 
 log = logging.getLogger(__name__)
 
 POSITION_FILE = "drops-replayed.json"
 DROPS_TIMEOUT_S = 10.0
-
-
-def check_state(state) -> tuple:
-    """(log id, head) of a ping's drops= argument, or BadRequest naming the problem."""
-    if not isinstance(state, dict) or not isinstance(state.get("log"), str):
-        raise BadRequest(f"drops must be {{'log': str, 'head': int >= 0}}, got {state!r:.80}")
-    return state["log"], check_int(state.get("head"), "drops head", 0,
-                                   note="drops must be {'log': str, 'head': int >= 0}")
 
 
 class Replay:
@@ -49,6 +46,8 @@ class Replay:
         self.tiers, self.peers = tiers, peers
         self.path = None if directory is None else os.path.join(directory, POSITION_FILE)
         self.seen = self._load()               # (log id, head) replayed, or None
+        if self.seen is not None:
+            tiers.tombs.start(*self.seen)
         self.from_before = set(self.tiers.held())   # copies its disk kept from an earlier life
         self._lock = asyncio.Lock()
         self._task = None                      # the catch-up running now, if any
@@ -99,19 +98,27 @@ class Replay:
             if r is None:
                 return False
             self.counters["drops_catch_ups"] += 1
+            tombs = self.tiers.tombs
             if self.seen is None:
                 # no position: only what the disk brought from before this process can be
                 # stale; what came since came from this origin, whose drops reach a live edge
                 keys = [k for k in self.tiers.held() if k in self.from_before]
-                if keys:
-                    self._reset(r, keys)
-            elif self.seen[0] != r["log"] or r["keys"] is None:
-                keys = self.tiers.held()
-                self._reset(r, keys)
+                follows = not keys
+                if follows:
+                    tombs.start(r["log"], r["head"])
             else:
-                keys = r["keys"]
-            if keys:
-                self.counters["drops_replayed"] += await self.tiers.drop(keys)
+                follows = self.seen[0] == r["log"] and r["keys"] is not None
+                keys = r["keys"] if follows else self.tiers.held()
+            if not follows:
+                self._reset(r, keys)
+                tombs.fence()                  # whatever is in flight may be stale too
+                self.counters["drops_replayed"] += await self.tiers.drop(keys, at=tombs.position)
+                tombs.restart(r["log"], r["head"])
+            else:
+                if keys:
+                    at = [tombs.local(since + i) for i in range(len(keys))]
+                    self.counters["drops_replayed"] += await self.tiers.drop(keys, at=at)
+                tombs.advance(r["log"], r["head"])     # only now: every copy of keys is gone
             self.seen = (r["log"], r["head"])
             self.from_before = set()
             await asyncio.to_thread(self._save)

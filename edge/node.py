@@ -15,6 +15,9 @@ membership from the origin every membership_refresh_s, so an edge that missed a 
 converges by itself. With a disk tier (disk_bytes, disk_dir: edge/disk.py), a writer task
 writes memory's victims and pulled-through fills to disk, off the readers' time. With
 kv_events (edge/events.py), what the tiers hold and drop is published as vLLM KV events.
+The origin's drops (edge/drops.py) win over every copy on its way in (edge/tombstones.py):
+pushes and repairs carry the drop-log position their bytes were read at, and an owner asked
+by an edge that applied more of the log than it has answers nothing until it catches up.
 
 One event loop serves every RPC and HTTP reader, so nothing on it hashes, codes or copies a
 chunk or touches a file: that work (verification, store forms, ray.put's copy, disk reads,
@@ -233,13 +236,16 @@ class EdgeNode:
         return [self.tiers.holds(k, ns) for k in check_keys(keys, ADMIN_KEYS, distinct=False)]
 
     async def put_chunks(self, chunks, role: str = "main", pin: bool = False, ttl_s=None,
-                         token=None) -> int:
+                         token=None, drops=None) -> int:
         """Keep chunks the origin pushes (role main) or warms (role hot); how many were kept.
-        Each is verified and kept in this edge's store form; one already held stays."""
+        Each is verified and kept in this edge's store form; one already held stays. drops:
+        the origin's drop-log state when the bytes were read (a push; a repair: its load's):
+        a chunk a drop applied here since is not kept (edge/tombstones.py)."""
         self.tokens.check_admin(token, "put_chunks")
         if role not in ROLES:
             raise BadRequest(f"role must be one of {', '.join(ROLES)}, got {role!r:.40}")
         ttl_s = None if ttl_s is None else check_ttl(ttl_s)
+        born = self.tiers.tombs.born_at(drops)
         if not isinstance(chunks, (list, tuple)):
             raise BadRequest(f"put_chunks takes a list of chunks, got {type(chunks).__name__}")
         chunks = [c for c in chunks if c is not None]
@@ -258,6 +264,7 @@ class EdgeNode:
                 held = stored[c.key]
                 if held is None:
                     continue                 # failed verification
+                held.born = born
             n += bool(self.tiers.put(role, c.key, held, pin=pin))
             if ttl_s:
                 self.tiers.expire_later(c.key, ttl_s)
@@ -275,9 +282,18 @@ class EdgeNode:
         self.tokens.check_admin(token, "set_ttl")
         return self.tiers.set_ttl(check_keys(keys, ADMIN_KEYS, distinct=False), check_ttl(ttl_s))
 
-    async def drop(self, keys, token=None) -> int:
+    async def drop(self, keys, token=None, drops=None) -> int:
+        """Drop keys from every tier; how many were held. drops: the origin's drop-log state
+        once it removed them (its broadcast of a delete): no copy on its way in that is older
+        survives it (edge/tombstones.py). Without it, a plain removal."""
         self.tokens.check_admin(token, "drop")
-        return await self.tiers.drop(check_keys(keys, ADMIN_KEYS, distinct=False))
+        keys = check_keys(keys, ADMIN_KEYS, distinct=False)
+        at = None
+        if drops is not None:
+            at = self.tiers.tombs.drop_position(drops)
+            if self.replay.behind(drops):
+                self._catch_up()
+        return await self.tiers.drop(keys, at=at)
 
     # --- manifests (broadcast by the origin, so reads survive an origin outage) -----------
     async def add_manifest(self, m: dict, token=None) -> None:
@@ -339,14 +355,20 @@ class EdgeNode:
         """Per key, whether the network holds it under ns (edge/reads.py: Reads.holds)."""
         return await self.reads.holds(keys, ns, token, claim=(tenant, fingerprint))
 
-    async def peer_get(self, keys, token=None, region: str = None) -> list:
+    async def peer_get(self, keys, token=None, region: str = None, drops=None) -> list:
         """What this edge holds of `keys` (None elsewhere); asked by other edges, never cascades.
 
         region: where the asker (and so its reader, who pulls the objects from this node)
         is; each chunk then goes in the lossless form that crosses that link soonest.
+        drops: the drop-log state the asker applied; an edge that applied less answers
+        nothing (its copies may predate a drop the asker applied) and catches up.
         """
         self.tokens.check_admin(token, "peer_get")
         keys = check_keys(keys)
+        if self.tiers.tombs.behind(drops):
+            self.counters["peer_get_behind"] += 1
+            self._catch_up()
+            return [None] * len(keys)
         out = [self.tiers.get(k) for k in keys]
         on_disk = [i for i, h in enumerate(out) if h is None and self.tiers.on_disk(keys[i])]
         for i, h in zip(on_disk, await self.reads.read_disk([keys[i] for i in on_disk], None)):
@@ -395,6 +417,7 @@ class EdgeNode:
         for part in (self.membership, self.tiers, self.forms, self.pull, self.pull.loads,
                      self.reads, self.catalog, self.peers, self.replay):
             out.update(part.counters)
+        out.update(self.tiers.tombs.counters)         # drops_refused_stale (edge/tombstones.py)
         if self.tiers.disk is not None:
             out.update(self.tiers.disk.snapshot())
         if self.events is not None:
@@ -413,6 +436,7 @@ class EdgeNode:
                 "demand": self.demand.stats(), "loads": self.pull.loads.stats(),
                 "catalog": self.catalog.stats(), "background_failure": self.background_failure,
                 "kv_events": None if self.events is None else self.events.options,
+                "drops": t["drops"],          # where this edge is in the origin's drop log
                 "limits": {"max_fetch_keys": MAX_FETCH_KEYS,
                            "max_reply_bytes": self.reads.max_reply_bytes}}
 

@@ -15,6 +15,11 @@ background, after the reply, one encode per key at a time.
 A key the edge knows belongs to another namespace (its manifest says so, or the copy it
 holds does) is never loaded for a reader of this one: such a load would tell the reader,
 by its cost, that the key exists elsewhere.
+
+A drop from the origin's log wins over a load in flight (edge/tombstones.py): a load is born
+at the drop-log position this edge had applied when it started, asks owners only to answer
+if they have applied as much (peer_get's drops=), and what a drop overtook meanwhile is
+neither served nor kept, nor sent to an owner as a repair without its birth.
 """
 import asyncio
 import collections
@@ -37,10 +42,12 @@ class Pull:
 
     # --- loading ----------------------------------------------------------------------------
     async def load(self, keys, ns: bytes) -> list:
-        """(Held, source) per key, None where nobody holds it (for a reader of ns)."""
+        """(Held, source) per key, None where nobody holds it (for a reader of ns) or the copy
+        loaded is older than a drop of its key applied meanwhile."""
         mine = [k for k in keys if self._may_load(k, ns)]
         got = dict(zip(mine, await self.loads.do_many(mine, self._load_batch))) if mine else {}
-        return [got.get(k) for k in keys]
+        return [None if (g := got.get(k)) is None or self.tiers.tombs.stale(k, g[0].born) else g
+                for k in keys]
 
     def _may_load(self, key, ns: bytes) -> bool:
         known = self.catalog.ns_of(key)
@@ -48,18 +55,23 @@ class Pull:
         return (known is None or known == ns) and (held is None or held.ns == ns)
 
     async def _load_batch(self, keys) -> dict:
-        """key -> (Held, source) for the keys some owner or the origin holds."""
-        result, lacking = await self._from_owners(keys)
+        """key -> (Held, source) for the keys some owner or the origin holds, each Held born
+        at the drop-log position applied when the load started."""
+        born, drops = self.tiers.tombs.birth(), self.tiers.tombs.state()
+        result, lacking = await self._from_owners(keys, drops)
         pending = [k for k in keys if k not in result]
         if pending:
             from_origin = await self._from_origin(pending)
             result.update((k, (h, ORIGIN)) for k, (_, h) in from_origin.items())
-            self._repair(lacking, {k: c for k, (c, _) in from_origin.items()})
+            self._repair(lacking, {k: c for k, (c, _) in from_origin.items()}, drops)
+        for held, _ in result.values():
+            held.born = born
         return result
 
-    async def _from_owners(self, keys) -> tuple:
+    async def _from_owners(self, keys, drops=None) -> tuple:
         """({key: (Held, source)}, {owner: [keys it should have had]}): round r asks each
-        key's r-th nearest owner, all owners of a round at once."""
+        key's r-th nearest owner, all owners of a round at once. drops: the drop-log state
+        this edge applied; an owner that applied less answers nothing (edge/node.py)."""
         ranked = self.membership.sources(keys, self.name, self.region)
         result, lacking = {}, collections.defaultdict(list)
         pending, rnd = list(keys), 0
@@ -68,7 +80,8 @@ class Pull:
             for k in pending:
                 if len(ranked[k]) > rnd:
                     groups[ranked[k][rnd]].append(k)
-            replies = await asyncio.gather(*(self.peers.ask(e, "peer_get", ks, region=self.region)
+            replies = await asyncio.gather(*(self.peers.ask(e, "peer_get", ks, region=self.region,
+                                                            drops=drops)
                                              for e, ks in groups.items()))
             for (e, ks), got in zip(groups.items(), replies):
                 if got is None:          # unreachable: its keys go to the next owner
@@ -92,13 +105,15 @@ class Pull:
             return {k: (c, Held.kept(c)) for k, c in pairs if self.forms.intact(c)}
         return await asyncio.to_thread(verified) if pairs else {}
 
-    def _repair(self, lacking: dict, from_origin: dict) -> None:
-        """Send owners the origin's copies of chunks they lacked, after the reply."""
+    def _repair(self, lacking: dict, from_origin: dict, drops=None) -> None:
+        """Send owners the origin's copies of chunks they lacked, after the reply; drops: the
+        drop-log state the load started at, their birth for the owner."""
         for e, ks in lacking.items():
             repair = [from_origin[k] for k in ks if k in from_origin]
             if repair:
                 self.counters["repairs_sent"] += len(repair)
-                self.peers.later(self.peers.ask(e, "put_chunks", repair), f"read repair of {e}")
+                self.peers.later(self.peers.ask(e, "put_chunks", repair, drops=drops),
+                                 f"read repair of {e}")
 
     # --- keeping ----------------------------------------------------------------------------
     async def keep(self, items) -> None:
@@ -135,14 +150,18 @@ class Pull:
 
     async def own_copy(self, held):
         """held as this node's own object in this edge's store form (a peer's object vanishes
-        with the peer); None when it cannot be read in time or fails verification."""
+        with the peer), born when held was; None when it cannot be read in time or fails
+        verification."""
         if held.own and held.codec == self.forms.store_codec:
             return held
         try:
             obj = await asyncio.wait_for(held.resolve(), PEER_READ_S)
         except failover_errors():      # the peer went away: nothing to keep
             return None
-        return (await self.forms.to_store([obj]))[0]
+        mine = (await self.forms.to_store([obj]))[0]
+        if mine is not None:
+            mine.born = held.born
+        return mine
 
     async def promote(self, keys) -> None:
         """Copy chunks the replication policy made hot in this region into the hot tier."""

@@ -183,7 +183,8 @@ class Reads:
             await self.pull.keep(keep)
             if self.tiers.disk is not None:     # a fill: what memory did not keep goes to disk
                 for k, h, _ in keep:
-                    if self.tiers.peek(k) is None and self.tiers.write_back(h, verify=not h.own):
+                    if self.tiers.peek(k) is None and self.tiers.write_back(h, verify=not h.own,
+                                                                             born=h.born):
                         self.counters["disk_filled"] += 1
         self.counters["fetches"] += 1
         self.counters["chunks_served"] += len(helds)

@@ -16,12 +16,18 @@ memory is queued and written there by the edge's writer task (drain_write_backs)
 a reader's time; a disk hit (from_disk) is read in a worker thread, verified and put into
 this node's store there (one chunk's buffer at a time), then promoted to memory. The queue is bounded in bytes: past the bound a victim
 is not written (counted), so a slow disk never holds memory hostage.
+
+A drop from the origin's log (edge/drops.py) wins over every copy on its way in: each copy
+carries its birth and every way into a tier checks it against the drops' tombstones
+(edge/tombstones.py): put, a disk read's promotion, a write-back (checked and written
+under the same lock as a drop's deletion of the files, so a write never lands after it).
 """
 import asyncio
 import collections
 import time
 
 from kdn.edge.cache import ChunkCache
+from kdn.edge.tombstones import Tombstones
 from kdn.core.errors import PinCapacityError
 
 ROLES = ("main", "hot")
@@ -30,14 +36,17 @@ ROLES = ("main", "hot")
 class Held:
     """A chunk in the object store (a Chunk or an Encoded frame): its reference plus what
     routing needs without fetching it. nbytes is what holding it costs, raw its KV's size;
-    own is False for a peer's object (it vanishes with the peer)."""
-    __slots__ = ("ref", "key", "ns", "nbytes", "raw", "codec", "dtype", "own", "obj")
+    own is False for a peer's object (it vanishes with the peer). born: for a copy on its way
+    in, the drop-log position its bytes are at least as new as (edge/tombstones.py; None:
+    made here, never older than a drop)."""
+    __slots__ = ("ref", "key", "ns", "nbytes", "raw", "codec", "dtype", "own", "obj", "born")
 
     def __init__(self, ref, key: bytes, ns: bytes, nbytes: int, raw: int, codec: str = "raw",
                  dtype: str = "float32", own: bool = True):
         self.ref, self.key, self.ns, self.nbytes, self.raw = ref, key, ns, nbytes, raw
         self.codec, self.dtype, self.own = codec, dtype, own
         self.obj = None        # the object itself, once this process has read it (HTTP)
+        self.born = None
 
     @classmethod
     def of(cls, obj) -> "Held":
@@ -90,11 +99,13 @@ class Tiers:
         self.hot = ChunkCache(hot_bytes, "lru", on_evict=self._evicted)   # copies: recency is all that matters
         self.disk = disk           # edge/disk.py DiskTier, or None
         self.expiry = {}           # key -> monotonic deadline (a KB's TTL, set by an operator)
-        self.pending = collections.OrderedDict()   # key -> (Held, verify first): to the disk
+        self.pending = collections.OrderedDict()   # key -> (Held, verify first, born): to the disk
         self.pending_bytes = 0
         self.write_back_queue_bytes = int(write_back_queue_bytes)
         self.counters = collections.Counter()
         self.observer = None       # note(key) when what holds key may have changed (edge/events.py)
+        self.tombs = Tombstones()  # the origin's drops, against copies on their way in
+        self._disk_turn = asyncio.Lock()   # a write-back's check and write; a drop's deletes
 
     def note(self, key) -> None:
         """Tell the observer (the edge's KV-event publisher, when it has one) key changed."""
@@ -150,12 +161,15 @@ class Tiers:
         into this node's store and promoted to memory tier roles[i]."""
         if self.disk is None or not keys:
             return [None] * len(keys)
+        born = self.tombs.birth()   # a drop while the files are read: they are not used
         def load():         # each chunk read, verified and put in the store, then let go
             return [None if obj is None else Held.kept(obj)
                     for obj in (self.disk.read(k, ns) for k in keys)]
         out = await asyncio.to_thread(load)
-        for key, held, role in zip(keys, out, roles):
-            if held is not None:
+        for i, (key, held, role) in enumerate(zip(keys, out, roles)):
+            if held is not None and self.tombs.stale(key, born):
+                out[i] = None
+            elif held is not None:
                 self.counters["disk_hits"] += 1
                 self.counters["disk_promoted"] += self.tier(role).put(key, held)
                 self.note(key)
@@ -170,8 +184,10 @@ class Tiers:
     # --- writes -----------------------------------------------------------------------------
     def put(self, role: str, key, held, pin: bool = False) -> bool:
         """Keep held in tier `role`; a pin that does not fit is kept unpinned rather than not
-        at all (and counted)."""
+        at all (and counted). A copy older than a drop of its key is not kept (False)."""
         tier = self.tier(role)
+        if held is not tier.peek(key) and self.tombs.stale(key, held.born):
+            return False
         try:
             if pin:
                 try:
@@ -200,16 +216,22 @@ class Tiers:
                 self.counters["pin_refused"] += 1
         return n
 
-    async def drop(self, keys) -> int:
+    async def drop(self, keys, at=None) -> int:
         """Remove keys from every tier, the disk too: its files are deleted in one worker-thread
         call (file I/O never runs on the event loop), then memory lets go of them, so a reader
-        meanwhile finds them in memory, never a disk record about to vanish. How many were held."""
+        meanwhile finds them in memory, never a disk record about to vanish. How many were held.
+        at: the drop's position in the origin's log (one for all keys, or one per key): its
+        tombstones are set first, so no copy on its way in outlives the drop."""
         keys = list(keys)
+        if at is not None:
+            self.tombs.dropped(keys, at)
         for k in keys:
             self._unqueue(k)                  # a victim on its way to the disk: not written now
         on_disk = [False] * len(keys)
-        if self.disk is not None and any(k in self.disk for k in keys):
-            on_disk = await asyncio.to_thread(lambda: [self.disk.discard(k) for k in keys])
+        if self.disk is not None:
+            async with self._disk_turn:       # after a write-back in progress, never before it
+                if any(k in self.disk for k in keys):
+                    on_disk = await asyncio.to_thread(lambda: [self.disk.discard(k) for k in keys])
         n = 0
         for k, disk in zip(keys, on_disk):
             n += self.main.discard(k) | self.hot.discard(k) | disk
@@ -223,17 +245,20 @@ class Tiers:
         """A memory tier's victim: queue it for the disk (ChunkCache's on_evict)."""
         self.note(key)
         if self.disk is not None and held.own and not self._expired(key):
-            self.write_back(held)
+            self.write_back(held, born=self.tombs.birth())    # held until now: as new as that
 
-    def write_back(self, held, verify: bool = False) -> bool:
+    def write_back(self, held, verify: bool = False, born=None) -> bool:
         """Queue held to be written to the disk tier (verify: check it first, a copy that
-        came from a peer); False when it is not queued (held already, or the queue is full)."""
+        came from a peer; born: its birth, edge/tombstones.py); False when it is not queued
+        (held already, the queue is full, or a drop overtook it)."""
         if self.disk is None or held.key in self.pending or held.key in self.disk:
+            return False
+        if self.tombs.stale(held.key, born):
             return False
         if self.pending_bytes + held.nbytes > self.write_back_queue_bytes:
             self.counters["disk_write_back_dropped_busy"] += 1
             return False
-        self.pending[held.key] = (held, verify)
+        self.pending[held.key] = (held, verify, born)
         self.pending_bytes += held.nbytes
         self.counters["disk_write_back_queued"] += 1
         return True
@@ -247,20 +272,24 @@ class Tiers:
     async def drain_write_backs(self, intact) -> int:
         """Write every queued victim to the disk tier (in a worker thread); how many written.
         intact(obj) -> bool checks a copy queued with verify. A full device drops the write
-        (the disk tier counts it); another disk error is counted here and raised."""
+        (the disk tier counts it); another disk error is counted here and raised. A copy a
+        drop overtook is not written: checked and written in the drop's lock on the files."""
         n = 0
         while self.pending:
             key = next(iter(self.pending))
-            held, verify = self._unqueue(key)
+            held, verify, born = self._unqueue(key)
             obj = await held.resolve()
             if verify and not await asyncio.to_thread(intact, obj):
                 self.counters["disk_write_back_refused"] += 1
                 continue
-            try:
-                n += await asyncio.to_thread(self.disk.write, obj)
-            except OSError:
-                self.counters["disk_write_back_errors"] += 1
-                raise
+            async with self._disk_turn:
+                if self.tombs.stale(key, born):
+                    continue
+                try:
+                    n += await asyncio.to_thread(self.disk.write, obj)
+                except OSError:
+                    self.counters["disk_write_back_errors"] += 1
+                    raise
         return n
 
     # --- TTL --------------------------------------------------------------------------------
@@ -282,11 +311,13 @@ class Tiers:
         return deadline is not None and deadline <= time.monotonic()
 
     async def sweep(self) -> int:
-        """Drop every chunk whose TTL has passed (their files in one worker-thread call); how many."""
+        """Drop every chunk whose TTL has passed (their files in one worker-thread call); how
+        many. Tombstones past their time go too (edge/tombstones.py)."""
         now = time.monotonic()
         gone = [k for k, t in self.expiry.items() if t <= now]
         if gone:
             await self.drop(gone)
+        self.tombs.expire()
         self.counters["ttl_expired"] += len(gone)
         return len(gone)
 
@@ -296,7 +327,8 @@ class Tiers:
             write_back_queued=len(self.pending), write_back_queued_bytes=self.pending_bytes)
         return {"main": self.main.stats(), "hot": self.hot.stats(), "disk": disk,
                 "held_raw_bytes": sum(h.raw for h in self.values()), "hot_copies": len(self.hot),
-                "expiring": len(self.expiry), "counters": dict(self.counters)}
+                "expiring": len(self.expiry), "drops": self.tombs.stats(),
+                "counters": dict(self.counters)}
 
 
 def _ray_initialized() -> bool:

@@ -17,6 +17,13 @@ copy it holds: a cache emptied is refilled from the origin, a stale copy would b
 
 The log keeps about MAX_KEPT keys (whole appends, the newest always), so it never grows
 without bound.
+
+What the origin tells edges is the settled head (`settled`): read under the store's lock,
+under which the store logs keys and deletes them, so every key logged before it is gone. An
+edge at that head therefore reads, from the origin or from an owner at least as far, only
+bytes no drop before it removed; and a push carries the settled head read before its
+bytes, so an edge that applied a later drop of a key refuses the old bytes
+(edge/tombstones.py).
 """
 import os
 import re
@@ -83,13 +90,17 @@ class DropLog:
                 self.objects.delete(_name(*old))
             return end
 
-    def since(self, seq: int) -> tuple:
-        """(keys, head): the keys logged from sequence number seq up to head, oldest first;
-        keys is None when the log no longer keeps them all, or never had seq (the caller
-        starts over). StoreError when a segment cannot be read."""
+    def since(self, seq: int, upto: int = None) -> tuple:
+        """(keys, head): the keys logged from sequence number seq up to head (upto, when
+        given and lower: a settled head), oldest first; keys is None when the log no longer
+        keeps them all, or never had seq (the caller starts over). StoreError when a segment
+        cannot be read."""
         with self._lock:
             segments = list(self.segments)
         head = segments[-1][1] if segments else 0
+        if upto is not None and upto < head:
+            segments = [(a, b) for a, b in segments if a < upto]
+            head = upto
         if seq == head:
             return [], head
         if seq > head or (segments and seq < segments[0][0]):
@@ -109,8 +120,17 @@ class DropLog:
                 raise StoreError(f"drop log segment {self.objects.where(name)} holds "
                                  f"{len(keys) if isinstance(keys, list) else type(keys).__name__} "
                                  f"keys, its name says {end - start}")
-            out.extend(keys[max(0, seq - start):])
+            out.extend(keys[max(0, seq - start):max(0, head - start)])
         return out, head
+
+
+def settled(store) -> dict:
+    """The drop log's state {"log", "head"} with no removal half done: origin/store.py logs
+    keys and deletes them under its lock (collect, delete_objects), taken here, so every key
+    logged before head is gone from the store (and bytes read after this are at least that
+    new)."""
+    with store._lock:
+        return store.drops.state()
 
 
 def _name(start: int, end: int) -> str:

@@ -36,6 +36,7 @@ from kdn.core.keys import MAX_TOKENS_PER_KB, check_key, namespace_digest
 from kdn.core.manifest import Manifest, check_name
 from kdn.core.names import check_node_name
 from kdn.origin import overrides
+from kdn.origin.drops import settled
 from kdn.origin.health import PERIOD_S, Health
 from kdn.origin.membership import Membership, check_members
 from kdn.origin.objects import open_objects
@@ -355,7 +356,9 @@ class OriginNode:
         await asyncio.gather(*list(self._pushes), return_exceptions=True)
         gone = await asyncio.to_thread(self.store.delete_objects, keys, ns)
         self.counters["objects_deleted"] += len(gone)
-        dropped = await self.pusher.broadcast("drop", gone) if gone else []
+        # with the log's settled head: a copy on its way into an edge read before it is refused
+        at = await asyncio.to_thread(settled, self.store) if gone else None
+        dropped = await self.pusher.broadcast("drop", gone, drops=at) if gone else []
         return {"deleted": len(gone), "dropped": dict(zip(self.roster.names(), dropped))}
 
     async def commit(self, manifest: dict, push: bool = True, token=None) -> dict:
@@ -462,14 +465,17 @@ class OriginNode:
         return {"deleted": f"{name}@v{version}", "emphasized_copies": len(copies)}
 
     async def drops(self, since: int = None, token=None) -> dict:
-        """The drop log (origin/drops.py) for an edge catching up: its id ("log"), its head,
-        and the keys logged from sequence number since on ("keys"; None when since is None
-        or the log no longer keeps it: the edge then starts over)."""
+        """The drop log (origin/drops.py) for an edge catching up: its id ("log"), its settled
+        head (every key logged before it is gone from the store), and the keys logged from
+        sequence number since up to it ("keys"; None when since is None or the log no longer
+        keeps it: the edge then starts over)."""
         self.tokens.check_admin(token, "drops")
         log = self.store.drops
+        since = None if since is None else check_int(since, "since", 0)
+        state = await asyncio.to_thread(settled, self.store)
         if since is None:
-            return {**log.state(), "keys": None}
-        keys, head = await asyncio.to_thread(log.since, check_int(since, "since", 0))
+            return {**state, "keys": None}
+        keys, head = await asyncio.to_thread(log.since, since, state["head"])
         return {"log": log.id, "head": head, "keys": keys}
 
     async def collect(self, object_ttl_s: float = None, token=None) -> dict:

@@ -7,11 +7,14 @@ all edges. When the membership changes, every live chunk goes to owners that did
 before. A dead or slow edge is skipped (counted in edge_call_failures): it refills by
 pull-through, and a publish never fails for it. Any other error from an edge raises.
 Opaque objects (put_objects) are pushed the same way, in the background (origin/node.py).
+Each batch carries the drop log's settled head read before its bytes (origin/drops.py), so
+an edge that has applied a later drop of one of its keys does not keep the old bytes.
 """
 import asyncio
 import collections
 
 from kdn.core.errors import StoreError
+from kdn.origin.drops import settled
 from kdn.origin.overrides import kb_id
 from kdn.core.rpc import Unreachable
 
@@ -53,9 +56,9 @@ class Pusher:
             self.counters["edge_call_failures"] += 1
             return None
 
-    async def broadcast(self, method, *args, timeout=QUICK_TIMEOUT_S) -> list:
+    async def broadcast(self, method, *args, timeout=QUICK_TIMEOUT_S, **kw) -> list:
         """Call method on every member edge at once; their answers (None where missed)."""
-        return await asyncio.gather(*(self.call(n, method, *args, timeout=timeout)
+        return await asyncio.gather(*(self.call(n, method, *args, timeout=timeout, **kw)
                                       for n in self.membership.names()))
 
     def _override(self, m) -> dict:
@@ -128,10 +131,14 @@ class Pusher:
 
     async def send(self, edge, keys, sem, role="main", pin=False, ttl_s=None) -> int:
         """Send chunks to an edge in batches of at most PUSH_BATCH_BYTES; returns chunks sent."""
+        def read(batch):       # the settled head first: the bytes read after are that new
+            return settled(self.store), outgoing(self.store, batch, self.store.map)
+
         async def flush(batch):
             async with sem:
-                chunks = await asyncio.to_thread(outgoing, self.store, batch, self.store.map)
-                ok = await self.call(edge, "put_chunks", chunks, role=role, pin=pin, ttl_s=ttl_s)
+                drops, chunks = await asyncio.to_thread(read, batch)
+                ok = await self.call(edge, "put_chunks", chunks, role=role, pin=pin, ttl_s=ttl_s,
+                                     drops=drops)
                 return len(batch) if ok is not None else 0
 
         jobs, batch, size = [], [], 0

@@ -164,10 +164,16 @@ class ChunkStore:
                 yield bytes.fromhex(m.group(1)), size
 
     def map(self, fn, items) -> list:
-        """[fn(x) for x in items], IO_THREADS at a time (the first error raised is raised)."""
+        """[fn(x) for x in items], IO_THREADS at a time (the first error raised is raised).
+        Called holding the store's lock (a commit, a collect, a delete), on threads of its
+        own: the shared pool's may all be busy with reads waiting for that lock, and a
+        collect under readers then waited for them forever."""
         items = list(items)
         if len(items) < 2:
             return [fn(x) for x in items]
+        if self._lock._is_owned():
+            with concurrent.futures.ThreadPoolExecutor(IO_THREADS, "store-io-held") as pool:
+                return list(pool.map(fn, items))
         return list(self._io.map(fn, items))
 
     def _bump(self, name: str, n: int = 1) -> None:

@@ -2,30 +2,44 @@
 real tiers (the disk tier included) outside Ray, the origin's answers coming from a real
 origin/drops.py log: a key dropped while the edge was away is dropped when it catches up, its
 position survives a restart on its disk, and when the position is lost or does not follow,
-only copies that may be stale go. On a real network: `kdn delete` and `kdn collect` reach
-every edge, and a republish reads its own bytes (the last test)."""
+only copies that may be stale go. A drop wins over every copy on its way in
+(edge/tombstones.py): a pull from the origin, a disk read, a write-back and a push that
+were under way when it came are neither served nor kept, an owner behind the asker answers
+nothing, and the key's new bytes, stored after the drop, are. On a real network: `kdn
+delete` and `kdn collect` reach every edge, and a republish reads its own bytes (the last
+test; tests/multinode/test_drop_races.py races them with readers)."""
 import asyncio
 import json
 
 import pytest
 
 from kdn.core.errors import BadRequest
+from kdn.core.names import ORIGIN_NODE
 from kdn.edge.drops import POSITION_FILE
 from kdn.origin.drops import DropLog
 from kdn.origin.objects import LocalObjects
 
 
 class Origin:
-    """The origin's `drops` call (origin/node.py) over a real log; down=True: unreachable."""
+    """The origin's `drops` call (origin/node.py) over a real log, and its `get_chunks` from
+    `chunks` (read when asked; answered once `gate` is set, when there is one: a read in
+    flight); down=True: unreachable. Other edges never answer."""
 
     def __init__(self, root):
         self.log = DropLog(LocalObjects(root))
         self.down = False
+        self.chunks, self.gate = {}, None
 
-    async def ask(self, node, method, since=None, timeout=None):
-        assert method == "drops"
-        if self.down:
+    async def ask(self, node, method, *args, timeout=None, **kw):
+        if self.down or node is not ORIGIN_NODE:
             return None
+        if method == "get_chunks":
+            got = [self.chunks.get(k) for k in args[0]]
+            if self.gate is not None:
+                await self.gate.wait()
+            return got
+        assert method == "drops"
+        since = args[0] if args else None
         if since is None:
             return {**self.log.state(), "keys": None}
         keys, head = self.log.since(since)
@@ -126,6 +140,145 @@ def test_a_malformed_drop_state_is_refused_naming_it(kit, tmp_path):
     for bad in ({"log": "x"}, {"log": 1, "head": 0}, {"log": "x", "head": -1}, {"log": "x", "head": True}, []):
         with pytest.raises(BadRequest, match="drops must be"):
             asyncio.run(e.ping(drops=bad))
+
+
+# --- a drop wins over every copy on its way in ---------------------------------------------------
+def other_bytes(kit, c):
+    """A chunk of c's key with other bytes (another machine's KV for the same tokens)."""
+    from kdn.core.chunk import Chunk
+    return Chunk(c.key, c.ns, c.kv + 1.0, c.dtype)
+
+
+def same(obj, c) -> bool:
+    """Whether obj (a chunk, or a Held of one) holds c's bytes."""
+    import numpy as np
+    if hasattr(obj, "resolve"):                       # inside Ray when an earlier test started it
+        obj = asyncio.run(obj.resolve())
+    return np.array_equal(obj.kv, c.kv)
+
+
+@pytest.mark.parametrize("how", ["catch-up", "broadcast"])
+def test_a_pull_under_way_when_its_key_is_dropped_is_neither_served_nor_kept(kit, tmp_path, how):
+    origin = Origin(tmp_path / "origin")
+    (old,) = kit.make_chunks(1)
+    new = other_bytes(kit, old)
+    e = edge_on(kit, origin, tmp_path / "disk")
+    assert e.name in e.membership.owners([old.key])[0], "a copy pulled through is kept (refill)"
+
+    async def race():
+        await e.replay.catch_up()
+        origin.chunks[old.key], origin.gate = old, asyncio.Event()
+        reading = asyncio.ensure_future(e.fetch([old.key], kit.NS, resolve=True))
+        await asyncio.sleep(0.05)                     # the origin has read the old bytes
+        origin.log.append([old.key])                  # ... and then removed them
+        origin.chunks.pop(old.key)
+        if how == "catch-up":
+            await e.replay.catch_up()
+        else:                                         # the origin's delete broadcast
+            await e.drop([old.key], drops=origin.log.state())
+        origin.gate.set()
+        got = await reading
+        await asyncio.sleep(0.05)                     # what is kept after the reply
+        return got
+    got = asyncio.run(race())
+    assert got["chunks"] == [] and not any(held(e, [old])), "the drop came after the read: it wins"
+    assert e.all_counters()["drops_refused_stale"] >= 1
+
+    origin.chunks[old.key], origin.gate = new, None   # stored again, other bytes
+    asyncio.run(e.replay.catch_up())
+    got = asyncio.run(e.fetch([old.key], kit.NS, resolve=True))
+    assert [same(c, new) for c in got["chunks"]] == [True]
+    assert same(e.tiers.peek(old.key), new), "the new bytes are kept"
+
+
+def test_an_owner_behind_the_asker_answers_nothing_until_it_catches_up(kit, tmp_path):
+    origin = Origin(tmp_path / "origin")
+    (c,) = kit.make_chunks(1)
+    e = edge_on(kit, origin, tmp_path / "disk", [c])
+    asyncio.run(e.replay.catch_up())
+    level = origin.log.state()
+    origin.log.append([c.key])                        # a drop the asker applied, not yet this edge
+
+    async def asked(state):
+        got = await e.peer_get([c.key], drops=state)
+        if e.replay._task is not None:
+            await e.replay._task
+        return got
+    assert asyncio.run(asked(origin.log.state())) == [None], "its copy may predate the drop"
+    assert e.counters["peer_get_behind"] == 1 and not any(held(e, [c])), "and it caught up"
+    e.tiers.put("main", c.key, kit.held(other_bytes(kit, c)))    # stored again since
+    got = asyncio.run(asked(origin.log.state()))
+    assert got[0] is not None and e.counters["peer_get_behind"] == 1
+    assert asyncio.run(asked(level))[0] is not None, "an asker behind it is answered"
+
+
+def test_a_push_read_before_a_drop_is_not_kept_and_new_bytes_pushed_after_are(kit, tmp_path):
+    origin = Origin(tmp_path / "origin")
+    (old,) = kit.make_chunks(1)
+    new = other_bytes(kit, old)
+    e = edge_on(kit, origin, tmp_path / "disk")
+    asyncio.run(e.replay.catch_up())
+    read_at = origin.log.state()                      # the origin read the old bytes here
+    origin.log.append([old.key])
+    asyncio.run(e.replay.catch_up())
+    assert asyncio.run(e.put_chunks([old], drops=read_at)) == 0 and not any(held(e, [old]))
+    assert asyncio.run(e.put_chunks([new], drops=origin.log.state())) == 1
+    assert same(e.tiers.peek(old.key), new)
+    other_log = {"log": "another-log-0000", "head": 9}
+    (c,) = kit.make_chunks(1, seed=5)
+    assert asyncio.run(e.put_chunks([c], drops=other_log)) == 0, "a position of another log: unknown"
+
+
+def test_a_write_back_under_way_when_its_key_is_dropped_never_lands_on_disk(kit, tmp_path, monkeypatch):
+    import time as _time
+    origin = Origin(tmp_path / "origin")
+    a, b = kit.make_chunks(2)
+    e = edge_on(kit, origin, tmp_path / "disk")
+    asyncio.run(e.replay.catch_up())
+    t, disk = e.tiers, e.tiers.disk
+    write = disk.write
+
+    def slow_write(obj):                              # the file is being written when the drop comes
+        _time.sleep(0.2)
+        return write(obj)
+    monkeypatch.setattr(disk, "write", slow_write)
+
+    async def race():
+        born = t.tombs.birth()
+        assert t.write_back(kit.held(a), born=born)
+        writing = asyncio.ensure_future(t.drain_write_backs(e.forms.intact))
+        await asyncio.sleep(0.05)                     # a's file is being written
+        await t.drop([a.key], at=t.tombs.position)    # waits for that write, then deletes it
+        await writing
+        return born
+    born = asyncio.run(race())
+    assert a.key not in disk and not disk.path(a.key).exists()
+    t.tombs.dropped([b.key], t.tombs.position)        # a fill of a load born before b's drop
+    assert not t.write_back(kit.held(b), born=born) and b.key not in t.pending
+
+
+def test_a_disk_read_under_way_when_its_key_is_dropped_is_not_promoted(kit, tmp_path, monkeypatch):
+    import time as _time
+    origin = Origin(tmp_path / "origin")
+    (c,) = kit.make_chunks(1)
+    e = edge_on(kit, origin, tmp_path / "disk")
+    asyncio.run(e.replay.catch_up())
+    t = e.tiers
+    assert t.disk.write(c)
+    read = t.disk.read
+
+    def slow_read(key, ns=None):                      # read before the drop, returned after it
+        obj = read(key, ns)
+        _time.sleep(0.2)
+        return obj
+    monkeypatch.setattr(t.disk, "read", slow_read)
+
+    async def race():
+        reading = asyncio.ensure_future(t.from_disk([c.key], kit.NS, ["main"]))
+        await asyncio.sleep(0.05)
+        await t.drop([c.key], at=t.tombs.position)
+        return await reading
+    assert asyncio.run(race()) == [None] and not any(held(e, [c]))
 
 
 # --- on a real network: `kdn delete` and `kdn collect`, every edge replays, nothing stale ------

@@ -22,6 +22,7 @@ class Edge:
         self.membership = None
         self.manifests = []
         self.drops = None           # the drop log's state the last ping carried
+        self.pushed_at = self.dropped_at = None     # ... the last push, the last drop carried
 
     def ping(self, drops=None):
         self.drops = drops
@@ -30,7 +31,8 @@ class Edge:
     def have(self, keys, ns=None):
         return [k in self.held for k in keys]
 
-    def put_chunks(self, chunks, role="main", pin=False, ttl_s=None):
+    def put_chunks(self, chunks, role="main", pin=False, ttl_s=None, drops=None):
+        self.pushed_at = drops      # the drop log's settled state the bytes were read at
         n = 0
         for c in chunks:
             if c is None:
@@ -43,7 +45,8 @@ class Edge:
                 self.ttl[c.key] = ttl_s
         return n
 
-    def drop(self, keys):
+    def drop(self, keys, drops=None):
+        self.dropped_at = drops     # the drop log's settled state after the removal
         gone = [k for k in keys if self.held.pop(k, None) is not None]
         return len(gone)
 

@@ -1,12 +1,13 @@
 """The origin's drop log (origin/drops.py) over both backends, a directory and a real S3
 server on loopback: keys come back in order from any position, the log survives a new
 process, stays bounded, refuses to guess, and a collect or a host's delete logs each key
-before it is gone."""
+before it is gone. The head told to edges is settled: every key before it is gone from the
+store; and a collect under readers finishes."""
 import msgpack
 import pytest
 
 from kdn.core.errors import StoreError
-from kdn.origin.drops import DropLog
+from kdn.origin.drops import DropLog, settled
 from kdn.origin.objects import LocalObjects, open_objects
 from kdn.origin.store import ChunkStore
 
@@ -30,6 +31,8 @@ def test_keys_come_back_in_order_from_any_position_and_after_a_restart(objects):
     assert log.since(0) == (keys(5), 5)
     assert log.since(2) == (keys(3, 2), 5) and log.since(3) == (keys(2, 3), 5)
     assert log.since(5) == ([], 5), "level with the head: nothing to replay"
+    assert log.since(1, 4) == (keys(3, 1), 4), "up to a settled head"
+    assert log.since(0, 3) == (keys(3), 3) and log.since(4, 3) == (None, 3)
     assert log.since(6) == (None, 5), "a position ahead of the log (a store rebuilt): start over"
     again = DropLog(objects())                       # a new origin process over the same objects
     assert again.state() == log.state() == {"log": log.id, "head": 5}
@@ -87,3 +90,56 @@ def test_collect_and_a_hosts_delete_log_each_key_before_it_is_gone(tmp_path):
     assert s.delete_objects(keys(2, 200), other) == [] and s.drops.head == 3, "nothing of ours: nothing logged"
     assert s.delete_objects(keys(3, 199), ns) == keys(2, 200)
     assert s.drops.since(3) == (keys(2, 200), 5)
+
+
+def test_the_settled_head_names_only_keys_gone_and_a_collect_under_readers_finishes(tmp_path, monkeypatch):
+    """Readers of the store (an edge's pull-through: get_chunks reads in the store's I/O
+    threads) while a collect removes what they read: the collect finishes (its own reads
+    once queued behind theirs, which waited for its lock: forever), and the head an edge is
+    told never counts a key still stored."""
+    import threading
+    import time
+    import numpy as np
+    from kdn.core.chunk import Chunk
+    from kdn.core.dtypes import OPAQUE
+    from kdn.core.errors import ChunkNotFound
+    from kdn.core.keys import namespace_digest
+    s = ChunkStore(tmp_path / "origin", fsync=False)
+    ns = namespace_digest("default", "drops-test")
+    objs = [Chunk(k, ns, np.full(1 << 12, i % 256, np.uint8), OPAQUE) for i, k in enumerate(keys(64, 300))]
+    s.put_objects(objs)
+    delete = s.objects.delete
+
+    def slow_delete(name):                            # a removal half done lasts a while
+        time.sleep(0.005)
+        return delete(name)
+    monkeypatch.setattr(s.objects, "delete", slow_delete)
+    stop = threading.Event()
+
+    def read():
+        while not stop.is_set():
+            try:
+                s.map(s.get, [o.key for o in objs])
+            except ChunkNotFound:
+                pass
+    readers = [threading.Thread(target=read, daemon=True) for _ in range(4)]
+    for t in readers:
+        t.start()
+    collected = {}
+    collect = threading.Thread(target=lambda: collected.update(s.collect(object_ttl_s=0)), daemon=True)
+    collect.start()
+    deadline = time.monotonic() + 20
+    while s.drops.head < len(objs) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    state = {}                                        # the keys are logged: waits for their removal
+    asking = threading.Thread(target=lambda: state.update(settled(s)), daemon=True)
+    asking.start()
+    asking.join(20)
+    assert state == {"log": s.drops.id, "head": len(objs)}, "the collect never ended"
+    logged, head = s.drops.since(0, state["head"])
+    assert head == len(objs) and not any(s.has(k) for k in logged)
+    collect.join(20)
+    stop.set()
+    for t in readers:
+        t.join(20)
+    assert not collect.is_alive() and collected["objects_expired"] == len(objs), collected

@@ -575,7 +575,8 @@ def stand_in_edge_class():
             self._saw(token)
             return [k in self.held for k in keys]
 
-        async def put_chunks(self, chunks, role="main", pin=False, ttl_s=None, token=None):
+        async def put_chunks(self, chunks, role="main", pin=False, ttl_s=None, token=None,
+                             drops=None):
             self._saw(token)
             self.held.update(c.key for c in chunks if c is not None)
             return len(chunks)
