@@ -33,6 +33,7 @@ from kdn.core.auth import Tokens
 from kdn.core.chunk import Chunk, Encoded
 from kdn.core.codecs import LOSSLESS
 from kdn.edge.catalog import Catalog
+from kdn.edge.conversations import Conversations
 from kdn.edge.disk import DiskTier
 from kdn.edge.drops import Replay
 from kdn.edge.forms import Forms, corrupted
@@ -43,6 +44,7 @@ from kdn.edge.pull import Pull
 from kdn.edge.reads import MAX_REPLY_BYTES, Reads, check_keys
 from kdn.edge.tiers import ROLES, Held, Tiers
 from kdn.core.errors import AccessDenied, BadRequest, KDNError
+from kdn.core.conversation import CONVERSATION_SHARE, conversation_namespace, home_of, retention_ttl
 from kdn.core.keys import MAX_FETCH_KEYS, check_key
 from kdn.core.manifest import check_ttl
 from kdn.core.rpc import failover_errors
@@ -65,7 +67,8 @@ class EdgeNode:
                  fault_injection: bool = False, auth: dict = None, store_codec: str = "raw",
                  membership_refresh_s: float = MEMBERSHIP_REFRESH_S,
                  max_reply_bytes: int = MAX_REPLY_BYTES, http_idle_s: float = None,
-                 disk_bytes: int = None, disk_dir: str = None, kv_events=None):
+                 disk_bytes: int = None, disk_dir: str = None, kv_events=None,
+                 conversation_bytes: int = None):
         import ray
         self.network, self.name, self.region = network, name, region
         # this node's id, to tell readers beside the edge (None outside Ray: a test's edge)
@@ -78,6 +81,9 @@ class EdgeNode:
         disk = None if not disk_bytes else DiskTier(os.path.join(disk_dir or _default_disk_dir(network), name),
                                                     disk_bytes, policy)
         self.tiers = Tiers(capacity_bytes, policy, hot_fraction, disk=disk)
+        # conversation KV beside the tiers, in memory of its own (edge/conversations.py)
+        self.conversations = Conversations(int(capacity_bytes * CONVERSATION_SHARE)
+                                           if conversation_bytes is None else conversation_bytes)
         self.demand = ReplicationPolicy(**{"hot_budget_fraction": hot_fraction, **(replication or {})})
         self.peers = Peers(network, self.tokens.admin, edge=name)
         self.catalog = Catalog(self.tokens, self.peers)
@@ -185,6 +191,7 @@ class EdgeNode:
         if wanted:
             self.peers.later(self.pull.promote(wanted), "hot promotion")
         await self.tiers.sweep()
+        self.conversations.sweep()
 
     async def _refresh_membership(self):
         self._last_refresh = time.monotonic()
@@ -410,12 +417,83 @@ class EdgeNode:
                 return True
         return False
 
+    # --- conversations (edge/conversations.py, kdn.core.conversation) ----------------------
+    def _conversation(self, tenant, fingerprint, scope, token, what: str, ns=None) -> bytes:
+        """The namespace of a conversation homed here, once the caller may read its tenant;
+        BadRequest for a namespace that is not that claim's or a scope homed elsewhere."""
+        want = conversation_namespace(tenant, fingerprint, scope)
+        if ns is not None and check_key(ns, "ns") != want:
+            raise BadRequest(f"{what}: ns is not the namespace of tenant {tenant!r:.64}, this "
+                             "fingerprint and scope")
+        if home_of(scope) != self.name:
+            raise BadRequest(f"{what}: the conversation's home is edge {home_of(scope)!r:.64}, "
+                             f"not {self.name!r}")
+        self.tokens.check_read(tenant, token, what)
+        return want
+
+    async def put_conversation(self, chunks, tenant: str, fingerprint: str, scope: str,
+                               retention: str = None, token=None) -> int:
+        """Keep a conversation's chunks (a worker computed them) for tenant, idle as long as
+        retention asks within the tenant's bounds; how many are held now. Each is verified
+        by its frame and must be of the conversation's namespace; one already held keeps its
+        first bytes (and is renewed)."""
+        ns = self._conversation(tenant, fingerprint, scope, token, "put_conversation")
+        if not isinstance(chunks, (list, tuple)) or len(chunks) > MAX_FETCH_KEYS:
+            raise BadRequest(f"put_conversation takes a list of at most {MAX_FETCH_KEYS} chunks")
+        bad = next((c for c in chunks if not isinstance(c, (Chunk, Encoded)) or c.ns != ns), None)
+        if bad is not None:
+            raise BadRequest("put_conversation takes Chunks and Encoded frames of the conversation's "
+                             f"namespace, got {type(bad).__name__}"
+                             + (" of another namespace" if isinstance(bad, (Chunk, Encoded)) else ""))
+        retention_ttl(retention, self.conversations.ttl_of(tenant))    # BadRequest before anything
+        new = [c for c in chunks if c.key not in self.conversations]
+        stored = dict(zip((c.key for c in new), await self.forms.to_store(new)))
+        items = [(c.key, stored.get(c.key) or self.conversations.peek(c.key)) for c in chunks]
+        return self.conversations.put_prefix(tenant, [(k, h) for k, h in items if h is not None], retention)
+
+    async def conversation_lookup(self, keys, ns: bytes, tenant: str, fingerprint: str, scope: str,
+                                  token=None) -> int:
+        """How long a prefix of keys this edge holds of a conversation homed here (no KV moves)."""
+        self._conversation(tenant, fingerprint, scope, token, "conversation_lookup", ns)
+        keys = check_keys(keys)
+        return next((i for i, k in enumerate(keys) if self.conversations.peek(k) is None), len(keys))
+
+    async def conversation_fetch(self, keys, ns: bytes, tenant: str, fingerprint: str, scope: str,
+                                 token=None) -> dict:
+        """{"refs", "bytes"}: the held prefix of a conversation's keys, as object references
+        (zero-copy beside this edge), each read renewing its idle TTL."""
+        ns = self._conversation(tenant, fingerprint, scope, token, "conversation_fetch", ns)
+        helds = self.conversations.get_prefix(check_keys(keys), ns)
+        refs = [h.ref if h.ref is not None else h.obj for h in helds]
+        nbytes = sum(h.nbytes for h in helds)
+        self.counters["conversation_fetches"] += 1
+        self.counters["conversation_chunks_served"] += len(refs)
+        return {"refs": refs, "bytes": nbytes}
+
+    async def conversations_of(self, tenant: str, token=None) -> dict:
+        """A tenant's conversations here and its settings (its read token or the admin's)."""
+        self.tokens.check_read(tenant, token, "listing conversations")
+        return {"edge": self.name, "region": self.region, "policy": self.conversations.policy_of(tenant),
+                "conversations": self.conversations.listing(tenant)}
+
+    async def drop_conversations(self, tenant: str, token=None) -> int:
+        """Drop every conversation chunk of tenant here (an operator's call); how many."""
+        self.tokens.check_admin(token, "drop_conversations")
+        return self.conversations.drop_tenant(tenant)
+
+    async def set_conversation_policy(self, tenant: str, ttl_s=None, budget_bytes=None, max_ttl_s=None,
+                                      token=None) -> dict:
+        """A tenant's idle TTL, longest TTL a request may ask for and byte budget here."""
+        self.tokens.check_admin(token, "set_conversation_policy")
+        return {"edge": self.name, "region": self.region,
+                **self.conversations.set_policy(tenant, ttl_s, budget_bytes, max_ttl_s)}
+
     # --- stats --------------------------------------------------------------------------
     def all_counters(self, token=None) -> collections.Counter:
         """Every component's counters in one (their names do not overlap)."""
         out = collections.Counter(self.counters)
         for part in (self.membership, self.tiers, self.forms, self.pull, self.pull.loads,
-                     self.reads, self.catalog, self.peers, self.replay):
+                     self.reads, self.catalog, self.peers, self.replay, self.conversations):
             out.update(part.counters)
         out.update(self.tiers.tombs.counters)         # drops_refused_stale (edge/tombstones.py)
         if self.tiers.disk is not None:
@@ -435,6 +513,7 @@ class EdgeNode:
                 "uptime_s": time.time() - self.started, "http": self.http_address(),
                 "demand": self.demand.stats(), "loads": self.pull.loads.stats(),
                 "catalog": self.catalog.stats(), "background_failure": self.background_failure,
+                "conversations": self.conversations.stats(),
                 "kv_events": None if self.events is None else self.events.options,
                 "drops": t["drops"],          # where this edge is in the origin's drop log
                 "limits": {"max_fetch_keys": MAX_FETCH_KEYS,

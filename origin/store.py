@@ -437,6 +437,7 @@ class ChunkStore:
         """Make a KB version visible once all its chunks are stored; return it with its version."""
         if not isinstance(manifest, Manifest):
             raise ManifestError(f"commit() takes a Manifest, got {type(manifest).__name__}")
+        manifest.check_names()            # a new version's names; stored ones are read as they are
         prefix = self._kb_prefix(manifest.ns, manifest.name)
         self._check_sums(manifest)
         with self._lock:
