@@ -240,6 +240,8 @@ class Chat:
         have = self.model.cache_tokens(turn.cache) - getattr(turn.cache, "kdn_extra", 0)
         n = min(reproduced(turn.prompt + list(generated), again), have)
         first_new = turn.cached // CHUNK
+        if turn.history.get("fetched") and turn.history.get("region") != self.client.view.region:
+            first_new = turn.start_chunk   # moved here: its history is kept at this region's home too
         end = whole_chunks(n) * CHUNK
         if end <= max(first_new, turn.start_chunk) * CHUNK:
             self.counters["history_nothing_new"] += 1

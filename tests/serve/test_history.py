@@ -85,7 +85,15 @@ def test_another_region_reads_the_history_across_and_answers_the_same(net, model
     t2 = away.begin(None, second, 12, salt="across", hints=("us-east",))
     assert t2.history == {"region": "us-east", "edge": kept["edge"], "fetched": True,
                           "chunks": kept["chunks"]}
-    assert answer(away, t2)[0] == full_prefill(model, t2.prompt)
+    tokens, text = answer(away, t2)
+    assert tokens == full_prefill(model, t2.prompt)
+    # the conversation moved: its whole history is kept at this region's home now, so the
+    # next turn here reads all of it from its own region
+    moved = away.keep(t2, tokens, text)
+    assert moved["chunks"] >= kept["chunks"] and moved["edge"].startswith("ap-south")
+    third = second + [{"role": "assistant", "content": text}, {"role": "user", "content": "Thanks."}]
+    t3 = away.begin(None, third, 12, salt="across", hints=("us-east",))
+    assert t3.history["region"] == "ap-south" and t3.cached == moved["tokens"] >= t2.cached
 
 
 def test_no_tenant_and_no_salt_reads_another_ones_history(net, model):
