@@ -96,6 +96,23 @@ class History:
         self.counters["not_found"] += 1
         return None
 
+    def held_here(self, tokens, start_chunk: int, salt: str = None) -> int:
+        """How many of the conversation's chunks from start_chunk on the home edge of this
+        worker's region holds (a lookup, no KV moves; 0 when it has no home here or is
+        unreachable): a worker that keeps a turn sends only the chunks after them."""
+        home = self.home(tokens, start_chunk, self.view.region, salt)
+        if home is None:
+            return 0
+        edge, scope, ns = home
+        keys = conversation_keys(tokens, ns, self.chunk_tokens)[start_chunk:]
+        try:
+            return int(self.view.edge_at(edge, "conversation_lookup", keys, ns, self.tenant,
+                                         self.fingerprint, scope, token=self.token,
+                                         timeout=LOOKUP_TIMEOUT_S))
+        except Unreachable:
+            self.counters["lookup_unreachable"] += 1
+            return 0
+
     def worth_fetching(self, found: Found, chunk_bytes: int, prefill_tokens_per_s: float) -> bool:
         """Whether fetching found's chunks beats recomputing them: transfer over the link
         (the topology's latency and bandwidth between the regions) against prefill at the

@@ -11,7 +11,10 @@ engine at most that long, after which the tokens are simply computed.
 refetched); `HTTPSource` reads edges' HTTP servers in the order given, for engines outside
 Ray, and checks each chunk against the manifest itself. `Tenants` maps an engine request's
 cache salt to the one tenant it may read; a salt it does not know reads nothing, never the
-default tenant.
+default tenant. A salt may narrow its tenant's conversations (kdn.core.conversation):
+"<tenant's salt>|<narrowing>" reads as that tenant ("|<narrowing>": the default tenant), its
+conversation KV under the narrowing, and vLLM's own prefix cache, which hashes the whole salt,
+is split by it too. A RaySource also reads and keeps conversations (`history()`).
 """
 import collections
 import concurrent.futures
@@ -19,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from kdn.core.conversation import MAX_SALT_CHARS
 from kdn.core.errors import BadRequest, FrameError, ManifestError, NetworkError
 from kdn.core.keys import namespace_digest
 from kdn.core.manifest import best_prefix
@@ -27,17 +31,21 @@ REFRESH_ON_MISS_S = 1.0       # a prompt that matches no KB re-lists the KBs at 
 LOOKUP_DEADLINE_S = 2.0       # a scheduler lookup; past it the prompt is computed
 FETCH_DEADLINE_S = 10.0       # a worker fetch; past it the blocks are reported failed
 DEADLINE_THREADS = 4          # calls stuck on a hung edge hold one each until their RPC times out
+NARROW = "|"                  # "<tenant's salt>|<narrowing>": a salt narrowed inside its tenant
 
 
 @dataclass(frozen=True)
 class Match:
     """What the network holds of a prompt: `tokens` leading tokens, in chunks `keys`
-    (held ones only) of KB `kb` version `version`, as the edge `edge` said."""
+    (held ones only) of KB `kb` version `version`, as the edge `edge` said. `covers`: the
+    leading tokens of the prompt that are the KB's, held or not (a conversation's own chunks
+    start after the KB's whole ones)."""
     tokens: int = 0
     keys: tuple = ()
     kb: str = None
     version: int = None
     edge: str = None
+    covers: int = 0
 
 
 NO_MATCH = Match()
@@ -77,8 +85,21 @@ class Tenants:
                                  f"'token': token, 'fingerprint': fp}}, got {t!r}")
         return cls(default, salts)
 
+    def split(self, salt) -> tuple:
+        """(the tenant's salt, the narrowing or None) of a request's salt: a salt in the map
+        is the tenant's own; "<salt>|<narrowing>" narrows it (an empty <salt>: the default
+        tenant); a narrowing must be 1-MAX_SALT_CHARS characters, else the salt is taken whole
+        (and, being in no map, reads nothing)."""
+        if salt is None or salt in self.salts:
+            return salt, None
+        head, sep, narrowing = salt.partition(NARROW)
+        if not sep or not 0 < len(narrowing) <= MAX_SALT_CHARS:
+            return salt, None
+        return head or None, narrowing
+
     def of(self, salt) -> "Tenant | None":
-        return self.default if salt is None else self.salts.get(salt)
+        head, _ = self.split(salt)
+        return self.default if head is None else self.salts.get(head)
 
 
 class Deadline:
@@ -104,6 +125,7 @@ class RaySource:
         self.network, self.region, self.tenant, self.fingerprint = network, region, tenant, fingerprint
         self.address = address
         self._client = None
+        self._history = None
         self._lock = threading.Lock()
         self._listed = 0.0
         self.counters = collections.Counter()   # matches, relisted, fetches
@@ -117,6 +139,16 @@ class RaySource:
                                        token=self.tenant.token)
             return self._client
 
+    def history(self):
+        """The tenant's conversations through this source's network view (kdn.client.history)."""
+        cl = self.client()
+        with self._lock:
+            if self._history is None:
+                from kdn.client.history import History
+                self._history = History(cl.view, self.tenant.name, self.fingerprint,
+                                        token=self.tenant.token)
+            return self._history
+
     def match(self, tokens) -> Match:
         cl = self.client()
         self.counters["matches"] += 1
@@ -128,10 +160,11 @@ class RaySource:
             keys, m = cl.keys_for(tokens)
         if m is None:
             return NO_MATCH
+        covers = min(m.n_tokens, len(tokens)) if len(keys) == len(m.keys) else len(keys) * m.chunk_tokens
         held = cl.lookup(tokens)
         n = min(held["chunks"], len(keys))
         return Match(tokens=held["tokens"] if n else 0, keys=tuple(keys[:n]), kb=m.name,
-                     version=m.version, edge=held["edge"])
+                     version=m.version, edge=held["edge"], covers=covers)
 
     def fetch(self, kb: str, version: int, keys, timeout_s: float) -> tuple:
         """(verified chunks of `keys` (of KB kb v`version`), the longest good prefix of them;

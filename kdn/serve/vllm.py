@@ -2,17 +2,32 @@
 
 `VllmRegionWorker` has RegionWorker's interface and wire protocol (kdn.serve.app: models,
 complete, stream, stats; the Router cannot tell them apart) but its engine is vLLM (the
-in-process engine of kdn.engines.vllm.run.start_engine, role kv_consumer) whose KDNConnector
-reads the knowledge's KV from the region's nearest edge. It answers over KBs published
-through vLLM (`kdn publish --engine vllm`): they are read under vLLM's own fingerprint.
+in-process engine of kdn.engines.vllm.run.start_engine, role kv_consumer, `conversations` on)
+whose KDNConnector reads the knowledge's KV from the region's nearest edge. It answers over
+KBs published through vLLM (`kdn publish --engine vllm`): they are read under vLLM's own
+fingerprint.
 
 - The prompt is the KB manifest's token ids, then kdn.serve.chat.messages_tokens of the request's
-  messages, as RegionWorker builds it; vLLM's connector then matches the KB's chunks.
+  messages, as RegionWorker builds it; vLLM's connector then matches the KB's chunks. A plain
+  chat (no KB) is the messages as the chat template renders them (Model.chat_tokens).
+- Conversations (kdn.core.conversation): the connector keeps every answer's KV at the
+  conversation's home edge in this region and reads earlier turns back, from this region's
+  home edge first, then from the regions the ingress names (`history_regions`), so vLLM
+  replicas share conversations across replicas and regions while vLLM's own prefix cache
+  serves a turn on the replica that answered the last one. After the answer is sent, the
+  engine's thread puts the answer's text back through the chat template, tells the
+  connector how far the next turn's prompt reproduces the prompt and tokens generated
+  (kdn.engines.vllm.run.keep_limit), and lets it keep that much (run.settle: the copy out of
+  vLLM's blocks, then the store, waited for at most STORE_WAIT_S before the next request).
+  `prompt_cache_retention` goes with it; kdn_fetch False keeps nothing.
 - Tenants: the router has authenticated the caller and names its tenant. Each tenant of the
   network's read tokens but "default" gets a cache salt (`salt_of`), and the connector's
   `tenants` setting maps that salt to the tenant and its read token, so a request reads KV
   only as its own tenant, and vLLM's own prefix cache is split per tenant as well. The
-  default tenant's requests carry no salt and read with readers["default"] (or no token).
+  default tenant's requests carry no salt and read with readers["default"] (or no token). A
+  request's own salt (cache_salt, safety_identifier, user) narrows it: vLLM's cache salt is
+  then "<tenant's salt>|<digest of the salt>" (kdn.engines.sources.Tenants.split), which
+  narrows both the conversation's namespace and vLLM's own prefix cache.
 - Streaming is token by token: the request is added to vLLM's engine (LLM.llm_engine) with
   output_kind DELTA and the engine is stepped here; each step's new text goes out as an SSE
   chunk as soon as vLLM has sampled it, not after the whole generation.
@@ -36,20 +51,30 @@ import collections
 import concurrent.futures
 import contextlib
 import itertools
+import logging
+
+import xxhash
 
 from kdn.core.emphasis import override_of
 from kdn.core.env import usable_cpus
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, ModelError, NetworkError
+from kdn.engines.sources import NARROW
 from kdn.serve.api import (DEFAULT_TENANT, ApiError, api_error, completion, completion_id, model_list,
                            kv_note, sse_answer, usage)
+
+log = logging.getLogger("kdn.serve.vllm")
 
 SALT_PREFIX = "kdn-tenant:"
 KDN_REPORT_KEYS = ("held", "local", "external", "loaded")
 
 
-def salt_of(tenant: str):
-    """The cache salt a tenant's requests carry (None for the default tenant)."""
-    return None if tenant == DEFAULT_TENANT else SALT_PREFIX + tenant
+def salt_of(tenant: str, narrowing: str = None):
+    """The cache salt a tenant's requests carry (None for the default tenant), narrowed by a
+    request's own salt (its digest: the salt itself never reaches vLLM or the edges)."""
+    salt = None if tenant == DEFAULT_TENANT else SALT_PREFIX + tenant
+    if narrowing is None:
+        return salt
+    return (salt or "") + NARROW + xxhash.xxh3_128_hexdigest(narrowing.encode())
 
 
 class VllmRegionWorker:
@@ -79,7 +104,7 @@ class VllmRegionWorker:
         self._clients = {}          # (tenant, token) -> kdn.client.Client (vLLM's fingerprint)
         self._turn = asyncio.Lock()  # one request at a time, in arrival order (FIFO)
         # requests, streams, errors, models_calls, prompt_tokens, cached_tokens, completion_tokens,
-        # aborted (answers cut short: the caller went away)
+        # aborted (answers cut short: the caller went away), kept_chunks, keep_errors, keep_failures
         self.counters = collections.Counter()
         # requests, held, local, external, loaded, errors: the connector's reports, summed
         self.kdn = collections.Counter()
@@ -105,7 +130,8 @@ class VllmRegionWorker:
                    for t, tok in self.readers.items() if t != DEFAULT_TENANT}
         return start_engine("kv_consumer", str(self.model.cache_path), network=self.network,
                             region=self.region, tenant=DEFAULT_TENANT,
-                            token=self.readers.get(DEFAULT_TENANT), tenants=tenants or None)
+                            token=self.readers.get(DEFAULT_TENANT), tenants=tenants or None,
+                            conversations=True)
 
     def _client(self, tenant: str, token):
         """A client reading as `tenant` with the read token the connector reads with (the
@@ -133,9 +159,17 @@ class VllmRegionWorker:
             return self._error(api_error(e))
         return {"status": 200, "body": model_list(self.model.name, names)}
 
-    def _prompt(self, req: dict, tenant: str, token) -> list:
-        """The prompt's token ids for a checked request: the KB's, then the messages'."""
+    def _prompt(self, req: dict, tenant: str, token) -> tuple:
+        """(the prompt's token ids, the KB's or None) for a checked request: the KB's, then the
+        messages'; a plain chat's messages as the chat template renders them."""
         from kdn.serve.chat import messages_tokens
+        if req.get("kb") is None:
+            if req.get("emphasis"):
+                raise BadRequest("emphasis edits a KB's KV: name a knowledge base to use it")
+            self._client(tenant, token)          # the tenant is one this service reads as
+            prompt = self.model.chat_tokens(req["messages"])
+            self._check_context(len(prompt), req, f"the messages' {len(prompt)} tokens")
+            return prompt, None
         m = self._client(tenant, token).manifest(req["kb"], req["version"])
         if m.layout != "prefix":
             raise BadRequest(f"knowledge base {m.name!r} has layout {m.layout!r}; "
@@ -153,37 +187,49 @@ class VllmRegionWorker:
                              "longer than the prompt's positions. Ask for the exact KV with "
                              "extra_body={\"emphasis\": {}}")
         prompt = ids.tolist() + messages_tokens(self.model, req["messages"])
-        total = len(prompt) + req["max_tokens"]
+        self._check_context(len(prompt), req, f"the KB's {len(ids)} tokens and the messages")
+        return prompt, ids.tolist()
+
+    def _check_context(self, n: int, req: dict, what: str) -> None:
+        total = n + req["max_tokens"]
         if total > self.max_context:
-            raise ApiError(400, f"the KB's {len(ids)} tokens, the messages and max_tokens "
-                                f"({req['max_tokens']}) make {total} tokens; the model's context is "
-                                f"{self.max_context}", "context_length_exceeded", "messages")
-        return prompt
+            raise ApiError(400, f"{what} and max_tokens ({req['max_tokens']}) make {total} tokens; "
+                                f"the model's context is {self.max_context}", "context_length_exceeded",
+                           "messages")
 
     def _params(self, req: dict):
+        """vLLM's SamplingParams of a request, with the connector's kdn_conversation: its
+        retention, the regions its earlier turns were answered in, and (kdn_fetch False)
+        nothing kept."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
-        extra = {} if req.get("kdn_fetch", True) else {"skip_reading_prefix_cache": True}
+        fetch = req.get("kdn_fetch", True)
+        extra = {} if fetch else {"skip_reading_prefix_cache": True}
         temperature = req["temperature"] or 0.0
         if temperature > 0:
             extra["seed"] = req.get("seed")
+        conversation = {"retention": req.get("prompt_cache_retention"),
+                        "hints": list(req.get("history_regions") or ()), "keep": bool(fetch)}
         return SamplingParams(max_tokens=req["max_tokens"], temperature=temperature,
-                              output_kind=RequestOutputKind.DELTA, **extra)
+                              output_kind=RequestOutputKind.DELTA,
+                              extra_args={"kv_transfer_params": {"kdn_conversation": conversation}},
+                              **extra)
 
     async def _engine_call(self, fn, *args):
         """await fn(*args) in the engine's own thread (the replica's event loop stays free)."""
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
 
-    async def _generate(self, prompt: list, salt, req: dict):
+    async def _generate(self, prompt: list, salt, req: dict, ids: list):
         """Yield vLLM's RequestOutput deltas for one request, the first as soon as its first
-        token is sampled. A request cancelled or left early (the caller went away) is aborted
-        in vLLM: the engine's thread takes the abort before any later request."""
+        token is sampled (ids gets vLLM's own id of it). A request cancelled or left early (the
+        caller went away) is aborted in vLLM: the engine's thread takes the abort before any
+        later request."""
         from vllm.inputs import tokens_input
         name = f"kdn-{next(self._ids)}"
         finished = False
         try:
-            await self._engine_call(self.engine.add_request, name, tokens_input(prompt, cache_salt=salt),
-                                    self._params(req))
+            ids.append(await self._engine_call(self.engine.add_request, name,
+                                               tokens_input(prompt, cache_salt=salt), self._params(req)))
             while not finished and await self._engine_call(self.engine.has_unfinished_requests):
                 for out in await self._engine_call(self.engine.step):
                     if out.request_id == name:
@@ -199,16 +245,17 @@ class VllmRegionWorker:
     async def _answer(self, req: dict, tenant: str, token):
         """(prompt, async generator of (text, token count, finish) steps, after whose last one
         self.last holds the answer's totals); KDNError before anything is generated."""
-        prompt = await asyncio.to_thread(self._prompt, req, tenant, token)   # KDN calls block
-        return prompt, self._steps(prompt, salt_of(tenant), req)
+        prompt, kb_tokens = await asyncio.to_thread(self._prompt, req, tenant, token)   # KDN calls block
+        return prompt, self._steps(prompt, kb_tokens, salt_of(tenant, req.get("salt")), req)
 
-    async def _steps(self, prompt, salt, req):
-        tokens, cached, report, finish = [], 0, {}, None
+    async def _steps(self, prompt, kb_tokens, salt, req):
+        tokens, cached, report, finish, text, ids = [], 0, {}, None, [], []
         try:
-            async with contextlib.aclosing(self._generate(prompt, salt, req)) as outs:
+            async with contextlib.aclosing(self._generate(prompt, salt, req, ids)) as outs:
                 async for out in outs:
                     o = out.outputs[0]
                     tokens += o.token_ids
+                    text.append(o.text)
                     cached = out.num_cached_tokens or 0
                     if out.finished:
                         report = (out.kv_transfer_params or {}).get("kdn") or {}
@@ -216,6 +263,29 @@ class VllmRegionWorker:
                     yield o.text, len(o.token_ids), finish
         finally:                       # an aborted answer counts what it generated
             self._count(prompt, tokens, cached, report)
+        if report.get("keep"):         # the reply is out: keep its conversation, off its path
+            kept = self._engine_thread.submit(self._keep, ids[0], req["messages"], prompt, tokens,
+                                              "".join(text), kb_tokens)
+            kept.add_done_callback(self._kept)
+
+    def _keep(self, rid: str, messages, prompt, tokens, text: str, kb_tokens) -> dict:
+        """In the engine's thread, after the answer: the connector keeps the conversation as
+        far as the next turn's prompt reproduces it (run.keep_limit, run.settle); the next
+        request waits for it at most STORE_WAIT_S. The keeper's result."""
+        from kdn.engines.vllm.run import STORE_WAIT_S, keep_limit, settle
+        limit = keep_limit(self.model, messages, prompt, tokens, text, kb_tokens)
+        return settle(self.llm, {rid: limit}, STORE_WAIT_S).get(rid) or {}
+
+    def _kept(self, f) -> None:
+        """Count a keep; one that failed on a bug is logged and counted (keep_failures), and
+        the next turn recomputes."""
+        if f.exception() is not None:
+            self.counters["keep_failures"] += 1
+            log.error("kdn serve --engine vllm: keeping a conversation's KV failed", exc_info=f.exception())
+            return
+        got = f.result()
+        self.counters["kept_chunks"] += got.get("chunks", 0)
+        self.counters["keep_errors"] += got.get("error") is not None
 
     def _count(self, prompt, tokens, cached, report) -> None:
         self.counters["prompt_tokens"] += len(prompt)

@@ -9,7 +9,9 @@ to keep the module near 100 s on 2 cores. Answers, streamed and plain, must be t
 prefill's tokens; the first one, on the replica's fresh engine, must have the whole KB's KV
 from KDN (cached_tokens, and the connector's report); the stream must arrive token by token;
 an unknown KB, or another tenant's, is 404, a prompt past the context 400; concurrent
-requests are answered in turn, and a stream its caller leaves is aborted in vLLM.
+requests are answered in turn, and a stream its caller leaves is aborted in vLLM. A plain
+chat (no KB) is answered and kept: its next turn's prompt starts with the history the
+replica kept at its home edge, narrowed by the caller's salt, and answers as vLLM alone.
 """
 import json
 import os
@@ -242,3 +244,36 @@ def test_emphasis_is_refused_naming_the_engine_and_the_exact_kv_is_still_answere
         assert r.model_extra["kdn"] == {"exact": True, "emphasis": {}}
     finally:
         admin.set_emphasis("rights", {})
+
+
+TOOL = " ".join(f"Row {i}: sensor {i % 7} read {20 + i % 13} degrees at {i % 24}:00." for i in range(40))
+
+
+def test_a_plain_chat_is_kept_at_its_home_edge_and_its_next_turn_answers_as_vllm_alone(service, model):
+    from kdn.client import Client
+    from kdn.client.history import History
+    from kdn.engines.fingerprint import fingerprints
+    from kdn.serve.vllm import salt_of
+    c = _client(service["url"])
+    first = [{"role": "user", "content": "Here is the tool output:\n" + TOOL + "\nWhich sensor is warmest?"}]
+    ask = dict(model=MODEL_NAME, max_tokens=NEW_TOKENS, user="alice",
+               extra_body={"prompt_cache_retention": "24h"})
+    r1 = c.chat.completions.create(messages=first, **ask)
+    assert r1.usage.prompt_tokens == len(model.chat_tokens(first))
+    second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                      {"role": "user", "content": "And which is coldest? One word."}]
+    r2 = c.chat.completions.create(messages=second, **ask)
+    whole = r1.usage.prompt_tokens // 256 * 256
+    assert r2.usage.prompt_tokens_details.cached_tokens >= whole, r2.usage
+    full = c.chat.completions.create(messages=second, **dict(ask, extra_body={"kdn_fetch": False}))
+    assert r2.choices[0].message.content == full.choices[0].message.content
+    assert full.usage.prompt_tokens_details.cached_tokens == 0
+    assert _replica_stats(service)["counters"]["kept_chunks"] >= whole // 256
+    # the replica kept it at its region's home edge, in the salt's narrower namespace
+    fp = fingerprints(model.cache_path)["vllm"]
+    view = Client(network=service["network"], region=SERVED, fingerprint=fp, token=READ).view
+    history = History(view, "default", fp, token=READ)
+    prompt = model.chat_tokens(second)
+    found = history.find(prompt, 0, salt_of("default", "user=alice").partition("|")[2])
+    assert found is not None and found.region == SERVED and found.held >= whole // 256
+    assert history.find(prompt, 0) is None, "without the salt, nothing"

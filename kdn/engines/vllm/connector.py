@@ -15,11 +15,21 @@ answers how many prompt tokens the network holds, and in each worker, where the 
 (kdn.engines.vllm.load) fetches those chunks and copies them into the paged cache layer by
 layer. This class only maps vLLM's calls to those two. What KDN did for a request comes
 back in its output's kv_transfer_params["kdn"] (held, local, external and loaded tokens, the
-KB, failures, a publish receipt).
+KB, the conversation's history, failures, a publish receipt).
+
+With `conversations` on (transport "ray"), every finished answer's KV is kept as conversation
+KV (kdn.core.conversation) and a later prompt that starts with the same turns reads it back,
+in any engine of the network: the planner looks the conversation up after the KB's chunks;
+request_finished asks vLLM to keep the answer's blocks until the worker's keeper
+(kdn.engines.vllm.keep) has copied their new whole chunks out, and the keeper sends them to
+the conversation's home edge, never on the engine's steps. `settle()` (kdn.engines.vllm.run)
+lets an engine stepped by its caller finish that at once; `keep_limits` and `kept` are the
+worker-side calls it makes through vLLM's collective_rpc.
 
 KV is read under this engine's own fingerprint (kdn.engines.fingerprint) unless the config
 names another: vLLM's numerics are not transformers', and KV is never served across them
-by accident.
+by accident. Conversations are read and kept only under this engine's own fingerprint: a
+tenant mapped to another engine's KV keeps nothing.
 """
 import collections
 import logging
@@ -31,6 +41,7 @@ from kdn.core.errors import BadRequest
 from kdn.engines.fingerprint import fingerprints
 from kdn.engines.sources import (FETCH_DEADLINE_S, LOOKUP_DEADLINE_S, Deadline, HTTPSource,
                                  RaySource, Tenants)
+from kdn.engines.vllm.keep import Keeper
 from kdn.engines.vllm.load import COPY_THREADS, Loader
 from kdn.engines.vllm.plan import MIN_TOKENS, Planner, Reports
 
@@ -59,6 +70,7 @@ class Settings:
     # prefix hit at 4k tokens with it, 1.35x without, kdn bench vllm)
     layerwise: bool = False
     copy_threads: int = COPY_THREADS  # threads copying chunks into the paged cache
+    conversations: bool = False      # keep every answer's KV as conversation KV, and read it back
 
     @classmethod
     def from_extra(cls, extra: dict) -> "Settings":
@@ -69,6 +81,9 @@ class Settings:
         s = cls(**(extra or {}))
         if s.transport not in ("ray", "http"):
             raise BadRequest(f"transport must be 'ray' or 'http', got {s.transport!r}")
+        if s.conversations and s.transport != "ray":
+            raise BadRequest("conversations need transport 'ray' (a conversation's home edge is "
+                             "reached by its Ray actor)")
         return s
 
 
@@ -90,17 +105,22 @@ class KDNConnector(KVConnectorBase_V1):
         if cfg.kv_load_failure_policy != "recompute":
             log.warning("kv_load_failure_policy is %r: a KV load that fails fails its request; "
                         "'recompute' computes those tokens instead", cfg.kv_load_failure_policy)
-        self.planner = self.loader = None
-        self.counters = collections.Counter()     # load_steps, capture_steps
+        self.planner = self.loader = self.keeper = None
+        self.counters = collections.Counter()     # load_steps, capture_steps, keep_steps
         if role == KVConnectorRole.SCHEDULER:
             s = self.settings
+            pc = vllm_config.parallel_config
+            token_bytes = mc.get_num_layers(pc) * 2 * mc.get_num_kv_heads(pc) * mc.get_head_size() * \
+                mc.dtype.itemsize
             self.planner = Planner(self.tenants, self._source, self.deadline, self.block_size,
                                    s.lookup_deadline_s, s.min_tokens, producer=cfg.is_kv_producer,
-                                   published=self._forget_kbs)
+                                   published=self._forget_kbs, converses=self._converses,
+                                   histories=self._history, token_bytes=token_bytes)
         else:
             self.loader = Loader(self._source, self._publisher, self.deadline,
                                  self.settings.fetch_deadline_s, self.settings.layerwise,
-                                 self.settings.copy_threads)
+                                 self.settings.copy_threads, histories=self._history)
+            self.keeper = Keeper(self.loader, self._history)
             self._heads = mc.get_num_kv_heads(vllm_config.parallel_config)
             self._head_dim = mc.get_head_size()
             self._ranks = vllm_config.parallel_config.world_size
@@ -111,8 +131,11 @@ class KDNConnector(KVConnectorBase_V1):
 
     def stats(self) -> dict:
         part = self.planner or self.loader
-        return {"role": self.role.name.lower(), "fingerprint": self.fingerprint,
-                "connector": dict(self.counters), **part.stats()}
+        out = {"role": self.role.name.lower(), "fingerprint": self.fingerprint,
+               "connector": dict(self.counters), **part.stats()}
+        if self.keeper is not None:
+            out["keeper"] = self.keeper.stats()
+        return out
 
     # --- whom a request reads as -----------------------------------------------------------
     def _named(self, fingerprint):
@@ -125,16 +148,31 @@ class KDNConnector(KVConnectorBase_V1):
         return got
 
     def _source(self, salt):
-        if salt not in self._sources:
+        """The Source of a salt's tenant (one per tenant's salt: narrowings share it)."""
+        head = self.tenants.split(salt)[0]
+        if head not in self._sources:
             tenant, s = self.tenants.of(salt), self.settings
             if tenant is None:
                 raise BadRequest(f"cache salt {salt!r} maps to no tenant: it reads nothing")
             fp = self._named(tenant.fingerprint)
             if s.transport == "http":
-                self._sources[salt] = HTTPSource(s.edges, tenant, fp, s.allow_remote)
+                self._sources[head] = HTTPSource(s.edges, tenant, fp, s.allow_remote)
             else:
-                self._sources[salt] = RaySource(s.network, s.region, tenant, fp, s.address)
-        return self._sources[salt]
+                self._sources[head] = RaySource(s.network, s.region, tenant, fp, s.address)
+        return self._sources[head]
+
+    def _converses(self, salt) -> bool:
+        """Whether a request's conversation is read and kept: conversations on, a tenant, and
+        that tenant reading this engine's own KV (what vLLM computes is kept under its own
+        fingerprint only)."""
+        if not self.settings.conversations:
+            return False
+        tenant = self.tenants.of(salt)
+        return tenant is not None and self._named(tenant.fingerprint) == self.fingerprints["vllm"]
+
+    def _history(self, salt):
+        """The kdn.client.history.History of a salt's tenant (connects on first use)."""
+        return self._source(salt).history() if self._converses(salt) else None
 
     def _forget_kbs(self) -> None:
         for source in self._sources.values():
@@ -176,7 +214,9 @@ class KDNConnector(KVConnectorBase_V1):
         self.planner.update(meta if isinstance(meta, Reports) else None)
 
     def request_finished(self, request, block_ids):
-        return False, {"kdn": self.planner.finished(request)}
+        """(whether vLLM keeps the blocks until the keeper copied them, the request's report)."""
+        keeping = self.planner.keep(request, block_ids)
+        return keeping, {"kdn": self.planner.finished(request)}
 
     # --- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches):
@@ -207,11 +247,19 @@ class KDNConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         self.loader.finish()
-        captures = self._get_connector_metadata().captures
-        if captures:
+        plan = self._get_connector_metadata()
+        if plan.captures:
             self.counters["capture_steps"] += 1
-        for cap in captures:
+        for cap in plan.captures:
             self.loader.capture(cap)
+        if plan.keeps:
+            self.counters["keep_steps"] += 1
+        for keep in plan.keeps:           # copied out in the keeper's thread, after this step
+            self.keeper.submit(keep)
+
+    def get_finished(self, finished_req_ids):
+        """Requests whose kept blocks the keeper has copied out: vLLM frees them now."""
+        return self.keeper.take_copied() or None, None
 
     def get_block_ids_with_load_errors(self) -> set:
         return self.loader.take_failed()
@@ -222,3 +270,25 @@ class KDNConnector(KVConnectorBase_V1):
 
     def shutdown(self):
         self.deadline.close()
+        if self.keeper is not None:
+            self.keeper.close()
+
+
+# --- worker-side calls through vLLM's collective_rpc (kdn.engines.vllm.run.settle) ----------
+def _worker_connector() -> "KDNConnector | None":
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    c = get_kv_transfer_group() if has_kv_transfer_group() else None
+    return c if isinstance(c, KDNConnector) and c.keeper is not None else None
+
+
+def keep_limits(worker, limits: dict) -> None:
+    """{vLLM request id: n}: keep only n tokens of these finished requests' conversations."""
+    c = _worker_connector()
+    if c is not None:
+        c.keeper.limit(limits)
+
+
+def kept(worker, timeout_s: float) -> dict:
+    """Wait (at most timeout_s) for the keeps under way; {req id: result} of the last ones."""
+    c = _worker_connector()
+    return {} if c is None else c.keeper.wait(timeout_s)

@@ -3,8 +3,10 @@
 When vLLM registers its paged caches, the loader measures their block layout once with
 vLLM's own cache writer (kdn.engines.vllm.paged) and keeps strided K and V views of every layer.
 
-A step with loads (kdn.engines.vllm.plan.Load) first fetches every load's chunks: verified
-against their manifest checksums, the longest good prefix, within a deadline. Then threads
+A step with loads (kdn.engines.vllm.plan.Load) first fetches every load's chunks: the KB's
+verified against their manifest checksums, then the conversation's from its home edge
+(kdn.client.history.History.fetch: verified by their frames, and checked to be the keys and
+namespace asked for), the longest good prefix, within a deadline. Then threads
 copy them, layer by layer, straight from the chunks' buffers into the request's blocks
 (numpy releases the GIL: two threads copy about twice as fast). By default the forward
 starts once every layer is in; with `layerwise`, vLLM's attention of layer i waits only for
@@ -16,7 +18,8 @@ its deadline and never leaves a wrong value where vLLM will read it.
 
 A capture (a publishing request whose prefill completed this step) is copied out of its
 blocks into one array [layers, 2, heads, tokens, head_dim] after the forward and published
-with the admin token: the KV served to vLLM is then what vLLM itself computed.
+with the admin token: the KV served to vLLM is then what vLLM itself computed. A kept
+conversation is copied out the same way (`kv_range`), by kdn.engines.vllm.keep.
 """
 import collections
 import concurrent.futures
@@ -36,11 +39,13 @@ COPY_THREADS = 2      # numpy copies release the GIL: two threads copy about twi
 
 class Loader:
     """Worker side (see the module). sources(salt) -> a Source for reads; publisher(salt) ->
-    a kdn Client with the admin token, for captures; deadline: sources.Deadline."""
+    a kdn Client with the admin token, for captures; deadline: sources.Deadline;
+    histories(salt) -> the kdn.client.history.History conversations are read through."""
 
     def __init__(self, sources, publisher, deadline, fetch_deadline_s: float, layerwise: bool = False,
-                 copy_threads: int = COPY_THREADS):
+                 copy_threads: int = COPY_THREADS, histories=None):
         self.sources, self.publisher, self.deadline = sources, publisher, deadline
+        self.histories = histories or (lambda salt: None)
         self.fetch_deadline_s = fetch_deadline_s
         self.layerwise = layerwise
         self.copy_threads = max(1, copy_threads)
@@ -58,7 +63,8 @@ class Loader:
         self._jobs, self._ends = [], []
         self._copy_t0 = 0.0
         # loads, loaded_tokens, failed_loads, failed_blocks, fetch_timeouts, fetch_errors,
-        # shape_mismatch, copy_errors, fetch_s, copy_s, captures, published, publish_errors
+        # shape_mismatch, copy_errors, fetch_s, copy_s, captures, published, publish_errors,
+        # history_chunks (conversation chunks fetched)
         self.counters = collections.Counter()
 
     def stats(self) -> dict:
@@ -135,6 +141,8 @@ class Loader:
                                   else end, "fetch_s": round(fetch_s, 4), "error": error,
                                   "bytes": (end - load.start) * self.token_bytes(),
                                   "fetched_from": info.get("edge"), "failovers": info.get("failovers")}
+        if getattr(load, "conv", None) is not None:
+            self.reports[load.req]["history_from"] = load.conv.edge
         if end <= load.start:
             return None
         plan = pieces([(a, b) for a, b, _ in got], load.start, end, load.block_ids, n)
@@ -157,8 +165,7 @@ class Loader:
         if self.refused:
             return [], {}, self.refused
         try:
-            chunks, info = self.deadline.run(self.fetch_deadline_s, self.sources(load.salt).fetch,
-                                             load.kb, load.version, load.keys, self.fetch_deadline_s)
+            chunks, info = self.deadline.run(self.fetch_deadline_s, self._chunks, load)
             return chunks, info, None
         except concurrent.futures.TimeoutError:
             self.counters["fetch_timeouts"] += 1
@@ -166,6 +173,19 @@ class Loader:
         except KDNError as e:          # no edge answered, KB gone, access refused: recompute
             self.counters["fetch_errors"] += 1
             return [], {}, f"{type(e).__name__}: {e}"
+
+    def _chunks(self, load) -> tuple:
+        """The KB's chunks of a load, then its conversation's when every KB chunk came."""
+        chunks, info = [], {}
+        if load.keys:
+            chunks, info = self.sources(load.salt).fetch(load.kb, load.version, load.keys,
+                                                         self.fetch_deadline_s)
+        conv = getattr(load, "conv", None)
+        if conv is not None and len(chunks) == len(load.keys):
+            got = self.histories(load.salt).fetch(conv)
+            self.counters["history_chunks"] += len(got)
+            chunks = list(chunks) + got
+        return chunks, info
 
     def _fits(self, c) -> bool:
         lay = self.layout
@@ -250,10 +270,15 @@ class Loader:
 
     def kv_of(self, block_ids, n_tokens: int) -> np.ndarray:
         """KV of tokens [0, n_tokens) in blocks block_ids as [layers, 2, heads, tokens, head_dim]."""
+        return self.kv_range(block_ids, 0, n_tokens)
+
+    def kv_range(self, block_ids, start: int, end: int) -> np.ndarray:
+        """KV of a request's tokens [start, end) in its blocks block_ids (from its token 0) as
+        [layers, 2, heads, end - start, head_dim]."""
         lay = self.layout
-        out = np.empty((len(self.views), 2, lay.heads, n_tokens, lay.head_dim),
+        out = np.empty((len(self.views), 2, lay.heads, end - start, lay.head_dim),
                        dtype=DTYPES[name_of(self.dtype)][0])
-        plan = pieces([(0, n_tokens)], 0, n_tokens, block_ids, lay.block_tokens)
+        plan = pieces([(start, end)], start, end, block_ids, lay.block_tokens)
         for i, (k, v) in enumerate(self.views):
             copy_out(k, v, out[i], plan)
         return out

@@ -183,12 +183,12 @@ def copy_in(cache_k, cache_v, parts, plan) -> None:
 
 def copy_out(cache_k, cache_v, out, plan) -> None:
     """One layer, the other way: every piece of `plan` from the cache views into `out`
-    [2, heads, tokens, head_dim] (numpy, a single part starting at token 0)."""
+    [2, heads, tokens, head_dim] (numpy, a single part: its token 0 is the plan's first)."""
     for p in plan:
         n = p.end - p.start
         for src, d in ((cache_k, out[0]), (cache_v, out[1])):
             if p.blocks == 1 and (p.slot or n < src.shape[2]):
-                np.copyto(d[:, p.start:p.end], src[p.block, :, p.slot:p.slot + n])
+                np.copyto(d[:, p.src:p.src + n], src[p.block, :, p.slot:p.slot + n])
             else:
-                np.copyto(_blocks(d[:, p.start:p.end], p.blocks),
+                np.copyto(_blocks(d[:, p.src:p.src + n], p.blocks),
                           src[p.block:p.block + p.blocks].transpose(1, 0, 2, 3))

@@ -11,12 +11,18 @@
 - `query_with_vllm(llm, client, kb, question, check=True)`: the greedy answer with KDN and,
   with check, vLLM's own full prefill of the same prompt (its prefix cache skipped), and
   whether the tokens are identical.
+- `settle(llm, limits)`: an engine this process steps (start_engine's) keeps its finished
+  answers' conversations now (the connector's `conversations`): one step hands the keeps to
+  the worker, which copies the KV out and sends it to the home edge, waited for (at most
+  STORE_WAIT_S), and one more frees their blocks. `converse(llm, model, messages)`: one chat
+  turn, kept as far as the next turn's prompt reproduces it (`keep_limit`).
 - `VllmEngine(llm, model)`: the two behind the engine interface (kdn.engines.base), which
   `kdn publish/query --engine vllm` use (kdn.engines.base.load_engine starts it: VllmEngine.load).
 - `EngineWorker`: an engine in a Ray actor, to place it in a region; `demo_answers` runs one
   beside the demo's transformers workers.
 """
 import dataclasses
+import itertools
 import os
 import time
 
@@ -31,6 +37,7 @@ KV_CACHE_BYTES = 1 << 30      # ~22k tokens of SmolLM2 KV in fp32: several KBs a
 ENGINE_DEFAULTS = dict(dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
                        kv_cache_memory_bytes=KV_CACHE_BYTES, disable_log_stats=False,
                        enable_prefix_caching=True)
+STORE_WAIT_S = 2.0            # settle() waits this long at most for a conversation's store
 
 
 def kv_transfer_config(role: str = "kv_consumer", **settings) -> dict:
@@ -65,7 +72,8 @@ def greedy(max_tokens: int, **extra):
 def generate(llm, tokens, max_tokens: int, salt: str = None, full: bool = False,
              kdn_params: dict = None, exactly: bool = False) -> dict:
     """One greedy generation: {tokens, text, ttft_s, cached, kdn}. full: vLLM's own full
-    prefill (its prefix cache and so KDN skipped). exactly: max_tokens tokens, no stop."""
+    prefill (its prefix cache and so KDN skipped). exactly: max_tokens tokens, no stop.
+    Its conversation, if the connector keeps one, is kept before it returns (settle)."""
     prompt = {"prompt_token_ids": list(tokens)}
     if salt is not None:
         prompt["cache_salt"] = salt
@@ -77,11 +85,76 @@ def generate(llm, tokens, max_tokens: int, salt: str = None, full: bool = False,
     t0 = time.perf_counter()
     out = llm.generate(prompt, greedy(max_tokens, **extra), use_tqdm=False)[0]
     wall = time.perf_counter() - t0
+    settle(llm)
     metrics = getattr(out, "metrics", None)
     ttft = getattr(metrics, "first_token_latency", 0.0) or wall
     return {"tokens": list(out.outputs[0].token_ids), "text": out.outputs[0].text, "ttft_s": ttft,
             "wall_s": wall, "cached": out.num_cached_tokens,
             "kdn": (out.kv_transfer_params or {}).get("kdn", {})}
+
+
+def settle(llm, limits: dict = None, timeout_s: float = STORE_WAIT_S) -> dict:
+    """Keep the conversations of the engine's finished requests now (see the module); limits
+    {vLLM request id: tokens the next prompt reproduces}. {request id: the keeper's result}
+    of its last keeps. For an engine stepped in this process (start_engine's); a
+    multiprocess engine's own loop steps it, and this only waits."""
+    from vllm.v1.engine.core_client import InprocClient
+    from kdn.engines.vllm.connector import keep_limits, kept
+    if limits:
+        llm.collective_rpc(keep_limits, args=(limits,))
+    inproc = isinstance(llm.llm_engine.engine_core, InprocClient)
+    if inproc:
+        llm.llm_engine.step()          # the finished requests' keeps reach the worker
+    got = llm.collective_rpc(kept, args=(timeout_s,))[0]
+    if inproc:
+        llm.llm_engine.step()          # their copied blocks are freed
+    return got
+
+
+def keep_limit(model, messages, prompt, generated, text: str, kb_tokens=None) -> int:
+    """How many leading tokens of the prompt and the tokens generated the next turn's prompt
+    reproduces: the answer's text put back through the chat template (after the KB's tokens,
+    if any) and compared token by token (kdn.core.conversation.reproduced), as
+    kdn.serve.chat.Chat.to_keep does."""
+    from kdn.core.conversation import reproduced
+    history = list(messages) + [{"role": "assistant", "content": text}]
+    again = model.chat_tokens(history, False) if kb_tokens is None else \
+        list(kb_tokens) + model.encode(model.turns_text(history, False))
+    return reproduced(list(prompt) + list(generated), again)
+
+
+_turns = itertools.count()
+
+
+def converse(llm, model, messages, max_tokens: int, salt: str = None, kb_tokens=None,
+             full: bool = False, conversation: dict = None) -> dict:
+    """One greedy chat turn: the messages as the chat template renders them (after the KB's
+    tokens, if any), answered; then its conversation kept as far as the next turn's prompt
+    reproduces it (keep_limit, settle). full: vLLM's own full prefill, nothing read or kept.
+    conversation: kv_transfer_params["kdn_conversation"] ({"retention", "hints"}).
+    {prompt, tokens, text, cached, kdn, kept (the keeper's result, None: nothing kept)}."""
+    from vllm.inputs import tokens_input
+    if kb_tokens is None:
+        prompt = model.chat_tokens(messages)
+    else:
+        from kdn.serve.chat import messages_tokens
+        prompt = list(kb_tokens) + messages_tokens(model, messages)
+    params = {"kdn_conversation": dict(conversation or {}, **({"keep": False} if full else {}))}
+    extra = {"skip_reading_prefix_cache": True} if full else {}
+    sp = greedy(max_tokens, extra_args={"kv_transfer_params": params}, **extra)
+    name = f"kdn-turn-{next(_turns)}"
+    engine = llm.llm_engine
+    rid = engine.add_request(name, tokens_input(prompt, cache_salt=salt), sp)
+    out = None
+    while out is None and engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.request_id == name and o.finished), None)
+    if out is None:
+        raise ModelError("vLLM dropped the request before it finished")
+    o = out.outputs[0]
+    limit = keep_limit(model, messages, prompt, o.token_ids, o.text, kb_tokens)
+    kept = settle(llm, {rid: limit}).get(rid)
+    return {"prompt": prompt, "tokens": list(o.token_ids), "text": o.text, "cached": out.num_cached_tokens,
+            "kdn": (out.kv_transfer_params or {}).get("kdn", {}), "kept": kept, "limit": limit}
 
 
 def publish_with_vllm(llm, kb: str, documents, model=None, salt: str = None, meta: dict = None) -> dict:
@@ -227,6 +300,19 @@ class EngineWorker:
             self.llm.reset_prefix_cache()
         return generate(self.llm, tokens, max_tokens, salt=salt, full=full)
 
+    def converse(self, messages, max_tokens: int = 16, salt: str = None, full: bool = False,
+                 forget_local: bool = False, conversation: dict = None) -> dict:
+        """One chat turn (kdn.engines.vllm.run.converse); forget_local: vLLM's prefix cache
+        emptied first, so what the engine computed before comes from KDN or is computed."""
+        if forget_local:
+            self.llm.reset_prefix_cache()
+        return converse(self.llm, self.model, messages, max_tokens, salt=salt, full=full,
+                        conversation=conversation)
+
+    def connector_stats(self) -> dict:
+        """The worker side's KDN connector stats (loads, the keeper's counters)."""
+        return self.llm.collective_rpc(_stats)[0]
+
     def publish(self, kb: str, documents, salt: str = None) -> dict:
         return publish_with_vllm(self.llm, kb, documents, model=self.model, salt=salt)
 
@@ -242,3 +328,9 @@ class EngineWorker:
     def query(self, client_args: dict, kb: str, question: str, **kw) -> dict:
         a = query_with_vllm(self.llm, self.client(client_args), kb, question, model=self.model, **kw)
         return dataclasses.asdict(a)
+
+
+def _stats(worker) -> dict:
+    from kdn.engines.vllm.connector import _worker_connector
+    c = _worker_connector()
+    return {} if c is None else c.stats()

@@ -9,6 +9,9 @@ of Rights: two full chunks and a partial one) and 4,520 tokens (every bundled do
 the connector must report matching exactly what the KB covers. Then tenants (a request's
 cache salt reaches only its tenant) and faults (an edge killed during a stream of requests,
 an edge hung, a corrupt copy): the answer is still the full prefill's, within a deadline.
+Both engines keep conversations (`conversations`): a plain chat's next turn reads its history
+from KDN, in the engine that answered it and in the other region's, token-identical to vLLM
+alone.
 """
 import os
 import signal
@@ -53,7 +56,8 @@ def engines(net):
     made = {}
     for region, role, layerwise in (("us-east", "kv_both", False), ("eu-west", "kv_consumer", True)):
         made[region] = cls.options(label_selector={"region": region}).remote(
-            role, network=net.name, region=region, tenants=TENANTS, layerwise=layerwise, **DEADLINES)
+            role, network=net.name, region=region, tenants=TENANTS, layerwise=layerwise,
+            conversations=True, **DEADLINES)
     ray.get([a.fingerprint.remote() for a in made.values()], timeout=600)   # both started
     yield made
     for a in made.values():
@@ -147,7 +151,10 @@ def test_kv_published_by_the_other_engine_is_never_read(net, engines, published)
     assert ray.get(west.fingerprint.remote()) != model.fingerprint
     prompt = cl.manifest("tf-gettysburg").token_ids().tolist() + model.question_tokens(Q)
     got = ray.get(west.generate.remote(prompt, NEW_TOKENS, forget_local=True), timeout=600)
-    assert got["kdn"].get("held", 0) == 0
+    k = got["kdn"]
+    # no KB matched; what KDN holds of the prompt, if anything, is vLLM's own conversation KV
+    # (an earlier test's prompt began with the same document, and its answer was kept)
+    assert k.get("kb") is None and k.get("held", 0) == 256 * k.get("history", {}).get("chunks", 0), k
 
 
 def test_a_corrupt_copy_at_the_edges_is_refetched_and_the_answer_is_unchanged(net, engines, published):
@@ -222,3 +229,58 @@ def test_a_hung_edge_costs_at_most_the_deadline_and_the_answer_is_unchanged(net,
     # answers after the stopped one times out; never a hang
     assert took < 2.0 + 4.0 + 20, took
     assert r["kdn"].get("held", 0) == 0 or r["kdn"].get("edge") != "eu-west-0"
+
+
+# --- conversations ----------------------------------------------------------------------
+TOOL = " ".join(f"Row {i}: sensor {i % 7} read {20 + i % 13} degrees at {i % 24}:00." for i in range(40))
+FIRST = [{"role": "user", "content": "Here is the tool output:\n" + TOOL + "\nWhich sensor is warmest?"}]
+
+
+@pytest.fixture(scope="module")
+def conversation(engines):
+    """Turn 1 of a plain chat answered by us-east's engine (its prefix cache emptied first),
+    and kept; the messages of turn 2, and vLLM's own full prefill of turn 2's prompt."""
+    east = engines["us-east"]
+    t1 = ray.get(east.converse.remote(FIRST, NEW_TOKENS, forget_local=True), timeout=600)
+    second = FIRST + [{"role": "assistant", "content": t1["text"]},
+                      {"role": "user", "content": "And which is coldest? One word."}]
+    full = ray.get(east.converse.remote(second, NEW_TOKENS, full=True), timeout=600)
+    return t1, second, full
+
+
+def test_a_plain_chats_next_turn_reads_its_history_from_kdn_and_answers_as_vllm_alone(engines, conversation):
+    t1, second, full = conversation
+    whole = len(t1["prompt"]) // 256
+    computed = len(t1["prompt"]) + len(t1["tokens"]) - 1      # the last token sampled has no KV
+    assert whole >= 3 and t1["kdn"]["keep"] == {"from_chunk": 0, "chunks": computed // 256}, t1["kdn"]
+    assert t1["limit"] >= len(t1["prompt"]), "the next prompt reproduces the prompt and the answer"
+    assert t1["kept"]["chunks"] == min(t1["limit"], computed) // 256 >= whole, t1["kept"]
+    assert t1["kept"]["edge"] == "us-east-0" and t1["kept"]["held"] == 0
+    east = engines["us-east"]
+    t2 = ray.get(east.converse.remote(second, NEW_TOKENS, forget_local=True), timeout=600)
+    k = t2["kdn"]
+    assert k["local"] == 0 and k["loaded"] == k["external"] >= whole * 256, k
+    assert k["history"] == {"region": "us-east", "edge": "us-east-0", "chunks": k["history"]["chunks"],
+                            "fetched": True} and k["history"]["chunks"] >= whole, k
+    assert t2["cached"] == k["loaded"] and t2["tokens"] == full["tokens"]
+    # turn 2 kept only the chunks after the ones turn 1 left at the home edge
+    assert t2["kept"]["held"] == k["history"]["chunks"], t2["kept"]
+    # vLLM's own prefix cache still serves the engine that computed it: nothing asked of KDN
+    again = ray.get(east.converse.remote(second, 1), timeout=600)
+    assert again["kdn"]["local"] >= whole * 256 and again["kdn"]["external"] == 0
+    assert "history" not in again["kdn"]
+
+
+def test_a_conversation_kept_by_one_vllm_engine_is_read_by_another_in_another_region(engines, conversation):
+    t1, second, full = conversation
+    west = engines["eu-west"]
+    t2 = ray.get(west.converse.remote(second, NEW_TOKENS, forget_local=True,
+                                      conversation={"hints": ["us-east"]}), timeout=600)
+    k = t2["kdn"]
+    assert k["history"]["region"] == "us-east" and k["history"]["fetched"], k
+    assert k["loaded"] >= len(t1["prompt"]) // 256 * 256 and k["history_from"] == "us-east-0", k
+    assert t2["tokens"] == full["tokens"]
+    assert t2["kept"]["edge"] == "eu-west-0" and t2["kept"]["held"] == 0, "kept at home in eu-west"
+    # a salt narrows it: neither KDN's conversation nor vLLM's own cache is shared across salts
+    other = ray.get(west.converse.remote(second, 1, salt="|someone-else"), timeout=600)
+    assert other["kdn"]["local"] == 0 and other["kdn"].get("external", 0) == 0, other["kdn"]

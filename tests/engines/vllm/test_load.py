@@ -208,3 +208,57 @@ def test_a_copy_that_fails_fails_every_block_of_the_step_and_the_error_surfaces(
     assert loader.take_failed() == {1, 2, 3, 4, 5}             # vLLM recomputes them all
     assert loader.take_reports()["r"]["error"] == "copy failed: ValueError: a layout bug"
     assert ValueError in seen                                   # the bug is not swallowed
+
+
+class History:
+    def __init__(self, chunks=()):
+        self.chunks, self.asked = list(chunks), []
+
+    def fetch(self, found):
+        self.asked.append(list(found.keys))
+        return [c for c in self.chunks if c.key in found.keys]
+
+
+def test_a_conversation_after_the_kbs_chunks_loads_as_one_range():
+    full = kv(48)                                  # KB chunks 0..16, conversation 16..48
+    cs = chunks_of(full)
+    hist = History(cs[1:])
+    caches = {n: torch.zeros(16, H, N, 2 * D) for n in names()}
+    loader = Loader(lambda salt: Source(cs[:1]), None, Deadline(), 5.0, histories=lambda salt: hist)
+    loader.register(caches, lambda n: int(n.split(".")[2]), lambda n: cpu_writer, N, H, D)
+    blocks = [3, 9, 4, 5, 6, 7]
+    ld = load(cs[:1], 8, 48, blocks)
+    ld.conv = SimpleNamespace(keys=[c.key for c in cs[1:]], edge="eu-west-0")
+    loader.start([ld])
+    loader.finish()
+    assert hist.asked == [[c.key for c in cs[1:]]]
+    want = expected(full, 8, 48, blocks)
+    assert all(torch.equal(caches[n], want[n]) for n in names())
+    report = loader.take_reports()["r"]
+    assert loader.take_failed() == set() and report["loaded"] == 40 and report["history_from"] == "eu-west-0"
+
+
+def test_a_conversation_only_load_and_a_missing_chunk_fails_from_there():
+    full = kv(48)
+    cs = chunks_of(full)
+    hist = History(cs[:2])                         # the edge lost the third chunk
+    caches = {n: torch.zeros(16, H, N, 2 * D) for n in names()}
+    loader = Loader(lambda salt: Source(), None, Deadline(), 5.0, histories=lambda salt: hist)
+    loader.register(caches, lambda n: int(n.split(".")[2]), lambda n: cpu_writer, N, H, D)
+    ld = SimpleNamespace(req="r", salt=None, kb=None, version=None, keys=[], first=0, start=0, end=48,
+                         block_ids=[1, 2, 3, 4, 5, 6], unzeroed=[],
+                         conv=SimpleNamespace(keys=[c.key for c in cs], edge="us-east-0"))
+    loader.start([ld])
+    loader.finish()
+    assert loader.take_failed() == {5, 6} and loader.take_reports()["r"]["loaded"] == 32
+
+
+def test_kv_range_reads_a_token_range_back_from_the_blocks():
+    full = kv(40, seed=5)
+    loader, caches = make_loader(Source())
+    blocks = [7, 2, 3, 11, 4]
+    src = expected(full, 0, 40, blocks)
+    for n in names():
+        caches[n].copy_(src[n])
+    assert np.array_equal(loader.kv_range(blocks, 12, 37), full[:, :, :, 12:37])
+    assert np.array_equal(loader.kv_of(blocks, 40), full)
