@@ -40,6 +40,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import xxhash
+
 from kdn.core.checks import check_int, check_number
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, ManifestError, NetworkError
 
@@ -319,8 +321,9 @@ def prompt_cache(body: dict) -> dict:
             raise bad(f"{name} must be a non-empty string of at most {MAX_SALT_CHARS} characters, "
                       f"got {v!r:.60}", name)
         salts.append(f"{name}={v}")
-    return {"prompt_cache_key": key, "prompt_cache_retention": retention,
-            "salt": "\n".join(salts) if salts else None}
+    # the salt travels as one fixed-length digest of all of them (kdn.core.conversation.check_salt)
+    salt = xxhash.xxh3_128_hexdigest("\n".join(salts).encode()) if salts else None
+    return {"prompt_cache_key": key, "prompt_cache_retention": retention, "salt": salt}
 
 
 def credentials(tokens, authorization) -> tuple:

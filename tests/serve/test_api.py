@@ -32,7 +32,7 @@ def test_the_kb_is_named_by_model_or_by_kb(body, kb, version):
 
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "other@rights"}, 404, "model"),
-    ({"model": MODEL_NAME}, 400, "model"),
+    ({"model": f"{MODEL_NAME}@"}, 400, "model"),
     ({"model": f"{MODEL_NAME}@rights:0"}, 400, "model"),
     ({"model": f"{MODEL_NAME}@rights", "kb": "courts"}, 400, "kb"),
     ({"model": f"{MODEL_NAME}@rights", "messages": "hi"}, 400, "messages"),
@@ -167,3 +167,17 @@ def test_sampling_with_a_seed_repeats(model):
     prompt = model.prompt_tokens("The sky is blue.", "Say something.")
     runs = [[s.token for s in stream(model, prompt, None, 0, 6, temperature=1.0, seed=7)] for _ in range(2)]
     assert runs[0] == runs[1] and runs[0]
+
+
+def test_the_prompt_cache_fields_are_checked_and_the_salts_travel_as_one_digest():
+    from kdn.serve.api import prompt_cache
+    got = prompt_cache({"cache_salt": "x" * 1024, "user": "y" * 1024, "safety_identifier": "z" * 1024,
+                        "prompt_cache_key": "conv-1", "prompt_cache_retention": "24h"})
+    assert len(got["salt"]) == 32 and got["prompt_cache_key"] == "conv-1" and got["prompt_cache_retention"] == "24h"
+    assert prompt_cache({"user": "alice"})["salt"] != prompt_cache({"cache_salt": "alice"})["salt"]
+    assert prompt_cache({}) == {"prompt_cache_key": None, "prompt_cache_retention": None, "salt": None}
+
+
+def test_a_model_without_a_kb_is_a_plain_chat():
+    r = parse_chat({"model": MODEL_NAME, "messages": MSG}, MODEL_NAME)
+    assert r.kb is None and r.version is None and r.messages == MSG
