@@ -207,8 +207,11 @@ def test_readme_runs_as_written(tmp_path):
     assert "AccessDenied" not in api and "Traceback" not in api
     # the service answered through the openai client, the knowledge's KV from KDN
     assert "http://127.0.0.1:8000/v1" in serve, serve[-2000:]
-    answer, cached = openai.strip().splitlines()[-2:]
+    answer, cached, turns = openai.strip().splitlines()[-3:]
     assert answer.strip() and cached == "4520", openai[-2000:]
+    # the conversation's second turn read the first turn's whole chunks from KDN
+    first, second = map(int, turns.split())
+    assert second >= first // 256 * 256 > 0, openai[-2000:]
     # `kdn down` stopped exactly what `kdn up` started, and nothing of it remains
     assert "stopped and its embedded cluster shut down" in down, down
     assert not state_file.exists()

@@ -450,7 +450,10 @@ class Router:
         conversation = seen = None
         if endpoint == "chat/completions":
             conversation = conversation_id(tenant, kb, req.messages, req.prompt_cache_key)
-            seen = self.affinity.region_of(conversation)
+            # a first turn (no answer in it yet, no prompt_cache_key) has no history to follow:
+            # the same question asked again is a new conversation, routed as any request
+            follows = req.prompt_cache_key is not None or any(m["role"] == "assistant" for m in req.messages)
+            seen = self.affinity.region_of(conversation) if follows else None
         if seen in self.workers and region is None and not request.headers.get(REGION_HEADER):
             region, why = seen, "conversation"    # where its earlier turns' KV is
         else:

@@ -274,6 +274,8 @@ def test_a_plain_chat_is_kept_at_its_home_edge_and_its_next_turn_answers_as_vllm
     view = Client(network=service["network"], region=SERVED, fingerprint=fp, token=READ).view
     history = History(view, "default", fp, token=READ)
     prompt = model.chat_tokens(second)
-    found = history.find(prompt, 0, salt_of("default", "user=alice").partition("|")[2])
+    from kdn.serve.api import prompt_cache
+    salt = prompt_cache({"user": "alice"})["salt"]          # the API's one digest of the caller's salts
+    found = history.find(prompt, 0, salt_of("default", salt).partition("|")[2])
     assert found is not None and found.region == SERVED and found.held >= whole // 256
     assert history.find(prompt, 0) is None, "without the salt, nothing"
