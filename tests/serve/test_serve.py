@@ -325,7 +325,8 @@ def test_a_conversations_second_turn_reports_the_first_turns_tokens_as_cached(se
     second = c.chat.completions.with_raw_response.create(
         model=MODEL_NAME, messages=messages, max_tokens=NEW_TOKENS, prompt_cache_key="pumps-1")
     two = second.parse()
-    assert second.headers["x-kdn-route"] == "conversation"
+    # each ingress replica keeps its own affinity (kdn.serve.affinity): another one routes home
+    assert second.headers["x-kdn-route"] in ("conversation", "home")
     assert second.headers["x-kdn-region"] == first.headers["x-kdn-region"]
     cached = two.usage.prompt_tokens_details.cached_tokens
     # every whole chunk the first turn computed (its prompt and answer), none past them
