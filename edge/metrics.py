@@ -104,8 +104,14 @@ class EdgeCollector:
         yield _gauge("kdn_edge_conversation_capacity_bytes", "The conversation tier's capacity.",
                      value=conv["capacity"])
         yield _gauge("kdn_edge_conversation_chunks", "Conversation chunks held.", value=conv["chunks"])
+        yield _gauge("kdn_edge_conversation_tier_bytes", "Conversation KV held, by tier (memory, disk).",
+                     labels=("tier",), samples=[(("memory",), conv["bytes"]), (("disk",), conv["disk_bytes"])])
         yield _counter("kdn_edge_conversation_reads_total", "Conversation chunk reads, by outcome.",
                        labels=("outcome",), samples=[(("hit",), c["conv_hits"]), (("miss",), c["conv_misses"])])
+        yield _counter("kdn_edge_conversation_disk_reads_total", "Conversation chunks read back from disk.",
+                       value=c["conv_disk_hits"])
+        yield _counter("kdn_edge_conversation_spilled_total", "Conversation chunks moved from memory to disk.",
+                       value=c["conv_spilled"])
         yield _counter("kdn_edge_conversation_kept_total", "Conversation chunks kept.", value=c["conv_kept"])
         yield _counter("kdn_edge_conversation_expired_total", "Conversation chunks idle past their TTL.",
                        value=c["conv_expired"])

@@ -81,9 +81,12 @@ class EdgeNode:
         disk = None if not disk_bytes else DiskTier(os.path.join(disk_dir or _default_disk_dir(network), name),
                                                     disk_bytes, policy)
         self.tiers = Tiers(capacity_bytes, policy, hot_fraction, disk=disk)
-        # conversation KV beside the tiers, in memory of its own (edge/conversations.py)
-        self.conversations = Conversations(int(capacity_bytes * CONVERSATION_SHARE)
-                                           if conversation_bytes is None else conversation_bytes)
+        # conversation KV beside the tiers, in memory of its own and, with a disk tier, a
+        # share of the disk beside it: <disk root>/<edge name>.conversations, wiped at start
+        # (edge/conversations.py: its files hold no tenant and no idle time)
+        self.conversations = Conversations(
+            int(capacity_bytes * CONVERSATION_SHARE) if conversation_bytes is None else conversation_bytes,
+            disk=None if disk is None else _conversation_disk(disk, name, policy))
         self.demand = ReplicationPolicy(**{"hot_budget_fraction": hot_fraction, **(replication or {})})
         self.peers = Peers(network, self.tokens.admin, edge=name)
         self.catalog = Catalog(self.tokens, self.peers)
@@ -191,7 +194,7 @@ class EdgeNode:
         if wanted:
             self.peers.later(self.pull.promote(wanted), "hot promotion")
         await self.tiers.sweep()
-        self.conversations.sweep()
+        await asyncio.to_thread(self.conversations.sweep)
 
     async def _refresh_membership(self):
         self._last_refresh = time.monotonic()
@@ -448,22 +451,22 @@ class EdgeNode:
         retention_ttl(retention, self.conversations.ttl_of(tenant))    # BadRequest before anything
         new = [c for c in chunks if c.key not in self.conversations]
         stored = dict(zip((c.key for c in new), await self.forms.to_store(new)))
-        items = [(c.key, stored.get(c.key) or self.conversations.peek(c.key)) for c in chunks]
-        return self.conversations.put_prefix(tenant, [(k, h) for k, h in items if h is not None], retention)
+        items = [(c.key, stored.get(c.key)) for c in chunks]   # None: held already, renewed
+        return await asyncio.to_thread(self.conversations.put_prefix, tenant, items, retention)
 
     async def conversation_lookup(self, keys, ns: bytes, tenant: str, fingerprint: str, scope: str,
                                   token=None) -> int:
         """How long a prefix of keys this edge holds of a conversation homed here (no KV moves)."""
         self._conversation(tenant, fingerprint, scope, token, "conversation_lookup", ns)
         keys = check_keys(keys)
-        return next((i for i, k in enumerate(keys) if self.conversations.peek(k) is None), len(keys))
+        return next((i for i, k in enumerate(keys) if k not in self.conversations), len(keys))
 
     async def conversation_fetch(self, keys, ns: bytes, tenant: str, fingerprint: str, scope: str,
                                  token=None) -> dict:
         """{"refs", "bytes"}: the held prefix of a conversation's keys, as object references
         (zero-copy beside this edge), each read renewing its idle TTL."""
         ns = self._conversation(tenant, fingerprint, scope, token, "conversation_fetch", ns)
-        helds = self.conversations.get_prefix(check_keys(keys), ns)
+        helds = await asyncio.to_thread(self.conversations.get_prefix, check_keys(keys), ns)
         refs = [h.ref if h.ref is not None else h.obj for h in helds]
         nbytes = sum(h.nbytes for h in helds)
         self.counters["conversation_fetches"] += 1
@@ -479,14 +482,15 @@ class EdgeNode:
     async def drop_conversations(self, tenant: str, token=None) -> int:
         """Drop every conversation chunk of tenant here (an operator's call); how many."""
         self.tokens.check_admin(token, "drop_conversations")
-        return self.conversations.drop_tenant(tenant)
+        return await asyncio.to_thread(self.conversations.drop_tenant, tenant)
 
     async def set_conversation_policy(self, tenant: str, ttl_s=None, budget_bytes=None, max_ttl_s=None,
                                       token=None) -> dict:
         """A tenant's idle TTL, longest TTL a request may ask for and byte budget here."""
         self.tokens.check_admin(token, "set_conversation_policy")
         return {"edge": self.name, "region": self.region,
-                **self.conversations.set_policy(tenant, ttl_s, budget_bytes, max_ttl_s)}
+                **await asyncio.to_thread(self.conversations.set_policy, tenant, ttl_s, budget_bytes,
+                                          max_ttl_s)}
 
     # --- stats --------------------------------------------------------------------------
     def all_counters(self, token=None) -> collections.Counter:
@@ -518,6 +522,15 @@ class EdgeNode:
                 "drops": t["drops"],          # where this edge is in the origin's drop log
                 "limits": {"max_fetch_keys": MAX_FETCH_KEYS,
                            "max_reply_bytes": self.reads.max_reply_bytes}}
+
+
+def _conversation_disk(disk, name: str, policy: str) -> DiskTier:
+    """The conversation tier's own disk beside the KB disk tier: CONVERSATION_SHARE of its
+    bytes, in <its root>/<name>.conversations, emptied first (see the constructor)."""
+    import shutil
+    path = os.path.join(os.path.dirname(disk.dir), name + ".conversations")
+    shutil.rmtree(path, ignore_errors=True)
+    return DiskTier(path, max(1, int(disk.capacity * CONVERSATION_SHARE)), policy)
 
 
 def _default_disk_dir(network: str) -> str:

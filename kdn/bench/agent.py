@@ -10,12 +10,19 @@ so each one's history waits at the edge while the others run. Modes, in one run:
 
 - **off**: no KDN at all (every turn's whole prompt computed);
 - **kb**: the KB's KV from KDN, the conversation recomputed every turn (before conversations);
-- **cached**: conversation KV kept after each answer and read back by the next turn, same region;
+- **cached**: conversation KV kept after each answer and read back by the next turn by the same
+  worker (replica);
+- **replica**: the same, each turn answered by the region's other replica (a second worker on
+  the same node), so every turn reads what the other one kept;
 - **moved**: the same, but from turn --move-at on the conversation is answered in another
   region, which reads the history from the first region's home edge across the link;
 - **limit**: the same worker keeps each conversation's last engine cache in memory and
   computes only the new tokens: the best any cache can do (what vLLM's own prefix cache does
-  inside one engine), measured here with the same kernels.
+  inside one engine), measured here with the same kernels;
+- **vllm**: vLLM alone (the CPU build, no KDN, its own prefix caching on) answering the same
+  conversations in one engine in this process: the single-engine anchor. Its kernels are not
+  the transformers worker's, so its answers (and so its later prompts) may differ; its greedy
+  tokens are not compared with off's. Skipped, and said, where vLLM is not installed.
 
 Per mode and turn: time to first token (p50, p99 over conversations), prompt and cached
 tokens, the cached share of the tokens earlier turns computed (the last partial chunk
@@ -41,7 +48,8 @@ REGIONS = ("us-east", "eu-west", "ap-south")
 KB = "agent-bench"
 KB_TOKENS = 1000
 ANSWER_TOKENS = 32
-MODES = ("off", "kb", "cached", "moved", "limit")
+MODES = ("off", "kb", "cached", "replica", "moved", "limit", "vllm")
+KDN_MODES = MODES[:-1]         # the modes the transformers workers answer
 WORDS = ("sensor", "valve", "pump", "relay", "queue", "disk", "shard", "replica", "batch", "cache",
          "socket", "thread", "ticket", "invoice", "order", "route", "region", "edge", "origin", "node")
 
@@ -90,7 +98,7 @@ class Worker:
 
     def turn(self, mode: str, conversation: str, messages: list, hints=(), max_tokens: int = ANSWER_TOKENS) -> dict:
         t0 = time.perf_counter()
-        chat = self.history if mode in ("cached", "moved") else self.plain
+        chat = self.history if mode in ("cached", "replica", "moved") else self.plain
         if mode == "limit":
             turn = self._from_engine(conversation, messages)
         else:
@@ -104,7 +112,7 @@ class Worker:
             steps.append(s)
         tokens = [s.token for s in steps if s.token is not None]
         text = "".join(s.text for s in steps)
-        if mode in ("cached", "moved"):
+        if mode in ("cached", "replica", "moved"):
             chat.keep(turn, tokens, text)
         elif mode == "limit":
             self.engine[conversation] = (turn.prompt + tokens, turn.cache)
@@ -126,7 +134,8 @@ class Worker:
 
 
 def run(conversations: int, turns: int, baseline: int, move_at: int, seed: int, log,
-        load_conversations: int = 0, load_seconds: float = 60.0, load_budget: int = 256 << 20) -> dict:
+        load_conversations: int = 0, load_seconds: float = 60.0, load_budget: int = 256 << 20,
+        vllm: bool = True) -> dict:
     import ray
     from kdn.bench.ttft import knowledge_texts
     from kdn.client import Client
@@ -149,32 +158,81 @@ def run(conversations: int, turns: int, baseline: int, move_at: int, seed: int, 
         text = knowledge_texts(model, [KB_TOKENS])[KB_TOKENS]
         r = publish_documents(pub, model, KB, [("knowledge", text)])
         log(f"network up, {KB} published ({r['tokens']} tokens)")
-        remote = ray.remote(num_cpus=1)(Worker)
-        workers = {reg: remote.options(label_selector={"region": reg}).remote(net.name, reg)
-                   for reg in (REGIONS[0], REGIONS[2])}
+        remote = ray.remote(num_cpus=0)(Worker)     # turns run one at a time: no two compute at once
+        workers = {(reg, i): remote.options(label_selector={"region": reg}).remote(net.name, reg)
+                   for reg, i in ((REGIONS[0], 0), (REGIONS[0], 1), (REGIONS[2], 0))}
         ray.get([w.ready.remote() for w in workers.values()])
         home, away = REGIONS[0], REGIONS[2]
         results = {m: [[None] * turns for _ in range(conversations)] for m in MODES}
-        for mode in MODES:
+        for mode in KDN_MODES:
             n = baseline if mode in ("off", "kb") else conversations
             history = [[] for _ in range(n)]
             t0 = time.perf_counter()
             for t in range(turns):
                 for c in range(n):
                     history[c].append({"role": "user", "content": scripts[c][t]})
-                    where = away if mode == "moved" and t >= move_at else home
-                    hints = (home,) if where != home else ()
+                    where = (away, 0) if mode == "moved" and t >= move_at else \
+                        (home, t % 2 if mode == "replica" else 0)
+                    hints = (home,) if where[0] != home else ()
                     got = ray.get(workers[where].turn.remote(mode, f"c{c}", history[c], hints))
                     history[c].append({"role": "assistant", "content": got["text"]})
                     results[mode][c][t] = got
             log(f"{mode}: {n} conversations x {turns} turns in {time.perf_counter() - t0:.0f} s")
+        if load_conversations:
+            load = load_phase({f"{r}/{i}": w for (r, i), w in workers.items()}, net.name,
+                              load_conversations, load_seconds, load_budget, model, seed, log)
+        for w in workers.values():
+            ray.kill(w)
+        if vllm:
+            results["vllm"] = vllm_alone(model, pub.manifest(KB).token_ids().tolist(), scripts, turns, log)
         out = summarize(results, conversations, turns, baseline, r["tokens"], model.kv_bytes_per_token)
         if load_conversations:
-            out["load"] = load_phase(workers, net.name, load_conversations, load_seconds, load_budget,
-                                     model, seed, log)
+            out["load"] = load
+        out["vllm"] = bool(vllm) and results["vllm"][0][0] is not None
         return out
     finally:
         teardown(net, cluster, root)
+
+
+def vllm_alone(model, kb_tokens: list, scripts: list, turns: int, log) -> list:
+    """The conversations answered by vLLM alone, in one engine in this process (prefix caching
+    on, no KDN): per conversation and turn {ttft_s, prompt, cached, tokens, text}. The prompt is
+    the KB's tokens (its manifest's) and the messages as the workers render them; the engine's own timing gives the
+    time to first token. [[None]...] when vLLM is not installed."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        log("vllm: not installed, the anchor is skipped")
+        return [[None] * turns for _ in scripts]
+    import os
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+    from kdn.engines.vllm.run import ENGINE_DEFAULTS, greedy, model_folder
+    from kdn.serve.chat import messages_tokens
+    t0 = time.perf_counter()
+    llm = LLM(model=model_folder(), **ENGINE_DEFAULTS)
+    log(f"vllm: engine up in {time.perf_counter() - t0:.0f} s")
+    out = [[None] * turns for _ in scripts]
+    history = [[] for _ in scripts]
+    t0 = time.perf_counter()
+    try:
+        for t in range(turns):
+            for c, script in enumerate(scripts):
+                history[c].append({"role": "user", "content": script[t]})
+                prompt = kb_tokens + messages_tokens(model, history[c])
+                w0 = time.perf_counter()
+                o = llm.generate({"prompt_token_ids": prompt}, greedy(ANSWER_TOKENS), use_tqdm=False)[0]
+                wall = time.perf_counter() - w0
+                ttft = getattr(getattr(o, "metrics", None), "first_token_latency", 0.0) or wall
+                text = o.outputs[0].text
+                history[c].append({"role": "assistant", "content": text})
+                out[c][t] = {"ttft_s": ttft, "prompt": len(prompt), "cached": o.num_cached_tokens or 0,
+                             "tokens": list(o.outputs[0].token_ids), "text": text, "fetched_bytes": 0,
+                             "region": None}
+    finally:
+        del llm
+    log(f"vllm: {len(scripts)} conversations x {turns} turns in {time.perf_counter() - t0:.0f} s")
+    return out
 
 
 def load_phase(workers: dict, network: str, conversations: int, seconds: float, budget: int,
@@ -225,7 +283,7 @@ def summarize(results: dict, conversations: int, turns: int, baseline: int, kb_t
     rows = []
     for mode, convs in results.items():
         done = [c for c in convs if c[0] is not None]
-        for t in range(turns):
+        for t in range(turns if done else 0):     # a mode that did not run (vllm absent): no rows
             got = [c[t] for c in done]
             earlier = [c[t - 1]["prompt"] + len(c[t - 1]["tokens"]) if t else kb_tokens for c in done]
             reusable = [e // 256 * 256 if t else e for e in earlier]   # the last partial chunk excepted
@@ -238,7 +296,7 @@ def summarize(results: dict, conversations: int, turns: int, baseline: int, kb_t
                          "saved_tokens": sum(g["cached"] for g in got),
                          "fetched_bytes": sum(g["fetched_bytes"] for g in got)})
     same = {}
-    for mode in MODES:
+    for mode in KDN_MODES:                     # vLLM's own kernels answer differently: not compared
         pairs = [(a["tokens"], b["tokens"]) for ca, cb in zip(results["off"][:baseline], results[mode][:baseline])
                  for a, b in zip(ca, cb) if a is not None and b is not None]
         same[mode] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
@@ -251,15 +309,21 @@ def report(out: dict, move_at: int) -> None:
     """The table: per turn, each mode's p50 time to first token, the cached share, and the
     two ratios the goals name (cached against the limit, recomputing against a moved turn)."""
     by = {(r["mode"], r["turn"]): r for r in out["rows"]}
+    modes = [m for m in MODES if (m, 1) in by]
     rows = []
     for t in range(1, out["turns"] + 1):
-        c, lim, off, mv = by[("cached", t)], by[("limit", t)], by[("off", t)], by[("moved", t)]
-        rows.append({"turn": t, **{f"{m} p50 s": f"{by[(m, t)]['ttft_p50_s']:.2f}" for m in MODES},
+        c, rep, lim = by[("cached", t)], by[("replica", t)], by[("limit", t)]
+        off, mv, vl = by[("off", t)], by[("moved", t)], by.get(("vllm", t))
+        rows.append({"turn": t, **{f"{m} p50 s": f"{by[(m, t)]['ttft_p50_s']:.2f}" for m in modes},
                      "cached p99 s": f"{c['ttft_p99_s']:.2f}", "cached share": f"{c['cached_share']:.1%}",
                      "cached/limit": f"{c['ttft_p50_s'] / lim['ttft_p50_s']:.2f}x",
+                     "replica/limit": f"{rep['ttft_p50_s'] / lim['ttft_p50_s']:.2f}x",
                      "off/moved": f"{off['ttft_p50_s'] / mv['ttft_p50_s']:.1f}x",
-                     "history MB": f"{mv['fetched_bytes'] / 1e6:.0f}"})
+                     "history MB": f"{mv['fetched_bytes'] / 1e6:.0f}",
+                     **({"vllm cached share": f"{vl['cached_share']:.1%}"} if vl else {})})
     table(rows)
+    if "vllm" not in modes:
+        print("vllm: the single-engine anchor did not run (vLLM not installed, or --no-vllm)")
     print(f"moved: turns {move_at + 1}.. answered in another region; identical greedy tokens to off: "
           + ", ".join(f"{m} {v:.0%}" for m, v in out["identical_to_off"].items() if v is not None))
     ld = out.get("load")
@@ -286,6 +350,8 @@ def main(argv=None) -> int:
     ap.add_argument("--load-seconds", dest="load_seconds", type=float, default=60.0)
     ap.add_argument("--load-budget", dest="load_budget", default="256MiB",
                     help="the tenant's conversation budget per edge during the load (default 256MiB)")
+    ap.add_argument("--no-vllm", dest="vllm", action="store_false",
+                    help="skip the vLLM-alone anchor (an engine start, ~45 s, and ~2 GiB)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     from kdn.launch.cluster import parse_size
@@ -299,7 +365,7 @@ def main(argv=None) -> int:
         raise BadRequest("need --load-conversations >= 0 and --load-seconds > 0")
     out = run(args.conversations, args.turns, args.baseline, move_at, args.seed,
               log=lambda m: print(m, flush=True), load_conversations=args.load_conversations,
-              load_seconds=args.load_seconds, load_budget=load_budget)
+              load_seconds=args.load_seconds, load_budget=load_budget, vllm=args.vllm)
     out["move_at"] = move_at
     if args.json:
         emit_json(out)

@@ -106,7 +106,8 @@ def status_rows(st: dict) -> list:
         })
         if e.get("conversations"):     # the conversation tier: chunks, bytes, tenants, hits, expiries
             cv = e["conversations"]
-            rows[-1].update({"conversations": f"{cv['chunks']} / {_gib(cv['bytes'])}",
+            rows[-1].update({"conversations": f"{cv['chunks']} / {_gib(cv['bytes'])}"
+                             + (f" + {_gib(cv['disk_bytes'])} disk" if cv.get("disk_bytes") else ""),
                              "conv tenants": len(cv["tenant_bytes"]), "conv hits": cv.get("conv_hits", 0),
                              "conv expired": cv.get("conv_expired", 0)})
         if e.get("disk"):      # an edge with a disk tier: its bytes, items, hits, write-backs
@@ -354,6 +355,7 @@ def _conversations(args, rest):
         p, convs = e["policy"], e["conversations"]
         rows.append({"edge": e["edge"], "region": e["region"], "conversations": len(convs),
                      "chunks": sum(c["chunks"] for c in convs), "bytes": _gib(sum(c["bytes"] for c in convs)),
+                     "on disk": _gib(sum(c.get("on_disk", 0) for c in convs)),
                      "idle TTL s": f"{p['ttl_s']:g}", "max TTL s": f"{p['max_ttl_s']:g}",
                      "budget": _gib(p["budget_bytes"])})
     print(f"conversation KV of tenant {args.tenant!r}:")

@@ -26,7 +26,18 @@ def test_the_cached_share_excepts_only_the_last_partial_chunk(capsys):
     assert row[("cached", 2)]["cached_share"] == 1.0 and row[("kb", 2)]["cached_share"] == 0.0
     assert row[("cached", 1)]["cached_share"] == 1.0          # turn 1: the KB's 1,000 tokens
     assert row[("cached", 2)]["conversations"] == 2 and row[("off", 2)]["conversations"] == 1
-    assert out["identical_to_off"] == {"off": 1.0, "kb": 0.5, "cached": 1.0, "moved": 1.0, "limit": 1.0}
+    assert out["identical_to_off"] == {"off": 1.0, "kb": 0.5, "cached": 1.0, "replica": 1.0, "moved": 1.0,
+                                       "limit": 1.0}     # vLLM's own kernels: never compared
     report(dict(out, move_at=1), 1)
     printed = capsys.readouterr().out
-    assert "cached/limit" in printed and "identical greedy tokens to off: off 100%, kb 50%" in printed
+    assert "cached/limit" in printed and "replica/limit" in printed and "vllm p50 s" in printed and "identical greedy tokens to off: off 100%, kb 50%" in printed
+
+
+def test_a_mode_that_did_not_run_has_no_rows_and_the_table_says_so(capsys):
+    r = results()
+    r["vllm"] = [[None, None], [None, None]]         # vLLM not installed
+    out = summarize(r, conversations=2, turns=2, baseline=1, kb_tokens=1000, kv_bytes_per_token=10)
+    assert not [x for x in out["rows"] if x["mode"] == "vllm"]
+    report(dict(out, move_at=1), 1)
+    printed = capsys.readouterr().out
+    assert "vllm p50 s" not in printed and "the single-engine anchor did not run" in printed

@@ -214,3 +214,103 @@ def samples(edge) -> dict:
 def resolved(obj):
     import ray
     return ray.get(obj) if isinstance(obj, ray.ObjectRef) else obj
+
+
+# --- memory then disk (a real edge/disk.DiskTier of the tier's own) --------------------------
+def disk_tier(kit, tmp_path, n_memory: int, n_disk: int = 16, **kw):
+    """A tier whose memory holds n_memory of kit's chunks and whose disk holds n_disk."""
+    from kdn.edge.disk import DiskTier
+    from kdn.edge.tiers import Held as RealHeld
+    chunks = kit.make_chunks(8)
+    size = chunks[0].nbytes
+    disk = DiskTier(tmp_path / "conv", n_disk * (size + 4096), "lru")
+    clock = Clock()
+    c = Conversations(n_memory * size, clock=clock, disk=disk, keep=RealHeld.here, **kw)
+    return c, clock, disk, chunks, [RealHeld.here(x) for x in chunks]
+
+
+def files(disk) -> set:
+    return {p.name for p in disk.dir.rglob("*.kdnc")}
+
+
+def test_memorys_oldest_chunks_move_to_disk_and_a_read_brings_them_back_the_same_bytes(kit, tmp_path):
+    c, clock, disk, chunks, helds = disk_tier(kit, tmp_path, n_memory=2)
+    for i in range(4):
+        clock.t += 1
+        assert c.put("a", chunks[i].key, helds[i])
+    s = c.stats()
+    assert s["chunks"] == 4 and s["bytes"] == 2 * chunks[0].nbytes and s["disk_bytes"] == 2 * chunks[0].nbytes
+    assert files(disk) == {chunks[i].key.hex() + ".kdnc" for i in (0, 1)} and s["conv_spilled"] == 2
+    assert s["tenant_bytes"] == {"a": 4 * chunks[0].nbytes}          # the budget counts both tiers
+    got = c.get(chunks[0].key, kit.NS)                               # read back into memory
+    assert got.obj.kv.tobytes() == chunks[0].kv.tobytes() and got.obj.key == chunks[0].key
+    assert c.stats()["conv_disk_hits"] == 1 and c.stats()["bytes"] == 2 * chunks[0].nbytes
+    assert c.peek(chunks[2].key) is None and chunks[2].key in c       # chunk 2 went to disk for it
+    assert c.get(chunks[0].key, OTHER_NS) is None                    # another namespace: a miss
+    got = c.get_prefix([x.key for x in chunks[:4]], kit.NS)
+    assert [h.obj.kv.tobytes() for h in got] == [x.kv.tobytes() for x in chunks[:4]]
+
+
+OTHER_NS = b"o" * 16
+
+
+def test_nothing_outlives_its_ttl_in_memory_or_on_disk(kit, tmp_path):
+    c, clock, disk, chunks, helds = disk_tier(kit, tmp_path, n_memory=2, default_ttl_s=60)
+    dropped = []
+    c.on_drop = dropped.append
+    for i in range(5):
+        c.put("a", chunks[i].key, helds[i])
+    assert len(files(disk)) == 3
+    clock.t += 61
+    assert c.get(chunks[0].key) is None                               # on disk, idle past its TTL
+    assert c.sweep() == 4
+    assert files(disk) == set() and c.stats()["chunks"] == 0 and c.stats()["bytes"] == 0
+    assert c.stats()["disk_bytes"] == 0 and len(disk) == 0
+    assert sorted(dropped) == sorted(x.key for x in chunks[:5]) and c.stats()["conv_expired"] == 5
+
+
+def test_a_tenants_budget_counts_disk_and_its_oldest_goes_from_disk(kit, tmp_path):
+    c, clock, disk, chunks, helds = disk_tier(kit, tmp_path, n_memory=1,
+                                              default_budget_bytes=3 * kit.make_chunks(1)[0].nbytes)
+    for i in range(4):
+        clock.t += 1
+        c.put("a", chunks[i].key, helds[i])
+    assert [i for i in range(4) if chunks[i].key in c] == [1, 2, 3]
+    assert chunks[0].key.hex() + ".kdnc" not in files(disk) and c.stats()["conv_evicted_budget"] == 1
+    c.drop_tenant("a")
+    assert files(disk) == set() and c.stats()["tenant_bytes"] == {}
+
+
+def test_what_the_disks_own_capacity_evicts_is_gone(kit, tmp_path):
+    c, clock, disk, chunks, helds = disk_tier(kit, tmp_path, n_memory=1, n_disk=2)
+    for i in range(5):
+        clock.t += 1
+        c.put("a", chunks[i].key, helds[i])
+    held = [i for i in range(5) if chunks[i].key in c]
+    assert len(held) == 3 and 4 in held and len(files(disk)) == 2     # 1 in memory, 2 on disk
+    assert c.stats()["conv_evicted_capacity"] == 2 and c.stats()["chunks"] == 3
+
+
+def test_an_edge_with_a_disk_keeps_conversations_beside_it_and_starts_them_empty(kit, tmp_path):
+    import asyncio
+    size = kit.make_chunks(1)[0].nbytes
+    opts = dict(auth=AUTH, disk_bytes=64 << 20, disk_dir=str(tmp_path), conversation_bytes=2 * size)
+    edge = kit.local_edge([], **opts)
+    scope, ns, chunks = conversation(kit, n=5)
+    keys = [x.key for x in chunks]
+    assert asyncio.run(edge.put_conversation(chunks, "acme", "fp", scope, token=ACME)) == 5
+    conv_dir = tmp_path / "here-0.conversations"
+    assert edge.conversations.disk.dir == conv_dir and edge.conversations.disk.capacity == 32 << 20
+    on_disk = {p.name for p in conv_dir.rglob("*.kdnc")}
+    assert len(on_disk) == 3 and not list((tmp_path / "here-0").rglob("*.kdnc"))   # not the KB tier's
+    assert asyncio.run(edge.conversation_lookup(keys, ns, "acme", "fp", scope, token=ACME)) == 5
+    got = asyncio.run(edge.conversation_fetch(keys, ns, "acme", "fp", scope, token=ACME))
+    assert [resolved(o).kv.tobytes() for o in got["refs"]] == [x.kv.tobytes() for x in chunks]
+    m = samples(edge)
+    assert m[("kdn_edge_conversation_tier_bytes", (("tier", "disk"),))] == 3 * size
+    assert m[("kdn_edge_conversation_disk_reads_total", ())] >= 3
+    listed = asyncio.run(edge.conversations_of("acme", token=ACME))["conversations"][0]
+    assert listed["chunks"] == 5 and listed["on_disk"] == 3 * size
+    again = kit.local_edge([], **opts)                              # restarted on the same disk
+    assert not list(conv_dir.rglob("*.kdnc")) and again.conversations.stats()["chunks"] == 0
+    assert asyncio.run(again.conversation_lookup(keys, ns, "acme", "fp", scope, token=ACME)) == 0
