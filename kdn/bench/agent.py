@@ -11,7 +11,9 @@ so each one's history waits at the edge while the others run. Modes, in one run:
 - **off**: no KDN at all (every turn's whole prompt computed);
 - **kb**: the KB's KV from KDN, the conversation recomputed every turn (before conversations);
 - **cached**: conversation KV kept after each answer and read back by the next turn by the same
-  worker (replica);
+  worker (replica), which also keeps its own engine cache of its last conversations
+  (--replica-kv bytes, as a `kdn serve` replica does: kdn.serve.chat.Chat._local) and continues
+  from it when no edge holds more;
 - **replica**: the same, each turn answered by the region's other replica (a second worker on
   the same node), so every turn reads what the other one kept;
 - **moved**: the same, but from turn --move-at on the conversation is answered in another
@@ -76,7 +78,7 @@ def conversation_script(seed: int, turns: int, model) -> list:
 class Worker:
     """One region's worker: the model and a Chat per mode (a Ray actor on that region's node)."""
 
-    def __init__(self, network: str, region: str):
+    def __init__(self, network: str, region: str, replica_kv: int):
         import torch
         torch.set_num_threads(1)
         from kdn.client import Client
@@ -86,11 +88,24 @@ class Worker:
         client = Client(network=network, region=region, fingerprint=self.model.fingerprint)
         self.plain = Chat(self.model, client, history=False)
         self.history = Chat(self.model, client, history=True)
+        from kdn.serve.router import EngineKV
+        self.replica_kv = replica_kv
+        self.history.conversation_kv = EngineKV(replica_kv)
         self.manifest = client.manifest(KB)
         self.engine = {}          # conversation -> (tokens whose KV the cache holds, cache): limit
 
     def ready(self) -> bool:
         return True
+
+    def forget(self, replica_kv: int = None) -> dict:
+        """Let go of every engine cache this worker keeps (between modes; replica_kv: its
+        conversations' from now on); its counters."""
+        from kdn.serve.router import EngineKV
+        got = dict(self.history.counters)
+        self.replica_kv = replica_kv or self.replica_kv
+        self.history.conversation_kv = EngineKV(self.replica_kv)
+        self.engine.clear()
+        return got
 
     def rss(self) -> int:
         import psutil
@@ -103,7 +118,7 @@ class Worker:
             turn = self._from_engine(conversation, messages)
         else:
             turn = chat.begin(self.manifest, messages, max_tokens, fetch=mode != "off",
-                              salt=f"{mode}/{conversation}", hints=hints)
+                              salt=f"{mode}/{conversation}", hints=hints, conversation=conversation)
         fetched = turn.history.get("chunks", 0) * 256 * self.model.kv_bytes_per_token
         steps, ttft = [], None
         for s in chat.stream(turn.prompt, turn.cache, turn.cached, max_tokens):
@@ -117,7 +132,8 @@ class Worker:
         elif mode == "limit":
             self.engine[conversation] = (turn.prompt + tokens, turn.cache)
         return {"ttft_s": ttft, "prompt": len(turn.prompt), "cached": turn.cached, "tokens": tokens,
-                "text": text, "fetched_bytes": fetched, "region": turn.history.get("region")}
+                "text": text, "fetched_bytes": fetched, "region": turn.history.get("region"),
+                "engine": bool(turn.history.get("engine"))}
 
     def _from_engine(self, conversation: str, messages: list):
         """The turn over this worker's own cache of the conversation's last turn, cropped to
@@ -135,7 +151,7 @@ class Worker:
 
 def run(conversations: int, turns: int, baseline: int, move_at: int, seed: int, log,
         load_conversations: int = 0, load_seconds: float = 60.0, load_budget: int = 256 << 20,
-        vllm: bool = True) -> dict:
+        vllm: bool = True, replica_kv: int = 4 << 30) -> dict:
     import ray
     from kdn.bench.ttft import knowledge_texts
     from kdn.client import Client
@@ -159,7 +175,7 @@ def run(conversations: int, turns: int, baseline: int, move_at: int, seed: int, 
         r = publish_documents(pub, model, KB, [("knowledge", text)])
         log(f"network up, {KB} published ({r['tokens']} tokens)")
         remote = ray.remote(num_cpus=0)(Worker)     # turns run one at a time: no two compute at once
-        workers = {(reg, i): remote.options(label_selector={"region": reg}).remote(net.name, reg)
+        workers = {(reg, i): remote.options(label_selector={"region": reg}).remote(net.name, reg, replica_kv)
                    for reg, i in ((REGIONS[0], 0), (REGIONS[0], 1), (REGIONS[2], 0))}
         ray.get([w.ready.remote() for w in workers.values()])
         home, away = REGIONS[0], REGIONS[2]
@@ -167,6 +183,7 @@ def run(conversations: int, turns: int, baseline: int, move_at: int, seed: int, 
         for mode in KDN_MODES:
             n = baseline if mode in ("off", "kb") else conversations
             history = [[] for _ in range(n)]
+            ray.get([w.forget.remote() for w in workers.values()])
             t0 = time.perf_counter()
             for t in range(turns):
                 for c in range(n):
@@ -243,8 +260,10 @@ def load_phase(workers: dict, network: str, conversations: int, seconds: float, 
     import psutil
     import ray
     from kdn.client import Client
+    from kdn.serve.router import CONVERSATION_KV_BYTES
     ops = Client(network=network, region=REGIONS[0])
     ops.set_conversation_policy(budget_bytes=budget)
+    ray.get([w.forget.remote(CONVERSATION_KV_BYTES) for w in workers.values()])   # as kdn serve's
     pids = {e["name"]: e["pid"] for e in ops.status()["edges"]}
     names = sorted(workers)
 
@@ -294,7 +313,8 @@ def summarize(results: dict, conversations: int, turns: int, baseline: int, kb_t
                          "cached_tokens": sum(g["cached"] for g in got) / len(got),
                          "cached_share": sum(min(g["cached"], r) for g, r in zip(got, reusable)) / sum(reusable),
                          "saved_tokens": sum(g["cached"] for g in got),
-                         "fetched_bytes": sum(g["fetched_bytes"] for g in got)})
+                         "fetched_bytes": sum(g["fetched_bytes"] for g in got),
+                         "engine_turns": sum(bool(g.get("engine")) for g in got)})
     same = {}
     for mode in KDN_MODES:                     # vLLM's own kernels answer differently: not compared
         pairs = [(a["tokens"], b["tokens"]) for ca, cb in zip(results["off"][:baseline], results[mode][:baseline])
@@ -306,6 +326,7 @@ def summarize(results: dict, conversations: int, turns: int, baseline: int, kb_t
 
 
 def report(out: dict, move_at: int) -> None:
+    from kdn.serve.router import CONVERSATION_KV_BYTES
     """The table: per turn, each mode's p50 time to first token, the cached share, and the
     two ratios the goals name (cached against the limit, recomputing against a moved turn)."""
     by = {(r["mode"], r["turn"]): r for r in out["rows"]}
@@ -319,6 +340,7 @@ def report(out: dict, move_at: int) -> None:
                      "cached/limit": f"{c['ttft_p50_s'] / lim['ttft_p50_s']:.2f}x",
                      "replica/limit": f"{rep['ttft_p50_s'] / lim['ttft_p50_s']:.2f}x",
                      "off/moved": f"{off['ttft_p50_s'] / mv['ttft_p50_s']:.1f}x",
+                     "cached from engine": f"{c.get('engine_turns', 0)}/{c['conversations']}",
                      "history MB": f"{mv['fetched_bytes'] / 1e6:.0f}",
                      **({"vllm cached share": f"{vl['cached_share']:.1%}"} if vl else {})})
     table(rows)
@@ -330,7 +352,8 @@ def report(out: dict, move_at: int) -> None:
     if ld:
         print(f"load: {ld['conversations']} conversations for {ld['seconds']:.0f} s, {ld['turns']} turns; "
               f"a tenant's budget of {ld['budget_bytes'] / 2**20:.0f} MiB per edge: at most "
-              f"{ld['most_conversation_bytes'] / 2**20:.0f} MiB held, {ld['evicted']} chunks evicted")
+              f"{ld['most_conversation_bytes'] / 2**20:.0f} MiB held, {ld['evicted']} chunks evicted; "
+              f"each worker's own conversation cache {CONVERSATION_KV_BYTES / 2**30:.0f} GiB")
         table([{"process": k, "RSS before MiB": f"{v / 2**20:.0f}", "after MiB": f"{ld['rss_after'][k] / 2**20:.0f}"}
                for k, v in ld["rss_before"].items()])
 
@@ -350,12 +373,16 @@ def main(argv=None) -> int:
     ap.add_argument("--load-seconds", dest="load_seconds", type=float, default=60.0)
     ap.add_argument("--load-budget", dest="load_budget", default="256MiB",
                     help="the tenant's conversation budget per edge during the load (default 256MiB)")
+    ap.add_argument("--replica-kv", dest="replica_kv", default="4GiB",
+                    help="each worker's own engine cache of its last conversations (default 4GiB: "
+                         "every conversation of the default run; a `kdn serve` replica keeps 1GiB)")
     ap.add_argument("--no-vllm", dest="vllm", action="store_false",
                     help="skip the vLLM-alone anchor (an engine start, ~45 s, and ~2 GiB)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     from kdn.launch.cluster import parse_size
     load_budget = parse_size(args.load_budget, "--load-budget")
+    replica_kv = parse_size(args.replica_kv, "--replica-kv")
     move_at = args.turns // 2 if args.move_at is None else args.move_at
     if args.conversations < 1 or args.turns < 2 or not 1 <= args.baseline <= args.conversations \
             or not 1 <= move_at < args.turns:
@@ -365,7 +392,8 @@ def main(argv=None) -> int:
         raise BadRequest("need --load-conversations >= 0 and --load-seconds > 0")
     out = run(args.conversations, args.turns, args.baseline, move_at, args.seed,
               log=lambda m: print(m, flush=True), load_conversations=args.load_conversations,
-              load_seconds=args.load_seconds, load_budget=load_budget, vllm=args.vllm)
+              load_seconds=args.load_seconds, load_budget=load_budget, vllm=args.vllm,
+              replica_kv=replica_kv)
     out["move_at"] = move_at
     if args.json:
         emit_json(out)

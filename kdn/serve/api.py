@@ -185,6 +185,8 @@ class ChatRequest:
     prompt_cache_retention: str = None  # OpenAI's: "in_memory" (the tenant's idle TTL) or "24h"
     salt: str = None         # cache_salt, safety_identifier, user: a narrower namespace inside the tenant
     history_regions: tuple = ()   # set by the ingress, never by a caller: where earlier turns were answered
+    conversation: str = None      # set by the ingress, never by a caller: its name for the conversation
+                                  # (kdn.serve.affinity; the region's router and replicas key by it)
 
 
 def split_kb(text: str, param: str) -> tuple:

@@ -87,8 +87,9 @@ class RegionWorker:
         self.model = load_model()
         self.max_context = max_context or int(getattr(self.model.hf.config, "max_position_embeddings", 8192))
         self._chats = {}            # (tenant, token) -> kdn.serve.chat.Chat
-        from kdn.serve.router import EngineKV
+        from kdn.serve.router import CONVERSATION_KV_BYTES, EngineKV
         self.engine_kv = EngineKV()  # the KV of its last KBs: what KV-aware routing aims at
+        self.conversation_kv = EngineKV(CONVERSATION_KV_BYTES)   # ... and of its last conversations
         # The model runs in one thread of its own; requests take it one at a time in arrival
         # order (asyncio.Lock wakes its waiters first come, first served).
         self._model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdn-model")
@@ -108,11 +109,12 @@ class RegionWorker:
 
     def record_routing_stats(self) -> dict:
         """What its engine holds, for the router (kdn.serve.router; Serve calls it)."""
-        return self.engine_kv.routing_stats()
+        return dict(self.engine_kv.routing_stats(),
+                    conversations=sorted({c for c, _ in self.conversation_kv.entries}))
 
     def stats(self) -> dict:
         return {"region": self.region, "counters": dict(self.counters),
-                "engine_kv": self.engine_kv.stats(),
+                "engine_kv": self.engine_kv.stats(), "conversation_kv": self.conversation_kv.stats(),
                 "chats": {t: c.stats()["counters"] for (t, _), c in self._chats.items()}}
 
     def _chat(self, tenant: str, token):
@@ -124,6 +126,7 @@ class RegionWorker:
                             fingerprint=self.model.fingerprint, token=token)
             self._chats[key] = Chat(self.model, client)
             self._chats[key].engine_kv = self.engine_kv
+            self._chats[key].conversation_kv = self.conversation_kv
         return self._chats[key]
 
     def models(self, tenant: str, token) -> dict:
@@ -161,7 +164,8 @@ class RegionWorker:
                            "context_length_exceeded", "messages")
         turn = chat.begin(m, req["messages"], req["max_tokens"], req.get("kdn_fetch", True),
                           req.get("emphasis"), salt=req.get("salt"),
-                          retention=req.get("prompt_cache_retention"), hints=req.get("history_regions") or ())
+                          retention=req.get("prompt_cache_retention"), hints=req.get("history_regions") or (),
+                          conversation=req.get("conversation"))
         return chat, turn
 
     def _keep_later(self, chat, turn, steps) -> None:
@@ -449,7 +453,7 @@ class Router:
         kb = None if endpoint == "models" or req.kb is None else f"{tenant}/{req.kb}"
         conversation = seen = None
         if endpoint == "chat/completions":
-            conversation = conversation_id(tenant, kb, req.messages, req.prompt_cache_key)
+            conversation = req.conversation = conversation_id(tenant, kb, req.messages, req.prompt_cache_key)
             # a first turn (no answer in it yet, no prompt_cache_key) has no history to follow:
             # the same question asked again is a new conversation, routed as any request
             follows = req.prompt_cache_key is not None or any(m["role"] == "assistant" for m in req.messages)

@@ -49,6 +49,7 @@ class Turn:
     exact: bool = True          # False: emphasized or lossy KV; nothing of it is kept
     salt: str = None
     retention: str = None       # prompt_cache_retention (kdn.core.conversation.retention_ttl)
+    conversation: str = None    # the ingress's name for the conversation (kdn.serve.affinity)
     history: dict = field(default_factory=dict)   # where the conversation's KV came from
 
     @property
@@ -77,6 +78,10 @@ class Chat:
         # history_* (conversation KV found, fetched, kept), computed_tokens, compute_s
         self.counters = collections.Counter()
         self.engine_kv = None      # a replica's cache of its last rebuilt KBs (kdn.serve.router)
+        # a replica's own engine caches of its last conversations (kdn.serve.router.EngineKV keyed
+        # by the ingress's conversation name and salt; None: none kept): a next turn answered
+        # here continues from the exact tokens the last one left, no fetch, no partial chunk
+        self.conversation_kv = None
         self.history = None
         if history:
             from kdn.client.history import History
@@ -94,7 +99,7 @@ class Chat:
         return t.prompt, t.cache, t.cached
 
     def begin(self, manifest, messages, max_tokens: int, fetch: bool = True, emphasis=None,
-              salt: str = None, retention: str = None, hints=()) -> Turn:
+              salt: str = None, retention: str = None, hints=(), conversation: str = None) -> Turn:
         """The Turn for messages after the KB `manifest` (None: a plain chat).
         fetch=False: nothing is fetched, the whole prompt is computed (no KDN, for comparisons;
         a KB's emphasis override does not apply then, and nothing is kept). emphasis {document:
@@ -103,11 +108,16 @@ class Chat:
         cache holds more entries than cached tokens (its `kdn_extra`), names its weights
         (`kdn_emphasis`), and is never exact. salt, retention: the conversation's narrower
         namespace and how long its KV is kept idle (kdn.core.conversation); hints: regions the conversation was
-        answered in before (its KV is looked for there after this worker's own region)."""
+        answered in before (its KV is looked for there after this worker's own region);
+        conversation: the ingress's name for it (kdn.serve.affinity), under which this replica
+        keeps its engine cache after the answer (conversation_kv) and looks for it first."""
         if manifest is None:
             if emphasis:
                 raise BadRequest("emphasis edits a KB's KV: name a knowledge base to use it")
-            turn = Turn(self.model.chat_tokens(messages), None, 0, messages, salt=salt, retention=retention)
+            turn = Turn(self.model.chat_tokens(messages), None, 0, messages, salt=salt, retention=retention,
+                        conversation=conversation)
+            if fetch and self._local(turn, hints):
+                return turn
             if fetch:
                 turn = self._with_history(turn, [], hints)
             if not turn.cached:
@@ -121,7 +131,7 @@ class Chat:
             raise BadRequest(f"knowledge base {manifest.name!r} version {manifest.version} was "
                              "published without its token ids; republish it to serve it")
         turn = Turn(ids.tolist() + messages_tokens(self.model, messages), None, 0, messages,
-                    kb_tokens=ids.tolist(), salt=salt, retention=retention)
+                    kb_tokens=ids.tolist(), salt=salt, retention=retention, conversation=conversation)
         if emphasis and not fetch:
             raise BadRequest("emphasis edits the KB's KV: it cannot be combined with kdn_fetch false")
         if not fetch:
@@ -131,6 +141,8 @@ class Chat:
             emphasis = override_of(manifest)
             self.counters["emphasis_override"] += bool(emphasis)
         if emphasis and self._emphasized(turn, manifest, emphasis, max_tokens):
+            return turn
+        if not emphasis and self._local(turn, hints):
             return turn
         kb = f"{self.client.tenant}/{manifest.name}"
         kept = None if self.engine_kv is None else self.engine_kv.get(kb, manifest.version)
@@ -142,6 +154,44 @@ class Chat:
             turn.cache, turn.cached = cache, tokens
             return self._with_history(turn, None, hints, max_tokens)
         return self._fetched(turn, manifest, kb, hints, max_tokens)
+
+    def _local(self, turn: Turn, hints) -> bool:
+        """Give turn this replica's own engine cache of its conversation, cropped to the tokens
+        the prompt repeats (compared token by token), when it covers more of the prompt than
+        the KB alone and no edge holds more of it (a lookup: another replica may have answered
+        the turns since); False otherwise (the cache is let go)."""
+        if self.conversation_kv is None or turn.conversation is None or self.history is None:
+            return False
+        kept = self.conversation_kv.take(turn.conversation, turn.salt)
+        if kept is None:
+            return False
+        cache, tokens = kept
+        n = min(reproduced(tokens, turn.prompt), self.model.cache_tokens(cache), len(turn.prompt) - 1)
+        if n <= turn.start_chunk * CHUNK:
+            self.counters["conversation_engine_stale"] += 1
+            return False
+        found = self.history.find(turn.prompt, turn.start_chunk, turn.salt, hints)
+        at_edge = turn.start_chunk + (0 if found is None else found.held)   # whole chunks an edge holds
+        if at_edge * CHUNK > n:
+            self.counters["conversation_engine_behind"] += 1
+            return False
+        self.model.crop(cache, n)
+        turn.cache, turn.cached = cache, n
+        turn.history = {"region": self.client.view.region, "engine": True, "at_edge": at_edge}
+        self.counters["conversation_engine_hits"] += 1
+        self._served_from("engine")
+        return True
+
+    def _keep_local(self, turn: Turn, generated: list) -> None:
+        """Keep turn's engine cache as its conversation's on this replica (conversation_kv):
+        exact KV of the prompt and the tokens generated, as far as the cache holds them. Never
+        a cache the KB's EngineKV holds too (another request would crop and overwrite it)."""
+        if self.conversation_kv is None or turn.conversation is None or turn.cache is None \
+                or not turn.exact or getattr(turn.cache, "kdn_shared", False):
+            return
+        have = self.model.cache_tokens(turn.cache)
+        self.conversation_kv.put(turn.conversation, turn.salt, (turn.cache, (turn.prompt + list(generated))[:have]),
+                                 have * self.model.kv_bytes_per_token, 0.0, "engine")
 
     def _emphasized(self, turn: Turn, manifest, emphasis: dict, max_tokens: int) -> bool:
         """Give turn the KB's KV edited by emphasis (kdn.engines.emphasized); False when there
@@ -177,6 +227,7 @@ class Chat:
         tier = tier_of(f.source_counts()) if f.tokens else "none"
         self._served_from(tier)
         if self.engine_kv is not None and f.tokens == n_kb:   # the whole KB only
+            cache.kdn_shared = True        # every request of the KB crops and grows it
             self.engine_kv.put(kb, manifest.version, (cache, f.tokens),
                                (f.tokens + spare) * self.model.kv_bytes_per_token, t1 - t0, tier)
         turn.cache, turn.cached = cache, f.tokens
@@ -234,12 +285,15 @@ class Chat:
         the model's thread, before the next request touches the cache (its KV is copied out)."""
         if self.history is None or turn.cache is None or not turn.exact:
             return None
+        self._keep_local(turn, generated)
         history = list(turn.messages) + [{"role": "assistant", "content": text}]
         again = (self.model.chat_tokens(history, False) if turn.kb_tokens is None else
                  turn.kb_tokens + self.model.encode(self.model.turns_text(history, False)))
         have = self.model.cache_tokens(turn.cache) - getattr(turn.cache, "kdn_extra", 0)
         n = min(reproduced(turn.prompt + list(generated), again), have)
         first_new = turn.cached // CHUNK
+        if turn.history.get("engine"):     # from this replica's own cache: send what no edge holds
+            first_new = turn.history["at_edge"]
         if turn.history.get("fetched") and turn.history.get("region") != self.client.view.region:
             first_new = turn.start_chunk   # moved here: its history is kept at this region's home too
         end = whole_chunks(n) * CHUNK

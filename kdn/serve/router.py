@@ -15,11 +15,16 @@ KDN knows exactly, the KB a request names, instead of a character prefix tree in
   is routed away to the least loaded ("queue"). A KB no engine holds goes to its rendezvous
   owner among the replicas (so KBs spread over the engines' caches instead of every cache
   churning through every KB), again unless that owner's queue costs more than fetching.
+  A conversation's next turn (the ingress names it: kdn.serve.affinity) goes first to the
+  replica whose engine still holds that conversation (its report, or where this router last
+  sent it), under the same rule: unless its queue costs more than fetching the history from
+  the edge ("conversation_hit", "conversation_routed_away_queue").
   The choice comes first in the ranks returned to Serve, the other replicas after it, so a
   full or dead replica costs Serve's retry, never a failed request; no loop: one pass.
 - EngineKV: the transformers replica's engine-side cache of the KV of its last KBs
   (kdn.client.reader's Fetched, the edge's objects mapped), bounded in bytes, LRU. A hit skips the
-  fetch; the cache rebuild (one copy) is done either way.
+  fetch; the cache rebuild (one copy) is done either way. A second one (CONVERSATION_KV_BYTES)
+  holds the engine caches of the replica's last conversations (kdn.serve.chat.Chat._local).
 
 Counters (`counters`, per region's router and summed by `routing_counters()`): engine
 hits, misses, routed away and why. Where each answer's KV came from is counted by the
@@ -42,6 +47,7 @@ ROUTING_STATS_PERIOD_S = 1.0      # how often a replica reports what its engine 
 DEFAULT_SERVICE_S = 1.0           # a request's service time before any is measured
 RECENT = 4096                     # KBs whose last replica this router remembers
 ENGINE_KV_BYTES = 256 << 20       # the transformers replica's engine-side KV cache
+CONVERSATION_KV_BYTES = 1 << 30   # ... and of its last conversations (kdn.serve.chat.Chat._local)
 
 _ROUTERS = []                     # this process's routers, for routing_counters()
 _lock = threading.Lock()
@@ -49,8 +55,15 @@ _lock = threading.Lock()
 
 def kb_of(args) -> "str | None":
     """The KB a replica call names: complete/stream(body, tenant, token) -> "tenant/kb"."""
-    if len(args) >= 2 and isinstance(args[0], dict) and "kb" in args[0]:
+    if len(args) >= 2 and isinstance(args[0], dict) and args[0].get("kb") is not None:
         return f"{args[1]}/{args[0]['kb']}"
+    return None
+
+
+def conversation_of(args) -> "str | None":
+    """The ingress's name for a replica call's conversation (kdn.serve.affinity), or None."""
+    if len(args) >= 2 and isinstance(args[0], dict) and args[0].get("conversation"):
+        return str(args[0]["conversation"])
     return None
 
 
@@ -143,14 +156,29 @@ class KBAffinityRouter(RequestRouter):
         return dict(self._kv_sources)
 
     def _holds(self, replica, kb: str) -> bool:
-        """Whether the replica's last report lists kb in its engine (a set per report, so a
-        decision costs the same with 4,096 KBs held as with one)."""
+        """Whether the replica's last report lists kb in its engine, or (kb "conv:<name>") the
+        conversation (a set per report, so a decision costs the same with 4,096 KBs held as
+        with one)."""
         s = self._stats(replica)
         rid = replica.replica_id
         seen = self._held.get(rid)
         if seen is None or seen[0] is not s:
-            seen = self._held[rid] = (s, frozenset(s.get("kbs", ())))
+            seen = self._held[rid] = (s, frozenset(s.get("kbs", ()))
+                                      | frozenset("conv:" + c for c in s.get("conversations", ())))
         return kb in seen[1]
+
+    def _conversation_choice(self, conv: str, by_id: dict, queues: dict, service: float):
+        """(replica id, why) for a conversation's next turn where a replica's engine holds it
+        (its report or where this router last sent it): that replica unless its queue costs
+        more than fetching the history from the edge; None where none holds it."""
+        key = "conv:" + conv
+        holders = {rid for rid, r in by_id.items() if self._holds(r, key)}
+        if self.recent.get(key) in queues:
+            holders.add(self.recent[key])
+        if not holders:
+            return None
+        chosen, why = decide(key, queues, holders, service, DEFAULT_FETCH_S)
+        return chosen, "conversation_hit" if why == "engine_hit" else "conversation_" + why
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if not candidate_replicas:
@@ -162,7 +190,8 @@ class KBAffinityRouter(RequestRouter):
             # for 15 requests to one busy replica were measured before this
             context.should_backoff = True
         kb = None if pending_request is None else kb_of(pending_request.args)
-        if kb is None:          # /v1/models and the like: Serve's own choice suffices
+        conv = None if pending_request is None else conversation_of(pending_request.args)
+        if kb is None and conv is None:   # /v1/models and the like: Serve's own choice suffices
             return [list(candidate_replicas)]
         t0 = time.perf_counter()
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
@@ -175,9 +204,15 @@ class KBAffinityRouter(RequestRouter):
                 holders.add(rid)
                 fetch.append(s.get("fetch_s", {}).get(kb, DEFAULT_FETCH_S))
             service.append(s.get("service_s") or DEFAULT_SERVICE_S)
-        if self.recent.get(kb) in queues:
-            holders.add(self.recent[kb])
-        chosen, why = decide(kb, queues, holders, max(service), max(fetch or [DEFAULT_FETCH_S]))
+        got = None if conv is None else self._conversation_choice(conv, by_id, queues, max(service))
+        if got is None and kb is None:    # a plain chat no engine holds: Serve's own choice
+            return [list(candidate_replicas)]
+        if got is not None:
+            chosen, why = got
+        else:
+            if self.recent.get(kb) in queues:
+                holders.add(self.recent[kb])
+            chosen, why = decide(kb, queues, holders, max(service), max(fetch or [DEFAULT_FETCH_S]))
         if self._first_time(pending_request):
             self.counters[why] += 1
             self.counters["decisions"] += 1
@@ -234,12 +269,13 @@ class KBAffinityRouter(RequestRouter):
 
     def on_request_routed(self, pending_request, replica_id, result):
         self._deciding.pop(getattr(getattr(pending_request, "metadata", None), "internal_request_id", None), None)
-        kb = kb_of(pending_request.args)
-        if kb is not None:
-            self.recent[kb] = replica_id.to_full_id_str()
-            self.recent.move_to_end(kb)
-            while len(self.recent) > RECENT:
-                self.recent.popitem(last=False)
+        conv = conversation_of(pending_request.args)
+        for kb in (kb_of(pending_request.args), None if conv is None else "conv:" + conv):
+            if kb is not None:
+                self.recent[kb] = replica_id.to_full_id_str()
+                self.recent.move_to_end(kb)
+        while len(self.recent) > RECENT:
+            self.recent.popitem(last=False)
 
     def on_replica_actor_died(self, replica_id):
         super().on_replica_actor_died(replica_id)
@@ -272,6 +308,15 @@ class EngineKV:
         self.service_s = None                        # mean seconds per request (EWMA)
         self.counters = collections.Counter()
 
+    def take(self, kb: str, version):
+        """get() and forget: for a value one request uses and may change (a conversation's
+        engine cache, put back after its answer)."""
+        got = self.get(kb, version)
+        if got is not None:
+            _, n = self.entries.pop((kb, version))
+            self.bytes -= n
+        return got
+
     def get(self, kb: str, version):
         got = self.entries.get((kb, version))
         if got is None:
@@ -289,7 +334,7 @@ class EngineKV:
             table[kb] = v                            # the latest last: the oldest goes first
             if len(table) > RECENT:
                 table.pop(next(iter(table)))
-        self.counters[f"fetched_{tier}"] += 1
+        self.counters[f"fetched_{tier}"] += tier != "engine"
         if nbytes > self.capacity:
             self.counters["engine_rejected"] += 1
             return False

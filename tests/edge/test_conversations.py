@@ -314,3 +314,11 @@ def test_an_edge_with_a_disk_keeps_conversations_beside_it_and_starts_them_empty
     again = kit.local_edge([], **opts)                              # restarted on the same disk
     assert not list(conv_dir.rglob("*.kdnc")) and again.conversations.stats()["chunks"] == 0
     assert asyncio.run(again.conversation_lookup(keys, ns, "acme", "fp", scope, token=ACME)) == 0
+
+
+def test_a_conversations_new_tail_goes_before_the_head_it_extends():
+    c, _ = tier(capacity=500)
+    c.put_prefix("a", [(key(i), Held(key(i))) for i in range(3)])          # turn 1: chunks 0-2
+    c.get_prefix([key(0), key(1), key(2)], b"n" * 16)                      # turn 2 reads them
+    c.put_prefix("a", [(key(i), Held(key(i))) for i in range(3, 6)])       # and adds 3-5: one too many
+    assert [i for i in range(6) if key(i) in c] == [0, 1, 2, 3, 4], "the tail went, not chunk 2"

@@ -78,6 +78,44 @@ def test_a_kbs_conversation_keeps_only_its_own_chunks_after_the_kbs(net, model):
     assert tokens == full_prefill(model, t2.prompt)
 
 
+def test_a_replica_continues_from_its_own_engine_cache_unless_an_edge_holds_more(net, model):
+    """Chat.conversation_kv (what a kdn serve replica keeps): the next turn on the replica that
+    answered the last one starts from the exact tokens it left (no partial chunk recomputed,
+    nothing fetched), answers as a full prefill does, and still sends the new whole chunks to
+    the home edge; a replica whose cache is behind what the edge holds reads the edge."""
+    from kdn.serve.router import EngineKV
+    Client(network=net.name, region="us-east", tenant="acme", admin_token=ADMIN).drop_conversations()
+    a, b = chat(net, model), chat(net, model)      # (the edges' 64 MiB for conversations: ~5 chunks)
+    a.conversation_kv, b.conversation_kv = EngineKV(1 << 30), EngineKV(1 << 30)
+    first = [{"role": "user", "content": "Tool output:\n" + TOOL + "\nWhich sensor is warmest? (local)"}]
+    t1 = a.begin(None, first, 12, salt="local", conversation="open:local")
+    tokens, text = answer(a, t1)
+    kept = a.keep(t1, tokens, text)
+    assert len(a.conversation_kv.entries) == 1 and kept["chunks"] >= 2
+    second = first + [{"role": "assistant", "content": text}, {"role": "user", "content": "And the coldest?"}]
+    t2 = a.begin(None, second, 12, salt="local", conversation="open:local")
+    assert t2.history.get("engine") and a.counters["conversation_engine_hits"] == 1
+    assert kept["tokens"] < t2.cached < len(t2.prompt), "past the last whole chunk: the exact tokens"
+    tokens2, text2 = answer(a, t2)
+    assert tokens2 == full_prefill(model, t2.prompt)
+    kept2 = a.keep(t2, tokens2, text2)          # only whole chunks no edge holds are sent
+    assert kept2["chunks"] == (len(t2.prompt) + len(tokens2) - 1) // 256 - kept["chunks"] or kept2["chunks"] == 0
+    # another salt or another conversation name finds nothing of it on this replica
+    assert not a.begin(None, second, 12, salt="other", conversation="open:local").history.get("engine")
+    # b answers turn 3 (from the edge); a's cache of turn 2 is then behind the edge's
+    third = second + [{"role": "assistant", "content": text2},
+                      {"role": "user", "content": "More output:\n" + TOOL + "\nWhy?"}]
+    t3 = b.begin(None, third, 12, salt="local", conversation="open:local")
+    assert t3.history.get("fetched") and not t3.history.get("engine")
+    tokens3, text3 = answer(b, t3)
+    b.keep(t3, tokens3, text3)
+    fourth = third + [{"role": "assistant", "content": text3}, {"role": "user", "content": "Sure?"}]
+    t4 = a.begin(None, fourth, 12, salt="local", conversation="open:local")
+    assert b.history.counters["stored_chunks"] >= 2                 # b's turn added chunks: a is behind
+    assert t4.history.get("fetched") and a.counters["conversation_engine_behind"] == 1
+    assert answer(a, t4)[0] == full_prefill(model, t4.prompt)
+
+
 def test_another_region_reads_the_history_across_and_answers_the_same(net, model):
     home = chat(net, model, region="us-east")
     _, kept, second = two_turns(home, salt="across")

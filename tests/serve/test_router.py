@@ -56,6 +56,7 @@ def test_a_decision_takes_well_under_a_millisecond():
 def test_kb_of_reads_the_replica_call():
     assert kb_of(({"kb": "rights", "version": None}, "default", None)) == "default/rights"
     assert kb_of(("default", None)) is None
+    assert kb_of(({"kb": None}, "default", None)) is None       # a plain chat names no KB
 
 
 def test_the_engine_cache_is_bounded_in_bytes_and_least_recently_used_goes_first():
@@ -137,6 +138,29 @@ def test_the_serve_router_ranks_the_holder_first_and_the_rest_after():
                              reps[2].replica_id, None)
     ranks = asyncio.run(router.choose_replicas(reps, types.SimpleNamespace(args=({"kb": "new"}, "default", None))))
     assert ranks[0][0].replica_id.name == "c"
+
+
+def test_a_conversations_next_turn_goes_to_the_replica_that_holds_it_unless_its_queue_costs_more():
+    from kdn.serve.router import conversation_of
+    router = KBAffinityRouter.__new__(KBAffinityRouter)
+    queues = {}
+    router._replica_queue_len_cache = types.SimpleNamespace(get=lambda rid: queues.get(rid.name))
+    router.initialize_state()
+    reps = [_Replica("a", {"kbs": ["default/rights"], "service_s": 1.0}),
+            _Replica("b", {"conversations": ["open:c1"], "service_s": 1.0}), _Replica("c")]
+    turn = types.SimpleNamespace(args=({"kb": "rights", "conversation": "open:c1"}, "default", None))
+    assert conversation_of(turn.args) == "open:c1" and conversation_of(({"kb": "x"}, "t", None)) is None
+    ranks = asyncio.run(router.choose_replicas(reps, turn))
+    assert ranks[0][0].replica_id.name == "b", "the conversation's holder, not the KB's"
+    assert router.counters["conversation_hit"] == 1
+    queues.update(b=9)                                # 9 queued x 1 s: more than a fetch costs
+    ranks = asyncio.run(router.choose_replicas(reps, turn))
+    assert ranks[0][0].replica_id.name != "b" and router.counters["conversation_routed_away_queue"] == 1
+    # a plain chat's conversation no replica holds: Serve's own choice, then remembered
+    plain = types.SimpleNamespace(args=({"kb": None, "conversation": "open:new"}, "default", None))
+    assert [len(r) for r in asyncio.run(router.choose_replicas(reps, plain))] == [3]
+    router.on_request_routed(plain, reps[2].replica_id, None)
+    assert asyncio.run(router.choose_replicas(reps, plain))[0][0].replica_id.name == "c"
 
 
 def test_a_request_whose_replica_died_before_answering_is_sent_once_more():
