@@ -186,22 +186,18 @@ class Conversations:
         with self._lock:
             return self._live(key) is not None
 
-    def put_prefix(self, tenant: str, items, retention: str = None) -> int:
+    def put_prefix(self, tenant: str, items, retention: str = None, head=()) -> int:
         """put() each (key, held) of a conversation's consecutive chunks, the last first, each
-        then placed before the chunks of the same namespace held already (the conversation's
-        head, which these extend), so that the earlier a chunk the more recent it is: eviction
-        takes a conversation's tail before its head (a prefix is worth nothing without its
-        start), during these puts too. held may be None for a key already held (it is
-        renewed). How many are held."""
+        then placed before head (the keys of the conversation's chunks before these, which
+        they extend), so that the earlier a chunk the more recent it is: eviction takes a
+        conversation's tail before its head (a prefix is worth nothing without its start),
+        during these puts too. held may be None for a key already held (it is renewed). How
+        many are held."""
         items = list(items)
-        new = {k for k, _ in items}
-        nss = {h.ns for _, h in items if h is not None}
-        with self._lock:
-            head = [k for k, e in self._entries.items() if e.ns in nss and k not in new]
         for k, h in reversed(items):
             self.put(tenant, k, h, retention)
             with self._lock:
-                for hk in head:
+                for hk in reversed(head):        # the first chunk the most recent
                     if hk in self._entries:
                         self._entries.move_to_end(hk)
         return next((i for i, (k, _) in enumerate(items) if k not in self), len(items))

@@ -435,11 +435,12 @@ class EdgeNode:
         return want
 
     async def put_conversation(self, chunks, tenant: str, fingerprint: str, scope: str,
-                               retention: str = None, token=None) -> int:
+                               retention: str = None, head=None, token=None) -> int:
         """Keep a conversation's chunks (a worker computed them) for tenant, idle as long as
         retention asks within the tenant's bounds; how many are held now. Each is verified
         by its frame and must be of the conversation's namespace; one already held keeps its
-        first bytes (and is renewed)."""
+        first bytes (and is renewed). head: the keys of the conversation's chunks before these
+        (held here already), kept more recent than these (edge/conversations.py put_prefix)."""
         ns = self._conversation(tenant, fingerprint, scope, token, "put_conversation")
         if not isinstance(chunks, (list, tuple)) or len(chunks) > MAX_FETCH_KEYS:
             raise BadRequest(f"put_conversation takes a list of at most {MAX_FETCH_KEYS} chunks")
@@ -449,10 +450,11 @@ class EdgeNode:
                              f"namespace, got {type(bad).__name__}"
                              + (" of another namespace" if isinstance(bad, (Chunk, Encoded)) else ""))
         retention_ttl(retention, self.conversations.ttl_of(tenant))    # BadRequest before anything
+        head = [] if head is None else check_keys(head)
         new = [c for c in chunks if c.key not in self.conversations]
         stored = dict(zip((c.key for c in new), await self.forms.to_store(new)))
         items = [(c.key, stored.get(c.key)) for c in chunks]   # None: held already, renewed
-        return await asyncio.to_thread(self.conversations.put_prefix, tenant, items, retention)
+        return await asyncio.to_thread(self.conversations.put_prefix, tenant, items, retention, head)
 
     async def conversation_lookup(self, keys, ns: bytes, tenant: str, fingerprint: str, scope: str,
                                   token=None) -> int:

@@ -171,13 +171,15 @@ class History:
         if home is None or n_whole <= first:
             return {"edge": None, "chunks": 0, "tokens": 0}
         edge, scope, ns = home
-        keys = conversation_keys(tokens, ns, self.chunk_tokens)[first:n_whole]
+        every = conversation_keys(tokens, ns, self.chunk_tokens)
+        keys = every[first:n_whole]
         span = (n_whole - first) * self.chunk_tokens
         offset = (first - first_new_chunk) * self.chunk_tokens
         chunks = cut(kv[:, :, :, offset:offset + span], keys, ns, self.chunk_tokens)
         try:
             kept = self.view.edge_at(edge, "put_conversation", chunks, self.tenant, self.fingerprint,
-                                     scope, retention, token=self.token, timeout=STORE_TIMEOUT_S)
+                                     scope, retention, head=every[start_chunk:first], token=self.token,
+                                     timeout=STORE_TIMEOUT_S)
         except Unreachable:
             self.counters["store_unreachable"] += 1
             return {"edge": edge, "chunks": 0, "tokens": 0}

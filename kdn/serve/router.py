@@ -61,10 +61,16 @@ def kb_of(args) -> "str | None":
 
 
 def conversation_of(args) -> "str | None":
-    """The ingress's name for a replica call's conversation (kdn.serve.affinity), or None."""
-    if len(args) >= 2 and isinstance(args[0], dict) and args[0].get("conversation"):
-        return str(args[0]["conversation"])
-    return None
+    """The ingress's name for a replica call's conversation (kdn.serve.affinity), or None; None
+    too for a first turn (no answer in it, no prompt_cache_key), which has no history to
+    follow: the same question again is a new conversation, routed as any request."""
+    body = args[0] if len(args) >= 2 and isinstance(args[0], dict) else {}
+    if not body.get("conversation"):
+        return None
+    if body.get("prompt_cache_key") is None and \
+            not any(isinstance(m, dict) and m.get("role") == "assistant" for m in body.get("messages") or ()):
+        return None
+    return str(body["conversation"])
 
 
 def owner(kb: str, replicas) -> str:

@@ -317,8 +317,12 @@ def test_an_edge_with_a_disk_keeps_conversations_beside_it_and_starts_them_empty
 
 
 def test_a_conversations_new_tail_goes_before_the_head_it_extends():
-    c, _ = tier(capacity=500)
+    c, _ = tier(capacity=600)
+    c.put("a", key(99), Held(key(99)))                                    # another conversation, same ns
     c.put_prefix("a", [(key(i), Held(key(i))) for i in range(3)])          # turn 1: chunks 0-2
     c.get_prefix([key(0), key(1), key(2)], b"n" * 16)                      # turn 2 reads them
-    c.put_prefix("a", [(key(i), Held(key(i))) for i in range(3, 6)])       # and adds 3-5: one too many
-    assert [i for i in range(6) if key(i) in c] == [0, 1, 2, 3, 4], "the tail went, not chunk 2"
+    c.put("a", key(98), Held(key(98)))                                    # and another conversation
+    c.put_prefix("a", [(key(i), Held(key(i))) for i in range(3, 7)],       # and adds 3-6: two too many
+                 head=[key(0), key(1), key(2)])
+    assert [i for i in (0, 1, 2, 3, 4, 98, 99) if key(i) in c] == [0, 1, 2, 3, 4], \
+        "the other conversations' older chunks, then this one's tail, never its head"

@@ -148,8 +148,13 @@ def test_a_conversations_next_turn_goes_to_the_replica_that_holds_it_unless_its_
     router.initialize_state()
     reps = [_Replica("a", {"kbs": ["default/rights"], "service_s": 1.0}),
             _Replica("b", {"conversations": ["open:c1"], "service_s": 1.0}), _Replica("c")]
-    turn = types.SimpleNamespace(args=({"kb": "rights", "conversation": "open:c1"}, "default", None))
+    later = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
+    turn = types.SimpleNamespace(args=({"kb": "rights", "conversation": "open:c1", "messages": later},
+                                       "default", None))
     assert conversation_of(turn.args) == "open:c1" and conversation_of(({"kb": "x"}, "t", None)) is None
+    first = {"kb": "rights", "conversation": "open:c1", "messages": later[:1]}
+    assert conversation_of((first, "default", None)) is None, "a first turn follows nothing"
+    assert conversation_of((dict(first, prompt_cache_key="k"), "default", None)) == "open:c1"
     ranks = asyncio.run(router.choose_replicas(reps, turn))
     assert ranks[0][0].replica_id.name == "b", "the conversation's holder, not the KB's"
     assert router.counters["conversation_hit"] == 1
@@ -157,7 +162,8 @@ def test_a_conversations_next_turn_goes_to_the_replica_that_holds_it_unless_its_
     ranks = asyncio.run(router.choose_replicas(reps, turn))
     assert ranks[0][0].replica_id.name != "b" and router.counters["conversation_routed_away_queue"] == 1
     # a plain chat's conversation no replica holds: Serve's own choice, then remembered
-    plain = types.SimpleNamespace(args=({"kb": None, "conversation": "open:new"}, "default", None))
+    plain = types.SimpleNamespace(args=({"kb": None, "conversation": "open:new", "messages": later},
+                                        "default", None))
     assert [len(r) for r in asyncio.run(router.choose_replicas(reps, plain))] == [3]
     router.on_request_routed(plain, reps[2].replica_id, None)
     assert asyncio.run(router.choose_replicas(reps, plain))[0][0].replica_id.name == "c"

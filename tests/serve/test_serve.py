@@ -329,8 +329,11 @@ def test_a_conversations_second_turn_reports_the_first_turns_tokens_as_cached(se
     assert second.headers["x-kdn-route"] in ("conversation", "home")
     assert second.headers["x-kdn-region"] == first.headers["x-kdn-region"]
     cached = two.usage.prompt_tokens_details.cached_tokens
-    # every whole chunk the first turn computed (its prompt and answer), none past them
-    assert cached % 256 == 0 and one.usage.prompt_tokens // 256 * 256 <= cached, (cached, one.usage)
+    # every whole chunk the first turn computed (its prompt and answer) from an edge, or, where
+    # it reached the replica that answered the first turn, every token that one's cache kept
+    # and the new prompt repeats; never past them
+    assert one.usage.prompt_tokens // 256 * 256 <= cached, (cached, one.usage)
+    assert cached % 256 == 0 or cached > one.usage.prompt_tokens, (cached, one.usage)
     assert cached <= one.usage.prompt_tokens + one.usage.completion_tokens
     prompt = model.chat_tokens(messages)
     assert two.usage.prompt_tokens == len(prompt)
