@@ -6,8 +6,8 @@ per edge, never the library's global one, so two edges in one process never shar
 The named families are the ones dashboards use; kdn_edge_events_total carries every counter
 besides, by name, except those that depend on other tenants' data (HIDDEN): /metrics needs
 no token, and must not tell a stranger whether another tenant's keys exist.
-The conversation tier reports its bytes per tenant, reads, expiries and evictions
-(kdn_edge_conversation_*). An edge with a disk tier reports it as tier "disk" beside main and hot (chunks, bytes,
+The conversation tier reports its bytes per tenant and per tier (memory, disk), reads,
+disk reads, moves to disk, expiries and evictions (kdn_edge_conversation_*). An edge with a disk tier reports it as tier "disk" beside main and hot (chunks, bytes,
 capacity, hits, evictions), and its write-backs: written, and dropped (device full, or the
 queue to the disk full).
 """

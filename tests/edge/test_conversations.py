@@ -314,6 +314,16 @@ def test_an_edge_with_a_disk_keeps_conversations_beside_it_and_starts_them_empty
     again = kit.local_edge([], **opts)                              # restarted on the same disk
     assert not list(conv_dir.rglob("*.kdnc")) and again.conversations.stats()["chunks"] == 0
     assert asyncio.run(again.conversation_lookup(keys, ns, "acme", "fp", scope, token=ACME)) == 0
+    # past its idle TTL, nothing of it is left in memory or on disk
+    clock = Clock()
+    again.conversations.clock = clock
+    assert asyncio.run(again.put_conversation(chunks, "acme", "fp", scope, token=ACME)) == 5
+    assert len(list(conv_dir.rglob("*.kdnc"))) == 3
+    asyncio.run(again.set_conversation_policy("acme", ttl_s=60, token=ADMIN))
+    clock.t += 61
+    asyncio.run(again._tick())                                      # the edge's background tick
+    assert not list(conv_dir.rglob("*.kdnc")) and again.conversations.stats()["chunks"] == 0
+    assert again.conversations.stats()["bytes"] == 0 and again.conversations.stats()["conv_expired"] == 5
 
 
 def test_a_conversations_new_tail_goes_before_the_head_it_extends():
