@@ -9,7 +9,9 @@ conversation's first key among the region's edges). The next turn, wherever it l
   the others nearest first, with a lookup (no KV moves) and stops at the first that holds
   any of it;
 - `worth_fetching` weighs fetching those chunks over the link against recomputing them
-  (the worker's measured prefill rate; the topology's latency and bandwidth to that region);
+  (the worker's measured prefill rate; the link to that region as this History measured it,
+  its lookups' round trips and its fetches' throughput, each an EWMA, or the topology's
+  declared latency and bandwidth until it has measured one: `links()`);
 - `fetch` brings the held prefix from that edge, every chunk's frame verified and its key
   and namespace the ones asked for (no manifest vouches for conversation KV: its frame does).
 A dead or slow home edge costs one timeout (kdn.core.rpc.Unreachable) and the turn is
@@ -29,6 +31,7 @@ from kdn.core.transfer import fetch_deadline_s
 
 LOOKUP_TIMEOUT_S = 2.0
 STORE_TIMEOUT_S = 30.0
+LINK_WEIGHT = 0.3          # each new measurement's weight in a link's moving average
 
 
 @dataclass
@@ -52,6 +55,17 @@ class History:
         self.view, self.tenant, self.fingerprint = view, tenant, fingerprint
         self.token, self.chunk_tokens = token, chunk_tokens
         self.counters = collections.Counter()
+        self._links = {}           # region -> {"rtt_s", "bytes_per_s"}: measured (see links())
+
+    def _measured(self, region: str, name: str, value: float) -> None:
+        link = self._links.setdefault(region, {})
+        old = link.get(name)
+        link[name] = value if old is None else (1 - LINK_WEIGHT) * old + LINK_WEIGHT * value
+
+    def links(self) -> dict:
+        """region -> {"rtt_s": a lookup's round trip, "bytes_per_s": a fetch's throughput},
+        each a moving average of what this History measured (absent until measured)."""
+        return {r: dict(v) for r, v in self._links.items()}
 
     def home(self, tokens, start_chunk: int, region: str, salt: str = None):
         """(edge, scope, ns) of the prompt's conversation in region, or None when the prompt
@@ -83,6 +97,7 @@ class History:
                 continue
             edge, scope, ns = home
             keys = conversation_keys(tokens, ns, self.chunk_tokens)[start_chunk:]
+            t0 = time.perf_counter()
             try:
                 held = self.view.edge_at(edge, "conversation_lookup", keys, ns, self.tenant,
                                          self.fingerprint, scope, token=self.token,
@@ -90,6 +105,7 @@ class History:
             except Unreachable:
                 self.counters["lookup_unreachable"] += 1
                 continue
+            self._measured(region, "rtt_s", time.perf_counter() - t0)
             if held:
                 self.counters["found_" + ("here" if region == self.view.region else "away")] += 1
                 return Found(edge, region, scope, ns, keys, start_chunk, held)
@@ -115,13 +131,18 @@ class History:
 
     def worth_fetching(self, found: Found, chunk_bytes: int, prefill_tokens_per_s: float) -> bool:
         """Whether fetching found's chunks beats recomputing them: transfer over the link
-        (the topology's latency and bandwidth between the regions) against prefill at the
-        worker's measured rate. In the worker's own region it always is."""
+        (its measured round trip and throughput, links(); the topology's declared latency and
+        bandwidth for what is not measured yet) against prefill at the worker's measured
+        rate. In the worker's own region it always is."""
         if found.region == self.view.region or not prefill_tokens_per_s:
             return True
-        topo = self.view.topology
-        fetch_s = topo.latency_ms(self.view.region, found.region) / 1000.0 + \
-            topo.transfer_time(found.region, self.view.region, found.held * chunk_bytes)
+        topo, link = self.view.topology, self._links.get(found.region, {})
+        nbytes = found.held * chunk_bytes
+        one_way_s = topo.latency_ms(self.view.region, found.region) / 1000.0    # declared
+        rtt_s = link.get("rtt_s", 2 * one_way_s)
+        move_s = nbytes / link["bytes_per_s"] if "bytes_per_s" in link else \
+            topo.transfer_time(found.region, self.view.region, nbytes) - one_way_s
+        fetch_s = rtt_s + move_s
         recompute_s = found.held * self.chunk_tokens / prefill_tokens_per_s
         return fetch_s < recompute_s
 
@@ -135,11 +156,14 @@ class History:
                                       self.fingerprint, found.scope, token=self.token,
                                       timeout=fetch_deadline_s(len(keys)))
             refs = reply["refs"]
+            t1 = time.perf_counter()
             objs = self.view.actors.get_sync(found.edge, refs, timeout=fetch_deadline_s(
                 len(refs), reply["bytes"])) if refs else []
         except Unreachable:
             self.counters["fetch_unreachable"] += 1
             return []
+        if reply["bytes"]:      # the bytes' move alone (the reply's round trip is the rtt's)
+            self._measured(found.region, "bytes_per_s", reply["bytes"] / max(time.perf_counter() - t1, 1e-6))
         chunks = []
         for key, obj in zip(keys, objs):
             if obj.key != key or obj.ns != found.ns:

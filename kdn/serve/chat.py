@@ -91,6 +91,7 @@ class Chat:
         out = {"counters": dict(self.counters), "model": self.model.stats(), "client": self.client.stats()}
         if self.history is not None:
             out["history"] = dict(self.history.counters)
+            out["history_links"] = self.history.links()     # region -> measured rtt_s, bytes_per_s
         return out
 
     def prepare(self, manifest, messages, max_tokens: int, fetch: bool = True, emphasis=None):
