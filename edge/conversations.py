@@ -189,16 +189,19 @@ class Conversations:
     def put_prefix(self, tenant: str, items, retention: str = None, head=()) -> int:
         """put() each (key, held) of a conversation's consecutive chunks, the last first, each
         then placed before head (the keys of the conversation's chunks before these, which
-        they extend), so that the earlier a chunk the more recent it is: eviction takes a
-        conversation's tail before its head (a prefix is worth nothing without its start),
-        during these puts too. held may be None for a key already held (it is renewed). How
-        many are held."""
+        they extend; renewed too, those of this tenant and namespace only), so that the earlier
+        a chunk the more recent it is: eviction takes a conversation's tail before its head (a
+        prefix is worth nothing without its start), during these puts too. held may be None
+        for a key already held (it is renewed). How many are held."""
         items = list(items)
+        nss = {h.ns for _, h in items if h is not None}
         for k, h in reversed(items):
             self.put(tenant, k, h, retention)
             with self._lock:
                 for hk in reversed(head):        # the first chunk the most recent
-                    if hk in self._entries:
+                    e = self._live(hk)
+                    if e is not None and e.tenant == tenant and e.ns in nss:
+                        e.used = self.clock()
                         self._entries.move_to_end(hk)
         return next((i for i, (k, _) in enumerate(items) if k not in self), len(items))
 
@@ -276,30 +279,39 @@ class Conversations:
 
     def _after(self, gone, spill) -> None:
         """Outside the lock: write what moved to disk, delete the files of what left, tell
-        on_drop. A write the disk refuses (full, too large) loses that chunk."""
-        for k, held in spill:
-            ok = self.disk.write(_object(held))
+        on_drop. A chunk whose write the disk refuses (full, too large, an I/O error) or whose
+        file its capacity evicted before it was marked is gone. Whatever a write raises, every
+        chunk of spill leaves _spilling and the rest is still done."""
+        try:
+            for i, (k, held) in enumerate(spill):
+                try:
+                    self.disk.write(_object(held))
+                except OSError:                   # counted by the disk tier; the chunk is lost
+                    pass
+                finally:
+                    with self._lock:
+                        self._spilling.pop(k, None)
+                        on_disk = k in self.disk
+                        e = self._entries.get(k)
+                        if e is None:
+                            if on_disk:
+                                gone.append(k)    # dropped while it was written: its file goes too
+                        elif e.held is None and not on_disk:
+                            gone.append(self._remove(k, "conv_evicted_capacity"))
+                        else:
+                            e.disk = on_disk
+        finally:
             with self._lock:
-                self._spilling.pop(k, None)
-                e = self._entries.get(k)
-                if e is not None and e.held is None and not e.disk:
-                    if ok:
-                        e.disk = True
-                    else:
-                        gone.append(self._remove(k, "conv_evicted_capacity"))
-                elif e is None and ok:
-                    gone.append(k)              # dropped while it was written: the file goes too
-                elif e is not None and ok:
-                    e.disk = True
-        if self.disk is not None:
-            for k in gone:
-                with self._lock:
-                    if k in self._entries:       # put again meanwhile: its file may be its own
-                        continue
-                self.disk.discard(k)
-        if self.on_drop is not None:
-            for k in gone:
-                self.on_drop(k)
+                for k, _ in spill:
+                    self._spilling.pop(k, None)
+                gone = list(dict.fromkeys(gone))
+                files = [k for k in gone if k not in self._entries]   # (put again meanwhile: its own)
+            if self.disk is not None:
+                for k in files:
+                    self.disk.discard(k)
+            if self.on_drop is not None:
+                for k in gone:
+                    self.on_drop(k)
 
     def _disk_changed(self, key) -> None:
         """The disk tier wrote, evicted or discarded key: an entry whose file the disk's own
@@ -360,6 +372,11 @@ class Conversations:
     def keys(self) -> list:
         with self._lock:
             return list(self._entries)
+
+    def snapshot(self) -> dict:
+        """The counters, copied under the lock (worker threads update them)."""
+        with self._lock:
+            return dict(self.counters)
 
     def stats(self) -> dict:
         with self._lock:

@@ -499,8 +499,9 @@ class EdgeNode:
         """Every component's counters in one (their names do not overlap)."""
         out = collections.Counter(self.counters)
         for part in (self.membership, self.tiers, self.forms, self.pull, self.pull.loads,
-                     self.reads, self.catalog, self.peers, self.replay, self.conversations):
+                     self.reads, self.catalog, self.peers, self.replay):
             out.update(part.counters)
+        out.update(self.conversations.snapshot())     # (updated from worker threads)
         out.update(self.tiers.tombs.counters)         # drops_refused_stale (edge/tombstones.py)
         if self.tiers.disk is not None:
             out.update(self.tiers.disk.snapshot())

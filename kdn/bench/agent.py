@@ -326,9 +326,9 @@ def summarize(results: dict, conversations: int, turns: int, baseline: int, kb_t
 
 
 def report(out: dict, move_at: int) -> None:
-    from kdn.serve.router import CONVERSATION_KV_BYTES
     """The table: per turn, each mode's p50 time to first token, the cached share, and the
     two ratios the goals name (cached against the limit, recomputing against a moved turn)."""
+    from kdn.serve.router import CONVERSATION_KV_BYTES
     by = {(r["mode"], r["turn"]): r for r in out["rows"]}
     modes = [m for m in MODES if (m, 1) in by]
     rows = []

@@ -110,7 +110,7 @@ class RegionWorker:
     def record_routing_stats(self) -> dict:
         """What its engine holds, for the router (kdn.serve.router; Serve calls it)."""
         return dict(self.engine_kv.routing_stats(),
-                    conversations=sorted({c for c, _ in self.conversation_kv.entries}))
+                    conversations=sorted({c for c, _ in list(self.conversation_kv.entries)}))
 
     def stats(self) -> dict:
         return {"region": self.region, "counters": dict(self.counters),

@@ -159,8 +159,9 @@ class Chat:
     def _local(self, turn: Turn, hints) -> bool:
         """Give turn this replica's own engine cache of its conversation, cropped to the tokens
         the prompt repeats (compared token by token), when it covers more of the prompt than
-        the KB alone and no edge holds more of it (a lookup: another replica may have answered
-        the turns since); False otherwise (the cache is let go)."""
+        the KB alone, an edge still holds the conversation (so the tenant's idle TTL and an
+        operator's drop govern this copy too) and none holds more of it (another replica may
+        have answered the turns since); False otherwise (the cache is let go)."""
         if self.conversation_kv is None or turn.conversation is None or self.history is None:
             return False
         kept = self.conversation_kv.take(turn.conversation, turn.salt)
@@ -172,10 +173,14 @@ class Chat:
             self.counters["conversation_engine_stale"] += 1
             return False
         found = self.history.find(turn.prompt, turn.start_chunk, turn.salt, hints)
-        at_edge = turn.start_chunk + (0 if found is None else found.held)   # whole chunks an edge holds
-        if at_edge * CHUNK > n:
+        if found is None:               # expired, dropped or evicted at every edge: let it go too
+            self.counters["conversation_engine_gone"] += 1
+            return False
+        if (turn.start_chunk + found.held) * CHUNK > n:
             self.counters["conversation_engine_behind"] += 1
             return False
+        # whole chunks this region's home edge holds: a store after this turn sends the rest
+        at_edge = turn.start_chunk + (found.held if found.region == self.client.view.region else 0)
         self.model.crop(cache, n)
         turn.cache, turn.cached = cache, n
         turn.history = {"region": self.client.view.region, "engine": True, "at_edge": at_edge}
@@ -192,7 +197,7 @@ class Chat:
             return
         have = self.model.cache_tokens(turn.cache)
         self.conversation_kv.put(turn.conversation, turn.salt, (turn.cache, (turn.prompt + list(generated))[:have]),
-                                 have * self.model.kv_bytes_per_token, 0.0, "engine")
+                                 self.model.cache_bytes(turn.cache), 0.0, "engine")
 
     def _emphasized(self, turn: Turn, manifest, emphasis: dict, max_tokens: int) -> bool:
         """Give turn the KB's KV edited by emphasis (kdn.engines.emphasized); False when there

@@ -137,6 +137,7 @@ class KBAffinityRouter(RequestRouter):
     def initialize_state(self, **kwargs):
         self.counters = collections.Counter()
         self.recent = collections.OrderedDict()     # kb -> replica id it was last sent to
+        self.recent_conversations = collections.OrderedDict()   # "conv:<name>" -> the same
         self._held = {}                             # replica id -> (its report, the KBs it lists)
         self._deciding = collections.OrderedDict()  # ids of requests decided, not yet routed
         self._kv_sources = {}                       # replica id -> its last reported kv_sources
@@ -179,8 +180,8 @@ class KBAffinityRouter(RequestRouter):
         more than fetching the history from the edge; None where none holds it."""
         key = "conv:" + conv
         holders = {rid for rid, r in by_id.items() if self._holds(r, key)}
-        if self.recent.get(key) in queues:
-            holders.add(self.recent[key])
+        if self.recent_conversations.get(key) in queues:
+            holders.add(self.recent_conversations[key])
         if not holders:
             return None
         chosen, why = decide(key, queues, holders, service, DEFAULT_FETCH_S)
@@ -275,20 +276,23 @@ class KBAffinityRouter(RequestRouter):
 
     def on_request_routed(self, pending_request, replica_id, result):
         self._deciding.pop(getattr(getattr(pending_request, "metadata", None), "internal_request_id", None), None)
-        conv = conversation_of(pending_request.args)
-        for kb in (kb_of(pending_request.args), None if conv is None else "conv:" + conv):
-            if kb is not None:
-                self.recent[kb] = replica_id.to_full_id_str()
-                self.recent.move_to_end(kb)
-        while len(self.recent) > RECENT:
-            self.recent.popitem(last=False)
+        body = pending_request.args[0] if pending_request.args and isinstance(pending_request.args[0], dict) else {}
+        conv = body.get("conversation")     # a first turn's too: its second follows it here
+        for recent, key in ((self.recent, kb_of(pending_request.args)),
+                            (self.recent_conversations, None if not conv else "conv:" + str(conv))):
+            if key is not None:
+                recent[key] = replica_id.to_full_id_str()
+                recent.move_to_end(key)
+                while len(recent) > RECENT:
+                    recent.popitem(last=False)
 
     def on_replica_actor_died(self, replica_id):
         super().on_replica_actor_died(replica_id)
         dead = replica_id.to_full_id_str()
         self._held.pop(replica_id, None)
-        for kb in [k for k, r in self.recent.items() if r == dead]:
-            del self.recent[kb]
+        for recent in (self.recent, self.recent_conversations):
+            for kb in [k for k, r in recent.items() if r == dead]:
+                del recent[kb]
         self.counters["replicas_died"] += 1
 
 

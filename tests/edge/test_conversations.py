@@ -336,3 +336,26 @@ def test_a_conversations_new_tail_goes_before_the_head_it_extends():
                  head=[key(0), key(1), key(2)])
     assert [i for i in (0, 1, 2, 3, 4, 98, 99) if key(i) in c] == [0, 1, 2, 3, 4], \
         "the other conversations' older chunks, then this one's tail, never its head"
+
+
+def test_a_spill_the_disk_fails_or_evicts_at_once_loses_that_chunk_and_nothing_else(kit, tmp_path):
+    import errno
+    c, clock, disk, chunks, helds = disk_tier(kit, tmp_path, n_memory=1)
+    real_write = disk.write
+
+    def failing(obj):
+        raise OSError(errno.EIO, "I/O error")
+    disk.write = failing
+    c.put("a", chunks[0].key, helds[0])
+    c.put("a", chunks[1].key, helds[1])               # chunk 0 moves out; its write fails
+    assert chunks[0].key not in c and chunks[1].key in c and c._spilling == {}
+    assert c.stats()["tenant_bytes"] == {"a": chunks[1].nbytes} and c.stats()["conv_evicted_capacity"] == 1
+
+    def evicted_at_once(obj):                          # written, then another write's eviction took it
+        ok = real_write(obj)
+        disk.discard(obj.key)
+        return ok
+    disk.write = evicted_at_once
+    c.put("a", chunks[2].key, helds[2])               # chunk 1 moves out: its file is gone at once
+    assert chunks[1].key not in c and c.stats()["chunks"] == 1 and c._spilling == {}
+    assert c.stats()["tenant_bytes"] == {"a": chunks[2].nbytes} and files(disk) == set()

@@ -98,8 +98,8 @@ def test_a_replica_continues_from_its_own_engine_cache_unless_an_edge_holds_more
     assert kept["tokens"] < t2.cached < len(t2.prompt), "past the last whole chunk: the exact tokens"
     tokens2, text2 = answer(a, t2)
     assert tokens2 == full_prefill(model, t2.prompt)
-    kept2 = a.keep(t2, tokens2, text2)          # only whole chunks no edge holds are sent
-    assert kept2["chunks"] == (len(t2.prompt) + len(tokens2) - 1) // 256 - kept["chunks"] or kept2["chunks"] == 0
+    a.keep(t2, tokens2, text2)                  # only whole chunks no edge holds are sent
+    assert a.history.held_here(t2.prompt, 0, "local") == len(t2.prompt) // 256, "the edge has them all"
     # another salt or another conversation name finds nothing of it on this replica
     assert not a.begin(None, second, 12, salt="other", conversation="open:local").history.get("engine")
     # b answers turn 3 (from the edge); a's cache of turn 2 is then behind the edge's
@@ -113,7 +113,14 @@ def test_a_replica_continues_from_its_own_engine_cache_unless_an_edge_holds_more
     t4 = a.begin(None, fourth, 12, salt="local", conversation="open:local")
     assert b.history.counters["stored_chunks"] >= 2                 # b's turn added chunks: a is behind
     assert t4.history.get("fetched") and a.counters["conversation_engine_behind"] == 1
-    assert answer(a, t4)[0] == full_prefill(model, t4.prompt)
+    tokens4, text4 = answer(a, t4)
+    assert tokens4 == full_prefill(model, t4.prompt)
+    # an operator's drop at the edges lets go of the replica's copy too
+    a.keep(t4, tokens4, text4)
+    assert len(a.conversation_kv.entries) == 1
+    Client(network=net.name, region="us-east", tenant="acme", admin_token=ADMIN).drop_conversations()
+    t5 = a.begin(None, fourth, 12, salt="local", conversation="open:local")
+    assert t5.cached == 0 and a.counters["conversation_engine_gone"] == 1
 
 
 def test_another_region_reads_the_history_across_and_answers_the_same(net, model):

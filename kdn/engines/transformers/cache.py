@@ -78,6 +78,16 @@ class CacheAdapter:
     def cache_tokens(cache) -> int:
         return 0 if cache is None else int(cache.get_seq_length())
 
+    def cache_bytes(self, cache) -> int:
+        """The memory a cache holds: every distinct buffer under its layers' keys and values
+        (an arena buffer with its spare room counts whole, once)."""
+        seen = {}
+        for k, v in self._layer_kv(cache):
+            for t in (k, v):
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
+
     def kv_from_cache(self, cache, start: int = 0, end: int | None = None) -> np.ndarray:
         """KV of cache positions [start, end) as one contiguous array [layers, 2, heads, T, hd].
 
