@@ -52,6 +52,7 @@ KB_TOKENS = 1000
 ANSWER_TOKENS = 32
 MODES = ("off", "kb", "cached", "replica", "moved", "limit", "vllm")
 KDN_MODES = MODES[:-1]         # the modes the transformers workers answer
+EDGE_CONVERSATION_BYTES = 3 << 30   # each edge's conversation tier (and the tenant's budget there)
 WORDS = ("sensor", "valve", "pump", "relay", "queue", "disk", "shard", "replica", "batch", "cache",
          "socket", "thread", "ticket", "invoice", "order", "route", "region", "edge", "origin", "node")
 
@@ -151,7 +152,8 @@ class Worker:
 
 def run(conversations: int, turns: int, baseline: int, move_at: int, seed: int, log,
         load_conversations: int = 0, load_seconds: float = 60.0, load_budget: int = 256 << 20,
-        vllm: bool = True, replica_kv: int = 4 << 30) -> dict:
+        vllm: bool = True, replica_kv: int = 4 << 30, modes=MODES,
+        edge_conversation_bytes: int = EDGE_CONVERSATION_BYTES) -> dict:
     import ray
     from kdn.bench.ttft import knowledge_texts
     from kdn.client import Client
@@ -160,27 +162,31 @@ def run(conversations: int, turns: int, baseline: int, move_at: int, seed: int, 
     from kdn.engines.transformers.model import load_model
     from kdn.launch.cluster import LocalCluster, start_network, teardown
     from kdn.placement.topology import Topology
+    from kdn.core.conversation import CONVERSATION_SHARE
 
     model = load_model(log=log)
     scripts = [conversation_script(seed + i, turns, model) for i in range(conversations)]
     cluster = net = None
     root = tempfile.mkdtemp(prefix="kdn-bench-agent-")
     try:
-        cluster = LocalCluster(list(REGIONS), cpus=1, object_store_bytes=3 << 30)
+        # the edges' conversation tier holds the run's whole working set (8 conversations of up
+        # to ~6,400 tokens: 2.2 GB), as an operator sizing for these agents would
+        cluster = LocalCluster(list(REGIONS), cpus=1, object_store_bytes=edge_conversation_bytes + (1 << 30))
         init_ray(cluster.address)
-        topo = Topology.default_local(list(REGIONS), capacity_bytes=2 << 30)
+        topo = Topology.default_local(list(REGIONS), capacity_bytes=int(edge_conversation_bytes / CONVERSATION_SHARE))
         net = start_network(topo, root, network=f"bench-agent-{uuid.uuid4().hex[:6]}")
         pub = Client(network=net.name, region=REGIONS[0], fingerprint=model.fingerprint)
         text = knowledge_texts(model, [KB_TOKENS])[KB_TOKENS]
         r = publish_documents(pub, model, KB, [("knowledge", text)])
         log(f"network up, {KB} published ({r['tokens']} tokens)")
+        pub.set_conversation_policy(budget_bytes=edge_conversation_bytes)
         remote = ray.remote(num_cpus=0)(Worker)     # turns run one at a time: no two compute at once
         workers = {(reg, i): remote.options(label_selector={"region": reg}).remote(net.name, reg, replica_kv)
                    for reg, i in ((REGIONS[0], 0), (REGIONS[0], 1), (REGIONS[2], 0))}
         ray.get([w.ready.remote() for w in workers.values()])
         home, away = REGIONS[0], REGIONS[2]
         results = {m: [[None] * turns for _ in range(conversations)] for m in MODES}
-        for mode in KDN_MODES:
+        for mode in [m for m in KDN_MODES if m in modes]:
             n = baseline if mode in ("off", "kb") else conversations
             history = [[] for _ in range(n)]
             ray.get([w.forget.remote() for w in workers.values()])
@@ -200,7 +206,7 @@ def run(conversations: int, turns: int, baseline: int, move_at: int, seed: int, 
                               load_conversations, load_seconds, load_budget, model, seed, log)
         for w in workers.values():
             ray.kill(w)
-        if vllm:
+        if vllm and "vllm" in modes:
             results["vllm"] = vllm_alone(model, pub.manifest(KB).token_ids().tolist(), scripts, turns, log)
         out = summarize(results, conversations, turns, baseline, r["tokens"], model.kv_bytes_per_token)
         if load_conversations:
@@ -288,7 +294,7 @@ def load_phase(workers: dict, network: str, conversations: int, seconds: float, 
     after = rss()
     edges = ops.status()["edges"]
     most = max([most] + [e["conversations"]["bytes"] for e in edges])
-    ops.set_conversation_policy(budget_bytes=1 << 30)
+    ops.set_conversation_policy(budget_bytes=EDGE_CONVERSATION_BYTES)
     log(f"load: {turns} turns of {conversations} conversations in {time.perf_counter() - t0:.0f} s")
     return {"conversations": conversations, "seconds": seconds, "turns": turns, "budget_bytes": budget,
             "most_conversation_bytes": most, "rss_before": before, "rss_after": after,
@@ -317,7 +323,8 @@ def summarize(results: dict, conversations: int, turns: int, baseline: int, kb_t
                          "engine_turns": sum(bool(g.get("engine")) for g in got)})
     same = {}
     for mode in KDN_MODES:                     # vLLM's own kernels answer differently: not compared
-        pairs = [(a["tokens"], b["tokens"]) for ca, cb in zip(results["off"][:baseline], results[mode][:baseline])
+        pairs = [(a["tokens"], b["tokens"]) for ca, cb in zip(results.get("off", [])[:baseline],
+                                                               results.get(mode, [])[:baseline])
                  for a, b in zip(ca, cb) if a is not None and b is not None]
         same[mode] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
     return {"conversations": conversations, "turns": turns, "baseline_conversations": baseline,
@@ -331,17 +338,20 @@ def report(out: dict, move_at: int) -> None:
     from kdn.serve.router import CONVERSATION_KV_BYTES
     by = {(r["mode"], r["turn"]): r for r in out["rows"]}
     modes = [m for m in MODES if (m, 1) in by]
+
+    def ratio(a, b, t, fmt="{:.2f}x"):
+        if (a, t) not in by or (b, t) not in by:
+            return "-"
+        return fmt.format(by[(a, t)]["ttft_p50_s"] / by[(b, t)]["ttft_p50_s"])
     rows = []
     for t in range(1, out["turns"] + 1):
-        c, rep, lim = by[("cached", t)], by[("replica", t)], by[("limit", t)]
-        off, mv, vl = by[("off", t)], by[("moved", t)], by.get(("vllm", t))
+        c, mv, vl = by.get(("cached", t)), by.get(("moved", t)), by.get(("vllm", t))
         rows.append({"turn": t, **{f"{m} p50 s": f"{by[(m, t)]['ttft_p50_s']:.2f}" for m in modes},
-                     "cached p99 s": f"{c['ttft_p99_s']:.2f}", "cached share": f"{c['cached_share']:.1%}",
-                     "cached/limit": f"{c['ttft_p50_s'] / lim['ttft_p50_s']:.2f}x",
-                     "replica/limit": f"{rep['ttft_p50_s'] / lim['ttft_p50_s']:.2f}x",
-                     "off/moved": f"{off['ttft_p50_s'] / mv['ttft_p50_s']:.1f}x",
-                     "cached from engine": f"{c.get('engine_turns', 0)}/{c['conversations']}",
-                     "history MB": f"{mv['fetched_bytes'] / 1e6:.0f}",
+                     **({"cached p99 s": f"{c['ttft_p99_s']:.2f}", "cached share": f"{c['cached_share']:.1%}",
+                         "cached from engine": f"{c.get('engine_turns', 0)}/{c['conversations']}"} if c else {}),
+                     "cached/limit": ratio("cached", "limit", t), "replica/limit": ratio("replica", "limit", t),
+                     "off/moved": ratio("off", "moved", t, "{:.1f}x"),
+                     **({"history MB": f"{mv['fetched_bytes'] / 1e6:.0f}"} if mv else {}),
                      **({"vllm cached share": f"{vl['cached_share']:.1%}"} if vl else {})})
     table(rows)
     if "vllm" not in modes:
@@ -376,6 +386,11 @@ def main(argv=None) -> int:
     ap.add_argument("--replica-kv", dest="replica_kv", default="4GiB",
                     help="each worker's own engine cache of its last conversations (default 4GiB: "
                          "every conversation of the default run; a `kdn serve` replica keeps 1GiB)")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"the modes to run, comma-separated (default all: {','.join(MODES)})")
+    ap.add_argument("--edge-conversation-bytes", dest="edge_conv", default="3GiB",
+                    help="each edge's conversation tier and the tenant's budget there (default 3GiB: "
+                         "the default run's working set fits)")
     ap.add_argument("--no-vllm", dest="vllm", action="store_false",
                     help="skip the vLLM-alone anchor (an engine start, ~45 s, and ~2 GiB)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -383,6 +398,10 @@ def main(argv=None) -> int:
     from kdn.launch.cluster import parse_size
     load_budget = parse_size(args.load_budget, "--load-budget")
     replica_kv = parse_size(args.replica_kv, "--replica-kv")
+    edge_conv = parse_size(args.edge_conv, "--edge-conversation-bytes")
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if not modes or set(modes) - set(MODES):
+        raise BadRequest(f"--modes takes a comma-separated list of {', '.join(MODES)}, got {args.modes!r}")
     move_at = args.turns // 2 if args.move_at is None else args.move_at
     if args.conversations < 1 or args.turns < 2 or not 1 <= args.baseline <= args.conversations \
             or not 1 <= move_at < args.turns:
@@ -393,7 +412,7 @@ def main(argv=None) -> int:
     out = run(args.conversations, args.turns, args.baseline, move_at, args.seed,
               log=lambda m: print(m, flush=True), load_conversations=args.load_conversations,
               load_seconds=args.load_seconds, load_budget=load_budget, vllm=args.vllm,
-              replica_kv=replica_kv)
+              replica_kv=replica_kv, modes=modes, edge_conversation_bytes=edge_conv)
     out["move_at"] = move_at
     if args.json:
         emit_json(out)

@@ -41,3 +41,12 @@ def test_a_mode_that_did_not_run_has_no_rows_and_the_table_says_so(capsys):
     report(dict(out, move_at=1), 1)
     printed = capsys.readouterr().out
     assert "vllm p50 s" not in printed and "the single-engine anchor did not run" in printed
+
+
+def test_a_run_of_some_modes_reports_those_and_their_ratios_only(capsys):
+    r = {m: v for m, v in results().items() if m in ("replica", "limit")}
+    out = summarize(r, conversations=2, turns=2, baseline=1, kb_tokens=1000, kv_bytes_per_token=10)
+    assert {x["mode"] for x in out["rows"]} == {"replica", "limit"}
+    report(dict(out, move_at=1), 1)
+    printed = capsys.readouterr().out
+    assert "replica p50 s" in printed and "cached p50 s" not in printed and "1.00x" in printed
