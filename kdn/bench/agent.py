@@ -355,7 +355,7 @@ def report(out: dict, move_at: int) -> None:
                      **({"vllm cached share": f"{vl['cached_share']:.1%}"} if vl else {})})
     table(rows)
     if "vllm" not in modes:
-        print("vllm: the single-engine anchor did not run (vLLM not installed, or --no-vllm)")
+        print("vllm: the single-engine anchor did not run (not in --modes, --no-vllm, or vLLM not installed)")
     print(f"moved: turns {move_at + 1}.. answered in another region; identical greedy tokens to off: "
           + ", ".join(f"{m} {v:.0%}" for m, v in out["identical_to_off"].items() if v is not None))
     ld = out.get("load")
