@@ -38,7 +38,7 @@ from kdn.core.checks import check_int
 from kdn.core.dtypes import DTYPES, name_of
 from kdn.core.errors import ModelError
 from kdn.engines.fingerprint import fingerprint_fields, model_fingerprint, weights_digest
-from kdn.engines.transformers import convert
+from kdn.engines.transformers import attention, convert
 from kdn.engines.transformers.arena import Arena
 from kdn.engines.transformers.cache import CacheAdapter
 from kdn.engines.transformers.convert import MODEL_NAME, converted_folder, quiet_transformers
@@ -61,7 +61,7 @@ def load_model(cache_dir=None, dtype=torch.float32, gguf=None, log=None, warm: b
         try:
             tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
             hf = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, local_files_only=True,
-                                                      attn_implementation="sdpa")
+                                                      attn_implementation=attention.implementation())
         except Exception as e:
             raise ModelError(f"cannot load the converted model from {str(target)!r} ({type(e).__name__}: "
                              f"{e}); delete that folder to convert again") from e
