@@ -44,10 +44,12 @@ REGIONS = ("us-east", "eu-west", "ap-south")
 # The modules that take minutes (engines, services, the README's whole walk), longest first:
 # under `make test`'s workers (--dist loadfile) they start first, so no worker is left
 # running one of them alone at the end. Everything else keeps its collected order.
-LONGEST_FIRST = ("test_readme.py", "engines/vllm/test_connector.py", "serve/test_serve.py",
-                 "serve/test_vllm.py", "engines/transformers/test_worker.py",
+LONGEST_FIRST = ("test_readme.py", "serve/test_serve.py", "engines/vllm/test_connector.py",
+                 "serve/test_history.py", "serve/test_vllm.py", "engines/test_lmcache.py",
                  "engines/transformers/test_model.py", "engines/transformers/test_blend.py",
-                 "cli/test_cli.py", "multinode/test_faults.py")
+                 "engines/transformers/test_worker.py", "engines/test_emphasized.py",
+                 "multinode/test_faults.py", "multinode/test_network.py",
+                 "multinode/test_origin_bucket.py", "multinode/test_drop_races.py", "cli/test_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):
