@@ -15,7 +15,8 @@ bounded three ways, all in bytes and seconds:
 - an idle TTL per entry (the tenant's, or what the request's prompt_cache_retention asked
   for within it): every read renews it, and `sweep()` (each tick) and every read drop what
   has been idle longer, from memory and from disk alike. Nothing outlives its TTL in any tier,
-  and nothing of it is written anywhere else (never to the origin). The disk's files hold no
+  and nothing of it is written anywhere else (the origin only for a tenant an operator
+  pinned, below). The disk's files hold no
   tenant and no idle time, so an edge that starts wipes its conversation disk rather than
   keep what it cannot age.
 The first bytes stored under a key are kept: a second worker storing the same key (it
@@ -27,6 +28,10 @@ get_prefix, put_prefix, sweep and the drops from a worker thread (they read and 
 Counters: conv_puts, conv_kept, conv_hits, conv_misses, conv_expired, conv_evicted_budget,
 conv_evicted_capacity, conv_refused, conv_dropped, conv_spilled (moved to disk),
 conv_disk_hits (read back from disk).
+
+A pinned tenant's chunks (origin/conversations.py) are held here the same way, under the
+same TTL and budget; the edge (edge/node.py) also sends them to the origin, which keeps
+them durably, and reads them back from there when this tier no longer holds them.
 """
 import collections
 import threading
@@ -46,9 +51,10 @@ class _Entry:
     ttl_s: float
     used: float         # monotonic time of the last put or read
     disk: bool = False  # a file of it is in the disk tier
+    at_origin: bool = False   # a pinned tenant's chunk the origin holds too (origin/conversations.py)
 
 
-def _object(held):
+def held_object(held):
     """The Chunk or Encoded a Held stands for (read from the object store if not held here).
     From a worker thread."""
     if held.obj is not None:
@@ -80,6 +86,7 @@ class Conversations:
         self._bytes = 0                             # in memory
         self._spilling = {}                         # key -> Held on its way to disk (still readable)
         self.policies = {}      # tenant -> {"ttl_s": float, "budget_bytes": int} set by an operator
+        self.pinned = frozenset()   # tenants the origin keeps conversations of (its pings say which)
         self.counters = collections.Counter()
         self.on_drop = None     # called with each key that leaves (the edge's KV events)
         if disk is not None:
@@ -97,7 +104,24 @@ class Conversations:
 
     def policy_of(self, tenant: str) -> dict:
         return {"tenant": tenant, "ttl_s": self.ttl_of(tenant), "max_ttl_s": self.max_ttl_of(tenant),
-                "budget_bytes": self.budget_of(tenant)}
+                "budget_bytes": self.budget_of(tenant), "pinned": tenant in self.pinned}
+
+    # --- pinned tenants (origin/conversations.py) -------------------------------------------
+    def set_pinned(self, tenants) -> None:
+        """The tenants whose conversations the origin keeps (the origin's pings, an operator)."""
+        self.pinned = frozenset(tenants)
+
+    def not_at_origin(self, keys) -> list:
+        """Those of keys held here that the origin does not hold yet, in order."""
+        with self._lock:
+            return [k for k in keys if (e := self._live(k)) is not None and not e.at_origin]
+
+    def mark_at_origin(self, keys) -> None:
+        with self._lock:
+            for k in keys:
+                e = self._entries.get(k)
+                if e is not None:
+                    e.at_origin = True
 
     def set_policy(self, tenant: str, ttl_s=None, budget_bytes=None, max_ttl_s=None) -> dict:
         """Set a tenant's idle TTL, longest TTL a request may ask for, and/or byte budget; each
@@ -285,7 +309,7 @@ class Conversations:
         try:
             for i, (k, held) in enumerate(spill):
                 try:
-                    self.disk.write(_object(held))
+                    self.disk.write(held_object(held))
                 except OSError:                   # counted by the disk tier; the chunk is lost
                     pass
                 finally:

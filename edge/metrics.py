@@ -7,7 +7,8 @@ The named families are the ones dashboards use; kdn_edge_events_total carries ev
 besides, by name, except those that depend on other tenants' data (HIDDEN): /metrics needs
 no token, and must not tell a stranger whether another tenant's keys exist.
 The conversation tier reports its bytes per tenant and per tier (memory, disk), reads,
-disk reads, moves to disk, expiries and evictions (kdn_edge_conversation_*). An edge with a disk tier reports it as tier "disk" beside main and hot (chunks, bytes,
+disk reads, moves to disk, expiries and evictions, and a pinned tenant's chunks sent to and
+read back from the origin (kdn_edge_conversation_*). An edge with a disk tier reports it as tier "disk" beside main and hot (chunks, bytes,
 capacity, hits, evictions), and its write-backs: written, and dropped (device full, or the
 queue to the disk full).
 """
@@ -119,6 +120,14 @@ class EdgeCollector:
                        labels=("reason",), samples=[(("budget",), c["conv_evicted_budget"]),
                                                     (("capacity",), c["conv_evicted_capacity"]),
                                                     (("dropped",), c["conv_dropped"])])
+        yield _counter("kdn_edge_conversation_origin_chunks_total", "A pinned tenant's conversation "
+                       "chunks sent to the origin (pinned) and read back from it (pulled).",
+                       labels=("direction",), samples=[(("pinned",), c["conversation_pinned_chunks"]),
+                                                       (("pulled",), c["conversation_pulled_chunks"])])
+        yield _counter("kdn_edge_conversation_pin_failures_total", "Sends of a pinned tenant's chunks "
+                       "to the origin that failed, by reason (the edge's copy stays).", labels=("reason",),
+                       samples=[(("unreachable",), c["conversation_pin_failures"]),
+                                (("refused",), c["conversation_pin_refused"])])
 
     def _http(self):
         h, c = self.http, self.http.counters

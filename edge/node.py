@@ -33,7 +33,7 @@ from kdn.core.auth import Tokens
 from kdn.core.chunk import Chunk, Encoded
 from kdn.core.codecs import LOSSLESS
 from kdn.edge.catalog import Catalog
-from kdn.edge.conversations import Conversations
+from kdn.edge.conversations import Conversations, held_object
 from kdn.edge.disk import DiskTier
 from kdn.edge.drops import Replay
 from kdn.edge.forms import Forms, corrupted
@@ -57,6 +57,9 @@ MEMBERSHIP_REFRESH_S = 10.0   # how often an edge asks the origin for the member
 MEMBERSHIP_TIMEOUT_S = 5.0
 WRITE_BACK_IDLE_S = 0.05      # how often the disk writer looks for victims when idle
 POLICY_TICK_S = 1.0
+PIN_BATCH = 1024              # a pinned conversation's chunks per call to the origin
+PIN_TIMEOUT_S = 30.0          # one such call (the origin writes them durably first)
+PIN_LOOKUP_TIMEOUT_S = 1.0    # a lookup's pull from the origin (a worker waits 2 s for the lookup)
 ADMIN_KEYS = 1 << 22          # keys one operator or origin call may name (a KB's keys)
 
 
@@ -202,10 +205,13 @@ class EdgeNode:
         if m is not None and self.membership.apply(m):
             self.counters["membership_refreshed"] += 1
 
-    async def ping(self, token=None, drops=None) -> dict:
+    async def ping(self, token=None, drops=None, conversation_pins=None) -> dict:
         """Alive; starts the background work (and HTTP) on the first call. drops: the origin's
-        drop-log state its health pings carry; one this edge has not replayed starts a catch-up."""
+        drop-log state its health pings carry; one this edge has not replayed starts a catch-up.
+        conversation_pins: the tenants whose conversations the origin keeps (its pings carry them)."""
         self._start_background()
+        if conversation_pins is not None:
+            self.conversations.set_pinned(conversation_pins)
         if drops is not None and self.replay.behind(drops):
             self._catch_up()
         if self.http_port_wanted is not None and self.http is None:
@@ -451,16 +457,82 @@ class EdgeNode:
                              + (" of another namespace" if isinstance(bad, (Chunk, Encoded)) else ""))
         retention_ttl(retention, self.conversations.ttl_of(tenant))    # BadRequest before anything
         head = [] if head is None else check_keys(head)
+        pinned = tenant in self.conversations.pinned
+        if pinned:     # what the origin holds of these keys first: a key keeps its first bytes
+            await self._pull_pinned(tenant, ns, head + [c.key for c in chunks])
         new = [c for c in chunks if c.key not in self.conversations]
         stored = dict(zip((c.key for c in new), await self.forms.to_store(new)))
         items = [(c.key, stored.get(c.key)) for c in chunks]   # None: held already, renewed
-        return await asyncio.to_thread(self.conversations.put_prefix, tenant, items, retention, head)
+        held = await asyncio.to_thread(self.conversations.put_prefix, tenant, items, retention, head)
+        if pinned:
+            await self._pin(tenant, ns, head, chunks)
+        return held
+
+    async def _pin(self, tenant: str, ns: bytes, head, chunks) -> None:
+        """Send the origin a pinned tenant's chunks it lacks (origin/conversations.py): these,
+        and those of head held here (a conversation pinned midway sends its start too), before
+        the worker's store is answered. An origin that does not answer in time, or refuses
+        (the tenant unpinned meanwhile), is counted; the chunks stay here either way."""
+        send = await asyncio.to_thread(self._unpinned_objects, ns, list(head) + [c.key for c in chunks],
+                                       {c.key: c for c in chunks})
+        for i in range(0, len(send), PIN_BATCH):
+            batch = send[i:i + PIN_BATCH]
+            try:
+                got = await self.peers.ask(ORIGIN_NODE, "put_conversation", tenant, ns, batch,
+                                           timeout=PIN_TIMEOUT_S)
+            except BadRequest as e:
+                self.counters["conversation_pin_refused"] += 1
+                log.warning("edge %s: the origin refused %d chunks of tenant %r's pinned conversation: %s",
+                            self.name, len(batch), tenant, e)
+                return
+            if got is None:
+                self.counters["conversation_pin_failures"] += 1
+                return
+            self.conversations.mark_at_origin([c.key for c in batch])
+            self.counters["conversation_pinned_chunks"] += len(batch)
+
+    def _unpinned_objects(self, ns: bytes, keys, given: dict) -> list:
+        """The chunks of keys held here that the origin lacks: as given, else read from the
+        tier (a worker thread: a chunk may be on disk)."""
+        out = []
+        for k in self.conversations.not_at_origin(keys):
+            if k in given:
+                out.append(given[k])
+                continue
+            held = self.conversations.get(k, ns)
+            if held is not None:
+                out.append(held_object(held))
+        return out
+
+    async def _pull_pinned(self, tenant: str, ns: bytes, keys, timeout: float = PIN_TIMEOUT_S) -> None:
+        """A pinned tenant's conversation chunks this tier no longer holds (evicted, expired, or
+        lost with a restart), read back from the origin into it: the held prefix of keys then
+        reaches as far as the origin's (or as it was, if the origin does not answer in time)."""
+        if tenant not in self.conversations.pinned:
+            return
+        held = next((i for i, k in enumerate(keys) if k not in self.conversations), len(keys))
+        if held == len(keys):
+            return
+        got = await self.peers.ask(ORIGIN_NODE, "conversation_chunks", tenant, ns, keys[held:],
+                                   timeout=timeout)
+        got = got or []
+        n = next((i for i, (c, k) in enumerate(zip(got, keys[held:]))
+                  if c is None or c.key != k or c.ns != ns), len(got))
+        if not n:
+            return
+        stored = await self.forms.to_store(got[:n])
+        n = next((i for i, h in enumerate(stored) if h is None), n)
+        items = list(zip(keys[held:held + n], stored[:n]))
+        await asyncio.to_thread(self.conversations.put_prefix, tenant, items, None, keys[:held])
+        self.conversations.mark_at_origin(keys[held:held + n])
+        self.counters["conversation_pulled_chunks"] += n
 
     async def conversation_lookup(self, keys, ns: bytes, tenant: str, fingerprint: str, scope: str,
                                   token=None) -> int:
         """How long a prefix of keys this edge holds of a conversation homed here (no KV moves)."""
-        self._conversation(tenant, fingerprint, scope, token, "conversation_lookup", ns)
+        ns = self._conversation(tenant, fingerprint, scope, token, "conversation_lookup", ns)
         keys = check_keys(keys)
+        await self._pull_pinned(tenant, ns, keys, PIN_LOOKUP_TIMEOUT_S)
         return next((i for i, k in enumerate(keys) if k not in self.conversations), len(keys))
 
     async def conversation_fetch(self, keys, ns: bytes, tenant: str, fingerprint: str, scope: str,
@@ -468,7 +540,9 @@ class EdgeNode:
         """{"refs", "bytes"}: the held prefix of a conversation's keys, as object references
         (zero-copy beside this edge), each read renewing its idle TTL."""
         ns = self._conversation(tenant, fingerprint, scope, token, "conversation_fetch", ns)
-        helds = await asyncio.to_thread(self.conversations.get_prefix, check_keys(keys), ns)
+        keys = check_keys(keys)
+        await self._pull_pinned(tenant, ns, keys)
+        helds = await asyncio.to_thread(self.conversations.get_prefix, keys, ns)
         refs = [h.ref if h.ref is not None else h.obj for h in helds]
         nbytes = sum(h.nbytes for h in helds)
         self.counters["conversation_fetches"] += 1
@@ -487,9 +561,16 @@ class EdgeNode:
         return await asyncio.to_thread(self.conversations.drop_tenant, tenant)
 
     async def set_conversation_policy(self, tenant: str, ttl_s=None, budget_bytes=None, max_ttl_s=None,
-                                      token=None) -> dict:
-        """A tenant's idle TTL, longest TTL a request may ask for and byte budget here."""
+                                      pinned=None, token=None) -> dict:
+        """A tenant's idle TTL, longest TTL a request may ask for and byte budget here; pinned:
+        whether the origin keeps its conversations (the origin decides: kdn.client.operator
+        tells it first; this only spares the wait for its next ping)."""
         self.tokens.check_admin(token, "set_conversation_policy")
+        if pinned is not None:
+            if not isinstance(pinned, bool):
+                raise BadRequest(f"pinned must be True or False, got {pinned!r:.40}")
+            was = self.conversations.pinned
+            self.conversations.set_pinned(was | {tenant} if pinned else was - {tenant})
         return {"edge": self.name, "region": self.region,
                 **await asyncio.to_thread(self.conversations.set_policy, tenant, ttl_s, budget_bytes,
                                           max_ttl_s)}

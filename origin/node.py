@@ -29,7 +29,7 @@ import time
 
 from kdn.core.auth import Tokens
 from kdn.core.checks import check_int, check_number
-from kdn.core.chunk import Chunk
+from kdn.core.chunk import Chunk, Encoded
 from kdn.core.emphasis import OVERRIDE_META, check_copy, copy_of, is_emphasized, own_manifests
 from kdn.core.errors import BadRequest, KDNError, ManifestError, StoreError, VersionNotFound
 from kdn.core.keys import MAX_TOKENS_PER_KB, check_key, namespace_digest
@@ -113,7 +113,9 @@ class OriginNode:
                 time.sleep(wait)
         self.actors = actors if actors is not None else Actors(network, token=self.tokens.admin)
         # each ping carries the drop log's head: an edge behind it replays (origin/drops.py)
-        self.health = Health(self.actors, beat=lambda: {"drops": self.store.drops.state()})
+        # and the tenants whose conversations are pinned (origin/conversations.py)
+        self.health = Health(self.actors, beat=lambda: {
+            "drops": self.store.drops.state(), "conversation_pins": sorted(self.store.conversations.tenants)})
         self.pusher = Pusher(self.store, self.actors, self.roster)
         self.counters = collections.Counter(chunks_received=0, chunks_written=0, versions_committed=0,
                                             chunks_served=0, rehomed_chunks=0, health_errors=0)
@@ -555,3 +557,68 @@ class OriginNode:
         """The token configuration, for an edge an operator adds (admin only)."""
         self.tokens.check_admin(token, "auth_config")
         return self.tokens.to_dict()
+
+    # --- pinned conversations (origin/conversations.py) -------------------------------------
+    async def set_conversation_pin(self, tenant: str, pinned: bool, token=None) -> dict:
+        """Pin a tenant's conversation KV (its home edges send what they keep here) or unpin it
+        (its chunks here are deleted; edges keep theirs under the tenant's TTL). Durable; every
+        edge hears it with the next health ping. {"tenant", "pinned", "deleted": chunks}."""
+        self.tokens.check_admin(token, "set_conversation_pin")
+        tenant = _name(tenant, "tenant")
+        if not isinstance(pinned, bool):
+            raise BadRequest(f"pinned must be True or False, got {pinned!r:.40}")
+        await asyncio.to_thread(self.store.conversations.set_pinned, tenant, pinned)
+        deleted = 0 if pinned else await asyncio.to_thread(self.store.delete_conversation, tenant)
+        return {"tenant": tenant, "pinned": pinned, "deleted": deleted}
+
+    async def pinned_conversations(self, tenant: str = None, token=None) -> dict:
+        """{"tenants": pinned tenants} and, given tenant, {"chunks": {ns hex: chunks kept here}}."""
+        self.tokens.check_admin(token, "pinned_conversations")
+        out = {"tenants": sorted(self.store.conversations.tenants)}
+        if tenant is not None:
+            out["chunks"] = await asyncio.to_thread(self.store.conversations.listing, _name(tenant, "tenant"))
+        return out
+
+    async def put_conversation(self, tenant: str, ns: bytes, chunks, token=None) -> dict:
+        """A home edge's chunks of a pinned tenant's conversation, stored durably before the
+        answer (origin/store.py: put_conversation). BadRequest for a tenant not pinned, or
+        chunks that are not exact Chunks of ns. {"received", "written"}."""
+        self.tokens.check_admin(token, "put_conversation")
+        tenant, ns = _name(tenant, "tenant"), _ns(ns)
+        if not self.store.conversations.pinned(tenant):
+            raise BadRequest(f"tenant {tenant!r} has no pinned conversations: pin it first")
+        if not isinstance(chunks, (list, tuple)) or len(chunks) > MAX_CHUNKS_PER_CALL:
+            raise BadRequest(f"put_conversation takes a list of at most {MAX_CHUNKS_PER_CALL} chunks")
+        chunks = [c.decode() if isinstance(c, Encoded) and c.exact else c for c in chunks]
+        bad = next((c for c in chunks if not isinstance(c, Chunk) or c.opaque or c.ns != ns), None)
+        if bad is not None:
+            raise BadRequest(f"put_conversation takes exact chunks of namespace {ns.hex()}, got "
+                             f"{type(bad).__name__}")
+        if sum(c.nbytes for c in chunks) > MAX_BYTES_PER_CALL:
+            raise BadRequest(f"put_conversation carries more than {MAX_BYTES_PER_CALL} bytes: split it")
+        results = await asyncio.to_thread(self.store.put_conversation, tenant, ns, chunks)
+        written = sum(w for w, _ in results)
+        self.counters["conversation_chunks_received"] += len(chunks)
+        self.counters["chunks_written"] += written
+        return {"received": len(chunks), "written": written}
+
+    async def conversation_chunks(self, tenant: str, ns: bytes, keys, token=None) -> list:
+        """Chunks of the longest prefix of keys that tenant's pinned conversation namespace ns
+        holds here (an edge's pull-through; [] when none), stopping at the first unreadable."""
+        self.tokens.check_admin(token, "conversation_chunks")
+        tenant, ns, keys = _name(tenant, "tenant"), _ns(ns), _keys(keys)
+
+        def read():
+            named = self.store.conversation_prefix(tenant, ns, keys)
+            got = outgoing(self.store, named, self.store.map)
+            return got[:next((i for i, c in enumerate(got) if c is None), len(got))]
+        chunks = await asyncio.to_thread(read)
+        self.counters["chunks_served"] += len(chunks)
+        return chunks
+
+    async def drop_conversations(self, tenant: str, token=None) -> dict:
+        """Delete a tenant's pinned conversation KV here (it stays pinned: later turns are kept
+        again). {"tenant", "deleted": chunks}."""
+        self.tokens.check_admin(token, "drop_conversations")
+        tenant = _name(tenant, "tenant")
+        return {"tenant": tenant, "deleted": await asyncio.to_thread(self.store.delete_conversation, tenant)}

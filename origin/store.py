@@ -75,6 +75,7 @@ from kdn.core.errors import (ChunkNotFound, CorruptChunk, FrameError, ManifestEr
 from kdn.core.files import make_dirs
 from kdn.core.keys import check_key
 from kdn.core.manifest import Manifest, check_name
+from kdn.origin.conversations import PinnedConversations
 from kdn.origin.drops import DropLog
 from kdn.origin.objects import CORRUPT_SUFFIX, LocalObjects, open_objects
 
@@ -147,6 +148,8 @@ class ChunkStore:
         self._count, self._bytes = self._scan_chunks()
         # every key removed is logged here first, for edges that miss the drop (origin/drops.py)
         self.drops = DropLog(self.objects)
+        # pinned tenants' conversation KV and the records naming its keys (origin/conversations.py)
+        self.conversations = PinnedConversations(self.objects)
 
     # --- opening -----------------------------------------------------------------------
     def _scan_chunks(self):
@@ -598,7 +601,7 @@ class ChunkStore:
             object_ttl_s = check_number(object_ttl_s, "object_ttl_s", 0, error=StoreError)
         now = time.time() if now is None else now
         with self._lock:
-            live = set(self._pending)
+            live = set(self._pending) | self.conversations.live()
             for m in self.manifests():
                 live.update(m.keys)
             held = self.quarantined()
@@ -647,6 +650,49 @@ class ChunkStore:
             return None
         return _GONE if when is None else max(0.0, now - when)
 
+    # --- pinned conversations (origin/conversations.py) -----------------------------------
+    def put_conversation(self, tenant: str, ns: bytes, chunks) -> list:
+        """Store a pinned conversation's chunks (Chunks of namespace ns) durably and record them
+        for (tenant, ns): [(written, sum)] in order. The keys are live (collect keeps them) from
+        the put on: pending until the record is written, the record's after."""
+        ns = _ns(ns)
+        bad = next((c for c in chunks if not isinstance(c, Chunk) or c.opaque or c.ns != ns), None)
+        if bad is not None:
+            raise StoreError(f"put_conversation() takes Chunks of namespace {ns.hex()}, got {bad!r:.80}")
+        results = self.put_chunks(chunks)
+        self.conversations.record(tenant, ns, [_key(c.key) for c in chunks])
+        self.release(c.key for c in chunks)
+        return results
+
+    def conversation_prefix(self, tenant: str, ns: bytes, keys) -> list:
+        """The longest prefix of keys that records of (tenant, ns) name: another tenant's or
+        namespace's keys are never among them."""
+        named = self.conversations.keys_of(tenant, _ns(ns))
+        keys = [_key(k) for k in keys]
+        return keys[:next((i for i, k in enumerate(keys) if k not in named), len(keys))]
+
+    def delete_conversation(self, tenant: str) -> int:
+        """Forget a tenant's pinned conversations and delete their chunks, each checked to be
+        of the recorded namespace by its frame header. Not logged in the drop log: the home
+        edge's copy is the bytes these were (origin/conversations.py). How many were deleted."""
+        n = 0
+        with self._lock:
+            for ns, keys in self.conversations.forget(tenant).items():
+                keys = sorted(keys - self._pending)
+                mine = [k for k, k_ns in zip(keys, self.map(self.ns_of, keys)) if k_ns == ns]
+                n += sum(self._delete_chunk(k) for k in mine)
+        return n
+
+    def _delete_chunk(self, key: bytes) -> bool:
+        """Delete one chunk's object and its accounting (under the lock); False if it was gone."""
+        size = self.objects.size(_chunk_name(key))
+        if size is None or not self.objects.delete(_chunk_name(key)):
+            return False
+        self._count -= 1
+        self._bytes -= size
+        self._sums.pop(key, None)
+        return True
+
     def delete_objects(self, keys, ns: bytes) -> list:
         """Delete the opaque objects of namespace ns under keys (a host layer's own delete);
         a key that is not such an object (absent, a KB's chunk, another namespace's) is left
@@ -660,17 +706,10 @@ class ChunkStore:
             except (FileNotFoundError, FrameError):
                 return False
             return header["dtype"] == OPAQUE and header["ns"] == ns
-        gone = []
         with self._lock:
             mine = [k for k, m in zip(keys, self.map(ours, keys)) if m]
             self.drops.append(mine)                  # logged before any is gone
-            for k in mine:
-                n = self.objects.size(_chunk_name(k))
-                if n is not None and self.objects.delete(_chunk_name(k)):
-                    self._count -= 1
-                    self._bytes -= n
-                    self._sums.pop(k, None)
-                    gone.append(k)
+            gone = [k for k in mine if self._delete_chunk(k)]
         return gone
 
     def verify(self) -> list:

@@ -340,12 +340,17 @@ def _conversations(args, rest):
         print(f"dropped {sum(n or 0 for n in got.values())} conversation chunks of tenant {args.tenant!r} "
               f"({', '.join(f'{e} {n}' if n is not None else f'{e} DOWN' for e, n in got.items())})")
         return 0 if all(n is not None for n in got.values()) else 1
+    if args.pin is not None:
+        r = cl.pin_conversations(pinned=args.pin)
+        print(f"tenant {args.tenant!r}: conversation KV " + ("pinned at the origin" if args.pin else
+              f"unpinned ({r['deleted']} chunks deleted at the origin)"))
     if args.ttl is not None or args.budget is not None or args.max_ttl is not None:
         cl.set_conversation_policy(ttl_s=args.ttl, max_ttl_s=args.max_ttl, budget_bytes=budget)
     got = cl.conversations()
+    at_origin = cl.pinned_conversations()
     if args.json:
         import json
-        print(json.dumps(got))
+        print(json.dumps({"edges": got, "origin": at_origin}))
         return 0
     rows = []
     for e in got:
@@ -360,6 +365,9 @@ def _conversations(args, rest):
                      "budget": _gib(p["budget_bytes"])})
     print(f"conversation KV of tenant {args.tenant!r}:")
     table(rows)
+    if at_origin["pinned"] or at_origin["chunks"]:
+        print(f"pinned at the origin: {'yes' if at_origin['pinned'] else 'no'}, "
+              f"{sum(at_origin['chunks'].values())} chunks in {len(at_origin['chunks'])} namespaces")
     return 0 if all(not e.get("down") for e in got) else 1
 
 
@@ -609,7 +617,8 @@ def _collect_args(sub):
 
 def _conversations_args(sub):
     c = sub.add_parser("conversations", help="a tenant's conversation KV on every edge (what `kdn serve` "
-                                             "kept of its chats): list it, set its TTL and budget, drop it")
+                                             "kept of its chats): list it, set its TTL and budget, pin "
+                                             "it at the origin, drop it")
     c.add_argument("--tenant", default="default")
     c.add_argument("--ttl", type=float, default=None, metavar="SECONDS",
                    help="the tenant's idle TTL (default 1800; prompt_cache_retention in_memory)")
@@ -618,6 +627,12 @@ def _conversations_args(sub):
     c.add_argument("--budget", default=None, metavar="SIZE",
                    help="the tenant's conversation KV per edge, e.g. 512MiB (default 1GiB)")
     c.add_argument("--drop", action="store_true", help="drop the tenant's conversation KV everywhere")
+    pin = c.add_mutually_exclusive_group()
+    pin.add_argument("--pin", dest="pin", action="store_const", const=True, default=None,
+                     help="keep the tenant's conversation KV at the origin too (a long-lived agent's "
+                          "context outlives its home edge's restart, eviction and TTL)")
+    pin.add_argument("--unpin", dest="pin", action="store_const", const=False,
+                     help="no longer: the origin's copies are deleted")
     c.add_argument("--json", action="store_true")
     _network_args(c)
     c.set_defaults(func=_conversations)

@@ -5,7 +5,7 @@ view of the network (kdn.client.view: membership, the nearest live edge, failove
 - reads (kdn.client.reader): a prompt's keys, manifests, fetch with verification, lookup;
 - publishing (kdn.client.publish): chunks to the origin, only those it lacks, manifest last;
 - operator calls (kdn.client.operator): pin, replicas, TTL, warm, delete, add/remove edge, status,
-  and a tenant's conversation KV (list, drop, TTL and budget).
+  and a tenant's conversation KV (list, drop, TTL, budget, pinned at the origin).
 
 Reads and publishing are per namespace, so they need the model's fingerprint
 (`fingerprint=model.fingerprint`); operator calls do not, so `kdn status` connects without
@@ -169,6 +169,12 @@ class Client:
 
     def drop_conversations(self, tenant: str = None) -> dict:
         return self.operator.drop_conversations(tenant)
+
+    def pin_conversations(self, tenant: str = None, pinned: bool = True) -> dict:
+        return self.operator.pin_conversations(tenant, pinned)
+
+    def pinned_conversations(self, tenant: str = None) -> dict:
+        return self.operator.pinned_conversations(tenant)
 
     def set_conversation_policy(self, tenant: str = None, ttl_s: float = None, budget_bytes: int = None,
                                 max_ttl_s: float = None) -> list:

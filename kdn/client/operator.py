@@ -98,8 +98,33 @@ class Operator:
         return self._each_edge("conversations_of", tenant or self.tenant)
 
     def drop_conversations(self, tenant: str = None) -> dict:
-        """Drop a tenant's conversation KV on every edge: {edge: chunks dropped, or None if down}."""
-        return {r["edge"]: r.get("value") for r in self._each_edge("drop_conversations", tenant or self.tenant)}
+        """Drop a tenant's conversation KV on every edge and, of a pinned tenant, at the origin:
+        {edge: chunks dropped, or None if down}, and {"origin": chunks deleted there}."""
+        tenant = tenant or self.tenant
+        out = {r["edge"]: r.get("value") for r in self._each_edge("drop_conversations", tenant)}
+        out["origin"] = self.view.origin("drop_conversations", tenant, timeout=OVERRIDE_TIMEOUT_S)["deleted"]
+        return out
+
+    def pin_conversations(self, tenant: str = None, pinned: bool = True) -> dict:
+        """Keep a tenant's conversation KV at the origin too (origin/conversations.py: a
+        long-lived agent's context survives its home edge's restart, eviction and TTL), or
+        with pinned=False no longer (the origin's copies are deleted; the edges keep theirs
+        under the tenant's TTL). Takes effect for the chunks stored from now on (and the starts of
+        the conversations they extend). The origin records it durably, then every edge hears
+        it (here at once; an edge down now, with the origin's next ping once it is back).
+        {"tenant", "pinned", "deleted": chunks deleted at the origin, "edges": [per edge]}."""
+        tenant = tenant or self.tenant
+        if not isinstance(pinned, bool):
+            raise BadRequest(f"pinned must be True or False, got {pinned!r:.40}")
+        got = self.view.origin("set_conversation_pin", tenant, pinned, timeout=OVERRIDE_TIMEOUT_S)
+        got["edges"] = self._each_edge("set_conversation_policy", tenant, pinned=pinned)
+        return got
+
+    def pinned_conversations(self, tenant: str = None) -> dict:
+        """What the origin keeps of a tenant's conversations: {"pinned": bool, "chunks": {ns hex: n}}."""
+        tenant = tenant or self.tenant
+        got = self.view.origin("pinned_conversations", tenant)
+        return {"pinned": tenant in got["tenants"], "chunks": got["chunks"]}
 
     def set_conversation_policy(self, tenant: str = None, ttl_s: float = None, budget_bytes: int = None,
                                 max_ttl_s: float = None) -> list:

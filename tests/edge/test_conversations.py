@@ -108,7 +108,8 @@ def test_the_operators_settings_apply_at_once_and_bad_ones_are_refused():
     for bad in ({"ttl_s": 0}, {"ttl_s": float("nan")}, {"budget_bytes": -1}, {"max_ttl_s": 10 ** 9}):
         with pytest.raises(BadRequest):
             c.set_policy("a", **bad)
-    assert c.policy_of("a") == {"tenant": "a", "ttl_s": 50, "max_ttl_s": 86400.0, "budget_bytes": 200}
+    assert c.policy_of("a") == {"tenant": "a", "ttl_s": 50, "max_ttl_s": 86400.0, "budget_bytes": 200,
+                                "pinned": False}
 
 
 def test_a_chunk_larger_than_the_budget_is_refused_not_flushing_everything():
@@ -359,3 +360,88 @@ def test_a_spill_the_disk_fails_or_evicts_at_once_loses_that_chunk_and_nothing_e
     c.put("a", chunks[2].key, helds[2])               # chunk 1 moves out: its file is gone at once
     assert chunks[1].key not in c and c.stats()["chunks"] == 1 and c._spilling == {}
     assert c.stats()["tenant_bytes"] == {"a": chunks[2].nbytes} and files(disk) == set()
+
+
+# --- a pinned tenant (origin/conversations.py): the edge keeps the origin's copy in step -------
+class ToOrigin:
+    """The edge's calls to ORIGIN_NODE, answered by a real OriginNode in this process (its
+    store in a folder), or Unreachable while `down`."""
+
+    def __init__(self, origin):
+        self.origin, self.down, self.calls = origin, False, []
+
+    async def call(self, node, method, *args, timeout=None, **kw):
+        from kdn.core.rpc import Unreachable
+        self.calls.append(method)
+        if self.down:
+            raise Unreachable(f"{node} is down (a test's)")
+        return await getattr(self.origin, method)(*args, token=ADMIN, **kw)
+
+
+@pytest.fixture
+def pinned_edge(kit, tmp_path):
+    """(edge, origin, stand-in) with tenant acme pinned at the origin and the edge told so."""
+    import asyncio
+    from kdn.origin.node import OriginNode
+    origin = OriginNode("t", str(tmp_path / "origin"), kit.topology(), auth=AUTH, actors=object())
+    asyncio.run(origin.set_conversation_pin("acme", True, token=ADMIN))
+    edge = kit.local_edge([], auth=AUTH)
+    edge.peers.actors = ToOrigin(origin)
+    asyncio.run(edge.ping(conversation_pins=["acme"]))
+    return edge, origin, edge.peers.actors
+
+
+def test_a_pinned_tenants_chunks_reach_the_origin_and_come_back_when_the_edge_lost_them(pinned_edge, kit):
+    import asyncio
+    edge, origin, _ = pinned_edge
+    scope, ns, chunks = conversation(kit, n=4)
+    keys = [c.key for c in chunks]
+    asyncio.run(edge.put_conversation(chunks[:2], "acme", "fp", scope, token=ACME))   # stored whole
+    assert origin.store.conversation_prefix("acme", ns, keys) == keys[:2]
+    assert edge.conversations.policy_of("acme")["pinned"]
+    assert asyncio.run(edge.drop_conversations("acme", token=ADMIN)) == 2          # the edge's copy only
+    assert asyncio.run(edge.conversation_lookup(keys, ns, "acme", "fp", scope, token=ACME)) == 2
+    got = asyncio.run(edge.conversation_fetch(keys, ns, "acme", "fp", scope, token=ACME))
+    assert [resolved(o).kv.tobytes() for o in got["refs"]] == [c.kv.tobytes() for c in chunks[:2]]
+    assert edge.counters["conversation_pulled_chunks"] == 2
+    # a conversation pinned midway: its next store sends the origin its start too
+    _, other_ns, other = conversation(kit, n=3, salt="late")
+    other_scope = conversation(kit, salt="late")[0]
+    edge.conversations.set_pinned([])
+    asyncio.run(edge.put_conversation(other[:2], "acme", "fp", other_scope, token=ACME))
+    edge.conversations.set_pinned(["acme"])
+    asyncio.run(edge.put_conversation(other[2:], "acme", "fp", other_scope, head=[c.key for c in other[:2]],
+                                      token=ACME))
+    assert origin.store.conversation_prefix("acme", other_ns, [c.key for c in other]) == [c.key for c in other]
+
+
+def test_a_key_keeps_the_origins_bytes_and_an_unreachable_origin_costs_only_the_copy(pinned_edge, kit):
+    import asyncio
+    edge, origin, to_origin = pinned_edge
+    scope, ns, chunks = conversation(kit, n=2)
+    asyncio.run(edge.put_conversation(chunks, "acme", "fp", scope, token=ACME))
+    asyncio.run(edge.drop_conversations("acme", token=ADMIN))
+    # a worker that recomputed the same keys (other last bits) after the edge lost them
+    from kdn.core.chunk import Chunk
+    again = [Chunk(c.key, c.ns, c.kv + 1e-6, "float32") for c in chunks]
+    assert asyncio.run(edge.put_conversation(again, "acme", "fp", scope, token=ACME)) == 2
+    got = asyncio.run(edge.conversation_fetch([c.key for c in chunks], ns, "acme", "fp", scope, token=ACME))
+    assert [resolved(o).kv.tobytes() for o in got["refs"]] == [c.kv.tobytes() for c in chunks]
+    # the origin down: the chunks are kept here all the same, and the failure counted
+    _, _, more = conversation(kit, n=2, salt="offline")
+    to_origin.down = True
+    assert asyncio.run(edge.put_conversation(more, "acme", "fp", conversation(kit, salt="offline")[0],
+                                             token=ACME)) == 2
+    assert edge.counters["conversation_pin_failures"] == 1
+    assert edge.conversations.not_at_origin([c.key for c in more]) == [c.key for c in more]
+    # unpinned at the origin (a refusal): counted, nothing lost here
+    to_origin.down = False
+    asyncio.run(origin.set_conversation_pin("acme", False, token=ADMIN))
+    _, _, last = conversation(kit, n=1, salt="after")
+    assert asyncio.run(edge.put_conversation(last, "acme", "fp", conversation(kit, salt="after")[0],
+                                             token=ACME)) == 1
+    assert edge.counters["conversation_pin_refused"] == 1
+    m = samples(edge)
+    assert m[("kdn_edge_conversation_origin_chunks_total", (("direction", "pulled"),))] == 2
+    assert m[("kdn_edge_conversation_pin_failures_total", (("reason", "unreachable"),))] == 1
+    assert m[("kdn_edge_conversation_pin_failures_total", (("reason", "refused"),))] == 1

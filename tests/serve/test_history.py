@@ -171,6 +171,41 @@ def test_an_idle_ttl_empties_the_home_edge(net, model):
 
 
 
+def test_a_pinned_tenants_conversation_outlives_its_home_edges_copy(net, model):
+    """Client.pin_conversations (origin/conversations.py): pinned midway, the home edge sends
+    the origin the new chunks and the conversation's start; when the edge no longer holds
+    them (its TTL, an eviction or a restart: here an edge-level drop) the next turn still reads
+    the whole history, pulled back from the origin, and answers as a full prefill. Another
+    tenant's copied salt reads nothing; unpinning deletes the origin's copies."""
+    ops = Client(network=net.name, region="us-east", tenant="beta", admin_token=ADMIN)
+    c = chat(net, model, tenant="beta", token=BETA)
+    t1, kept1, second = two_turns(c, salt="agent-7")                 # kept before the pin: edge only
+    second[-1] = {"role": "user", "content": "More output:\n" + TOOL + "\nAnd now?"}   # whole chunks more
+    assert ops.pinned_conversations() == {"pinned": False, "chunks": {}}
+    pinned = ops.pin_conversations()
+    assert pinned["pinned"] and all(e["pinned"] for e in pinned["edges"])
+    try:
+        t2 = c.begin(None, second, 12, salt="agent-7")
+        tokens2, text2 = answer(c, t2)
+        kept2 = c.keep(t2, tokens2, text2)
+        assert kept2["chunks"] >= 1 and kept2["edge"] == kept1["edge"], (kept2, c.history.counters, t2.history)
+        whole = kept1["chunks"] + kept2["chunks"]
+        assert sum(ops.pinned_conversations()["chunks"].values()) == whole   # the start went too
+        ops.view.edge_at(kept1["edge"], "drop_conversations", "beta", token=ADMIN)   # the edge's copy only
+        assert ops.view.edge_at(kept1["edge"], "conversations_of", "beta", token=ADMIN)["conversations"] == []
+        third = second + [{"role": "assistant", "content": text2}, {"role": "user", "content": "Which is next?"}]
+        t3 = c.begin(None, third, 12, salt="agent-7")
+        assert t3.history.get("fetched") and t3.cached == whole * 256, (t3.history, c.history.counters)
+        tokens3, _ = answer(c, t3)
+        assert tokens3 == full_prefill(model, t3.prompt)
+        assert chat(net, model).begin(None, third, 12, salt="agent-7").cached == 0    # acme, copied salt
+    finally:
+        unpinned = ops.pin_conversations(pinned=False)
+    assert not unpinned["pinned"] and unpinned["deleted"] == whole
+    assert ops.pinned_conversations() == {"pinned": False, "chunks": {}}
+    ops.drop_conversations()
+
+
 def test_an_operator_lists_sets_and_drops_a_tenants_conversations(net, model, ray_cluster, kdn_cli,
                                                                    monkeypatch):
     """Python (Client.conversations, set_conversation_policy, drop_conversations) and the CLI
@@ -187,7 +222,8 @@ def test_an_operator_lists_sets_and_drops_a_tenants_conversations(net, model, ra
     monkeypatch.setenv("KDN_ADMIN_TOKEN", ADMIN)
     where = ["--address", ray_cluster.address, "--network", net.name, "--tenant", "acme"]
     rc, out = kdn_cli("conversations", *where, "--json")
-    assert rc == 0 and all(e["policy"]["budget_bytes"] == 512 << 20 for e in json.loads(out))
+    assert rc == 0 and all(e["policy"]["budget_bytes"] == 512 << 20 for e in json.loads(out)["edges"])
+    assert json.loads(out)["origin"] == {"pinned": False, "chunks": {}}
     rc, out = kdn_cli("status", "--address", ray_cluster.address, "--network", net.name)
     assert "conversation KV by tenant: acme " in out and "conversations" in out, out
     rc, out = kdn_cli("conversations", *where, "--drop")
@@ -196,3 +232,12 @@ def test_an_operator_lists_sets_and_drops_a_tenants_conversations(net, model, ra
     assert chat(net, model).begin(None, second, 12, salt="operated").cached == 0
     assert kdn_cli("conversations", *where, "--budget", "lots")[0] == 2
     ops.set_conversation_policy(ttl_s=1800, budget_bytes=1 << 30)
+    rc, out = kdn_cli("conversations", *where, "--pin")
+    assert rc == 0 and "tenant 'acme': conversation KV pinned at the origin" in out
+    assert "pinned at the origin: yes, 0 chunks in 0 namespaces" in out
+    rc, out = kdn_cli("conversations", *where, "--unpin", "--json")
+    assert rc == 0 and json.loads(out.splitlines()[-1])["origin"] == {"pinned": False, "chunks": {}}
+    assert not any(e["policy"]["pinned"] for e in json.loads(out.splitlines()[-1])["edges"])
+    with pytest.raises(SystemExit) as refused:                  # argparse: one or the other
+        kdn_cli("conversations", *where, "--pin", "--unpin")
+    assert refused.value.code == 2

@@ -112,17 +112,11 @@ def implementation() -> str:
 def main(past: int = 3700, new: int = 1000):
     """Time one layer's attention both ways, then the model's whole forward of `new` tokens
     over `past` cached (SmolLM2's shapes), on this machine's threads."""
-    import time
+    from kdn.bench import timeit
     from kdn.engines.transformers.model import load_model
 
     def best(f, n=3):
-        f()
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return min(timeit(f, reps=n))
     model = load_model()
     heads, kv_heads = model.hf.config.num_attention_heads, model.kv_heads
     torch.manual_seed(0)
