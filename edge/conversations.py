@@ -106,6 +106,14 @@ class Conversations:
         return {"tenant": tenant, "ttl_s": self.ttl_of(tenant), "max_ttl_s": self.max_ttl_of(tenant),
                 "budget_bytes": self.budget_of(tenant), "pinned": tenant in self.pinned}
 
+    def differs(self, tenant: str, ttl_s=None, budget_bytes=None, max_ttl_s=None) -> bool:
+        """Whether set_policy(tenant, these) would change the tenant's settings here (None:
+        not set; the TTL as set_policy caps it by the maximum)."""
+        cap = self.max_ttl_of(tenant) if max_ttl_s is None else max_ttl_s
+        return ((max_ttl_s is not None and self.max_ttl_of(tenant) != max_ttl_s)
+                or (budget_bytes is not None and self.budget_of(tenant) != budget_bytes)
+                or (ttl_s is not None and self.ttl_of(tenant) != min(ttl_s, cap)))
+
     # --- pinned tenants (origin/conversations.py) -------------------------------------------
     def set_pinned(self, tenants) -> None:
         """The tenants whose conversations the origin keeps (the origin's pings, an operator)."""

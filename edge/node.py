@@ -205,19 +205,31 @@ class EdgeNode:
         if m is not None and self.membership.apply(m):
             self.counters["membership_refreshed"] += 1
 
-    async def ping(self, token=None, drops=None, conversation_pins=None) -> dict:
+    async def ping(self, token=None, drops=None, conversation_policies=None) -> dict:
         """Alive; starts the background work (and HTTP) on the first call. drops: the origin's
         drop-log state its health pings carry; one this edge has not replayed starts a catch-up.
-        conversation_pins: the tenants whose conversations the origin keeps (its pings carry them)."""
+        conversation_policies: the tenants' conversation policies the origin keeps (its pings
+        carry them: origin/conversations.py), applied here where they differ."""
         self._start_background()
-        if conversation_pins is not None:
-            self.conversations.set_pinned(conversation_pins)
+        if conversation_policies is not None:
+            await self._apply_policies(conversation_policies)
         if drops is not None and self.replay.behind(drops):
             self._catch_up()
         if self.http_port_wanted is not None and self.http is None:
             await self.start_http(self.http_port_wanted, self.http_host, token=self.tokens.admin)
         return {"role": "edge", "name": self.name, "region": self.region, "pid": os.getpid(),
                 "http": self.http_address()}
+
+    async def _apply_policies(self, policies: dict) -> None:
+        """The origin's conversation policies: which tenants are pinned, and each tenant's TTL,
+        maximum TTL and budget where they differ from this edge's (applied at once, in a
+        worker thread: a smaller budget may move chunks to disk)."""
+        self.conversations.set_pinned(t for t, p in policies.items() if p.get("pinned"))
+        for tenant, p in policies.items():
+            want = {k: p.get(k) for k in ("ttl_s", "budget_bytes", "max_ttl_s")}
+            if self.conversations.differs(tenant, **want):
+                await asyncio.to_thread(self.conversations.set_policy, tenant, **want)
+                self.counters["conversation_policies_applied"] += 1
 
     def http_address(self, token=None):
         """This edge's HTTP base URL (None when it serves none)."""

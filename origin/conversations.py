@@ -1,4 +1,4 @@
-"""Pinned conversations: a tenant's conversation KV kept durably at the origin, on an operator's word.
+"""Tenants' conversation policies, and pinned conversations: KV kept durably at the origin.
 
 Conversation KV is soft state at its home edge (edge/conversations.py): an idle TTL, a byte
 budget, and an edge that restarts or evicts loses it. An operator can pin a tenant's
@@ -10,7 +10,10 @@ from here (pull-through), so the next turn still finds its history.
 
 What this module keeps, in the store's own objects (a directory or a bucket, so the origin
 can restart anywhere):
-- conversations/pinned.msgpack: the pinned tenants (a set, rewritten whole);
+- conversations/policies.msgpack: each tenant's conversation policy as an operator set it
+  (idle TTL, longest TTL a request may ask for, byte budget per edge, pinned), rewritten
+  whole. The origin's health pings carry it, so every edge, a restarted one too, applies it
+  within a second (edge/conversations.py keeps what it applies in memory only);
 - conversations/<tenant digest>/<ns hex>/<digest of the keys>.keys: one record per batch an
   edge stored, the keys it holds, of one tenant and conversation namespace. A key is live
   while a record names it (ChunkStore.collect keeps it) and a read may only ask for keys a
@@ -32,11 +35,13 @@ import threading
 import msgpack
 import xxhash
 
-from kdn.core.errors import StoreError
+from kdn.core.conversation import check_budget, check_ttl
+from kdn.core.errors import BadRequest, StoreError
 from kdn.core.keys import KEY_BYTES
 
 PREFIX = "conversations/"
-PINS = PREFIX + "pinned.msgpack"
+POLICIES = PREFIX + "policies.msgpack"
+FIELDS = {"ttl_s": check_ttl, "max_ttl_s": check_ttl, "budget_bytes": check_budget, "pinned": None}
 RECORD_SUFFIX = ".keys"
 
 
@@ -45,42 +50,69 @@ def tenant_dir(tenant: str) -> str:
     return f"{PREFIX}{xxhash.xxh3_64_hexdigest(tenant.encode('utf-8'))}/"
 
 
-class PinnedConversations:
-    """The pinned tenants and the keys each pinned conversation namespace holds (see module)."""
+class OriginConversations:
+    """The tenants' policies and the keys each pinned conversation namespace holds (see module)."""
 
     def __init__(self, objects):
         self.objects = objects
         self._lock = threading.Lock()
-        self.tenants = self._load()
+        self.policies = self._load()    # tenant -> {field: value} of the fields an operator set
         self._index = {}       # (tenant, ns) -> set of keys its records name, once read
 
-    def _load(self) -> set:
+    def _load(self) -> dict:
         try:
-            raw = self.objects.get(PINS)
+            raw = self.objects.get(POLICIES)
         except FileNotFoundError:
-            return set()
+            return {}
+        bad = f"{self.objects.where(POLICIES)} is not the tenants' conversation policies"
         try:
-            tenants = msgpack.unpackb(raw)
+            policies = msgpack.unpackb(raw)
         except (ValueError, msgpack.ExtraData) as e:
-            raise StoreError(f"{self.objects.where(PINS)} is not a list of pinned tenants ({e}); "
-                             "restore it or delete it (no tenant is then pinned)") from None
-        if not isinstance(tenants, list) or not all(isinstance(t, str) for t in tenants):
-            raise StoreError(f"{self.objects.where(PINS)} is not a list of pinned tenants")
-        return set(tenants)
+            raise StoreError(f"{bad} ({e}); restore it or delete it (every tenant then has the "
+                             "defaults, none pinned)") from None
+        if not isinstance(policies, dict) or not all(
+                isinstance(t, str) and isinstance(p, dict) and set(p) <= set(FIELDS) for t, p in policies.items()):
+            raise StoreError(bad)
+        return policies
+
+    @property
+    def tenants(self) -> set:
+        """The pinned tenants."""
+        with self._lock:
+            return {t for t, p in self.policies.items() if p.get("pinned")}
 
     def pinned(self, tenant: str) -> bool:
         with self._lock:
-            return tenant in self.tenants
+            return bool(self.policies.get(tenant, {}).get("pinned"))
+
+    def set_policy(self, tenant: str, **fields) -> dict:
+        """Set these fields of tenant's policy (None: leave as is), durably; BadRequest naming
+        a bad value before anything changes. The tenant's whole policy as it is now."""
+        unknown = set(fields) - set(FIELDS)
+        if unknown:
+            raise BadRequest(f"a conversation policy has no {', '.join(sorted(unknown))}")
+        checked = {}
+        for k, v in fields.items():
+            if v is None:
+                continue
+            if k == "pinned":
+                if not isinstance(v, bool):
+                    raise BadRequest(f"pinned must be True or False, got {v!r:.40}")
+                checked[k] = v
+            else:
+                checked[k] = FIELDS[k](v, f"conversation {k}")
+        with self._lock:
+            now = {**self.policies, tenant: {**self.policies.get(tenant, {}), **checked}}
+            if now != self.policies:
+                self.objects.put(POLICIES, [msgpack.packb(now)])
+                self.policies = now
+            return dict(self.policies.get(tenant, {}))
 
     def set_pinned(self, tenant: str, pinned: bool) -> bool:
         """Pin or unpin tenant, durably; whether that changed anything."""
-        with self._lock:
-            if (tenant in self.tenants) == pinned:
-                return False
-            now = self.tenants | {tenant} if pinned else self.tenants - {tenant}
-            self.objects.put(PINS, [msgpack.packb(sorted(now))])
-            self.tenants = now
-            return True
+        was = self.pinned(tenant)
+        self.set_policy(tenant, pinned=pinned)
+        return was != pinned
 
     def record(self, tenant: str, ns: bytes, keys) -> str:
         """Name keys as held for (tenant, ns), durably; the record's name."""

@@ -113,9 +113,9 @@ class OriginNode:
                 time.sleep(wait)
         self.actors = actors if actors is not None else Actors(network, token=self.tokens.admin)
         # each ping carries the drop log's head: an edge behind it replays (origin/drops.py)
-        # and the tenants whose conversations are pinned (origin/conversations.py)
+        # and the tenants' conversation policies (origin/conversations.py)
         self.health = Health(self.actors, beat=lambda: {
-            "drops": self.store.drops.state(), "conversation_pins": sorted(self.store.conversations.tenants)})
+            "drops": self.store.drops.state(), "conversation_policies": self.store.conversations.policies})
         self.pusher = Pusher(self.store, self.actors, self.roster)
         self.counters = collections.Counter(chunks_received=0, chunks_written=0, versions_committed=0,
                                             chunks_served=0, rehomed_chunks=0, health_errors=0)
@@ -559,17 +559,19 @@ class OriginNode:
         return self.tokens.to_dict()
 
     # --- pinned conversations (origin/conversations.py) -------------------------------------
-    async def set_conversation_pin(self, tenant: str, pinned: bool, token=None) -> dict:
-        """Pin a tenant's conversation KV (its home edges send what they keep here) or unpin it
-        (its chunks here are deleted; edges keep theirs under the tenant's TTL). Durable; every
-        edge hears it with the next health ping. {"tenant", "pinned", "deleted": chunks}."""
-        self.tokens.check_admin(token, "set_conversation_pin")
+    async def set_conversation_policy(self, tenant: str, ttl_s=None, budget_bytes=None, max_ttl_s=None,
+                                      pinned=None, token=None) -> dict:
+        """A tenant's conversation policy (origin/conversations.py), durably: its idle TTL, the
+        longest TTL a request may ask for, its byte budget per edge (None: left as is), and
+        whether its conversation KV is pinned here (its home edges send what they keep) or
+        not (its chunks here are deleted; edges keep theirs under the tenant's TTL). Every
+        edge applies it with the next health ping. {"tenant", "policy", "deleted": chunks}."""
+        self.tokens.check_admin(token, "set_conversation_policy")
         tenant = _name(tenant, "tenant")
-        if not isinstance(pinned, bool):
-            raise BadRequest(f"pinned must be True or False, got {pinned!r:.40}")
-        await asyncio.to_thread(self.store.conversations.set_pinned, tenant, pinned)
-        deleted = 0 if pinned else await asyncio.to_thread(self.store.delete_conversation, tenant)
-        return {"tenant": tenant, "pinned": pinned, "deleted": deleted}
+        policy = await asyncio.to_thread(self.store.conversations.set_policy, tenant, ttl_s=ttl_s,
+                                         budget_bytes=budget_bytes, max_ttl_s=max_ttl_s, pinned=pinned)
+        deleted = await asyncio.to_thread(self.store.delete_conversation, tenant) if pinned is False else 0
+        return {"tenant": tenant, "policy": policy, "deleted": deleted}
 
     async def pinned_conversations(self, tenant: str = None, token=None) -> dict:
         """{"tenants": pinned tenants} and, given tenant, {"chunks": {ns hex: chunks kept here}}."""

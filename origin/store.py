@@ -75,7 +75,7 @@ from kdn.core.errors import (ChunkNotFound, CorruptChunk, FrameError, ManifestEr
 from kdn.core.files import make_dirs
 from kdn.core.keys import check_key
 from kdn.core.manifest import Manifest, check_name
-from kdn.origin.conversations import PinnedConversations
+from kdn.origin.conversations import OriginConversations
 from kdn.origin.drops import DropLog
 from kdn.origin.objects import CORRUPT_SUFFIX, LocalObjects, open_objects
 
@@ -149,7 +149,7 @@ class ChunkStore:
         # every key removed is logged here first, for edges that miss the drop (origin/drops.py)
         self.drops = DropLog(self.objects)
         # pinned tenants' conversation KV and the records naming its keys (origin/conversations.py)
-        self.conversations = PinnedConversations(self.objects)
+        self.conversations = OriginConversations(self.objects)
 
     # --- opening -----------------------------------------------------------------------
     def _scan_chunks(self):

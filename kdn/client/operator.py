@@ -116,9 +116,9 @@ class Operator:
         tenant = tenant or self.tenant
         if not isinstance(pinned, bool):
             raise BadRequest(f"pinned must be True or False, got {pinned!r:.40}")
-        got = self.view.origin("set_conversation_pin", tenant, pinned, timeout=OVERRIDE_TIMEOUT_S)
-        got["edges"] = self._each_edge("set_conversation_policy", tenant, pinned=pinned)
-        return got
+        got = self.view.origin("set_conversation_policy", tenant, pinned=pinned, timeout=OVERRIDE_TIMEOUT_S)
+        return {"tenant": tenant, "pinned": pinned, "deleted": got["deleted"],
+                "edges": self._each_edge("set_conversation_policy", tenant, pinned=pinned)}
 
     def pinned_conversations(self, tenant: str = None) -> dict:
         """What the origin keeps of a tenant's conversations: {"pinned": bool, "chunks": {ns hex: n}}."""
@@ -129,11 +129,15 @@ class Operator:
     def set_conversation_policy(self, tenant: str = None, ttl_s: float = None, budget_bytes: int = None,
                                 max_ttl_s: float = None) -> list:
         """A tenant's idle TTL, the longest TTL a request may ask for (prompt_cache_retention
-        "24h") and byte budget per edge, on every edge, applied at once to what they hold.
-        Edges keep it in memory: a restarted edge starts from the defaults again."""
+        "24h") and byte budget per edge. The origin keeps it (origin/conversations.py), then
+        every edge applies it at once to what it holds; an edge down now, or restarted later,
+        applies it with the origin's next health ping. [per edge: its settings now]."""
         if ttl_s is None and budget_bytes is None and max_ttl_s is None:
             raise BadRequest("set_conversation_policy: name ttl_s, budget_bytes or max_ttl_s")
-        return self._each_edge("set_conversation_policy", tenant or self.tenant, ttl_s=ttl_s,
+        tenant = tenant or self.tenant
+        self.view.origin("set_conversation_policy", tenant, ttl_s=ttl_s, budget_bytes=budget_bytes,
+                         max_ttl_s=max_ttl_s, timeout=OVERRIDE_TIMEOUT_S)
+        return self._each_edge("set_conversation_policy", tenant, ttl_s=ttl_s,
                                budget_bytes=budget_bytes, max_ttl_s=max_ttl_s)
 
     def _each_edge(self, method: str, *args, **kw) -> list:

@@ -384,10 +384,10 @@ def pinned_edge(kit, tmp_path):
     import asyncio
     from kdn.origin.node import OriginNode
     origin = OriginNode("t", str(tmp_path / "origin"), kit.topology(), auth=AUTH, actors=object())
-    asyncio.run(origin.set_conversation_pin("acme", True, token=ADMIN))
+    asyncio.run(origin.set_conversation_policy("acme", pinned=True, token=ADMIN))
     edge = kit.local_edge([], auth=AUTH)
     edge.peers.actors = ToOrigin(origin)
-    asyncio.run(edge.ping(conversation_pins=["acme"]))
+    asyncio.run(edge.ping(conversation_policies=origin.store.conversations.policies))
     return edge, origin, edge.peers.actors
 
 
@@ -436,7 +436,7 @@ def test_a_key_keeps_the_origins_bytes_and_an_unreachable_origin_costs_only_the_
     assert edge.conversations.not_at_origin([c.key for c in more]) == [c.key for c in more]
     # unpinned at the origin (a refusal): counted, nothing lost here
     to_origin.down = False
-    asyncio.run(origin.set_conversation_pin("acme", False, token=ADMIN))
+    asyncio.run(origin.set_conversation_policy("acme", pinned=False, token=ADMIN))
     _, _, last = conversation(kit, n=1, salt="after")
     assert asyncio.run(edge.put_conversation(last, "acme", "fp", conversation(kit, salt="after")[0],
                                              token=ACME)) == 1
@@ -445,3 +445,21 @@ def test_a_key_keeps_the_origins_bytes_and_an_unreachable_origin_costs_only_the_
     assert m[("kdn_edge_conversation_origin_chunks_total", (("direction", "pulled"),))] == 2
     assert m[("kdn_edge_conversation_pin_failures_total", (("reason", "unreachable"),))] == 1
     assert m[("kdn_edge_conversation_pin_failures_total", (("reason", "refused"),))] == 1
+
+
+def test_the_origins_policies_reach_an_edge_with_its_pings_and_apply_once(kit):
+    """A restarted edge knows no operator's setting; the origin's pings carry them all
+    (origin/conversations.py), and the edge applies each where it differs, once."""
+    import asyncio
+    edge = kit.local_edge([], auth=AUTH)
+    policies = {"acme": {"ttl_s": 600.0, "max_ttl_s": 300.0, "budget_bytes": 1 << 20, "pinned": True},
+                "beta": {"budget_bytes": 2 << 20}}
+    asyncio.run(edge.ping(conversation_policies=policies))
+    assert edge.conversations.policy_of("acme") == {"tenant": "acme", "ttl_s": 300.0, "max_ttl_s": 300.0,
+                                                    "budget_bytes": 1 << 20, "pinned": True}
+    assert edge.conversations.policy_of("beta")["budget_bytes"] == 2 << 20
+    assert not edge.conversations.policy_of("beta")["pinned"]
+    asyncio.run(edge.ping(conversation_policies=policies))
+    assert edge.counters["conversation_policies_applied"] == 2          # once per tenant
+    asyncio.run(edge.ping(conversation_policies={**policies, "acme": {**policies["acme"], "pinned": False}}))
+    assert not edge.conversations.policy_of("acme")["pinned"]

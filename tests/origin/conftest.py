@@ -24,9 +24,9 @@ class Edge:
         self.drops = None           # the drop log's state the last ping carried
         self.pushed_at = self.dropped_at = None     # ... the last push, the last drop carried
 
-    def ping(self, drops=None, conversation_pins=None):
+    def ping(self, drops=None, conversation_policies=None):
         self.drops = drops
-        self.conversation_pins = conversation_pins
+        self.conversation_policies = conversation_policies
         return {"role": "edge", "name": self.name}
 
     def have(self, keys, ns=None):

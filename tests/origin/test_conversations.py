@@ -7,7 +7,7 @@ import pytest
 from kdn.core.chunk import Chunk
 from kdn.core.conversation import conversation_keys, conversation_namespace
 from kdn.core.errors import StoreError
-from kdn.origin.conversations import PINS, PinnedConversations
+from kdn.origin.conversations import POLICIES, OriginConversations
 from kdn.origin.store import ChunkStore
 
 
@@ -67,8 +67,19 @@ def test_forgetting_a_tenant_deletes_its_chunks_logs_them_and_spares_the_others(
     assert s.collect()["chunks"] == 3
 
 
-def test_an_unreadable_pins_file_names_itself(tmp_path):
+def test_policies_are_checked_durable_and_an_unreadable_file_names_itself(tmp_path):
+    from kdn.core.errors import BadRequest
     s = ChunkStore(tmp_path)
-    s.objects.put(PINS, [b"\xc1 not msgpack"])
-    with pytest.raises(StoreError, match="pinned.msgpack"):
-        PinnedConversations(s.objects)
+    assert s.conversations.set_policy("acme", ttl_s=600, budget_bytes=1 << 20) == {"ttl_s": 600.0,
+                                                                                  "budget_bytes": 1 << 20}
+    for bad in ({"ttl_s": 0}, {"budget_bytes": -1}, {"pinned": "yes"}, {"colour": 1}):
+        with pytest.raises(BadRequest):
+            s.conversations.set_policy("acme", **bad)
+    s.conversations.set_policy("acme", pinned=True, max_ttl_s=3600)
+    again = ChunkStore(tmp_path)                                 # a restarted origin
+    assert again.conversations.policies == {"acme": {"ttl_s": 600.0, "budget_bytes": 1 << 20, "pinned": True,
+                                                     "max_ttl_s": 3600.0}}
+    assert again.conversations.tenants == {"acme"}
+    s.objects.put(POLICIES, [b"\xc1 not msgpack"])
+    with pytest.raises(StoreError, match="policies.msgpack"):
+        OriginConversations(s.objects)

@@ -556,7 +556,7 @@ def stand_in_edge_class():
         def _saw(self, token):
             self.tokens.add(token)
 
-        async def ping(self, token=None, drops=None, conversation_pins=None):
+        async def ping(self, token=None, drops=None, conversation_policies=None):
             return {"role": "edge"}
 
         async def membership(self, token=None):
