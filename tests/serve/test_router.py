@@ -232,7 +232,7 @@ def test_the_ingress_routes_a_kb_across_regions_and_counts_the_decision():
     assert ingress.across("us-east", "t/other") == ("eu-west", "cross_region_queue")   # the queue alone
     c = ingress.counters
     assert c["route_decisions"] == 2 and c["tier_engine"] == 1 and c["tier_unknown"] == 1
-    assert c["route_decision_us"] < 1000 * c["route_decisions"]
+    assert c["route_decision_us"] > 0          # each decision is timed (its speed: kdn bench route)
     # a KB fetched in one region only: elsewhere, its fetch is estimated over the origin's link
     _region_router("kdn-est", "us-east", [_Replica("u2", {"fetch_s": {"t/big": 0.01}, "kv_bytes": {"t/big": 10**9},
                                                           "service_s": 1.0})], {"u2": 0})

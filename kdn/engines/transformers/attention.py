@@ -16,7 +16,7 @@ The two outputs are weighted by exp(lse_part - lse_all). The result equals the m
 attention up to floating-point rounding (~1e-7 relative in fp32): greedy answers are
 token-identical to a full prefill (tests/engines/transformers/test_model.py), and the same
 shapes on the same CPU give the same bytes, as before. 127 ms instead of 187 on the shapes
-above (`python -m kdn.engines.transformers.attention` measures it, and the whole forward, on
+above (`kdn bench attention` measures it, and the whole forward, on
 this machine).
 
 Every other call (a first prefill, a decode step, a padded or custom mask, another device,
@@ -107,48 +107,3 @@ def implementation() -> str:
             name = NAME
     _REGISTERED.append(name)
     return name
-
-
-def main(past: int = 3700, new: int = 1000):
-    """Time one layer's attention both ways, then the model's whole forward of `new` tokens
-    over `past` cached (SmolLM2's shapes), on this machine's threads."""
-    from kdn.bench import timeit
-    from kdn.engines.transformers.model import load_model
-
-    def best(f, n=3):
-        return min(timeit(f, reps=n))
-    model = load_model()
-    heads, kv_heads = model.hf.config.num_attention_heads, model.kv_heads
-    torch.manual_seed(0)
-    q = torch.randn(1, heads, new, model.head_dim)
-    k, v = (torch.randn(1, kv_heads, past + new, model.head_dim) for _ in range(2))
-    mask = (torch.arange(new)[:, None] + past >= torch.arange(past + new)[None, :])[None, None]
-    kr, vr = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
-
-    def masked():
-        return torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
-    a, b = best(masked), best(lambda: continued(q, k, v))
-    diff = (masked() - continued(q, k, v)).abs().max().item()
-    print(f"one layer, {new} new tokens over {past} cached, {heads} heads ({kv_heads} KV), "
-          f"{torch.get_num_threads()} threads: masked sdpa {a * 1e3:.1f} ms, {NAME} {b * 1e3:.1f} ms "
-          f"({a / b:.2f}x); max |difference| {diff:.1e}")
-    ids = torch.randint(100, model.vocab_size - 100, (1, past + new), generator=torch.Generator().manual_seed(0))
-    took, last = {}, {}
-    for impl in ("sdpa", NAME):
-        model.hf.set_attn_implementation(impl)
-        cache = model.new_cache()
-        with torch.inference_mode():
-            model.hf(input_ids=ids[:, :past], **model.cache_kwargs(cache))
-
-            def run():
-                model.crop(cache, past)
-                last[impl] = model.hf(input_ids=ids[:, past:], logits_to_keep=1, **model.cache_kwargs(cache)).logits
-            took[impl] = best(run, 2)
-    model.hf.set_attn_implementation(NAME)
-    same = torch.equal(last["sdpa"].argmax(-1), last[NAME].argmax(-1))
-    print(f"the model's forward, {new} tokens over {past} cached: sdpa {took['sdpa']:.2f} s, {NAME} "
-          f"{took[NAME]:.2f} s ({took['sdpa'] / took[NAME]:.2f}x); the same next token: {same}")
-
-
-if __name__ == "__main__":
-    main()
