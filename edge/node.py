@@ -57,7 +57,7 @@ MEMBERSHIP_REFRESH_S = 10.0   # how often an edge asks the origin for the member
 MEMBERSHIP_TIMEOUT_S = 5.0
 WRITE_BACK_IDLE_S = 0.05      # how often the disk writer looks for victims when idle
 POLICY_TICK_S = 1.0
-PIN_BATCH = 1024              # a pinned conversation's chunks per call to the origin
+PIN_BATCH_BYTES = 256 << 20   # a pinned conversation's chunks per call to the origin, in bytes
 PIN_TIMEOUT_S = 30.0          # one such call (the origin writes them durably first)
 PIN_LOOKUP_TIMEOUT_S = 1.0    # a lookup's pull from the origin (a worker waits 2 s for the lookup)
 ADMIN_KEYS = 1 << 22          # keys one operator or origin call may name (a KB's keys)
@@ -487,8 +487,14 @@ class EdgeNode:
         (the tenant unpinned meanwhile), is counted; the chunks stay here either way."""
         send = await asyncio.to_thread(self._unpinned_objects, ns, list(head) + [c.key for c in chunks],
                                        {c.key: c for c in chunks})
-        for i in range(0, len(send), PIN_BATCH):
-            batch = send[i:i + PIN_BATCH]
+        batches, size = [[]], 0
+        for c in send:                     # by bytes: the origin takes at most 2 GiB per call
+            if batches[-1] and size + c.nbytes > PIN_BATCH_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(c)
+            size += c.nbytes
+        for batch in (b for b in batches if b):
             try:
                 got = await self.peers.ask(ORIGIN_NODE, "put_conversation", tenant, ns, batch,
                                            timeout=PIN_TIMEOUT_S)

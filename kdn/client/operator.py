@@ -101,8 +101,10 @@ class Operator:
         """Drop a tenant's conversation KV on every edge and, of a pinned tenant, at the origin:
         {edge: chunks dropped, or None if down}, and {"origin": chunks deleted there}."""
         tenant = tenant or self.tenant
+        # the origin first: an edge's lookup between the two would pull its copies back
+        origin = self.view.origin("drop_conversations", tenant, timeout=OVERRIDE_TIMEOUT_S)["deleted"]
         out = {r["edge"]: r.get("value") for r in self._each_edge("drop_conversations", tenant)}
-        out["origin"] = self.view.origin("drop_conversations", tenant, timeout=OVERRIDE_TIMEOUT_S)["deleted"]
+        out["origin"] = origin
         return out
 
     def pin_conversations(self, tenant: str = None, pinned: bool = True) -> dict:
