@@ -87,6 +87,7 @@ class Conversations:
         self._spilling = {}                         # key -> Held on its way to disk (still readable)
         self.policies = {}      # tenant -> {"ttl_s": float, "budget_bytes": int} set by an operator
         self.pinned = frozenset()   # tenants the origin keeps conversations of (its pings say which)
+        self._epochs = {}           # pinned tenant -> its epoch at the origin
         self.counters = collections.Counter()
         self.on_drop = None     # called with each key that leaves (the edge's KV events)
         if disk is not None:
@@ -116,8 +117,18 @@ class Conversations:
 
     # --- pinned tenants (origin/conversations.py) -------------------------------------------
     def set_pinned(self, tenants) -> None:
-        """The tenants whose conversations the origin keeps (the origin's pings, an operator)."""
-        self.pinned = frozenset(tenants)
+        """The tenants whose conversations the origin keeps (the origin's pings, an operator):
+        their names, or {tenant: epoch} (origin/conversations.py: it moves on with each
+        deletion there). A tenant no longer pinned, or whose epoch moved on, has its chunks
+        marked as not at the origin: pinned again, they are sent again."""
+        epochs = dict(tenants) if isinstance(tenants, dict) else {t: self._epochs.get(t, 0) for t in tenants}
+        stale = {t for t, e in self._epochs.items() if epochs.get(t) != e}
+        with self._lock:
+            self.pinned, self._epochs = frozenset(epochs), epochs
+            if stale:
+                for e in self._entries.values():
+                    if e.tenant in stale:
+                        e.at_origin = False
 
     def not_at_origin(self, keys) -> list:
         """Those of keys held here that the origin does not hold yet, in order."""

@@ -127,7 +127,11 @@ class EdgeCollector:
         yield _counter("kdn_edge_conversation_pin_failures_total", "Sends of a pinned tenant's chunks "
                        "to the origin that failed, by reason (the edge's copy stays).", labels=("reason",),
                        samples=[(("unreachable",), c["conversation_pin_failures"]),
-                                (("refused",), c["conversation_pin_refused"])])
+                                (("refused",), c["conversation_pin_refused"]),
+                                (("store_error",), c["conversation_pin_store_errors"])])
+        yield _counter("kdn_edge_conversation_replaced_chunks_total", "A pinned tenant's chunks "
+                       "this edge held under other bytes than the origin's, replaced by the "
+                       "origin's (a key keeps its first bytes).", value=c["conversation_pin_replaced"])
 
     def _http(self):
         h, c = self.http, self.http.counters

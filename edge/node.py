@@ -43,13 +43,13 @@ from kdn.edge.peers import PEER_TIMEOUT_S, Peers
 from kdn.edge.pull import Pull
 from kdn.edge.reads import MAX_REPLY_BYTES, Reads, check_keys
 from kdn.edge.tiers import ROLES, Held, Tiers
-from kdn.core.errors import AccessDenied, BadRequest, KDNError
+from kdn.core.errors import AccessDenied, BadRequest, KDNError, StoreError
 from kdn.core.conversation import CONVERSATION_SHARE, conversation_namespace, home_of, retention_ttl
 from kdn.core.keys import MAX_FETCH_KEYS, check_key
 from kdn.core.manifest import check_ttl
 from kdn.core.rpc import failover_errors
 from kdn.placement.replication import ReplicationPolicy
-from kdn.core.transfer import check_accept
+from kdn.core.transfer import check_accept, fetch_deadline_s
 
 log = logging.getLogger("kdn.edge")
 
@@ -58,7 +58,8 @@ MEMBERSHIP_TIMEOUT_S = 5.0
 WRITE_BACK_IDLE_S = 0.05      # how often the disk writer looks for victims when idle
 POLICY_TICK_S = 1.0
 PIN_BATCH_BYTES = 256 << 20   # a pinned conversation's chunks per call to the origin, in bytes
-PIN_TIMEOUT_S = 30.0          # one such call (the origin writes them durably first)
+PIN_STORE_BUDGET_S = 20.0     # a pinned store's pull and sends to the origin, all together (a
+                              # worker waits 30 s for the store: kdn/client/history.py)
 PIN_LOOKUP_TIMEOUT_S = 1.0    # a lookup's pull from the origin (a worker waits 2 s for the lookup)
 ADMIN_KEYS = 1 << 22          # keys one operator or origin call may name (a KB's keys)
 
@@ -97,6 +98,8 @@ class EdgeNode:
         # never stands beside bytes stored later under that key (edge/drops.py)
         self.replay = Replay(self.tiers, self.peers, None if disk is None else disk.dir)
         self.events = None if kv_events is None else self._start_events(kv_events)
+        self._policies_wanted = None   # the origin's latest conversation policies, not applied yet
+        self._policy_task = None
         self.forms = Forms(store_codec, self.catalog.sum_of, lambda: self.membership.topology, region)
         self.pull = Pull(name, region, self.membership, self.tiers, self.forms, self.peers,
                          self.catalog, self.demand)
@@ -212,7 +215,9 @@ class EdgeNode:
         carry them: origin/conversations.py), applied here where they differ."""
         self._start_background()
         if conversation_policies is not None:
-            await self._apply_policies(conversation_policies)
+            self._policies_wanted = conversation_policies
+            if self._policy_task is None or self._policy_task.done():
+                self._policy_task = asyncio.get_running_loop().create_task(self._apply_policies())
         if drops is not None and self.replay.behind(drops):
             self._catch_up()
         if self.http_port_wanted is not None and self.http is None:
@@ -220,16 +225,25 @@ class EdgeNode:
         return {"role": "edge", "name": self.name, "region": self.region, "pid": os.getpid(),
                 "http": self.http_address()}
 
-    async def _apply_policies(self, policies: dict) -> None:
-        """The origin's conversation policies: which tenants are pinned, and each tenant's TTL,
-        maximum TTL and budget where they differ from this edge's (applied at once, in a
-        worker thread: a smaller budget may move chunks to disk)."""
-        self.conversations.set_pinned(t for t, p in policies.items() if p.get("pinned"))
-        for tenant, p in policies.items():
-            want = {k: p.get(k) for k in ("ttl_s", "budget_bytes", "max_ttl_s")}
-            if self.conversations.differs(tenant, **want):
-                await asyncio.to_thread(self.conversations.set_policy, tenant, **want)
-                self.counters["conversation_policies_applied"] += 1
+    async def _apply_policies(self) -> None:
+        """The origin's latest conversation policies (a background task, so a ping is answered
+        at once): which tenants are pinned (and their epochs), and each tenant's TTL, maximum
+        TTL and budget where they differ from this edge's, in a worker thread (a smaller budget
+        may move chunks to disk). A value this edge refuses is counted and logged, and the
+        other tenants' policies still apply."""
+        while self._policies_wanted is not None:
+            policies, self._policies_wanted = self._policies_wanted, None
+            self.conversations.set_pinned({t: p.get("epoch", 0) for t, p in policies.items() if p.get("pinned")})
+            for tenant, p in policies.items():
+                want = {k: p.get(k) for k in ("ttl_s", "budget_bytes", "max_ttl_s")}
+                try:
+                    if self.conversations.differs(tenant, **want):
+                        await asyncio.to_thread(self.conversations.set_policy, tenant, **want)
+                        self.counters["conversation_policies_applied"] += 1
+                except BadRequest as e:
+                    self.counters["conversation_policies_refused"] += 1
+                    log.error("edge %s: the origin's conversation policy of tenant %.64r is refused: %s",
+                              self.name, tenant, e)
 
     def http_address(self, token=None):
         """This edge's HTTP base URL (None when it serves none)."""
@@ -470,23 +484,33 @@ class EdgeNode:
         retention_ttl(retention, self.conversations.ttl_of(tenant))    # BadRequest before anything
         head = [] if head is None else check_keys(head)
         pinned = tenant in self.conversations.pinned
+        deadline = time.monotonic() + PIN_STORE_BUDGET_S
         if pinned:     # what the origin holds of these keys first: a key keeps its first bytes
-            await self._pull_pinned(tenant, ns, head + [c.key for c in chunks])
+            await self._pull_pinned(tenant, ns, head + [c.key for c in chunks], deadline)
         new = [c for c in chunks if c.key not in self.conversations]
         stored = dict(zip((c.key for c in new), await self.forms.to_store(new)))
         items = [(c.key, stored.get(c.key)) for c in chunks]   # None: held already, renewed
         held = await asyncio.to_thread(self.conversations.put_prefix, tenant, items, retention, head)
         if pinned:
-            await self._pin(tenant, ns, head, chunks)
+            await self._pin(tenant, ns, head, [(c, stored[c.key]) for c in new], deadline)
+            held = next((i for i, c in enumerate(chunks) if c.key not in self.conversations), len(chunks))
         return held
 
-    async def _pin(self, tenant: str, ns: bytes, head, chunks) -> None:
-        """Send the origin a pinned tenant's chunks it lacks (origin/conversations.py): these,
-        and those of head held here (a conversation pinned midway sends its start too), before
-        the worker's store is answered. An origin that does not answer in time, or refuses
-        (the tenant unpinned meanwhile), is counted; the chunks stay here either way."""
-        send = await asyncio.to_thread(self._unpinned_objects, ns, list(head) + [c.key for c in chunks],
-                                       {c.key: c for c in chunks})
+    def _pin_failed(self, reason: str, tenant: str, n: int, e=None) -> None:
+        self.counters[f"conversation_pin_{reason}"] += 1
+        log.warning("edge %s: %d chunks of tenant %r's pinned conversation did not reach the origin "
+                    "(%s)%s", self.name, n, tenant, reason, f": {e}" if e else "")
+
+    async def _pin(self, tenant: str, ns: bytes, head, new, deadline: float) -> None:
+        """Send the origin a pinned tenant's chunks it lacks (origin/conversations.py): the
+        conversation's from head on, as held here (new: the chunks this store kept, sent as
+        given; a conversation pinned midway sends its start too), before the worker's store is
+        answered. A key the origin holds under other bytes (this edge had lost its copy when a
+        worker recomputed it, and the pull did not answer in time) is replaced here by the
+        origin's, the key's first. An origin that does not answer by the deadline, refuses (the
+        tenant unpinned meanwhile) or fails to store is counted; the chunks stay here."""
+        keys = list(head) + [c.key for c, _ in new]
+        send = await asyncio.to_thread(self._unpinned_objects, ns, keys, {c.key: (c, h) for c, h in new})
         batches, size = [[]], 0
         for c in send:                     # by bytes: the origin takes at most 2 GiB per call
             if batches[-1] and size + c.nbytes > PIN_BATCH_BYTES:
@@ -494,45 +518,64 @@ class EdgeNode:
                 size = 0
             batches[-1].append(c)
             size += c.nbytes
+        differ = []
         for batch in (b for b in batches if b):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return self._pin_failed("failures", tenant, len(batch), "no time left")
             try:
-                got = await self.peers.ask(ORIGIN_NODE, "put_conversation", tenant, ns, batch,
-                                           timeout=PIN_TIMEOUT_S)
+                got = await self.peers.ask(ORIGIN_NODE, "put_conversation", tenant, ns, batch, timeout=left)
             except BadRequest as e:
-                self.counters["conversation_pin_refused"] += 1
-                log.warning("edge %s: the origin refused %d chunks of tenant %r's pinned conversation: %s",
-                            self.name, len(batch), tenant, e)
-                return
+                return self._pin_failed("refused", tenant, len(batch), e)
+            except StoreError as e:
+                return self._pin_failed("store_errors", tenant, len(batch), e)
             if got is None:
-                self.counters["conversation_pin_failures"] += 1
-                return
+                return self._pin_failed("failures", tenant, len(batch))
             self.conversations.mark_at_origin([c.key for c in batch])
             self.counters["conversation_pinned_chunks"] += len(batch)
+            differ += got.get("differ", [])
+        if differ:        # the origin's bytes are the keys' first: this edge takes them
+            self.counters["conversation_pin_replaced"] += len(differ)
+            log.warning("edge %s: %d chunks of tenant %r's pinned conversation differ from the "
+                        "origin's: taking the origin's", self.name, len(differ), tenant)
+            first = keys.index(differ[0]) if differ[0] in keys else 0
+            await asyncio.to_thread(self.conversations.drop, keys[first:])
+            await self._pull_pinned(tenant, ns, keys, deadline)
 
     def _unpinned_objects(self, ns: bytes, keys, given: dict) -> list:
-        """The chunks of keys held here that the origin lacks: as given, else read from the
-        tier (a worker thread: a chunk may be on disk)."""
+        """The chunks of keys held here that the origin lacks: as given (the chunks this store
+        kept, so the very bytes held), else read from the tier (a worker thread: a chunk may
+        be on disk). given: key -> (chunk, the Held this store kept of it)."""
         out = []
         for k in self.conversations.not_at_origin(keys):
-            if k in given:
-                out.append(given[k])
+            chunk, held = given.get(k, (None, None))
+            if held is not None and self.conversations.peek(k) is held:
+                out.append(chunk)
                 continue
             held = self.conversations.get(k, ns)
             if held is not None:
                 out.append(held_object(held))
         return out
 
-    async def _pull_pinned(self, tenant: str, ns: bytes, keys, timeout: float = PIN_TIMEOUT_S) -> None:
+    async def _pull_pinned(self, tenant: str, ns: bytes, keys, deadline: float) -> None:
         """A pinned tenant's conversation chunks this tier no longer holds (evicted, expired, or
         lost with a restart), read back from the origin into it: the held prefix of keys then
-        reaches as far as the origin's (or as it was, if the origin does not answer in time)."""
+        reaches as far as the origin's (or as it was, if the origin does not answer by the
+        deadline, a monotonic time, or fails to read: counted)."""
         if tenant not in self.conversations.pinned:
             return
         held = next((i for i, k in enumerate(keys) if k not in self.conversations), len(keys))
-        if held == len(keys):
+        left = deadline - time.monotonic()
+        if held == len(keys) or left <= 0:
             return
-        got = await self.peers.ask(ORIGIN_NODE, "conversation_chunks", tenant, ns, keys[held:],
-                                   timeout=timeout)
+        try:
+            got = await self.peers.ask(ORIGIN_NODE, "conversation_chunks", tenant, ns, keys[held:],
+                                       timeout=left)
+        except StoreError as e:
+            self.counters["conversation_pull_store_errors"] += 1
+            log.warning("edge %s: the origin could not read tenant %r's pinned conversation: %s",
+                        self.name, tenant, e)
+            got = None
         got = got or []
         n = next((i for i, (c, k) in enumerate(zip(got, keys[held:]))
                   if c is None or c.key != k or c.ns != ns), len(got))
@@ -550,7 +593,7 @@ class EdgeNode:
         """How long a prefix of keys this edge holds of a conversation homed here (no KV moves)."""
         ns = self._conversation(tenant, fingerprint, scope, token, "conversation_lookup", ns)
         keys = check_keys(keys)
-        await self._pull_pinned(tenant, ns, keys, PIN_LOOKUP_TIMEOUT_S)
+        await self._pull_pinned(tenant, ns, keys, time.monotonic() + PIN_LOOKUP_TIMEOUT_S)
         return next((i for i, k in enumerate(keys) if k not in self.conversations), len(keys))
 
     async def conversation_fetch(self, keys, ns: bytes, tenant: str, fingerprint: str, scope: str,
@@ -558,8 +601,8 @@ class EdgeNode:
         """{"refs", "bytes"}: the held prefix of a conversation's keys, as object references
         (zero-copy beside this edge), each read renewing its idle TTL."""
         ns = self._conversation(tenant, fingerprint, scope, token, "conversation_fetch", ns)
-        keys = check_keys(keys)
-        await self._pull_pinned(tenant, ns, keys)
+        keys = check_keys(keys)     # the pull: half of what the worker waits for this fetch
+        await self._pull_pinned(tenant, ns, keys, time.monotonic() + fetch_deadline_s(len(keys)) / 2)
         helds = await asyncio.to_thread(self.conversations.get_prefix, keys, ns)
         refs = [h.ref if h.ref is not None else h.obj for h in helds]
         nbytes = sum(h.nbytes for h in helds)

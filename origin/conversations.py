@@ -11,8 +11,9 @@ from here (pull-through), so the next turn still finds its history.
 What this module keeps, in the store's own objects (a directory or a bucket, so the origin
 can restart anywhere):
 - conversations/policies.msgpack: each tenant's conversation policy as an operator set it
-  (idle TTL, longest TTL a request may ask for, byte budget per edge, pinned), rewritten
-  whole. The origin's health pings carry it, so every edge, a restarted one too, applies it
+  (idle TTL, longest TTL a request may ask for, byte budget per edge, pinned), and the
+  tenant's epoch, which counts its deletions here (an edge that sees it change forgets which
+  of its chunks it had sent), rewritten whole. The origin's health pings carry it, so every edge, a restarted one too, applies it
   within a second (edge/conversations.py keeps what it applies in memory only);
 - conversations/<tenant digest>/<ns hex>/<digest of the keys>.keys: one record per batch an
   edge stored, the keys it holds, of one tenant and conversation namespace. A key is live
@@ -26,9 +27,12 @@ agrees with what was deleted and stays, under the tenant's TTL, as for any conve
 (an operator's drop empties the edges by itself). While a tenant is pinned, its home edges
 read what the origin holds before keeping a worker's chunks under the same keys, so a key
 keeps the one byte string it was first stored with even after the edge lost its copy.
-Calls block on I/O (from a thread); one lock guards the pinned set and the records, whose
-keys are also indexed in memory per (tenant, ns) as they are first read (one process owns
-a store, so the index stays true).
+Calls block on I/O (from a thread). The policies are an immutable dict, replaced whole under
+one lock, so the event loop reads them without waiting on a write; another lock guards the
+records, whose keys are also indexed in memory per (tenant, ns) as they are first read (one
+process owns a store, so the index stays true). A record is written only while its tenant is
+pinned, checked under that lock: a store racing an unpin is refused, never recorded after
+the unpin deleted the tenant's records.
 """
 import threading
 
@@ -42,12 +46,27 @@ from kdn.core.keys import KEY_BYTES
 PREFIX = "conversations/"
 POLICIES = PREFIX + "policies.msgpack"
 FIELDS = {"ttl_s": check_ttl, "max_ttl_s": check_ttl, "budget_bytes": check_budget, "pinned": None}
+EPOCH = "epoch"     # kept beside the fields, set here only (forget)
 RECORD_SUFFIX = ".keys"
 
 
 def tenant_dir(tenant: str) -> str:
-    """Where a tenant's records live: the digest of its name (names never become paths)."""
-    return f"{PREFIX}{xxhash.xxh3_64_hexdigest(tenant.encode('utf-8'))}/"
+    """Where a tenant's records live: the 128-bit digest of its name (names never become paths,
+    and two tenants never share a folder)."""
+    return f"{PREFIX}{xxhash.xxh3_128_hexdigest(tenant.encode('utf-8'))}/"
+
+
+def _checked(field: str, value):
+    """value checked for a policy field; BadRequest naming it."""
+    if field in ("pinned",):
+        if not isinstance(value, bool):
+            raise BadRequest(f"pinned must be True or False, got {value!r:.40}")
+        return value
+    if field == EPOCH:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise BadRequest(f"epoch must be a count, got {value!r:.40}")
+        return value
+    return FIELDS[field](value, f"conversation {field}")
 
 
 class OriginConversations:
@@ -55,8 +74,9 @@ class OriginConversations:
 
     def __init__(self, objects):
         self.objects = objects
-        self._lock = threading.Lock()
-        self.policies = self._load()    # tenant -> {field: value} of the fields an operator set
+        self._lock = threading.Lock()          # the records and their index
+        self._policy_lock = threading.Lock()   # writers of the policies
+        self.policies = self._load()    # tenant -> {field: value}: replaced whole, never changed
         self._index = {}       # (tenant, ns) -> set of keys its records name, once read
 
     def _load(self) -> dict:
@@ -71,19 +91,24 @@ class OriginConversations:
             raise StoreError(f"{bad} ({e}); restore it or delete it (every tenant then has the "
                              "defaults, none pinned)") from None
         if not isinstance(policies, dict) or not all(
-                isinstance(t, str) and isinstance(p, dict) and set(p) <= set(FIELDS) for t, p in policies.items()):
+                isinstance(t, str) and isinstance(p, dict) and set(p) <= {*FIELDS, EPOCH}
+                for t, p in policies.items()):
             raise StoreError(bad)
+        for t, p in policies.items():
+            for k, v in p.items():
+                try:
+                    _checked(k, v)
+                except BadRequest as e:
+                    raise StoreError(f"{bad}: tenant {t!r:.64}: {e}") from None
         return policies
 
     @property
     def tenants(self) -> set:
         """The pinned tenants."""
-        with self._lock:
-            return {t for t, p in self.policies.items() if p.get("pinned")}
+        return {t for t, p in self.policies.items() if p.get("pinned")}
 
     def pinned(self, tenant: str) -> bool:
-        with self._lock:
-            return bool(self.policies.get(tenant, {}).get("pinned"))
+        return bool(self.policies.get(tenant, {}).get("pinned"))
 
     def set_policy(self, tenant: str, **fields) -> dict:
         """Set these fields of tenant's policy (None: leave as is), durably; BadRequest naming
@@ -91,17 +116,12 @@ class OriginConversations:
         unknown = set(fields) - set(FIELDS)
         if unknown:
             raise BadRequest(f"a conversation policy has no {', '.join(sorted(unknown))}")
-        checked = {}
-        for k, v in fields.items():
-            if v is None:
-                continue
-            if k == "pinned":
-                if not isinstance(v, bool):
-                    raise BadRequest(f"pinned must be True or False, got {v!r:.40}")
-                checked[k] = v
-            else:
-                checked[k] = FIELDS[k](v, f"conversation {k}")
-        with self._lock:
+        policy = self._update(tenant, {k: _checked(k, v) for k, v in fields.items() if v is not None})
+        policy.pop(EPOCH, None)
+        return policy
+
+    def _update(self, tenant: str, checked: dict) -> dict:
+        with self._policy_lock:
             now = {**self.policies, tenant: {**self.policies.get(tenant, {}), **checked}}
             if now != self.policies:
                 self.objects.put(POLICIES, [msgpack.packb(now)])
@@ -115,11 +135,14 @@ class OriginConversations:
         return was != pinned
 
     def record(self, tenant: str, ns: bytes, keys) -> str:
-        """Name keys as held for (tenant, ns), durably; the record's name."""
+        """Name keys as held for (tenant, ns), durably; the record's name. BadRequest when the
+        tenant is not pinned (an unpin raced the store: its chunks are left to collect)."""
         keys = list(keys)
         body = b"".join(keys)
         name = f"{tenant_dir(tenant)}{ns.hex()}/{xxhash.xxh3_128_hexdigest(body)}{RECORD_SUFFIX}"
         with self._lock:
+            if not self.pinned(tenant):
+                raise BadRequest(f"tenant {tenant!r:.64} is no longer pinned: its chunks were not kept")
             self.objects.put(name, [msgpack.packb(keys)])
             if (tenant, ns) in self._index:
                 self._index[(tenant, ns)].update(keys)
@@ -166,7 +189,9 @@ class OriginConversations:
         return out
 
     def forget(self, tenant: str) -> dict:
-        """Delete a tenant's records: {ns: keys they named} (for the caller to delete)."""
+        """Delete a tenant's records: {ns: keys they named} (for the caller to delete). The
+        tenant's epoch moves on first, so its edges resend what they hold."""
+        self._update(tenant, {EPOCH: self.policies.get(tenant, {}).get(EPOCH, 0) + 1})
         gone = {}
         with self._lock:
             for name in self._records(tenant_dir(tenant)):

@@ -584,7 +584,9 @@ class OriginNode:
     async def put_conversation(self, tenant: str, ns: bytes, chunks, token=None) -> dict:
         """A home edge's chunks of a pinned tenant's conversation, stored durably before the
         answer (origin/store.py: put_conversation). BadRequest for a tenant not pinned, or
-        chunks that are not exact Chunks of ns. {"received", "written"}."""
+        chunks that are not exact Chunks of ns. {"received", "written", "differ": the keys
+        held here under other bytes (the edge kept a worker's after it lost this copy; it
+        takes these instead)}."""
         self.tokens.check_admin(token, "put_conversation")
         tenant, ns = _name(tenant, "tenant"), _ns(ns)
         if not self.store.conversations.pinned(tenant):
@@ -598,22 +600,33 @@ class OriginNode:
                              f"{type(bad).__name__}")
         if sum(c.nbytes for c in chunks) > MAX_BYTES_PER_CALL:
             raise BadRequest(f"put_conversation carries more than {MAX_BYTES_PER_CALL} bytes: split it")
-        results = await asyncio.to_thread(self.store.put_conversation, tenant, ns, chunks)
+
+        def put():
+            results = self.store.put_conversation(tenant, ns, chunks)
+            return results, [c.key for c, (w, s) in zip(chunks, results) if not w and s != c.digest()]
+        results, differ = await asyncio.to_thread(put)
         written = sum(w for w, _ in results)
         self.counters["conversation_chunks_received"] += len(chunks)
         self.counters["chunks_written"] += written
-        return {"received": len(chunks), "written": written}
+        return {"received": len(chunks), "written": written, "differ": differ}
 
     async def conversation_chunks(self, tenant: str, ns: bytes, keys, token=None) -> list:
         """Chunks of the longest prefix of keys that tenant's pinned conversation namespace ns
-        holds here (an edge's pull-through; [] when none), stopping at the first unreadable."""
+        holds here (an edge's pull-through; [] when none), stopping at the first unreadable and
+        before the reply would pass MAX_BYTES_PER_CALL (the edge asks again for the rest)."""
         self.tokens.check_admin(token, "conversation_chunks")
         tenant, ns, keys = _name(tenant, "tenant"), _ns(ns), _keys(keys)
 
         def read():
             named = self.store.conversation_prefix(tenant, ns, keys)
-            got = outgoing(self.store, named, self.store.map)
-            return got[:next((i for i, c in enumerate(got) if c is None), len(got))]
+            out, size = [], 0
+            for i in range(0, len(named), 64):     # read no further than the reply carries
+                for c in outgoing(self.store, named[i:i + 64], self.store.map):
+                    if c is None or (out and size + c.nbytes > MAX_BYTES_PER_CALL):
+                        return out
+                    out.append(c)
+                    size += c.nbytes
+            return out
         chunks = await asyncio.to_thread(read)
         self.counters["chunks_served"] += len(chunks)
         return chunks

@@ -654,14 +654,17 @@ class ChunkStore:
     def put_conversation(self, tenant: str, ns: bytes, chunks) -> list:
         """Store a pinned conversation's chunks (Chunks of namespace ns) durably and record them
         for (tenant, ns): [(written, sum)] in order. The keys are live (collect keeps them) from
-        the put on: pending until the record is written, the record's after."""
+        the put on: pending until the record is written, the record's after. BadRequest when
+        the tenant is no longer pinned (origin/conversations.py record)."""
         ns = _ns(ns)
         bad = next((c for c in chunks if not isinstance(c, Chunk) or c.opaque or c.ns != ns), None)
         if bad is not None:
             raise StoreError(f"put_conversation() takes Chunks of namespace {ns.hex()}, got {bad!r:.80}")
-        results = self.put_chunks(chunks)
-        self.conversations.record(tenant, ns, [_key(c.key) for c in chunks])
-        self.release(c.key for c in chunks)
+        try:
+            results = self.put_chunks(chunks)
+            self.conversations.record(tenant, ns, [_key(c.key) for c in chunks])
+        finally:     # recorded, or refused (an unpin raced it: collect takes the chunks)
+            self.release(c.key for c in chunks)
         return results
 
     def conversation_prefix(self, tenant: str, ns: bytes, keys) -> list:

@@ -368,12 +368,13 @@ class ToOrigin:
     store in a folder), or Unreachable while `down`."""
 
     def __init__(self, origin):
-        self.origin, self.down, self.calls = origin, False, []
+        self.origin, self.down, self.calls, self.miss = origin, False, [], set()
 
     async def call(self, node, method, *args, timeout=None, **kw):
         from kdn.core.rpc import Unreachable
         self.calls.append(method)
-        if self.down:
+        if self.down or method in self.miss:
+            self.miss.discard(method)           # a method in miss misses its next call only
             raise Unreachable(f"{node} is down (a test's)")
         return await getattr(self.origin, method)(*args, token=ADMIN, **kw)
 
@@ -387,7 +388,7 @@ def pinned_edge(kit, tmp_path):
     asyncio.run(origin.set_conversation_policy("acme", pinned=True, token=ADMIN))
     edge = kit.local_edge([], auth=AUTH)
     edge.peers.actors = ToOrigin(origin)
-    asyncio.run(edge.ping(conversation_policies=origin.store.conversations.policies))
+    _ping(edge, origin.store.conversations.policies)
     return edge, origin, edge.peers.actors
 
 
@@ -447,19 +448,89 @@ def test_a_key_keeps_the_origins_bytes_and_an_unreachable_origin_costs_only_the_
     assert m[("kdn_edge_conversation_pin_failures_total", (("reason", "refused"),))] == 1
 
 
+def test_a_recomputed_copy_the_pull_missed_is_replaced_by_the_origins_bytes(pinned_edge, kit):
+    """The edge lost its copy, the pull before a worker's store did not answer, and the edge
+    kept the worker's recomputed bytes: the origin (which keeps the key's first bytes) says
+    which differ, and the edge takes the origin's."""
+    import asyncio
+    from kdn.core.chunk import Chunk
+    edge, origin, to_origin = pinned_edge
+    scope, ns, chunks = conversation(kit, n=2)
+    keys = [c.key for c in chunks]
+    asyncio.run(edge.put_conversation(chunks, "acme", "fp", scope, token=ACME))
+    asyncio.run(edge.drop_conversations("acme", token=ADMIN))
+    to_origin.miss = {"conversation_chunks"}
+    again = [Chunk(c.key, c.ns, c.kv + 1e-6, "float32") for c in chunks]
+    assert asyncio.run(edge.put_conversation(again, "acme", "fp", scope, token=ACME)) == 2
+    assert edge.counters["conversation_pin_replaced"] == 2
+    got = asyncio.run(edge.conversation_fetch(keys, ns, "acme", "fp", scope, token=ACME))
+    assert [resolved(o).kv.tobytes() for o in got["refs"]] == [c.kv.tobytes() for c in chunks]
+    assert samples(edge)[("kdn_edge_conversation_replaced_chunks_total", ())] == 2
+
+
+def test_a_deletion_at_the_origin_makes_the_edge_send_its_chunks_again(pinned_edge, kit):
+    """An operator's drop reached the origin but not this edge: the tenant's epoch moved on,
+    the edge's next ping forgets which chunks it sent, and its next store sends the whole
+    conversation again."""
+    import asyncio
+    edge, origin, _ = pinned_edge
+    scope, ns, chunks = conversation(kit, n=3)
+    keys = [c.key for c in chunks]
+    asyncio.run(edge.put_conversation(chunks[:2], "acme", "fp", scope, token=ACME))
+    assert asyncio.run(origin.drop_conversations("acme", token=ADMIN))["deleted"] == 2
+    _ping(edge, origin.store.conversations.policies)
+    assert edge.conversations.not_at_origin(keys) == keys[:2]
+    asyncio.run(edge.put_conversation(chunks[2:], "acme", "fp", scope, head=keys[:2], token=ACME))
+    assert origin.store.conversation_prefix("acme", ns, keys) == keys
+
+
+def test_an_origin_that_fails_to_store_costs_only_the_copy(pinned_edge, kit, monkeypatch):
+    import asyncio
+    from kdn.core.errors import StoreError
+    edge, origin, _ = pinned_edge
+
+    def full(*a):
+        raise StoreError("disk full (a test's)")
+    monkeypatch.setattr(origin.store, "put_conversation", full)
+    scope, ns, chunks = conversation(kit, n=2)
+    assert asyncio.run(edge.put_conversation(chunks, "acme", "fp", scope, token=ACME)) == 2
+    assert edge.counters["conversation_pin_store_errors"] == 1
+    assert edge.conversations.not_at_origin([c.key for c in chunks]) == [c.key for c in chunks]
+    assert samples(edge)[("kdn_edge_conversation_pin_failures_total", (("reason", "store_error"),))] == 1
+
+
+def _ping(edge, policies):
+    """A health ping carrying policies, and the background task that applies them, done."""
+    import asyncio
+
+    async def go():
+        await edge.ping(conversation_policies=policies)
+        await edge._policy_task
+    asyncio.run(go())
+
+
 def test_the_origins_policies_reach_an_edge_with_its_pings_and_apply_once(kit):
     """A restarted edge knows no operator's setting; the origin's pings carry them all
     (origin/conversations.py), and the edge applies each where it differs, once."""
-    import asyncio
     edge = kit.local_edge([], auth=AUTH)
     policies = {"acme": {"ttl_s": 600.0, "max_ttl_s": 300.0, "budget_bytes": 1 << 20, "pinned": True},
                 "beta": {"budget_bytes": 2 << 20}}
-    asyncio.run(edge.ping(conversation_policies=policies))
+    _ping(edge, policies)
     assert edge.conversations.policy_of("acme") == {"tenant": "acme", "ttl_s": 300.0, "max_ttl_s": 300.0,
                                                     "budget_bytes": 1 << 20, "pinned": True}
     assert edge.conversations.policy_of("beta")["budget_bytes"] == 2 << 20
     assert not edge.conversations.policy_of("beta")["pinned"]
-    asyncio.run(edge.ping(conversation_policies=policies))
+    _ping(edge, policies)
     assert edge.counters["conversation_policies_applied"] == 2          # once per tenant
-    asyncio.run(edge.ping(conversation_policies={**policies, "acme": {**policies["acme"], "pinned": False}}))
+    _ping(edge, {**policies, "acme": {**policies["acme"], "pinned": False}})
     assert not edge.conversations.policy_of("acme")["pinned"]
+
+
+def test_a_policy_the_edge_refuses_is_counted_and_the_others_still_apply(kit):
+    """One tenant's bad value (an origin of another version, a hand-edited file) never stops
+    the pings or the other tenants' policies."""
+    edge = kit.local_edge([], auth=AUTH)
+    _ping(edge, {"bad": {"budget_bytes": -5}, "good": {"budget_bytes": 3 << 20}})
+    assert edge.counters["conversation_policies_refused"] == 1
+    assert edge.conversations.policy_of("good")["budget_bytes"] == 3 << 20
+    assert edge.conversations.policy_of("bad")["budget_bytes"] == edge.conversations.default_budget

@@ -40,6 +40,7 @@ def test_pins_and_records_are_durable_and_read_back_per_tenant_and_namespace(tmp
 def test_a_gap_ends_the_prefix_and_a_chunk_of_another_namespace_is_refused(tmp_path):
     s = ChunkStore(tmp_path)
     ns, chunks = conversation(n=4)
+    s.conversations.set_pinned("acme", True)
     s.put_conversation("acme", ns, [chunks[0], chunks[2]])
     keys = [c.key for c in chunks]
     assert s.conversation_prefix("acme", ns, keys) == keys[:1]
@@ -53,10 +54,13 @@ def test_forgetting_a_tenant_deletes_its_chunks_logs_them_and_spares_the_others(
     s = ChunkStore(tmp_path)
     ns, chunks = conversation()
     beta_ns, beta = conversation(tenant="beta")
+    s.conversations.set_pinned("acme", True)
+    s.conversations.set_pinned("beta", True)
     s.put_conversation("acme", ns, chunks)
     s.put_conversation("beta", beta_ns, beta)
     head = s.drops.state()["head"]
     assert s.delete_conversation("acme") == 3
+    assert s.conversations.policies["acme"]["epoch"] == 1      # its edges resend what they hold
     assert not any(s.has(c.key) for c in chunks) and all(s.has(c.key) for c in beta)
     assert s.drops.state()["head"] == head      # not logged: the home edge's copy is these bytes
     assert s.conversation_prefix("acme", ns, [c.key for c in chunks]) == []
@@ -83,3 +87,24 @@ def test_policies_are_checked_durable_and_an_unreadable_file_names_itself(tmp_pa
     s.objects.put(POLICIES, [b"\xc1 not msgpack"])
     with pytest.raises(StoreError, match="policies.msgpack"):
         OriginConversations(s.objects)
+    import msgpack                  # well-formed, but a value no policy may have: named at start
+    s.objects.put(POLICIES, [msgpack.packb({"acme": {"budget_bytes": -1}})])
+    with pytest.raises(StoreError, match="policies.msgpack .*tenant 'acme'.*budget_bytes"):
+        OriginConversations(s.objects)
+
+
+def test_a_store_that_races_an_unpin_is_refused_and_its_chunks_are_collected(tmp_path):
+    """The origin checked the tenant pinned, then an unpin deleted its records: the store
+    records nothing after that (a record would keep the keys forever), and collect takes
+    what it wrote."""
+    from kdn.core.errors import BadRequest
+    s = ChunkStore(tmp_path)
+    ns, chunks = conversation()
+    s.conversations.set_pinned("acme", True)
+    s.put_conversation("acme", ns, chunks[:1])
+    s.conversations.set_pinned("acme", False)
+    assert s.delete_conversation("acme") == 1
+    with pytest.raises(BadRequest, match="no longer pinned"):
+        s.put_conversation("acme", ns, chunks[1:])
+    assert s.conversations.listing("acme") == {}
+    assert s.collect()["chunks"] == 2 and not any(s.has(c.key) for c in chunks)

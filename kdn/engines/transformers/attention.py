@@ -20,7 +20,9 @@ above (`kdn bench attention` measures it, and the whole forward, on
 this machine).
 
 Every other call (a first prefill, a decode step, a padded or custom mask, another device,
-output_attentions) goes to transformers' own sdpa function, unchanged. The mask function
+dropout, output_attentions) goes to transformers' own sdpa function, unchanged; where the mask
+function skipped the mask but the call cannot take the fast path, the lower-right causal mask
+it stands for is built for it (sdpa would read no mask as upper-left causal). The mask function
 registered beside it returns no mask exactly when the mask would be the plain lower-right
 causal one of a single unpadded sequence, which is the case this module handles.
 """
@@ -71,6 +73,10 @@ def kdn_sdpa_forward(module, query, key, value, attention_mask, dropout: float =
             and query.shape[1] % key.shape[1] == 0):
         out = continued(query, key, value, scaling)
         return out.transpose(1, 2).contiguous(), None
+    if attention_mask is None and 1 < q < total:
+        # kdn_sdpa_mask skipped the mask, which sdpa would read as upper-left causal (every
+        # query missing the cache): the lower-right mask it stands for, built here
+        attention_mask = torch.ones(q, total, dtype=torch.bool, device=query.device).tril(total - q)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, is_causal=is_causal, **kwargs)
 

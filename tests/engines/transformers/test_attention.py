@@ -78,3 +78,22 @@ def test_the_mask_is_skipped_only_for_one_unpadded_lower_right_causal_sequence()
                    {"batch_size": 1, "q_offset": 40, "allow_is_causal_skip": False}):
         mask = attention.kdn_sdpa_mask(q_length=10, kv_length=50, mask_function=causal_mask_function, **kwargs)
         assert mask is not None and mask.dtype == torch.bool and mask.shape[-2:] == (10, 50)
+
+
+class _Layer:
+    is_causal = True
+    num_key_value_groups = 3
+    training = False
+
+
+def test_a_skipped_mask_that_cannot_take_the_fast_path_is_built_lower_right():
+    """The mask function skipped the mask, but the call falls back (here: dropout, which the
+    flash path does not take): sdpa gets the lower-right causal mask, not upper-left."""
+    torch.manual_seed(3)
+    q = torch.randn(1, 9, 20, 64)
+    k, v = torch.randn(1, 3, 70, 64), torch.randn(1, 3, 70, 64)
+    torch.manual_seed(0)
+    out, _ = attention.kdn_sdpa_forward(_Layer(), q, k, v, None, dropout=1e-9)
+    want = masked(q, k, v).transpose(1, 2)
+    assert out.shape == want.shape
+    assert torch.allclose(out, want, atol=1e-4), (out - want).abs().max()
