@@ -29,6 +29,9 @@ Counters: conv_puts, conv_kept, conv_hits, conv_misses, conv_expired, conv_evict
 conv_evicted_capacity, conv_refused, conv_dropped, conv_spilled (moved to disk),
 conv_disk_hits (read back from disk).
 
+A conversation's tail (its trailing partial chunk: kdn.core.conversation.tail_key) is held
+the same way, under its own key, and indexed by the whole chunk before it (tails_after).
+
 A pinned tenant's chunks (origin/conversations.py) are held here the same way, under the
 same TTL and budget; the edge (edge/node.py) also sends them to the origin, which keeps
 them durably, and reads them back from there when this tier no longer holds them.
@@ -52,6 +55,8 @@ class _Entry:
     used: float         # monotonic time of the last put or read
     disk: bool = False  # a file of it is in the disk tier
     at_origin: bool = False   # a pinned tenant's chunk the origin holds too (origin/conversations.py)
+    after: bytes = None       # a tail (a trailing partial chunk): the key of the whole chunk before it
+    tokens: int = 0           # a tail's tokens
 
 
 def held_object(held):
@@ -85,6 +90,7 @@ class Conversations:
         self._tenant_bytes = collections.Counter()  # memory and disk
         self._bytes = 0                             # in memory
         self._spilling = {}                         # key -> Held on its way to disk (still readable)
+        self._tails = {}                            # key of a whole chunk -> {tail key: its tokens}
         self.policies = {}      # tenant -> {"ttl_s": float, "budget_bytes": int} set by an operator
         self.pinned = frozenset()   # tenants the origin keeps conversations of (its pings say which)
         self._epochs = {}           # pinned tenant -> its epoch at the origin
@@ -255,11 +261,27 @@ class Conversations:
         got = [self.get(k, ns) for k in reversed(keys[:n])][::-1]
         return got[:next((i for i, h in enumerate(got) if h is None), len(got))]
 
-    def put(self, tenant: str, key, held, retention: str = None) -> bool:
+    def tails_after(self, key) -> list:
+        """[(tokens, tail key)] of the tails held after the whole chunk key, longest first."""
+        with self._lock:
+            got = [(n, k) for k, n in self._tails.get(key, {}).items() if self._live(k) is not None]
+        return sorted(got, reverse=True)
+
+    def drop_tails_after(self, keys) -> int:
+        """Drop the tails held after these whole chunks (a longer conversation now holds the
+        chunk each was the start of); how many."""
+        with self._lock:
+            gone = [self._remove(k, "conv_dropped") for after in keys
+                    for k in list(self._tails.get(after, ())) if k in self._entries]
+        self._after(gone, [])
+        return len(gone)
+
+    def put(self, tenant: str, key, held, retention: str = None, after=None, tokens: int = 0) -> bool:
         """Keep held for tenant, idle for as long as retention asks within the tenant's bounds
         (kdn.core.conversation.retention_ttl); False when refused (larger than the tenant's
         budget or the tier) or when held is None and key is not held. A key already held keeps
-        its first bytes and is only renewed."""
+        its first bytes and is only renewed. after, tokens: held is a conversation's tail, of
+        that many tokens after the whole chunk whose key is after (tails_after lists it)."""
         ttl_s = retention_ttl(retention, self.ttl_of(tenant), self.max_ttl_of(tenant))
         with self._lock:
             self.counters["conv_puts"] += 1
@@ -275,7 +297,10 @@ class Conversations:
                 return False
             gone = [self._remove(key, "conv_expired")] if key in self._entries else []
             more, spill = self._fit(tenant, held.nbytes)
-            self._entries[key] = _Entry(held, tenant, held.ns, held.nbytes, ttl_s, self.clock())
+            self._entries[key] = _Entry(held, tenant, held.ns, held.nbytes, ttl_s, self.clock(),
+                                        after=after, tokens=tokens if after is not None else 0)
+            if after is not None:
+                self._tails.setdefault(after, {})[key] = tokens
             self._tenant_bytes[tenant] += held.nbytes
             self._bytes += held.nbytes
             self.counters["conv_kept"] += 1
@@ -312,6 +337,11 @@ class Conversations:
 
     def _remove(self, key, counter: str):
         e = self._entries.pop(key)
+        if e.after is not None:
+            tails = self._tails.get(e.after, {})
+            tails.pop(key, None)
+            if not tails:
+                self._tails.pop(e.after, None)
         self._tenant_bytes[e.tenant] -= e.nbytes
         if self._tenant_bytes[e.tenant] <= 0:
             del self._tenant_bytes[e.tenant]

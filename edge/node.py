@@ -467,12 +467,16 @@ class EdgeNode:
         return want
 
     async def put_conversation(self, chunks, tenant: str, fingerprint: str, scope: str,
-                               retention: str = None, head=None, token=None) -> int:
+                               retention: str = None, head=None, tail=None, token=None) -> int:
         """Keep a conversation's chunks (a worker computed them) for tenant, idle as long as
         retention asks within the tenant's bounds; how many are held now. Each is verified
         by its frame and must be of the conversation's namespace; one already held keeps its
         first bytes (and is renewed). head: the keys of the conversation's chunks before these
-        (held here already), kept more recent than these (edge/conversations.py put_prefix)."""
+        (held here already), kept more recent than these (edge/conversations.py put_prefix).
+        tail: the conversation's trailing partial chunk (a Chunk of fewer tokens, under
+        kdn.core.conversation.tail_key), after the last of head and chunks: kept older than
+        them (evicted first), listed by conversation_find, never sent to the origin; the tails
+        kept after earlier chunks of head and chunks go (the chunks now hold their tokens)."""
         ns = self._conversation(tenant, fingerprint, scope, token, "put_conversation")
         if not isinstance(chunks, (list, tuple)) or len(chunks) > MAX_FETCH_KEYS:
             raise BadRequest(f"put_conversation takes a list of at most {MAX_FETCH_KEYS} chunks")
@@ -483,6 +487,13 @@ class EdgeNode:
                              + (" of another namespace" if isinstance(bad, (Chunk, Encoded)) else ""))
         retention_ttl(retention, self.conversations.ttl_of(tenant))    # BadRequest before anything
         head = [] if head is None else check_keys(head)
+        keys = head + [c.key for c in chunks]
+        if tail is not None:
+            size = chunks[0].kv.shape[3] if chunks and isinstance(chunks[0], Chunk) else None
+            if not (isinstance(tail, Chunk) and tail.ns == ns and keys and 0 < tail.kv.shape[3]
+                    and (size is None or tail.kv.shape[3] < size)):
+                raise BadRequest("put_conversation: a tail is a Chunk of the conversation's namespace, "
+                                 "shorter than a chunk, after at least one chunk (head or chunks)")
         pinned = tenant in self.conversations.pinned
         deadline = time.monotonic() + PIN_STORE_BUDGET_S
         if pinned:     # what the origin holds of these keys first: a key keeps its first bytes
@@ -490,11 +501,22 @@ class EdgeNode:
         new = [c for c in chunks if c.key not in self.conversations]
         stored = dict(zip((c.key for c in new), await self.forms.to_store(new)))
         items = [(c.key, stored.get(c.key)) for c in chunks]   # None: held already, renewed
+        if tail is not None:       # first: the oldest of the conversation, evicted before its chunks
+            kept = (await self.forms.to_store([tail]))[0]
+            await asyncio.to_thread(self._put_tail, tenant, tail.key, kept, tail.kv.shape[3], keys, retention)
         held = await asyncio.to_thread(self.conversations.put_prefix, tenant, items, retention, head)
         if pinned:
             await self._pin(tenant, ns, head, [(c, stored[c.key]) for c in new], deadline)
             held = next((i for i, c in enumerate(chunks) if c.key not in self.conversations), len(chunks))
         return held
+
+    def _put_tail(self, tenant: str, key, held, tokens: int, keys, retention) -> None:
+        """Keep a conversation's tail (held: None when its frame failed) after keys[-1], and
+        let go of its tails after earlier keys (a worker thread: the tier may write to disk)."""
+        self.conversations.drop_tails_after(keys[:-1])
+        if held is not None and self.conversations.put(tenant, key, held, retention, after=keys[-1],
+                                                       tokens=tokens):
+            self.counters["conversation_tails_kept"] += 1
 
     def _pin_failed(self, reason: str, tenant: str, n: int, e=None) -> None:
         self.counters[f"conversation_pin_{reason}"] += 1
@@ -595,6 +617,15 @@ class EdgeNode:
         keys = check_keys(keys)
         await self._pull_pinned(tenant, ns, keys, time.monotonic() + PIN_LOOKUP_TIMEOUT_S)
         return next((i for i, k in enumerate(keys) if k not in self.conversations), len(keys))
+
+    async def conversation_find(self, keys, ns: bytes, tenant: str, fingerprint: str, scope: str,
+                                token=None) -> dict:
+        """conversation_lookup, and the tails held after the last chunk held:
+        {"held": chunks, "tails": [[tokens, tail key], ...] longest first}. The reader takes
+        the longest tail whose key its own prompt's tokens give (kdn.core.conversation.tail_key)."""
+        held = await self.conversation_lookup(keys, ns, tenant, fingerprint, scope, token=token)
+        tails = self.conversations.tails_after(keys[held - 1]) if held else []
+        return {"held": held, "tails": [[n, k] for n, k in tails]}
 
     async def conversation_fetch(self, keys, ns: bytes, tenant: str, fingerprint: str, scope: str,
                                  token=None) -> dict:

@@ -115,12 +115,15 @@ class Worker:
     def turn(self, mode: str, conversation: str, messages: list, hints=(), max_tokens: int = ANSWER_TOKENS) -> dict:
         t0 = time.perf_counter()
         chat = self.history if mode in ("cached", "replica", "moved") else self.plain
+        before = {k: chat.counters[k] for k in ("fetch_s", "rebuild_s")}
         if mode == "limit":
             turn = self._from_engine(conversation, messages)
         else:
             turn = chat.begin(self.manifest, messages, max_tokens, fetch=mode != "off",
                               salt=f"{mode}/{conversation}", hints=hints, conversation=conversation)
-        fetched = turn.history.get("chunks", 0) * 256 * self.model.kv_bytes_per_token
+        begin_s = time.perf_counter() - t0      # the prompt, its lookups, fetches and rebuild
+        spent = {k: chat.counters[k] - v for k, v in before.items()}
+        fetched = (turn.history.get("chunks", 0) * 256 + turn.history.get("tail", 0)) * self.model.kv_bytes_per_token
         steps, ttft = [], None
         for s in chat.stream(turn.prompt, turn.cache, turn.cached, max_tokens):
             if ttft is None:
@@ -134,7 +137,7 @@ class Worker:
             self.engine[conversation] = (turn.prompt + tokens, turn.cache)
         return {"ttft_s": ttft, "prompt": len(turn.prompt), "cached": turn.cached, "tokens": tokens,
                 "text": text, "fetched_bytes": fetched, "region": turn.history.get("region"),
-                "engine": bool(turn.history.get("engine"))}
+                "engine": bool(turn.history.get("engine")), "begin_s": begin_s, **spent}
 
     def _from_engine(self, conversation: str, messages: list):
         """The turn over this worker's own cache of the conversation's last turn, cropped to
@@ -320,7 +323,11 @@ def summarize(results: dict, conversations: int, turns: int, baseline: int, kb_t
                          "cached_share": sum(min(g["cached"], r) for g, r in zip(got, reusable)) / sum(reusable),
                          "saved_tokens": sum(g["cached"] for g in got),
                          "fetched_bytes": sum(g["fetched_bytes"] for g in got),
-                         "engine_turns": sum(bool(g.get("engine")) for g in got)})
+                         "engine_turns": sum(bool(g.get("engine")) for g in got),
+                         # where the time before the prefill went (p50s): all of it, the fetches
+                         # (KB and history), the cache's rebuild from them
+                         **{f"{k}_p50_s": p([g.get(k, 0.0) for g in got], 50)
+                            for k in ("begin_s", "fetch_s", "rebuild_s")}})
     same = {}
     for mode in KDN_MODES:                     # vLLM's own kernels answer differently: not compared
         pairs = [(a["tokens"], b["tokens"]) for ca, cb in zip(results.get("off", [])[:baseline],

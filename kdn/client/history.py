@@ -14,6 +14,10 @@ conversation's first key among the region's edges). The next turn, wherever it l
   declared latency and bandwidth until it has measured one: `links()`);
 - `fetch` brings the held prefix from that edge, every chunk's frame verified and its key
   and namespace the ones asked for (no manifest vouches for conversation KV: its frame does).
+With tails=True (a transformers worker: its cache takes any number of tokens), `find` also
+takes the conversation's tail after the held chunks (kdn.core.conversation.tail_key), the
+longest one the edge lists whose key the prompt's own tokens give, leaving at least one
+token to compute; `fetch` brings it after the chunks, and `store` keeps the new turn's tail.
 A dead or slow home edge costs one timeout (kdn.core.rpc.Unreachable) and the turn is
 recomputed; nothing else is caught.
 """
@@ -21,7 +25,7 @@ import collections
 import time
 from dataclasses import dataclass
 
-from kdn.core.conversation import (conversation_keys, conversation_namespace, conversation_scope,
+from kdn.core.conversation import (conversation_keys, conversation_namespace, conversation_scope, tail_key,
                                    first_key)
 from kdn.core.chunk import cut
 from kdn.core.errors import FrameError, NetworkError, PlacementError
@@ -45,6 +49,7 @@ class Found:
     keys: list
     start_chunk: int
     held: int
+    tail: tuple = None      # (key, tokens) of the conversation's tail after the held chunks
 
 
 class History:
@@ -88,9 +93,10 @@ class History:
         out = [here] + [r for r in hints if r in rest]
         return out + [r for r in rest if r not in out]
 
-    def find(self, tokens, start_chunk: int, salt: str = None, hints=()) -> "Found | None":
+    def find(self, tokens, start_chunk: int, salt: str = None, hints=(), tails: bool = False) -> "Found | None":
         """The first region's home edge (see regions()) holding a prefix of the prompt's
-        conversation keys from start_chunk; None when none does."""
+        conversation keys from start_chunk; None when none does. tails: also the longest tail
+        after that prefix that the prompt reproduces (see the module)."""
         for region in self.regions(hints):
             home = self.home(tokens, start_chunk, region, salt)
             if home is None:
@@ -99,17 +105,30 @@ class History:
             keys = conversation_keys(tokens, ns, self.chunk_tokens)[start_chunk:]
             t0 = time.perf_counter()
             try:
-                held = self.view.edge_at(edge, "conversation_lookup", keys, ns, self.tenant,
-                                         self.fingerprint, scope, token=self.token,
-                                         timeout=LOOKUP_TIMEOUT_S)
+                got = self.view.edge_at(edge, "conversation_find" if tails else "conversation_lookup",
+                                        keys, ns, self.tenant, self.fingerprint, scope, token=self.token,
+                                        timeout=LOOKUP_TIMEOUT_S)
             except Unreachable:
                 self.counters["lookup_unreachable"] += 1
                 continue
             self._measured(region, "rtt_s", time.perf_counter() - t0)
+            held = got["held"] if tails else got
             if held:
                 self.counters["found_" + ("here" if region == self.view.region else "away")] += 1
-                return Found(edge, region, scope, ns, keys, start_chunk, held)
+                tail = self._tail(tokens, keys[held - 1], start_chunk + held, got["tails"]) if tails else None
+                return Found(edge, region, scope, ns, keys, start_chunk, held, tail)
         self.counters["not_found"] += 1
+        return None
+
+    def _tail(self, tokens, after: bytes, chunks: int, offered) -> "tuple | None":
+        """(key, tokens) of the longest offered tail that tokens reproduce after their first
+        `chunks` whole chunks, leaving at least one token to compute; None when none does."""
+        at = chunks * self.chunk_tokens
+        for n, key in offered:
+            if 0 < n < self.chunk_tokens and at + n < len(tokens) and \
+                    tail_key(after, tokens[at:at + n], self.chunk_tokens) == key:
+                self.counters["tails_found"] += 1
+                return key, n
         return None
 
     def held_here(self, tokens, start_chunk: int, salt: str = None) -> int:
@@ -147,9 +166,10 @@ class History:
         return fetch_s < recompute_s
 
     def fetch(self, found: Found) -> list:
-        """The verified chunks of found's held prefix, in order (fewer when the edge lost
-        some since the lookup; [] when it is unreachable)."""
-        keys = found.keys[:found.held]
+        """The verified chunks of found's held prefix, in order, and its tail after them when
+        found has one (fewer when the edge lost some since the lookup; [] when it is
+        unreachable). A tail is the last chunk, of fewer tokens."""
+        keys = found.keys[:found.held] + ([found.tail[0]] if found.tail else [])
         t0 = time.perf_counter()
         try:
             reply = self.view.edge_at(found.edge, "conversation_fetch", keys, found.ns, self.tenant,
@@ -182,30 +202,38 @@ class History:
         return chunks
 
     def store(self, tokens, kv, start_chunk: int, first_new_chunk: int, salt: str = None,
-              retention: str = None) -> dict:
+              retention: str = None, tails: bool = False) -> dict:
         """Keep the whole chunks of tokens from first_new_chunk on (those the worker computed;
         the ones before it were fetched and are held already) at the home edge in this
-        worker's region. kv: the KV of tokens[first_new_chunk * chunk_tokens:] as far as it
-        goes, [layers, 2, kv_heads, T, head_dim]. retention: prompt_cache_retention, which the
-        edge turns into an idle TTL within the tenant's bounds. {"edge", "chunks" kept,
-        "tokens" covered}."""
+        worker's region, and with tails=True the partial chunk after them (the tail). kv: the
+        KV of tokens[first_new_chunk * chunk_tokens:] as far as it goes, [layers, 2, kv_heads,
+        T, head_dim]. retention: prompt_cache_retention, which the edge turns into an idle TTL
+        within the tenant's bounds. {"edge", "chunks" kept, "tokens" covered}."""
         home = self.home(tokens, start_chunk, self.view.region, salt)
-        n_whole = len(tokens) // self.chunk_tokens
+        c = self.chunk_tokens
+        n_whole = len(tokens) // c
         first = max(start_chunk, first_new_chunk)
-        if home is None or n_whole <= first:
+        n_tail = len(tokens) - n_whole * c if tails and start_chunk < n_whole and first_new_chunk <= n_whole else 0
+        if home is None or (n_whole <= first and not n_tail):
             return {"edge": None, "chunks": 0, "tokens": 0}
         edge, scope, ns = home
-        every = conversation_keys(tokens, ns, self.chunk_tokens)
+        every = conversation_keys(tokens, ns, c)
         keys = every[first:n_whole]
-        span = (n_whole - first) * self.chunk_tokens
-        offset = (first - first_new_chunk) * self.chunk_tokens
-        chunks = cut(kv[:, :, :, offset:offset + span], keys, ns, self.chunk_tokens)
+        span = max(n_whole - first, 0) * c
+        offset = (first - first_new_chunk) * c
+        chunks = cut(kv[:, :, :, offset:offset + span], keys, ns, c) if keys else []
+        tail = None
+        if n_tail:
+            at = (n_whole - first_new_chunk) * c
+            tail = cut(kv[:, :, :, at:at + n_tail], [tail_key(every[n_whole - 1], tokens[n_whole * c:], c)],
+                       ns, c)[0]
         try:
             kept = self.view.edge_at(edge, "put_conversation", chunks, self.tenant, self.fingerprint,
-                                     scope, retention, head=every[start_chunk:first], token=self.token,
-                                     timeout=STORE_TIMEOUT_S)
+                                     scope, retention, head=every[start_chunk:min(first, n_whole)], tail=tail,
+                                     token=self.token, timeout=STORE_TIMEOUT_S)
         except Unreachable:
             self.counters["store_unreachable"] += 1
             return {"edge": edge, "chunks": 0, "tokens": 0}
+        self.counters["stored_tails"] += tail is not None
         self.counters["stored_chunks"] += kept
-        return {"edge": edge, "chunks": kept, "tokens": n_whole * self.chunk_tokens}
+        return {"edge": edge, "chunks": kept, "tokens": n_whole * c + (n_tail if tail is not None else 0)}

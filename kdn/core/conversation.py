@@ -3,7 +3,13 @@
 A conversation's prompt (an agent's history, a plain chat) is cut into CHUNK_TOKENS-token
 chunks and keyed by the one key rule (kdn.core.keys: key_i = xxh3_128(key_{i-1} ‖ chunk i)),
 so a next turn whose prompt starts with the whole history finds its longest cached prefix by
-its keys. Only whole chunks are kept (a trailing partial chunk is recomputed with the new turn).
+its keys. Its whole chunks are kept, and its trailing partial chunk (the tail: what the
+answer's last chunk holds so far) beside them, keyed by the same rule over its own tokens
+(tail_key: xxh3_128(key of the last whole chunk ‖ the tail's tokens)), so a next turn on
+another replica recomputes only its new tokens. A tail is the one key of its tokens after
+that chunk, so it stays exact; the next turn's chunk at that place is longer and has another
+key, so the home edge lists the tails it holds after a whole chunk (EdgeNode.conversation_find)
+and the reader takes the longest one its own prompt reproduces.
 
 What differs from a published KB is who may name the keys and where the bytes live:
 - the chain starts at a conversation namespace, conversation_namespace(tenant, fingerprint,
@@ -99,6 +105,15 @@ def conversation_keys(tokens, ns: bytes, chunk_tokens: int = CHUNK_TOKENS) -> li
     """Keys of the whole chunks of tokens in the chain starting at ns (no partial chunk)."""
     arr = as_token_array(tokens)
     return chunk_keys(arr[:whole_chunks(len(arr), chunk_tokens) * chunk_tokens], ns, chunk_tokens)
+
+
+def tail_key(after: bytes, tokens, chunk_tokens: int = CHUNK_TOKENS) -> bytes:
+    """The key of a conversation's trailing partial chunk: tokens (fewer than a chunk) after
+    the whole chunk whose key is after (the one key rule, kdn.core.keys.chunk_keys)."""
+    arr = as_token_array(tokens)
+    if not 0 < len(arr) < chunk_tokens:
+        raise BadRequest(f"a conversation's tail has 1 to {chunk_tokens - 1} tokens, got {len(arr)}")
+    return chunk_keys(arr, check_key(after, "the key before a tail"), chunk_tokens)[0]
 
 
 def first_key(tokens, tenant: str, fingerprint: str, start_chunk: int,

@@ -17,8 +17,9 @@ chat: the messages as the chat template renders them). Either way, after the KB'
 worker looks for the conversation's own KV (the earlier turns, which a worker computed and
 kept), fetches it where that beats recomputing it, and computes only the rest; after the
 answer, `keep()` stores the whole chunks it computed that the next turn's prompt will
-reproduce (the answer put back through the chat template, compared token by token), after
-the reply was sent. Only exact KV is kept: never over an emphasized or lossy cache.
+reproduce (the answer put back through the chat template, compared token by token), and
+the partial chunk after them (the tail), after the reply was sent: a next turn on another
+replica computes only its new tokens. Only exact KV is kept: never over an emphasized or lossy cache.
 """
 import collections
 import time
@@ -253,7 +254,7 @@ class Chat:
         if self.history is None:
             return turn
         start = turn.start_chunk
-        found = self.history.find(turn.prompt, start, turn.salt, hints)
+        found = self.history.find(turn.prompt, start, turn.salt, hints, tails=True)
         if found is None:
             self.counters["history_misses"] += 1
             return turn
@@ -270,22 +271,26 @@ class Chat:
         t1 = time.perf_counter()
         if kb_parts is None:                   # the KB's whole chunks, copied from the engine's cache
             kb_parts = [self.model.kv_from_cache(turn.cache, 0, start * CHUNK)] if start else []
-        tokens = (start + len(chunks)) * CHUNK      # whole chunks of the prompt: never past it
+        # whole chunks of the prompt, and its tail when fetched: never the whole prompt
+        tail = chunks[-1].kv.shape[3] if found.tail and chunks[-1].key == found.tail[0] else 0
+        tokens = start * CHUNK + sum(c.kv.shape[3] for c in chunks)
         turn.cache = self.model.cache_from_kv(kb_parts + [c.kv for c in chunks],
                                               len(turn.prompt) - tokens + (max_tokens or 0))
         turn.cached = tokens
         self.counters["fetch_s"] += t1 - t0
         self.counters["rebuild_s"] += time.perf_counter() - t1
         self.counters["history_hits"] += 1
-        self.counters["history_tokens"] += len(chunks) * CHUNK
+        self.counters["history_tokens"] += tokens - start * CHUNK
+        self.counters["history_tail_tokens"] += tail
         turn.history = {"region": found.region, "edge": found.edge, "fetched": True,
-                        "chunks": len(chunks)}
+                        "chunks": len(chunks) - bool(tail), "tail": tail}
         self._served_from("history")
         return turn
 
     def to_keep(self, turn: Turn, generated: list, text: str) -> "dict | None":
         """What store() sends of this answer's conversation (None: nothing new to keep): the
-        whole chunks it computed that the next turn's prompt reproduces. The answer's text put
+        whole chunks it computed that the next turn's prompt reproduces, and the tail after
+        them (kdn.core.conversation.tail_key). The answer's text put
         back through the chat template is compared token by token with the prompt and the
         tokens generated (whose KV the cache holds), and only their common prefix counts. In
         the model's thread, before the next request touches the cache (its KV is copied out)."""
@@ -303,12 +308,15 @@ class Chat:
         if turn.history.get("fetched") and turn.history.get("region") != self.client.view.region:
             first_new = turn.start_chunk   # moved here: its history is kept at this region's home too
         end = whole_chunks(n) * CHUNK
-        if end <= max(first_new, turn.start_chunk) * CHUNK:
+        # new whole chunks, or a tail (the partial chunk after them) after one of this conversation's
+        tail = end < n and turn.start_chunk * CHUNK < end and first_new * CHUNK <= end
+        if end <= max(first_new, turn.start_chunk) * CHUNK and not tail:
             self.counters["history_nothing_new"] += 1
             return None
-        return {"tokens": again[:end], "kv": self.model.kv_from_cache(turn.cache, first_new * CHUNK, end),
+        n = n if tail else end
+        return {"tokens": again[:n], "kv": self.model.kv_from_cache(turn.cache, first_new * CHUNK, n),
                 "start_chunk": turn.start_chunk, "first_new_chunk": first_new, "salt": turn.salt,
-                "retention": turn.retention}
+                "retention": turn.retention, "tails": True}
 
     def store(self, kept: "dict | None") -> dict:
         """Send what to_keep() took to the conversation's home edge ({"chunks", "tokens", "edge"});

@@ -39,3 +39,18 @@ def test_a_measured_link_replaces_the_declared_one_as_a_moving_average():
         h._measured("us-east", "bytes_per_s", 5e9)                   # it got fast
     assert h.links()["us-east"]["bytes_per_s"] > 4.9e9
     assert h.worth_fetching(found(), CHUNK_BYTES, 1000.0)
+
+
+def test_the_longest_tail_the_prompt_reproduces_is_taken_leaving_a_token_to_compute():
+    """History._tail: of the tails the edge lists after the held chunks, the longest whose key
+    the prompt's own tokens give, never one that would leave nothing to compute."""
+    from kdn.core.conversation import tail_key
+    h = history()
+    after = bytes(range(16))
+    prompt = list(range(1000, 1000 + 256 + 50))
+    long_, short = tail_key(after, prompt[256:296]), tail_key(after, prompt[256:266])
+    other = tail_key(after, [7] * 45)                          # other tokens: another key
+    assert h._tail(prompt, after, 1, [[45, other], [40, long_], [10, short]]) == (long_, 40)
+    assert h._tail(prompt[:296], after, 1, [[40, long_], [10, short]]) == (short, 10)   # all but one
+    assert h._tail(prompt, after, 1, [[45, other]]) is None
+    assert h.counters["tails_found"] == 2

@@ -56,3 +56,18 @@ def test_retention_maps_openais_values_within_the_tenants_bounds():
 def test_a_bad_salt_is_refused_naming_it(bad):
     with pytest.raises(BadRequest, match="cache_salt must be a non-empty string"):
         C.conversation_scope("e0", bad)
+
+
+def test_a_tail_is_keyed_as_the_partial_chunk_of_the_one_key_rule():
+    """tail_key(last whole chunk's key, tokens after it) is chunk_keys' key of that trailing
+    partial chunk: one rule, so a tail is exact KV of exactly those tokens; a tail of other
+    tokens or another length has another key."""
+    ns = C.conversation_namespace("acme", "fp", "us-east-0")
+    tokens = list(range(5000, 5000 + 2 * 256 + 40))
+    keys = chunk_keys(tokens, ns)
+    assert C.tail_key(keys[1], tokens[512:]) == keys[2]
+    assert C.tail_key(keys[1], tokens[512:551]) != keys[2]
+    assert C.tail_key(keys[1], tokens[513:553]) != keys[2]
+    for bad in ([], list(range(256))):
+        with pytest.raises(BadRequest, match="tail has 1 to 255 tokens"):
+            C.tail_key(keys[1], bad)

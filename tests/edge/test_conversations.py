@@ -534,3 +534,63 @@ def test_a_policy_the_edge_refuses_is_counted_and_the_others_still_apply(kit):
     assert edge.counters["conversation_policies_refused"] == 1
     assert edge.conversations.policy_of("good")["budget_bytes"] == 3 << 20
     assert edge.conversations.policy_of("bad")["budget_bytes"] == edge.conversations.default_budget
+
+
+# --- tails: a conversation's trailing partial chunk (kdn.core.conversation.tail_key) ----------
+def tail_of(chunks, n=20, seed=1):
+    """A tail of n tokens after chunks[-1], under the one key rule, and its tokens."""
+    import numpy as np
+    from kdn.core.chunk import Chunk
+    from kdn.core.conversation import tail_key
+    tokens = list(range(900_000 + seed * 1000, 900_000 + seed * 1000 + n))
+    kv = np.random.default_rng(seed).standard_normal((2, 2, 2, n, 64)).astype(np.float32)
+    return Chunk(tail_key(chunks[-1].key, tokens, 64), chunks[-1].ns, kv, "float32"), tokens
+
+
+def test_a_tail_is_kept_listed_after_its_chunk_and_superseded_by_a_longer_conversation(kit):
+    import asyncio
+    edge = kit.local_edge([], auth=AUTH)
+    scope, ns, chunks = conversation(kit, n=4)
+    keys = [c.key for c in chunks]
+    tail, _ = tail_of(chunks[:2])
+    assert asyncio.run(edge.put_conversation(chunks[:2], "acme", "fp", scope, tail=tail, token=ACME)) == 2
+    got = asyncio.run(edge.conversation_find(keys, ns, "acme", "fp", scope, token=ACME))
+    assert got == {"held": 2, "tails": [[20, tail.key]]}
+    fetched = asyncio.run(edge.conversation_fetch(keys[:2] + [tail.key], ns, "acme", "fp", scope, token=ACME))
+    assert resolved(fetched["refs"][-1]).kv.tobytes() == tail.kv.tobytes()
+    # the next turn kept two more chunks and its own tail: the first tail goes
+    tail2, _ = tail_of(chunks, n=30, seed=2)
+    asyncio.run(edge.put_conversation(chunks[2:], "acme", "fp", scope, head=keys[:2], tail=tail2, token=ACME))
+    assert tail.key not in edge.conversations and tail2.key in edge.conversations
+    assert asyncio.run(edge.conversation_find(keys, ns, "acme", "fp", scope, token=ACME)) == \
+        {"held": 4, "tails": [[30, tail2.key]]}
+    assert edge.counters["conversation_tails_kept"] == 2
+    # a tail expires, is evicted or dropped like any chunk, and is no longer listed
+    asyncio.run(edge.drop_conversations("acme", token=ADMIN))
+    assert edge.conversations.tails_after(keys[-1]) == []
+
+
+def test_a_bad_tail_is_refused_and_nothing_is_stored(kit):
+    import asyncio
+    import numpy as np
+    from kdn.core.chunk import Chunk
+    edge = kit.local_edge([], auth=AUTH)
+    scope, ns, chunks = conversation(kit, n=2)
+    tail, _ = tail_of(chunks)
+    _, other_ns, _ = conversation(kit, salt="other")
+    whole = Chunk(tail.key, ns, np.zeros((2, 2, 2, 64, 64), np.float32), "float32")   # not shorter
+    for bad, kw in ((Chunk(tail.key, other_ns, tail.kv, "float32"), {}), (whole, {}), (tail, {"none": True})):
+        with pytest.raises(BadRequest, match="tail"):
+            asyncio.run(edge.put_conversation([] if kw else chunks, "acme", "fp", scope, tail=bad, token=ACME))
+    assert edge.conversations.keys() == []
+
+
+def test_a_pinned_tenants_tail_stays_at_its_edge(pinned_edge, kit):
+    import asyncio
+    edge, origin, _ = pinned_edge
+    scope, ns, chunks = conversation(kit, n=2)
+    tail, _ = tail_of(chunks)
+    asyncio.run(edge.put_conversation(chunks, "acme", "fp", scope, tail=tail, token=ACME))
+    keys = [c.key for c in chunks]
+    assert origin.store.conversation_prefix("acme", ns, keys + [tail.key]) == keys
+    assert not origin.store.has(tail.key) and tail.key in edge.conversations

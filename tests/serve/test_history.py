@@ -59,7 +59,9 @@ def test_a_plain_chats_next_turn_reads_the_history_and_answers_as_a_full_prefill
     assert t1.cached == 0 and kept["chunks"] == len(t1.prompt) // 256 >= 2
     t2 = c.begin(None, second, 12)
     assert t2.history.get("fetched") and t2.history["region"] == "us-east", (c.history.counters, c.counters)
-    assert t2.cached == kept["tokens"] and t2.cached >= len(t1.prompt) - 255   # all but the last partial chunk
+    # the whole history the answer reproduces, its tail (the last partial chunk) too: only the
+    # new turn is computed
+    assert t2.history["tail"] > 0 and t2.cached == kept["tokens"] >= len(t1.prompt)
     tokens, _ = answer(c, t2)
     assert tokens == full_prefill(model, t2.prompt)
     assert c.counters["history_hits"] == 1 and c.counters["cached_tokens"] == t2.cached
@@ -73,7 +75,7 @@ def test_a_kbs_conversation_keeps_only_its_own_chunks_after_the_kbs(net, model):
     assert t1.cached == len(m.token_ids())                       # the KB from KDN, as before
     assert kept["chunks"] == len(t1.prompt) // 256 - kb_whole >= 1
     t2 = c.begin(m, second, 12)
-    assert t2.cached == len(t1.prompt) // 256 * 256 > len(m.token_ids())
+    assert t2.cached == kept["tokens"] >= len(t1.prompt) > len(m.token_ids())
     tokens, _ = answer(c, t2)
     assert tokens == full_prefill(model, t2.prompt)
 
@@ -95,7 +97,7 @@ def test_a_replica_continues_from_its_own_engine_cache_unless_an_edge_holds_more
     second = first + [{"role": "assistant", "content": text}, {"role": "user", "content": "And the coldest?"}]
     t2 = a.begin(None, second, 12, salt="local", conversation="open:local")
     assert t2.history.get("engine") and a.counters["conversation_engine_hits"] == 1
-    assert kept["tokens"] < t2.cached < len(t2.prompt), "past the last whole chunk: the exact tokens"
+    assert kept["tokens"] // 256 * 256 < t2.cached < len(t2.prompt), "past the last whole chunk: the exact tokens"
     tokens2, text2 = answer(a, t2)
     assert tokens2 == full_prefill(model, t2.prompt)
     a.keep(t2, tokens2, text2)                  # only whole chunks no edge holds are sent
@@ -129,7 +131,8 @@ def test_another_region_reads_the_history_across_and_answers_the_same(net, model
     away = chat(net, model, region="ap-south")
     t2 = away.begin(None, second, 12, salt="across", hints=("us-east",))
     assert t2.history == {"region": "us-east", "edge": kept["edge"], "fetched": True,
-                          "chunks": kept["chunks"]}
+                          "chunks": kept["chunks"], "tail": kept["tokens"] % 256}
+    assert t2.history["tail"] > 0 and t2.cached == kept["tokens"]
     tokens, text = answer(away, t2)
     assert tokens == full_prefill(model, t2.prompt)
     # the conversation moved: its whole history is kept at this region's home now, so the
