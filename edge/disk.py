@@ -38,12 +38,12 @@ import numpy as np
 import xxhash
 
 from kdn.core.checks import check_int
-from kdn.core.chunk import Encoded, decode, encode_parts, frame_size, read_header
+from kdn.core.chunk import FRAME_SUFFIX, Encoded, decode, encode_parts, frame_size, read_header
 from kdn.edge.cache import ChunkCache
 from kdn.core.errors import BadRequest, ChecksumMismatch, FrameError, TruncatedFrame
 from kdn.core.files import TEMP_SUFFIX, make_dirs, write_atomic
 
-SUFFIX = ".kdnc"
+SUFFIX = FRAME_SUFFIX
 HEADER_READ = 8 + 4096            # a frame's prefix and its longest header (kdn.core.chunk.MAX_HEADER)
 NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 READ_BLOCK = 512 << 10            # read and hash in blocks that stay in the CPU's cache

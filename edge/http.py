@@ -44,8 +44,8 @@ from aiohttp import http_exceptions, web
 
 
 from kdn.core.chunk import codecs
-from kdn.edge.metrics import CONTENT_TYPE as METRICS_TYPE, EdgeMetrics
-from kdn.core.wire import FRAMES_TYPE, MAX_SOURCE_RUNS, pack_sources
+from kdn.edge.metrics import EdgeMetrics
+from kdn.core.wire import FRAMES_TYPE, MAX_SOURCE_RUNS, METRICS_TYPE, pack_sources
 from kdn.core.env import is_loopback
 from kdn.core.errors import AccessDenied, BadRequest, BadTokens
 from kdn.core.keys import KEY_BYTES, MAX_FETCH_KEYS, namespace_digest
@@ -279,7 +279,7 @@ class EdgeHTTP:
 
     def _region(self, body):
         region = body.get("region")
-        regions = self.edge.membership.topology.regions
+        regions = self.edge.members.topology.regions
         if region is not None and (not isinstance(region, str) or region not in regions):
             raise RequestError(400, "bad_region", f"field 'region' must name a region of the "
                                                   f"network ({', '.join(regions)}), got {region!r:.80}")
@@ -298,7 +298,7 @@ class EdgeHTTP:
         e = self.edge
         main, hot = e.tiers.main.stats(), e.tiers.hot.stats()
         return _json({"ok": True, "edge": e.name, "region": e.region, "network": e.network,
-                      "ring": e.membership.version, "chunks": main["items"] + hot["items"],
+                      "ring": e.members.version, "chunks": main["items"] + hot["items"],
                       "bytes": main["bytes"] + hot["bytes"], "hot_copies": hot["items"],
                       "loop": self.loop_class, "pid": os.getpid(),
                       "uptime_s": round(time.time() - e.started, 3),
@@ -336,7 +336,7 @@ class EdgeHTTP:
         total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
         resp = web.StreamResponse(status=200, headers={
             "X-KDN-Edge": self.edge.name, "X-KDN-Region": self.edge.region,
-            "X-KDN-Chunks": str(len(used)), "X-KDN-Ring": str(self.edge.membership.version),
+            "X-KDN-Chunks": str(len(used)), "X-KDN-Ring": str(self.edge.members.version),
             "X-KDN-Sources": pack_sources(got["sources"]), "X-KDN-More": str(int(got["more"])),
             "X-KDN-Codec": ",".join(sorted(set(used))) or asked})
         resp.content_type = FRAMES_TYPE

@@ -16,13 +16,12 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kdn.core.names import SOURCE_KINDS
+from kdn.edge.tiers import ROLES
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0)
 HIDDEN = frozenset({"namespace_refused"})     # counted for the operator (stats), not exported
-TIERS = ("main", "hot")
 TIER_OPS = ("gets", "hits", "misses", "puts", "rejected", "evictions")
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def _counter(name, doc, value=None, labels=(), samples=()):
@@ -47,7 +46,7 @@ class EdgeCollector:
 
     def collect(self):
         e, c = self.edge, self.edge.all_counters()
-        tiers = {t: e.tiers.tier(t).stats() for t in TIERS}
+        tiers = {t: e.tiers.tier(t).stats() for t in ROLES}
         if e.tiers.disk is not None:
             tiers["disk"] = e.tiers.disk.stats()
         loop = getattr(self.http, "loop_class", None) or ""

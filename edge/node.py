@@ -45,7 +45,7 @@ from kdn.edge.reads import MAX_REPLY_BYTES, Reads, check_keys
 from kdn.edge.tiers import ROLES, Held, Tiers
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, StoreError
 from kdn.core.conversation import CONVERSATION_SHARE, conversation_namespace, home_of, retention_ttl
-from kdn.core.keys import MAX_FETCH_KEYS, check_key
+from kdn.core.keys import MAX_FETCH_KEYS, MAX_KEYS_PER_CALL, check_key
 from kdn.core.manifest import check_ttl
 from kdn.core.rpc import failover_errors
 from kdn.placement.replication import ReplicationPolicy
@@ -61,7 +61,7 @@ PIN_BATCH_BYTES = 256 << 20   # a pinned conversation's chunks per call to the o
 PIN_STORE_BUDGET_S = 20.0     # a pinned store's pull and sends to the origin, all together (a
                               # worker waits 30 s for the store: kdn/client/history.py)
 PIN_LOOKUP_TIMEOUT_S = 1.0    # a lookup's pull from the origin (a worker waits 2 s for the lookup)
-ADMIN_KEYS = 1 << 22          # keys one operator or origin call may name (a KB's keys)
+ADMIN_KEYS = MAX_KEYS_PER_CALL   # keys one operator or origin call may name (a KB's keys)
 
 
 class EdgeNode:
@@ -80,7 +80,7 @@ class EdgeNode:
         self.tokens = Tokens.from_dict(auth)
         self.fault_injection = bool(fault_injection)
         self.membership_refresh_s = float(membership_refresh_s)
-        self.membership = Membership(topology, replicas)
+        self.members = Membership(topology, replicas)
         # the disk tier: <disk_dir>/<edge name>, so edges of a node share a root, never files
         disk = None if not disk_bytes else DiskTier(os.path.join(disk_dir or _default_disk_dir(network), name),
                                                     disk_bytes, policy)
@@ -100,10 +100,10 @@ class EdgeNode:
         self.events = None if kv_events is None else self._start_events(kv_events)
         self._policies_wanted = None   # the origin's latest conversation policies, not applied yet
         self._policy_task = None
-        self.forms = Forms(store_codec, self.catalog.sum_of, lambda: self.membership.topology, region)
-        self.pull = Pull(name, region, self.membership, self.tiers, self.forms, self.peers,
+        self.forms = Forms(store_codec, self.catalog.sum_of, lambda: self.members.topology, region)
+        self.pull = Pull(name, region, self.members, self.tiers, self.forms, self.peers,
                          self.catalog, self.demand)
-        self.reads = Reads(name, region, self.membership, self.tiers, self.pull, self.peers,
+        self.reads = Reads(name, region, self.members, self.tiers, self.pull, self.peers,
                            self.catalog, self.demand, max_reply_bytes)
         self.counters = collections.Counter()
         self.started = time.time()
@@ -191,7 +191,7 @@ class EdgeNode:
     async def _tick(self):
         """Apply the replication policy: fetch newly hot chunks, drop cold ones; expire TTLs."""
         d = self.demand.decide(region_capacity_bytes={self.region: self.tiers.capacity},
-                               owners_region=self.membership.owner_regions)
+                               owners_region=self.members.owner_regions)
         for key, region in d.demote:
             if region == self.region and self.tiers.hot.discard(key):
                 self.counters["hot_demoted"] += 1
@@ -205,7 +205,7 @@ class EdgeNode:
     async def _refresh_membership(self):
         self._last_refresh = time.monotonic()
         m = await self.peers.ask(ORIGIN_NODE, "membership", timeout=MEMBERSHIP_TIMEOUT_S)
-        if m is not None and self.membership.apply(m):
+        if m is not None and self.members.apply(m):
             self.counters["membership_refreshed"] += 1
 
     async def ping(self, token=None, drops=None, conversation_policies=None) -> dict:
@@ -263,13 +263,13 @@ class EdgeNode:
     # --- membership ---------------------------------------------------------------------
     async def set_membership(self, m: dict, token=None) -> int:
         self.tokens.check_admin(token, "set_membership")
-        if self.membership.apply(m):
+        if self.members.apply(m):
             self._last_refresh = time.monotonic()
-        return self.membership.version
+        return self.members.version
 
     async def membership(self, token=None) -> dict:
         """The membership this edge routes by (clients use it while the origin is down)."""
-        return self.membership.to_dict()
+        return self.members.to_dict()
 
     # --- what the origin and operators put here ---------------------------------------------
     async def have(self, keys, ns: bytes = None, token=None) -> list:
@@ -378,7 +378,7 @@ class EdgeNode:
 
         got = await self.reads.fetch(keys, ns, region, token, shape, claim=(tenant, fingerprint))
         reply = {"sources": got["sources"], "edge": self.name, "region": self.region,
-                 "ring": self.membership.version, "more": got["more"]}
+                 "ring": self.members.version, "more": got["more"]}
         if resolve:
             reply["chunks"] = got["out"]
             return reply
@@ -671,7 +671,7 @@ class EdgeNode:
     def all_counters(self, token=None) -> collections.Counter:
         """Every component's counters in one (their names do not overlap)."""
         out = collections.Counter(self.counters)
-        for part in (self.membership, self.tiers, self.forms, self.pull, self.pull.loads,
+        for part in (self.members, self.tiers, self.forms, self.pull, self.pull.loads,
                      self.reads, self.catalog, self.peers, self.replay):
             out.update(part.counters)
         out.update(self.conversations.snapshot())     # (updated from worker threads)
@@ -688,8 +688,8 @@ class EdgeNode:
                 "store_codec": self.store_codec, "node_id": self.node_id,
                 "main": t["main"], "hot": t["hot"], "disk": t["disk"],
                 "held_raw_bytes": t["held_raw_bytes"],
-                "hot_copies": t["hot_copies"], "ring_version": self.membership.version,
-                "members": len(self.membership.ring), "counters": dict(self.all_counters()),
+                "hot_copies": t["hot_copies"], "ring_version": self.members.version,
+                "members": len(self.members.ring), "counters": dict(self.all_counters()),
                 "uptime_s": time.time() - self.started, "http": self.http_address(),
                 "demand": self.demand.stats(), "loads": self.pull.loads.stats(),
                 "catalog": self.catalog.stats(), "background_failure": self.background_failure,

@@ -32,7 +32,7 @@ from kdn.core.checks import check_int, check_number
 from kdn.core.chunk import Chunk, Encoded
 from kdn.core.emphasis import OVERRIDE_META, check_copy, copy_of, is_emphasized, own_manifests
 from kdn.core.errors import BadRequest, KDNError, ManifestError, StoreError, VersionNotFound
-from kdn.core.keys import MAX_TOKENS_PER_KB, check_key, namespace_digest
+from kdn.core.keys import MAX_KEYS_PER_CALL, MAX_TOKENS_PER_KB, check_key, namespace_digest
 from kdn.core.manifest import Manifest, check_name
 from kdn.core.names import check_node_name
 from kdn.origin import overrides
@@ -54,7 +54,6 @@ OPEN_WAITS_S = (1, 2, 4, 8, 15, 30)
 MAX_CHUNKS_PER_CALL = 4096       # limits on what one publish call may carry
 MAX_BYTES_PER_CALL = 2 << 30
 OBJECT_PUSH_BACKLOG_BYTES = 2 << 30   # objects' bytes whose push is in flight at once
-MAX_KEYS_PER_CALL = 1 << 20      # a KB of MAX_TOKENS_PER_KB tokens in small chunks, with room
 
 
 def _keys(keys, what: str = "keys") -> list:

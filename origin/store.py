@@ -65,7 +65,7 @@ import re
 import threading
 import time
 
-from kdn.core.chunk import MAX_HEADER, Chunk, Encoded, decode, encode_parts, read_header
+from kdn.core.chunk import FRAME_SUFFIX, MAX_HEADER, Chunk, Encoded, decode, encode_parts, read_header
 from kdn.core.checks import check_number
 from kdn.core.codecs import codecs
 from kdn.core.dtypes import OPAQUE
@@ -81,14 +81,14 @@ from kdn.origin.objects import CORRUPT_SUFFIX, LocalObjects, open_objects
 
 log = logging.getLogger(__name__)
 
-CHUNK_SUFFIX = ".kdnc"
+CHUNK_SUFFIX = FRAME_SUFFIX
 MANIFEST_SUFFIX = ".kdnm"
 RETIRED_SUFFIX = ".retired"
 LAST_VERSION = "last_version"     # per KB: the highest version number ever committed
 COMMIT_TRIES = 8                  # automatic numbers tried when other publishers take them first
 IO_THREADS = 16                   # calls of one map() in flight at once: a bucket answers each in a
                                   # round trip (10-100 ms), so one at a time would be slow
-_CHUNK_NAME = re.compile(r"chunks/[0-9a-f]{2}/([0-9a-f]{32})\.kdnc")
+_CHUNK_NAME = re.compile(r"chunks/[0-9a-f]{2}/([0-9a-f]{32})" + re.escape(CHUNK_SUFFIX))
 _VERSION_NAME = re.compile(r"(\d{10})\.(kdnm|retired|corrupt)")
 _MANIFEST_NAME = re.compile(r"manifests/([0-9a-f]{32})/([^/]+)/(\d{10})\.(kdnm|retired|corrupt)")
 # Counted from the start (0 until they happen), so stats() always names them.

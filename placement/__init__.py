@@ -8,7 +8,7 @@ knows regions, links and edge capacities, and ranks sources by the time a transf
 take. The replication policy (`replication.ReplicationPolicy`) turns the demand each
 region shows into hot copies there, within a byte budget and with operator overrides.
 `sim` replays a multi-region trace against placement policies. Pure Python and numpy:
-no Ray, no torch, nothing from kdn but its errors.
+no Ray, no torch, nothing from kdn but its vocabulary (kdn.core: errors and checks).
 """
 from kdn.placement.replication import Decision, Override, ReplicationPolicy
 from kdn.placement.ring import Edge, Ring, key_hashes

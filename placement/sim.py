@@ -53,7 +53,7 @@ DISK_POLICY = "g_ring_hot_disk"
 MiB = 2**20
 
 
-# --- output helpers (kdn.bench passes its own; placement does not import kdn) -----------
+# --- output helpers (kdn.bench passes its own; placement imports only kdn.core) ----------
 def _table(rows, columns=None, file=None):
     file = file or sys.stdout
     columns = columns or list(rows[0])
@@ -442,7 +442,7 @@ class Sim:
         for step in range(n * npass):
             i, run = step % n, step // n        # (g): the trace again, time running on
             if i == 0 and run > 0:
-                if run == 1:                    # the cold first pass, for the record
+                if run == 1:                    # the cold first pass, reported apart
                     extra["cold"] = {"local_share_cold": t.local / t.total_bytes,
                                      "mean_ms_cold": 1000 * float(times.mean())}
                 if run == npass - 1:            # the measured pass counts afresh

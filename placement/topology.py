@@ -41,13 +41,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 import tomllib
 from pathlib import Path
 
 from kdn.core.checks import check_int, check_number
-from kdn.core.errors import TopologyError
+from kdn.core.errors import BadRequest, TopologyError
+from kdn.core.names import check_node_name
 from kdn.placement.ring import Edge
 
 GB = 1e9
@@ -58,16 +58,15 @@ def _num(src, where, v, *, positive=False):
 
 
 # Region and edge names become Ray actor names, node labels and "peer:<edge>" source
-# strings, so they are plain words: no ':' or '/', no spaces, at most 64 characters.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# strings, so they are plain words: kdn.core.names.check_node_name.
 MAX_FILE_BYTES = 1 << 20      # a topology file is a few KB; never read a device or a log
 
 
 def _name(src, where, v):
-    if not isinstance(v, str) or not _NAME.fullmatch(v):
-        raise TopologyError(f"{src}: {where}: must be 1-64 letters, digits, '.', '_' or '-' "
-                            f"(starting with a letter or digit), got {v!r:.80}")
-    return v
+    try:
+        return check_node_name(v, f"{src}: {where}:")
+    except BadRequest as e:
+        raise TopologyError(str(e)) from None
 
 
 # --- reading a topology's dict: one function per table ---------------------------------

@@ -304,8 +304,6 @@ def main(argv=None):
     def log(msg):
         print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    from kdn.core.env import prepare_ray_env
-    prepare_ray_env()
     s = summarize(run(args, log), args)
     mib = s["bytes"] / 2**20
     table([

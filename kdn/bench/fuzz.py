@@ -80,8 +80,6 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    from kdn.core.env import prepare_ray_env
-    prepare_ray_env()                   # before Ray is imported: loopback, token auth
     import ray
     from kdn.launch.cluster import LocalCluster, start_network, teardown
     from kdn.client.join import init_ray

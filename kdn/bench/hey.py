@@ -69,8 +69,6 @@ def main(argv=None):
     if shutil.which("hey") is None:
         ap.error("hey is not installed: apt-get install -y hey (Debian/Ubuntu)")
 
-    from kdn.core.env import prepare_ray_env
-    prepare_ray_env()                      # before Ray is imported: token auth, loopback
     from kdn.launch.cluster import LocalCluster, start_network, stop_network
     from kdn.client.join import init_ray
     from kdn.client import Client

@@ -75,9 +75,9 @@ def start_redis(workdir: str):
 
 def object_store_bytes(edge_capacity: int) -> int:
     """Each node's object store: what its edge may hold in memory, the origin's object pushes
-    in flight and two store batches, below Ray's spilling threshold (80% full by default).
-    Sized smaller (1.5 x the run, before session 11), Ray spilled 0.9-1.8 GB of the edges'
-    objects to disk mid-run, and the rounds that read them back took 265-460 ms, not ~45."""
+    in flight and two store batches, below Ray's spilling threshold (80% full by default):
+    smaller, Ray spills the edges' objects to disk mid-run and the rounds that read them
+    back take several times longer."""
     from kdn.engines.objects import PUT_BATCH_BYTES
     from kdn.launch.cluster import SPILL_THRESHOLD
     from kdn.origin.node import OBJECT_PUSH_BACKLOG_BYTES

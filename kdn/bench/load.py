@@ -24,7 +24,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import re
 import secrets
 import signal
 import sys
@@ -46,7 +45,6 @@ QUESTION_TOKENS = 16
 HTTP_TIMEOUT_S = 5.0          # an HTTP call that takes longer is a dead edge: fail over
 SUSPECT_S = 10.0              # a URL that failed is tried last for this long
 MAX_ERROR_SAMPLES = 5
-_SERVER_FAULT = re.compile(r" failed (GET|POST) \S+: 5\d\d ")
 
 
 # --- the knowledge bases ----------------------------------------------------------------------
@@ -195,8 +193,10 @@ class EdgeURLs:
 
 
 def http_fetch(urls: EdgeURLs, clients: dict, want: dict, token: str) -> tuple:
-    """(Fetched, failovers): the first edge URL that answers; connection faults move on."""
-    from kdn.core.errors import NetworkError, NoLiveEdge
+    """(Fetched, failovers): the first edge URL that answers; an edge that does not answer
+    (Unreachable) is failed over, one that answers with a fault (RemoteError, a 5xx) is an error."""
+    from kdn.core.errors import NoLiveEdge
+    from kdn.core.rpc import Unreachable
     from kdn.client.http import EdgeHTTPClient
     failovers, tried = 0, []
     for url in urls.ranked():
@@ -205,9 +205,7 @@ def http_fetch(urls: EdgeURLs, clients: dict, want: dict, token: str) -> tuple:
             client = clients[url] = EdgeHTTPClient(url, timeout_s=HTTP_TIMEOUT_S, token=token)
         try:
             return client.fetch_tokens(want["prompt"], TENANT, FINGERPRINT, kb=want["kb"]), failovers
-        except NetworkError as e:
-            if _SERVER_FAULT.search(str(e)):
-                raise                   # the edge answered 5xx: an error, not a dead edge
+        except Unreachable:
             client.close()
             clients.pop(url, None)
             urls.failed(url)
@@ -430,8 +428,6 @@ def main(argv=None):
     def log(msg):
         print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    from kdn.core.env import prepare_ray_env
-    prepare_ray_env()
     s = summarize(run(args, log), args.workers)
     table([{"transport": t, "workers": s[t]["workers"], "requests": s[t]["requests"],
             "errors": s[t]["errors"], "failovers": s[t]["failovers"],

@@ -308,8 +308,6 @@ def main(argv=None):
           f"({TOKENS} tokens x {layers} layers x {HEADS} heads x {HEAD_DIM} head_dim, float16) "
           f"= {total / 2**20:.0f} MiB; median of {args.reps} reps", flush=True)
 
-    from kdn.core.env import prepare_ray_env
-    prepare_ray_env()                      # before Ray is imported: token auth, loopback
     from kdn.launch.cluster import LocalCluster, start_network, stop_network
     from kdn.client.join import init_ray
     from kdn.client import Client

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from kdn.core.conversation import (conversation_keys, conversation_namespace, conversation_scope, tail_key,
                                    first_key)
 from kdn.core.chunk import cut
-from kdn.core.errors import FrameError, NetworkError, PlacementError
+from kdn.core.errors import FrameError, PlacementError, RemoteError
 from kdn.core.keys import CHUNK_TOKENS
 from kdn.core.rpc import Unreachable
 from kdn.core.transfer import fetch_deadline_s
@@ -187,7 +187,7 @@ class History:
         chunks = []
         for key, obj in zip(keys, objs):
             if obj.key != key or obj.ns != found.ns:
-                raise NetworkError(f"edge {found.edge} answered a conversation chunk that is not "
+                raise RemoteError(f"edge {found.edge} answered a conversation chunk that is not "
                                    "the one asked for")
             try:
                 chunk = obj.decode()

@@ -16,6 +16,11 @@ An edge bounds one answer: while it says X-KDN-More: 1, fetch() asks for the key
 those received, so a long prefix arrives in a few answers (X-KDN-Sources is run-length
 coded, kdn.core.wire). Only loopback edges are accepted unless allow_remote is set,
 mirroring the server, which binds 127.0.0.1 unless told otherwise.
+
+Errors split as on the Ray path (kdn.core.rpc): no answer (a refused or dropped connection, a
+body cut short, a timeout) raises kdn.core.rpc.Unreachable, which a caller fails over on; an
+answer that is a fault of the edge's own (a 5xx, a malformed reply, a chunk not asked for)
+raises kdn.core.errors.RemoteError, surfaced; a 4xx is the caller's (BadRequest, AccessDenied).
 """
 import collections
 import http.client
@@ -31,7 +36,8 @@ import numpy as np
 from kdn.core.chunk import codecs, decode, frame_size, header_bytes, read_header
 from kdn.core.codecs import LOSSY
 from kdn.core.wire import unpack_sources
-from kdn.core.errors import AccessDenied, BadRequest, KDNError, ManifestError, NetworkError
+from kdn.core.errors import AccessDenied, BadRequest, KDNError, ManifestError, RemoteError
+from kdn.core.rpc import Unreachable
 from kdn.core.keys import KEY_BYTES, as_token_array, namespace_digest
 from kdn.core.env import is_loopback
 from kdn.core.manifest import Manifest, best_prefix
@@ -109,12 +115,12 @@ class EdgeHTTPClient:
                     http.client.CannotSendRequest, http.client.BadStatusLine) as e:
                 self.close()
                 if attempt:
-                    raise NetworkError(f"edge {self.url} closed the connection on "
+                    raise Unreachable(f"edge {self.url} closed the connection on "
                                        f"{method} {path}: {e}") from None
                 self.counters["reconnects"] += 1
             except OSError as e:
                 self.close()
-                raise NetworkError(f"edge {self.url} unreachable on {method} {path}: {e}") from None
+                raise Unreachable(f"edge {self.url} unreachable on {method} {path}: {e}") from None
 
     def _refuse(self, resp, method, path):
         raw = resp.read()
@@ -126,7 +132,7 @@ class EdgeHTTPClient:
             raise AccessDenied(f"edge {self.url} refused {method} {path}: {resp.status} {message}")
         if 400 <= resp.status < 500:
             raise BadRequest(f"edge {self.url} refused {method} {path}: {resp.status} {message}")
-        raise NetworkError(f"edge {self.url} failed {method} {path}: {resp.status} {message}")
+        raise RemoteError(f"edge {self.url} failed {method} {path}: {resp.status} {message}")
 
     def _json(self, method, path, body=None, content_type=None):
         resp = self._request(method, path, body, content_type)
@@ -135,7 +141,7 @@ class EdgeHTTPClient:
         try:
             return json.loads(resp.read())
         except ValueError as e:
-            raise NetworkError(f"edge {self.url} answered {path} with invalid JSON: {e}") from None
+            raise RemoteError(f"edge {self.url} answered {path} with invalid JSON: {e}") from None
 
     @staticmethod
     def _keys_body(keys, ns, region=None, codec=None) -> bytes:
@@ -218,9 +224,9 @@ class EdgeHTTPClient:
         try:
             sources = unpack_sources(resp.getheader("X-KDN-Sources"), len(keys))
         except BadRequest as e:
-            raise NetworkError(f"edge {self.url}: {e}") from None
+            raise RemoteError(f"edge {self.url}: {e}") from None
         if len(sources) != len(chunks) or resp.getheader("X-KDN-Chunks") != str(len(chunks)):
-            raise NetworkError(f"edge {self.url} sent {len(chunks)} frames but headers say "
+            raise RemoteError(f"edge {self.url} sent {len(chunks)} frames but headers say "
                                f"{resp.getheader('X-KDN-Chunks')} chunks from {len(sources)} sources")
         self.counters["bytes"] += buf.nbytes
         return _Page(chunks, sources, used, exact, buf.nbytes, resp.getheader("X-KDN-Edge"),
@@ -239,10 +245,10 @@ class EdgeHTTPClient:
         if n is None:
             resp.close()
             self.close()
-            raise NetworkError(f"edge {self.url} answered a fetch without Content-Length")
+            raise RemoteError(f"edge {self.url} answered a fetch without Content-Length")
         if n > self.max_response_bytes:
             self.close()
-            raise NetworkError(f"edge {self.url} answers {n} bytes, over max_response_bytes "
+            raise RemoteError(f"edge {self.url} answers {n} bytes, over max_response_bytes "
                                f"{self.max_response_bytes}")
         buf = self._receive_buffer(n)
         view = memoryview(buf)
@@ -257,14 +263,14 @@ class EdgeHTTPClient:
                 frames.take(got)
         except OSError as e:
             self.close()
-            raise NetworkError(f"edge {self.url}: fetch body broken after {got} of {n} bytes: "
+            raise Unreachable(f"edge {self.url}: fetch body broken after {got} of {n} bytes: "
                                f"{e}") from None
         except KDNError:
             self.close()            # the rest of a bad body must not be read as the next answer
             raise
         if got != n:
             self.close()
-            raise NetworkError(f"edge {self.url}: fetch body ended after {got} of {n} bytes")
+            raise Unreachable(f"edge {self.url}: fetch body ended after {got} of {n} bytes")
         buf.flags.writeable = False
         return buf, frames.done()
 
@@ -333,14 +339,14 @@ class _Frames:
             header, poff = self.header
             end = self.off + frame_size(header, poff)
             if end > len(self.mv):
-                raise NetworkError(f"edge {self.url}: frame {len(self.chunks)} ends at byte {end}, "
+                raise RemoteError(f"edge {self.url}: frame {len(self.chunks)} ends at byte {end}, "
                                    f"after the {len(self.mv)}-byte body")
             if end > got:
                 return
             chunk = decode(self.mv[self.off:end])        # verifies the payload checksum too
             i = len(self.chunks)
             if i >= len(self.keys) or chunk.key != self.keys[i] or chunk.ns != self.ns:
-                raise NetworkError(f"edge {self.url} sent frame {i} for key {chunk.key.hex()}, "
+                raise RemoteError(f"edge {self.url} sent frame {i} for key {chunk.key.hex()}, "
                                    f"not the key asked for")
             self.chunks.append(chunk)
             self.used.append(header["codec"])
@@ -350,6 +356,6 @@ class _Frames:
     def done(self) -> tuple:
         """(chunks, codecs, exact flags) once the whole body is in."""
         if self.off != len(self.mv):
-            raise NetworkError(f"edge {self.url}: the body ends inside frame {len(self.chunks)} "
+            raise RemoteError(f"edge {self.url}: the body ends inside frame {len(self.chunks)} "
                                f"(byte {self.off} of {len(self.mv)})")
         return self.chunks, self.used, self.exact

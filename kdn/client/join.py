@@ -9,7 +9,7 @@ import os
 import socket
 from pathlib import Path
 
-from kdn.core.env import kdn_home, prepare_ray_env
+from kdn.core.env import kdn_home
 from kdn.core.errors import NetworkError
 from kdn.core.names import NAMESPACE
 
@@ -18,7 +18,6 @@ LOOPBACK = "127.0.0.1"   # every node of an embedded cluster, and every driver, 
 
 def ensure_ray_token() -> None:
     """Ray 2.60 token auth needs ~/.ray/auth_token before a Cluster's head starts; make it once."""
-    prepare_ray_env()
     if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
         return
     from ray._private.authentication.authentication_token_setup import ensure_token_if_auth_enabled
@@ -27,7 +26,6 @@ def ensure_ray_token() -> None:
 
 def init_ray(address: str, namespace: str = NAMESPACE) -> None:
     """Connect this process to Ray at `address` ("local" starts a private one-node instance)."""
-    prepare_ray_env()
     import ray
     if ray.is_initialized():
         return

@@ -14,7 +14,7 @@ import collections
 import time
 from dataclasses import dataclass, field
 
-from kdn.core.errors import FrameError, ManifestError, NetworkError
+from kdn.core.errors import FrameError, ManifestError, RemoteError
 from kdn.core.keys import CHUNK_TOKENS, MAX_FETCH_KEYS, as_token_array, namespace_digest
 from kdn.core.manifest import Manifest, best_prefix
 from kdn.core.names import source_holder, source_kind
@@ -227,7 +227,7 @@ class Reader:
         chunks, exact, bad = [], [], []
         for i, (key, obj) in enumerate(zip(keys, objs)):
             if obj.key != key or obj.ns != self.ns:
-                raise NetworkError(f"edge {edge} answered a chunk that is not the one asked for")
+                raise RemoteError(f"edge {edge} answered a chunk that is not the one asked for")
             chunk = _checked(obj, expected.get(key))
             if chunk is None:
                 bad.append(i)

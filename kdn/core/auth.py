@@ -56,11 +56,6 @@ class Tokens:
         object.__setattr__(self, "readers", readers)
         object.__setattr__(self, "open", opened)
 
-    @property
-    def reads_guarded(self) -> bool:
-        """Whether read tokens are on: some tenant has one (then a tenant needs its token)."""
-        return bool(self.readers)
-
     def check_admin(self, token, what: str) -> None:
         """AccessDenied unless token is the admin token; an open network (none set) lets all in."""
         if self.admin is not None and not self.is_admin(token):

@@ -252,6 +252,9 @@ class Chunk:
 
 
 # --- frames ----------------------------------------------------------------------------
+FRAME_SUFFIX = ".kdnc"     # a file (an edge's disk tier) or object (the origin's store) of one frame
+
+
 def cut(kv, keys, ns, chunk_tokens: int = CHUNK_TOKENS, dtype: str = None) -> list:
     """Chunks of kv [layers, 2, kv_heads, tokens, head_dim] (numpy, or a torch tensor), one per
     key, cut along tokens on the chunk grid (kdn.core.keys.chunk_spans: full chunks, then the

@@ -105,6 +105,12 @@ class NoLiveEdge(NetworkError):
     """Every edge the client tried failed or timed out."""
 
 
+class RemoteError(KDNError):
+    """A node answered, with a fault of its own: an HTTP 5xx, or a reply that breaks the
+    protocol (a chunk not asked for, a malformed body). Surfaced to the caller, never failed
+    over as if the node were down (kdn.core.rpc.Unreachable is that: no answer at all)."""
+
+
 class AccessDenied(KDNError):
     """A missing or wrong token, or a read across tenants."""
 

@@ -30,6 +30,7 @@ CHUNK_TOKENS = 256
 # keys one fetch may name (4M tokens at 256 tokens a chunk; a longer prompt is fetched in parts).
 MAX_TOKENS_PER_KB = 1 << 24
 MAX_FETCH_KEYS = 16384
+MAX_KEYS_PER_CALL = 1 << 22   # keys one operator or origin call may name: a whole KB's, in chunks of 4+ tokens
 KEY_BYTES = 16
 NS_PREFIX = b"kdn-ns-v1\0"
 MAX_TOKEN = 2**32 - 1

@@ -18,7 +18,6 @@ by k (more of its content in each head's output, attention unchanged) and scalin
 (sharper attention within the span). Emphasized KV is never exact: whoever holds it keeps
 it apart from the KB's KV (`edit_salt` names an edit; kdn.serve.chat applies one per request).
 """
-import math
 
 import numpy as np
 import xxhash
@@ -116,11 +115,6 @@ def first_edited(repeats) -> "int | None":
     """Index of the first token the edit touches (chunks before it are the KB's own), None if none."""
     hit = np.flatnonzero(np.asarray(repeats) != 1)
     return int(hit[0]) if hit.size else None
-
-
-def expected_bias(weight: int) -> float:
-    """The attention-logit bias a duplicate weight adds: log k."""
-    return math.log(weight)
 
 
 def positions(start: int, n: int):

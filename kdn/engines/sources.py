@@ -23,9 +23,10 @@ import time
 from dataclasses import dataclass
 
 from kdn.core.conversation import MAX_SALT_CHARS
-from kdn.core.errors import BadRequest, FrameError, ManifestError, NetworkError
+from kdn.core.errors import BadRequest, FrameError, ManifestError, NoLiveEdge
 from kdn.core.keys import namespace_digest
 from kdn.core.manifest import best_prefix
+from kdn.core.rpc import Unreachable
 
 REFRESH_ON_MISS_S = 1.0       # a prompt that matches no KB re-lists the KBs at most this often
 LOOKUP_DEADLINE_S = 2.0       # a scheduler lookup; past it the prompt is computed
@@ -217,15 +218,16 @@ class HTTPSource:
         return ms
 
     def _first_answer(self, call):
-        """call(client) on the first edge that answers; NetworkError when none does."""
+        """call(client) on the first edge that answers; NoLiveEdge when none does. An edge
+        that answers with a fault of its own (RemoteError) is not failed over: it surfaces."""
         errors = []
         for c in self._clients():
             try:
                 return call(c), c
-            except NetworkError as e:
+            except Unreachable as e:
                 self.counters["failovers"] += 1
                 errors.append(str(e))
-        raise NetworkError("no edge answered: " + "; ".join(errors))
+        raise NoLiveEdge("no edge answered: " + "; ".join(errors))
 
     def forget(self) -> None:
         """A KB was just published: list the KBs again on the next match."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kdn.core.conversation import CONVERSATION_SHARE
-from kdn.core.env import kdn_home, prepare_ray_env
+from kdn.core.env import kdn_home
 from kdn.core.errors import KDNError, NetworkError
 from kdn.client.join import LOOPBACK, cluster_alive, ensure_ray_token, init_ray, read_state, state_path
 from kdn.core.names import NAMESPACE, ORIGIN_NODE, check_node_name, edge_actor_name, origin_name
@@ -407,7 +407,6 @@ def up(topology_file=None, address=None, root=None, network: str = "kdn", http: 
     from kdn.core.auth import Tokens, ensure_admin_token, read_tokens_from_env
     from kdn.placement.topology import Topology
     from kdn.core.transfer import check_store_codec
-    prepare_ray_env()
     # Every setting is checked before anything starts: a bad one must not leave a cluster behind.
     check_node_name(network, "network name")
     check_store_codec(edge_codec, "edge")

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kdn.core.checks import check_int, check_number
-from kdn.core.errors import AccessDenied, BadRequest, KDNError, ManifestError, NetworkError
+from kdn.core.errors import AccessDenied, BadRequest, KDNError, ManifestError, NetworkError, RemoteError
 
 DEFAULT_MAX_TOKENS = 256
 MAX_TOKENS_LIMIT = 4096
@@ -53,7 +53,7 @@ RETRY_AFTER_S = 1             # what a 429 or 503 asks the client to wait
 # status -> OpenAI error type
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-         429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+         429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "service_unavailable"}
 
 
 class ApiError(KDNError):
@@ -239,6 +239,8 @@ def api_error(e: KDNError) -> ApiError:
     if isinstance(e, NetworkError):
         return ApiError(503, f"the KDN network did not answer: {e}", "network_unavailable",
                         retry_after=RETRY_AFTER_S)
+    if isinstance(e, RemoteError):     # a node's own fault: not the caller's request
+        return ApiError(502, f"a KDN node failed: {e}", "network_fault")
     return ApiError(400, str(e), "invalid_request")   # BadRequest, ModelError, ManifestError, ...
 
 

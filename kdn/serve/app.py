@@ -54,6 +54,7 @@ import time
 
 from kdn.core.checks import check_int, check_number
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, NetworkError
+from kdn.core.wire import METRICS_TYPE
 from kdn.engines.base import check_engine
 from kdn.serve.affinity import Affinity, conversation_id
 from kdn.serve.api import (MAX_CHAT_BODY_BYTES, RETRY_AFTER_S, ApiError, api_error, completion,
@@ -384,7 +385,7 @@ class Router:
         from kdn.serve import metrics
         await asyncio.to_thread(metrics.publish, self.network, self._replica_id(), self.snapshot())
         body = metrics.exposition(await asyncio.to_thread(metrics.gather, self.network))
-        return Response(body, media_type=metrics.CONTENT_TYPE)
+        return Response(body, media_type=METRICS_TYPE)
 
     def _replica_id(self) -> str:
         from ray import serve

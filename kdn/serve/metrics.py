@@ -23,7 +23,6 @@ from kdn.serve.regions import KV_SOURCES, OUTCOMES, TIERS
 
 PUBLISH_PERIOD_S = 1.0
 KV_NAMESPACE = "kdn-serve"
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REPLICA_OUTCOMES = ("engine_hit", "routed_away_queue", "owner", "owner_busy")
 REGION_OUTCOMES = OUTCOMES + ("pinned", "conversation")   # conversation: where its history is (kdn.serve.affinity)
 

@@ -12,7 +12,7 @@ import pytest
 
 from kdn.core.chunk import Chunk, encode
 from kdn.core.wire import pack_sources
-from kdn.core.errors import ChecksumMismatch, NetworkError
+from kdn.core.errors import ChecksumMismatch, RemoteError
 from kdn.client import http as http_client
 from kdn.client.http import EdgeHTTPClient
 from kdn.core.keys import chunk_keys, namespace_digest
@@ -108,7 +108,7 @@ def test_sources_that_do_not_match_the_frames_are_refused(edge, monkeypatch):
         send_header(self, name, "local*3" if name == "X-KDN-Sources" else value)
 
     monkeypatch.setattr(edge, "send_header", lying)
-    with EdgeHTTPClient(edge.url) as h, pytest.raises(NetworkError, match="X-KDN-Sources entry"):
+    with EdgeHTTPClient(edge.url) as h, pytest.raises(RemoteError, match="X-KDN-Sources entry"):
         h.fetch([c.key for c in cs], NS)
 
 
@@ -156,5 +156,5 @@ def test_a_body_that_ends_inside_a_frame_is_refused(edge, cut, message):
     edge.chunks, edge.page = {c.key: c for c in cs}, 3
     at = cut([len(encode(c)) for c in cs])
     edge.damage = staticmethod(lambda data: data[:at])    # Content-Length says so, too
-    with EdgeHTTPClient(edge.url) as h, pytest.raises(NetworkError, match=message):
+    with EdgeHTTPClient(edge.url) as h, pytest.raises(RemoteError, match=message):
         h.fetch([c.key for c in cs], NS)

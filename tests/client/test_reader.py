@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kdn.core.chunk import Chunk, Encoded
-from kdn.core.errors import NetworkError
+from kdn.core.errors import RemoteError
 from kdn.core.manifest import Manifest
 from kdn.client.publish import split_kv
 from kdn.client.reader import MAX_CORRUPT_RETRIES, Reader
@@ -162,7 +162,7 @@ def test_an_edge_answering_another_chunk_is_an_error():
     toks, kv, m, chunks = _published()
     held = {c.key: c for c in chunks}
     held[chunks[1].key] = chunks[2]
-    with pytest.raises(NetworkError, match="not the one asked for"):
+    with pytest.raises(RemoteError, match="not the one asked for"):
         _reader(ScriptedView([m], held)).fetch(toks, kb="kb")
 
 

@@ -163,7 +163,7 @@ def test_a_pull_under_way_when_its_key_is_dropped_is_neither_served_nor_kept(kit
     (old,) = kit.make_chunks(1)
     new = other_bytes(kit, old)
     e = edge_on(kit, origin, tmp_path / "disk")
-    assert e.name in e.membership.owners([old.key])[0], "a copy pulled through is kept (refill)"
+    assert e.name in e.members.owners([old.key])[0], "a copy pulled through is kept (refill)"
 
     async def race():
         await e.replay.catch_up()

@@ -28,7 +28,7 @@ from kdn.core.keys import MAX_FETCH_KEYS
 from kdn.edge.http import IDLE_S, MAX_BODY_BYTES, EdgeHTTP, is_loopback
 from kdn.edge.reads import MAX_REPLY_BYTES
 from kdn.core.wire import unpack_sources
-from kdn.core.errors import BadRequest, ChecksumMismatch, ManifestError, NetworkError
+from kdn.core.errors import BadRequest, ChecksumMismatch, ManifestError, RemoteError
 from kdn.client.http import EdgeHTTPClient
 from kdn.core.keys import namespace_digest
 from kdn.placement.topology import Topology
@@ -271,7 +271,7 @@ def test_client_verifies_frames_and_keys(net):
     with pytest.raises(ChecksumMismatch, match="payload checksum mismatch"):
         frames(bytes(body), t["keys"])
     body[-100] ^= 1
-    with pytest.raises(NetworkError, match="not the key asked for"):
+    with pytest.raises(RemoteError, match="not the key asked for"):
         frames(bytes(body), t["keys"][1:])
 
 

@@ -78,10 +78,10 @@ def test_keys_of_another_namespace_are_never_loaded(kit, edge):
 
 def test_a_chunk_this_edge_owns_is_refilled_and_one_it_does_not_is_passed_through(kit, edge):
     cs = kit.make_chunks(40)
-    owners = edge.membership.owners([c.key for c in cs])
+    owners = edge.members.owners([c.key for c in cs])
     mine = next(c for c, o in zip(cs, owners) if o[0] == "here-0")
     theirs = next(c for c, o in zip(cs, owners) if o[0] == "far-0")
-    edge.membership.replicas = 1
+    edge.members.replicas = 1
     items = [(c.key, kit.held(c), "here") for c in (mine, theirs)]
     asyncio.run(edge.pull.keep(items))
     assert edge.tiers.holds(mine.key) and not edge.tiers.holds(theirs.key)

@@ -104,3 +104,34 @@ def test_http_fails_over_past_a_dead_url_and_says_so_when_none_answers(net, kb):
     assert src.match(toks + [1]).tokens == 644 and src.counters["failovers"] >= 1
     with pytest.raises(NetworkError, match="no edge answered"):
         HTTPSource(["http://127.0.0.1:9"], Tenant("acme"), FP).match(toks)
+
+
+def test_http_surfaces_an_edge_that_answers_with_a_fault_instead_of_failing_over(net, kb):
+    """A 5xx is a fault of that edge's own (a bug, a broken disk), not a dead edge: it
+    surfaces as RemoteError, and the next edge is not tried as if the first were down."""
+    import http.server
+    import threading
+    from kdn.core.errors import RemoteError
+
+    class Broken(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"message": "a bug (a test\'s)"}'
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        do_POST = do_GET
+
+        def log_message(self, *a):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Broken)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        toks, _ = kb
+        src = HTTPSource([f"http://127.0.0.1:{server.server_port}"] + _urls(net, "eu-west"), Tenant("acme"), FP)
+        with pytest.raises(RemoteError, match="500 a bug"):
+            src.match(toks + [1])
+        assert src.counters["failovers"] == 0
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -182,8 +182,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import tempfile
     import uuid
-    from kdn.core.env import prepare_ray_env
-    prepare_ray_env()
     from kdn.client import Client
     from kdn.launch.cluster import LocalCluster, free_ports, start_network
     from kdn.client.join import init_ray

@@ -181,3 +181,13 @@ def test_the_prompt_cache_fields_are_checked_and_the_salts_travel_as_one_digest(
 def test_a_model_without_a_kb_is_a_plain_chat():
     r = parse_chat({"model": MODEL_NAME, "messages": MSG}, MODEL_NAME)
     assert r.kb is None and r.version is None and r.messages == MSG
+
+
+def test_errors_map_to_statuses_a_node_that_did_not_answer_503_one_that_failed_502():
+    from kdn.core.errors import RemoteError
+    from kdn.core.rpc import Unreachable
+    from kdn.serve.api import api_error
+    down, fault, bad = api_error(Unreachable("edge x")), api_error(RemoteError("edge x: 500")), api_error(BadRequest("no"))
+    assert (down.status, down.code, down.retry_after is not None) == (503, "network_unavailable", True)
+    assert (fault.status, fault.code, fault.body()["error"]["type"]) == (502, "network_fault", "server_error")
+    assert bad.status == 400
