@@ -16,27 +16,21 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"kdn": ROOT / "kdn", "kdn.edge": ROOT / "edge", "kdn.origin": ROOT / "origin",
-            "kdn.placement": ROOT / "placement"}
+PACKAGE = ROOT / "kdn"          # every module's import name is its path under the root
 # The modules that make node-to-node or client calls (Ray or HTTP), by path from the root:
 # the nodes, the client, the calls' own module, the launcher, the service, and the engines'
 # ways to the network. Each must exist (tests/test_layers.py): a path left behind by a move
 # would silently scan nothing.
-RPC_PATHS = ("edge/", "origin/", "kdn/client/", "kdn/core/rpc.py", "kdn/launch/", "kdn/serve/",
+RPC_PATHS = ("kdn/edge/", "kdn/origin/", "kdn/client/", "kdn/core/rpc.py", "kdn/launch/", "kdn/serve/",
              "kdn/engines/sources.py", "kdn/engines/objects.py")
 
 
 def modules():
     """{module name: path} for every KDN source file."""
     out = {}
-    for pkg, folder in PACKAGES.items():
-        for path in sorted(folder.rglob("*.py")):
-            rel = path.relative_to(folder).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            name = ".".join([pkg] + parts)
-            if name.startswith("kdn.edge") and pkg == "kdn" or name.startswith("kdn.origin") and pkg == "kdn":
-                continue
-            out[name] = path
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        out[".".join(p for p in rel.parts if p != "__init__")] = path
     return out
 
 

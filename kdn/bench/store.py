@@ -6,7 +6,7 @@ ChunkStore.get (read, checksum verified, zero-copy decode) and get_frame against
 each file back. Reads come from the page cache on both sides (the files were just written),
 so they measure the store's overhead, not the disk.
 
---backend s3: the same store over an S3-compatible bucket (origin/objects.py, obstore)
+--backend s3: the same store over an S3-compatible bucket (kdn/origin/objects.py, obstore)
 against a plain obstore put/get of the same frames to the same bucket. Without --url it
 starts a real S3 server on loopback (moto's threaded server, in this process: its speed is
 moto's, so the ratio is the figure to read, not the GB/s); with --url s3://bucket/prefix it

@@ -91,7 +91,7 @@ class Operator:
         object_ttl_s seconds ago."""
         return self.view.origin("collect", object_ttl_s=object_ttl_s, timeout=OVERRIDE_TIMEOUT_S)
 
-    # --- conversations (edge/conversations.py) -----------------------------------------------
+    # --- conversations (kdn/edge/conversations.py) -----------------------------------------------
     def conversations(self, tenant: str = None) -> list:
         """Per edge, a tenant's conversation KV there (per conversation namespace: chunks,
         bytes, seconds idle) and its settings; an edge that does not answer is {"down": True}."""
@@ -108,7 +108,7 @@ class Operator:
         return out
 
     def pin_conversations(self, tenant: str = None, pinned: bool = True) -> dict:
-        """Keep a tenant's conversation KV at the origin too (origin/conversations.py: a
+        """Keep a tenant's conversation KV at the origin too (kdn/origin/conversations.py: a
         long-lived agent's context survives its home edge's restart, eviction and TTL), or
         with pinned=False no longer (the origin's copies are deleted; the edges keep theirs
         under the tenant's TTL). Takes effect for the chunks stored from now on (and the starts of
@@ -131,7 +131,7 @@ class Operator:
     def set_conversation_policy(self, tenant: str = None, ttl_s: float = None, budget_bytes: int = None,
                                 max_ttl_s: float = None) -> list:
         """A tenant's idle TTL, the longest TTL a request may ask for (prompt_cache_retention
-        "24h") and byte budget per edge. The origin keeps it (origin/conversations.py), then
+        "24h") and byte budget per edge. The origin keeps it (kdn/origin/conversations.py), then
         every edge applies it at once to what it holds; an edge down now, or restarted later,
         applies it with the origin's next health ping. [per edge: its settings now]."""
         if ttl_s is None and budget_bytes is None and max_ttl_s is None:

@@ -29,7 +29,7 @@ Lifetime: an idle TTL (default IDLE_TTL_S, set per tenant by the operator within
 [MIN_TTL_S, MAX_TTL_S]; a request's `prompt_cache_retention` picks "in_memory", the tenant's
 TTL, or "24h", up to the tenant's maximum) and a byte budget per tenant at each edge
 (TENANT_BUDGET_BYTES by default). Conversation KV is soft state: it never reaches the origin
-unless an operator pins the tenant's conversations (origin/conversations.py), when the home
+unless an operator pins the tenant's conversations (kdn/origin/conversations.py), when the home
 edges also keep it there, durably, and read it back from there.
 """
 import xxhash

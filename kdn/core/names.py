@@ -18,7 +18,7 @@ MAX_NAME = 64
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 # Where a served chunk came from (Fetched.sources, X-KDN-Sources): one of these, or PEER + edge.
-# LOCAL: the serving edge's memory tiers; DISK: its disk tier (edge/disk.py), read for this
+# LOCAL: the serving edge's memory tiers; DISK: its disk tier (kdn/edge/disk.py), read for this
 # reply; ORIGIN: pulled from the origin; PEER + edge: pulled from another edge.
 LOCAL, DISK, ORIGIN, PEER = "local", "disk", "origin", "peer:"
 SOURCE_KINDS = (LOCAL, DISK, "peer", ORIGIN)

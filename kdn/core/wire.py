@@ -1,4 +1,4 @@
-"""The edge HTTP API's wire format, shared by its server (edge/http.py) and KDN's HTTP client (kdn/client/http.py).
+"""The edge HTTP API's wire format, shared by its server (kdn/edge/http.py) and KDN's HTTP client (kdn/client/http.py).
 
 A fetch answer is kdn.core.chunk frames back to back (FRAMES_TYPE) with headers that describe
 them. X-KDN-Sources says where each chunk came from, run-length coded so that its size

@@ -399,7 +399,7 @@ def up(topology_file=None, address=None, root=None, network: str = "kdn", http: 
     one per edge instead). origin: where the origin keeps everything, a directory (the same
     as root=) or s3://bucket/prefix reached with the AWS_* variables of this environment
     (check_origin: a wrong key or an unreachable bucket fails here). Checked before anything
-    starts. kv_events: every edge publishes vLLM KV events (edge/events.py), edge k of the
+    starts. kv_events: every edge publishes vLLM KV events (kdn/edge/events.py), edge k of the
     topology on PORT + 2k (replay PORT + 2k + 1); off by default.
 
     Returns the state written for `kdn down` and `kdn status`.

@@ -10,7 +10,7 @@ the other replicas. Where answers' KV came from is counted by the region's repli
 every ingress replica hears of: those counts are merged per region replica (the largest
 count any ingress replica heard: each only grows), then summed. A replica that died keeps its entry (its decisions happened), so every
 sum only grows, as a Prometheus counter must; `kdn serve --down` deletes the entries.
-The exposition is prometheus_client's, as the edge's (edge/metrics.py): a collector over the
+The exposition is prometheus_client's, as the edge's (kdn/edge/metrics.py): a collector over the
 snapshot in a registry of its own. No counter names a tenant or a KB.
 """
 import collections

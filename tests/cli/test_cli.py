@@ -8,9 +8,9 @@ missing file, a second publish that prefills nothing) and that nothing outlives 
 These tests call `kdn.cli.main` in-process against a network on the test cluster: publishing
 new namespaces with read tokens on, refusals that come before the model loads, and errors
 (remote ones included) printed as one clean line. A real codebase: this repository's own
-`placement/` folder is refused whole (longer than the model's context) before any prefill;
+`kdn/placement/` folder is refused whole (longer than the model's context) before any prefill;
 two of the repository's small files, selected from its root by --include
-(`kdn/core/wire.py`, `placement/__init__.py`), are published with the real model (loaded once
+(`kdn/core/wire.py`, `kdn/placement/__init__.py`), are published with the real model (loaded once
 for the module) and queried: the documents are named by their paths relative to the root,
 and the answer's prompt starts with the KB's tokens, whose KV comes from KDN.
 """
@@ -139,7 +139,7 @@ def test_status_shows_an_edges_disk_tier_beside_memory():
     assert "disk" not in row
 
 
-# --- a codebase: this repository's placement/ folder, with the real model --------------------
+# --- a codebase: this repository's kdn/placement/ folder, with the real model --------------------
 @pytest.fixture(scope="module")
 def code_net(small_network, ray_cluster):
     """A network with an admin token (no read tokens); the CLI's arguments to reach it."""
@@ -173,7 +173,7 @@ def test_a_codebase_folder_is_published_by_relative_paths_and_answered_from_kdn(
     from kdn.cli import main
     from kdn.client import Client
     model = cli_env
-    placement = REPO / "placement"
+    placement = REPO / "kdn" / "placement"
     # the whole folder (~26k tokens) is longer than SmolLM2's context: refused before any prefill
     t0 = time.perf_counter()
     assert main(["publish", "placement", str(placement)] + code_net) == 2
@@ -187,7 +187,7 @@ def test_a_codebase_folder_is_published_by_relative_paths_and_answered_from_kdn(
 
     # two small files picked from the repository's root by --include (a small KB: a short
     # prefill), named by their paths relative to it; the walk skips .git and .venv
-    files = ["kdn/core/wire.py", "placement/__init__.py"]
+    files = ["kdn/core/wire.py", "kdn/placement/__init__.py"]
     args = ["publish", "code", str(REPO)] + [a for f in files for a in ("--include", f)]
     assert main(args + code_net) == 0, capsys.readouterr().err
     out = capsys.readouterr().out

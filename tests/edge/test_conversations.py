@@ -1,4 +1,4 @@
-"""edge/conversations.py: the conversation tier's budgets per tenant, its own capacity, the idle
+"""kdn/edge/conversations.py: the conversation tier's budgets per tenant, its own capacity, the idle
 TTL renewed by reads, first bytes kept, the operator's settings applied at once."""
 import pytest
 
@@ -14,7 +14,7 @@ class Clock:
         return self.t
 
 
-class Held:                       # what the tier needs of edge/tiers.Held
+class Held:                       # what the tier needs of kdn/edge/tiers.Held
     def __init__(self, key, ns=b"n" * 16, nbytes=100, tag=""):
         self.key, self.ns, self.nbytes, self.tag = key, ns, nbytes, tag
 
@@ -217,7 +217,7 @@ def resolved(obj):
     return ray.get(obj) if isinstance(obj, ray.ObjectRef) else obj
 
 
-# --- memory then disk (a real edge/disk.DiskTier of the tier's own) --------------------------
+# --- memory then disk (a real kdn/edge/disk.DiskTier of the tier's own) --------------------------
 def disk_tier(kit, tmp_path, n_memory: int, n_disk: int = 16, **kw):
     """A tier whose memory holds n_memory of kit's chunks and whose disk holds n_disk."""
     from kdn.edge.disk import DiskTier
@@ -362,7 +362,7 @@ def test_a_spill_the_disk_fails_or_evicts_at_once_loses_that_chunk_and_nothing_e
     assert c.stats()["tenant_bytes"] == {"a": chunks[2].nbytes} and files(disk) == set()
 
 
-# --- a pinned tenant (origin/conversations.py): the edge keeps the origin's copy in step -------
+# --- a pinned tenant (kdn/origin/conversations.py): the edge keeps the origin's copy in step -------
 class ToOrigin:
     """The edge's calls to ORIGIN_NODE, answered by a real OriginNode in this process (its
     store in a folder), or Unreachable while `down`."""
@@ -511,7 +511,7 @@ def _ping(edge, policies):
 
 def test_the_origins_policies_reach_an_edge_with_its_pings_and_apply_once(kit):
     """A restarted edge knows no operator's setting; the origin's pings carry them all
-    (origin/conversations.py), and the edge applies each where it differs, once."""
+    (kdn/origin/conversations.py), and the edge applies each where it differs, once."""
     edge = kit.local_edge([], auth=AUTH)
     policies = {"acme": {"ttl_s": 600.0, "max_ttl_s": 300.0, "budget_bytes": 1 << 20, "pinned": True},
                 "beta": {"budget_bytes": 2 << 20}}

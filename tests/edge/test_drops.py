@@ -1,9 +1,9 @@
-"""An edge's replay of the origin's drop log (edge/drops.py), on a real EdgeNode and its
+"""An edge's replay of the origin's drop log (kdn/edge/drops.py), on a real EdgeNode and its
 real tiers (the disk tier included) outside Ray, the origin's answers coming from a real
-origin/drops.py log: a key dropped while the edge was away is dropped when it catches up, its
+kdn/origin/drops.py log: a key dropped while the edge was away is dropped when it catches up, its
 position survives a restart on its disk, and when the position is lost or does not follow,
 only copies that may be stale go. A drop wins over every copy on its way in
-(edge/tombstones.py): a pull from the origin, a disk read, a write-back and a push that
+(kdn/edge/tombstones.py): a pull from the origin, a disk read, a write-back and a push that
 were under way when it came are neither served nor kept, an owner behind the asker answers
 nothing, and the key's new bytes, stored after the drop, are. On a real network: `kdn
 delete` and `kdn collect` reach every edge, and a republish reads its own bytes (the last
@@ -21,7 +21,7 @@ from kdn.origin.objects import LocalObjects
 
 
 class Origin:
-    """The origin's `drops` call (origin/node.py) over a real log, and its `get_chunks` from
+    """The origin's `drops` call (kdn/origin/node.py) over a real log, and its `get_chunks` from
     `chunks` (read when asked; answered once `gate` is set, when there is one: a read in
     flight); down=True: unreachable. Other edges never answer."""
 

@@ -1,4 +1,4 @@
-"""Tombstones (edge/tombstones.py): a copy born before a drop of its key is stale, one born
+"""Tombstones (kdn/edge/tombstones.py): a copy born before a drop of its key is stale, one born
 after is not; positions only grow, through a reset too; tombstones go once old and passed,
 the floor rising past them; an owner knows when an asker applied more of the log."""
 import pytest

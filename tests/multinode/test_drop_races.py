@@ -1,4 +1,4 @@
-"""A drop wins over every load in flight (edge/tombstones.py), on the real 3-region network.
+"""A drop wins over every load in flight (kdn/edge/tombstones.py), on the real 3-region network.
 
 Readers keep loading while the origin removes what they load: LMCache adapters (the real
 L2 adapter, kdn.engines.lmcache) load 32 objects in a loop in every region while
@@ -12,7 +12,7 @@ The edges are small (8 MiB) beside what is read (8-16 MiB a round in each region
 reads pull through all the time and many are under way when a drop lands. Each race is
 run again, on other keys, until the edges report having met one (a copy refused, an owner
 behind its asker), at most MAX_ROUNDS times; each round is checked before the next one's
-copies could evict what a lost race left. (Before edge/tombstones.py a round left copies
+copies could evict what a lost race left. (Before kdn/edge/tombstones.py a round left copies
 of collected keys on the edges about one time in two.)
 """
 import importlib.util

@@ -1,4 +1,4 @@
-"""Pinned conversations at the origin (origin/conversations.py, ChunkStore's conversation calls):
+"""Pinned conversations at the origin (kdn/origin/conversations.py, ChunkStore's conversation calls):
 a pinned tenant's chunks are stored and recorded durably, survive a reopen and collect(), are
 read back only by their tenant and namespace, and an unpin or drop deletes them."""
 import numpy as np

@@ -1,4 +1,4 @@
-"""The origin's drop log (origin/drops.py) over both backends, a directory and a real S3
+"""The origin's drop log (kdn/origin/drops.py) over both backends, a directory and a real S3
 server on loopback: keys come back in order from any position, the log survives a new
 process, stays bounded, refuses to guess, and a collect or a host's delete logs each key
 before it is gone. The head told to edges is settled: every key before it is gone from the

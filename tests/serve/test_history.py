@@ -1,5 +1,5 @@
 """Conversation KV end to end on a real 3-region network with the real model (kdn.serve.chat,
-kdn.client.history, edge/conversations.py): a turn's KV is kept at its home edge after the
+kdn.client.history, kdn/edge/conversations.py): a turn's KV is kept at its home edge after the
 answer, the next turn reads it and computes only the rest with greedy tokens identical to a
 full prefill, in another region too; tenants and salts never read each other's; an idle TTL
 empties it."""
@@ -175,7 +175,7 @@ def test_an_idle_ttl_empties_the_home_edge(net, model):
 
 
 def test_a_pinned_tenants_conversation_outlives_its_home_edges_copy(net, model):
-    """Client.pin_conversations (origin/conversations.py): pinned midway, the home edge sends
+    """Client.pin_conversations (kdn/origin/conversations.py): pinned midway, the home edge sends
     the origin the new chunks and the conversation's start; when the edge no longer holds
     them (its TTL, an eviction or a restart: here an edge-level drop) the next turn still reads
     the whole history, pulled back from the origin, and answers as a full prefill. Another

@@ -15,7 +15,7 @@ chunk is computed in the same batch shapes whatever follows it, so the first chu
 prompt are bitwise the KB's own on any CPU. Where the shapes differ (a one-pass prefill, a
 prefill continued from a fetched prefix) the KV agrees within the engine's batch variance,
 ~1e-5 in fp32: AVX-512/AMX matrix kernels block the work by the number of rows. KDN never
-relies on recomputing the same bytes: a key means the bytes stored first (origin/store.py),
+relies on recomputing the same bytes: a key means the bytes stored first (kdn/origin/store.py),
 and greedy continuations from fetched KV are token-identical to a plain full prefill
 (tests/engines/transformers/test_model.py; docs/architecture.md, "Exactness"). Rebuilding the engine's cache is one copy of
 the fetched KV into one buffer, lent by the model's `kdn.engines.transformers.arena.Arena` (memory already faulted

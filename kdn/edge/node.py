@@ -1,21 +1,21 @@
 """An edge node: the async Ray actor whose methods are an edge's RPC surface.
 
 An edge serves the knowledge bases of one region: it holds chunks in two memory tiers
-(edge/tiers.py), gets what it lacks by pull-through from the ring owners and the origin
-(edge/pull.py), checks and re-encodes chunks for each link (edge/forms.py), knows the
-published manifests and who may read what (edge/catalog.py), and routes by the membership
-the origin broadcasts (edge/membership.py). A read is the same for Ray and HTTP
-(edge/reads.py); HTTP (edge/http.py) runs on this actor's own event loop.
+(kdn/edge/tiers.py), gets what it lacks by pull-through from the ring owners and the origin
+(kdn/edge/pull.py), checks and re-encodes chunks for each link (kdn/edge/forms.py), knows the
+published manifests and who may read what (kdn/edge/catalog.py), and routes by the membership
+the origin broadcasts (kdn/edge/membership.py). A read is the same for Ray and HTTP
+(kdn/edge/reads.py); HTTP (kdn/edge/http.py) runs on this actor's own event loop.
 
 This class only wires those together and checks each caller's token: every method takes
 `token=` (kdn.core.rpc passes it on every call); writes and node-to-node calls need the admin
 token, reads the namespace's read token when one is configured. A background loop applies
 the replication policy (hot copies in, cold ones out), expires TTLs and refreshes the
 membership from the origin every membership_refresh_s, so an edge that missed a broadcast
-converges by itself. With a disk tier (disk_bytes, disk_dir: edge/disk.py), a writer task
+converges by itself. With a disk tier (disk_bytes, disk_dir: kdn/edge/disk.py), a writer task
 writes memory's victims and pulled-through fills to disk, off the readers' time. With
-kv_events (edge/events.py), what the tiers hold and drop is published as vLLM KV events.
-The origin's drops (edge/drops.py) win over every copy on its way in (edge/tombstones.py):
+kv_events (kdn/edge/events.py), what the tiers hold and drop is published as vLLM KV events.
+The origin's drops (kdn/edge/drops.py) win over every copy on its way in (kdn/edge/tombstones.py):
 pushes and repairs carry the drop-log position their bytes were read at, and an owner asked
 by an edge that applied more of the log than it has answers nothing until it catches up.
 
@@ -87,7 +87,7 @@ class EdgeNode:
         self.tiers = Tiers(capacity_bytes, policy, hot_fraction, disk=disk)
         # conversation KV beside the tiers, in memory of its own and, with a disk tier, a
         # share of the disk beside it: <disk root>/<edge name>.conversations, wiped at start
-        # (edge/conversations.py: its files hold no tenant and no idle time)
+        # (kdn/edge/conversations.py: its files hold no tenant and no idle time)
         self.conversations = Conversations(
             int(capacity_bytes * CONVERSATION_SHARE) if conversation_bytes is None else conversation_bytes,
             disk=None if disk is None else _conversation_disk(disk, name, policy))
@@ -95,7 +95,7 @@ class EdgeNode:
         self.peers = Peers(network, self.tokens.admin, edge=name)
         self.catalog = Catalog(self.tokens, self.peers)
         # the origin's drop log replayed: a copy of a key removed while this edge was away
-        # never stands beside bytes stored later under that key (edge/drops.py)
+        # never stands beside bytes stored later under that key (kdn/edge/drops.py)
         self.replay = Replay(self.tiers, self.peers, None if disk is None else disk.dir)
         self.events = None if kv_events is None else self._start_events(kv_events)
         self._policies_wanted = None   # the origin's latest conversation policies, not applied yet
@@ -149,7 +149,7 @@ class EdgeNode:
             self.peers.later(self.catalog.refresh(), "manifests for KV events")
 
     def _catch_up(self) -> None:
-        """Replay the origin's drop log in the background (edge/drops.py). Only inside Ray: an
+        """Replay the origin's drop log in the background (kdn/edge/drops.py). Only inside Ray: an
         edge outside it (a unit test's) has no origin, and a lookup would start Ray."""
         if self.node_id is not None:
             self.replay.start()
@@ -212,7 +212,7 @@ class EdgeNode:
         """Alive; starts the background work (and HTTP) on the first call. drops: the origin's
         drop-log state its health pings carry; one this edge has not replayed starts a catch-up.
         conversation_policies: the tenants' conversation policies the origin keeps (its pings
-        carry them: origin/conversations.py), applied here where they differ."""
+        carry them: kdn/origin/conversations.py), applied here where they differ."""
         self._start_background()
         if conversation_policies is not None:
             self._policies_wanted = conversation_policies
@@ -250,7 +250,7 @@ class EdgeNode:
         return None if self.http is None else self.http.url
 
     async def start_http(self, port: int = 0, host: str = "127.0.0.1", token=None) -> str:
-        """Serve this edge over HTTP too (edge/http.py); returns the base URL."""
+        """Serve this edge over HTTP too (kdn/edge/http.py); returns the base URL."""
         self.tokens.check_admin(token, "start_http")
         from kdn.edge.http import EdgeHTTP
         async with self._http_lock:            # concurrent pings start one server
@@ -282,7 +282,7 @@ class EdgeNode:
         """Keep chunks the origin pushes (role main) or warms (role hot); how many were kept.
         Each is verified and kept in this edge's store form; one already held stays. drops:
         the origin's drop-log state when the bytes were read (a push; a repair: its load's):
-        a chunk a drop applied here since is not kept (edge/tombstones.py)."""
+        a chunk a drop applied here since is not kept (kdn/edge/tombstones.py)."""
         self.tokens.check_admin(token, "put_chunks")
         if role not in ROLES:
             raise BadRequest(f"role must be one of {', '.join(ROLES)}, got {role!r:.40}")
@@ -327,7 +327,7 @@ class EdgeNode:
     async def drop(self, keys, token=None, drops=None) -> int:
         """Drop keys from every tier; how many were held. drops: the origin's drop-log state
         once it removed them (its broadcast of a delete): no copy on its way in that is older
-        survives it (edge/tombstones.py). Without it, a plain removal."""
+        survives it (kdn/edge/tombstones.py). Without it, a plain removal."""
         self.tokens.check_admin(token, "drop")
         keys = check_keys(keys, ADMIN_KEYS, distinct=False)
         at = None
@@ -359,10 +359,10 @@ class EdgeNode:
         Chunk or an Encoded frame ("codecs" names each one's codec, "wire" its size in bytes),
         or with resolve=True the objects themselves as stored ("chunks"). node (the reader's
         Ray node id) and accept (codecs it takes besides raw; default the lossless ones) choose
-        each chunk's form for the link (edge/forms.py); without node, chunks go as stored.
+        each chunk's form for the link (kdn/edge/forms.py); without node, chunks go as stored.
         At most MAX_FETCH_KEYS distinct keys; "more" is True when the reply stopped at
         max_reply_bytes: fetch the keys after the ones received again. tenant and
-        fingerprint: what ns digests, for a namespace no manifest names (edge/catalog.py).
+        fingerprint: what ns digests, for a namespace no manifest names (kdn/edge/catalog.py).
         """
         accept = check_accept(accept)
         self._start_background()
@@ -394,7 +394,7 @@ class EdgeNode:
 
     async def holds(self, keys, ns: bytes, token=None, tenant: str = None,
                     fingerprint: str = None) -> list:
-        """Per key, whether the network holds it under ns (edge/reads.py: Reads.holds)."""
+        """Per key, whether the network holds it under ns (kdn/edge/reads.py: Reads.holds)."""
         return await self.reads.holds(keys, ns, token, claim=(tenant, fingerprint))
 
     async def peer_get(self, keys, token=None, region: str = None, drops=None) -> list:
@@ -452,7 +452,7 @@ class EdgeNode:
                 return True
         return False
 
-    # --- conversations (edge/conversations.py, kdn.core.conversation) ----------------------
+    # --- conversations (kdn/edge/conversations.py, kdn.core.conversation) ----------------------
     def _conversation(self, tenant, fingerprint, scope, token, what: str, ns=None) -> bytes:
         """The namespace of a conversation homed here, once the caller may read its tenant;
         BadRequest for a namespace that is not that claim's or a scope homed elsewhere."""
@@ -472,7 +472,7 @@ class EdgeNode:
         retention asks within the tenant's bounds; how many are held now. Each is verified
         by its frame and must be of the conversation's namespace; one already held keeps its
         first bytes (and is renewed). head: the keys of the conversation's chunks before these
-        (held here already), kept more recent than these (edge/conversations.py put_prefix).
+        (held here already), kept more recent than these (kdn/edge/conversations.py put_prefix).
         tail: the conversation's trailing partial chunk (a Chunk of fewer tokens, under
         kdn.core.conversation.tail_key), after the last of head and chunks: kept older than
         them (evicted first), listed by conversation_find, never sent to the origin; the tails
@@ -524,7 +524,7 @@ class EdgeNode:
                     "(%s)%s", self.name, n, tenant, reason, f": {e}" if e else "")
 
     async def _pin(self, tenant: str, ns: bytes, head, new, deadline: float) -> None:
-        """Send the origin a pinned tenant's chunks it lacks (origin/conversations.py): the
+        """Send the origin a pinned tenant's chunks it lacks (kdn/origin/conversations.py): the
         conversation's from head on, as held here (new: the chunks this store kept, sent as
         given; a conversation pinned midway sends its start too), before the worker's store is
         answered. A key the origin holds under other bytes (this edge had lost its copy when a
@@ -675,7 +675,7 @@ class EdgeNode:
                      self.reads, self.catalog, self.peers, self.replay):
             out.update(part.counters)
         out.update(self.conversations.snapshot())     # (updated from worker threads)
-        out.update(self.tiers.tombs.counters)         # drops_refused_stale (edge/tombstones.py)
+        out.update(self.tiers.tombs.counters)         # drops_refused_stale (kdn/edge/tombstones.py)
         if self.tiers.disk is not None:
             out.update(self.tiers.disk.snapshot())
         if self.events is not None:

@@ -9,7 +9,7 @@ file costs well under 1% of reading it, and files give what slabs would have to 
 records of any size (compressed chunks differ), space freed the moment a record is
 evicted (no compaction), and atomic replacement by rename.
 
-The index is a ChunkCache (edge/cache.py, S3-FIFO or LRU) of Record: what a read needs
+The index is a ChunkCache (kdn/edge/cache.py, S3-FIFO or LRU) of Record: what a read needs
 without touching the disk. Its victims' files are deleted. On start the index is rebuilt
 by scanning the directory: each file's header is read and checked and its length compared
 with what the header says; a torn or corrupt record, or one of another name, is deleted

@@ -1,10 +1,10 @@
 """Tenants' conversation policies, and pinned conversations: KV kept durably at the origin.
 
-Conversation KV is soft state at its home edge (edge/conversations.py): an idle TTL, a byte
+Conversation KV is soft state at its home edge (kdn/edge/conversations.py): an idle TTL, a byte
 budget, and an edge that restarts or evicts loses it. An operator can pin a tenant's
 conversations instead (a long-lived agent's context, like a KB): while the tenant is pinned,
 each home edge also sends the chunks it keeps to the origin, which stores them as it stores
-any chunk (origin/store.py: frames under their keys, written once, durable before the edge
+any chunk (kdn/origin/store.py: frames under their keys, written once, durable before the edge
 is answered), and an edge that no longer holds a pinned conversation's chunk reads it back
 from here (pull-through), so the next turn still finds its history.
 
@@ -14,7 +14,7 @@ can restart anywhere):
   (idle TTL, longest TTL a request may ask for, byte budget per edge, pinned), and the
   tenant's epoch, which counts its deletions here (an edge that sees it change forgets which
   of its chunks it had sent), rewritten whole. The origin's health pings carry it, so every edge, a restarted one too, applies it
-  within a second (edge/conversations.py keeps what it applies in memory only);
+  within a second (kdn/edge/conversations.py keeps what it applies in memory only);
 - conversations/<tenant digest>/<ns hex>/<digest of the keys>.keys: one record per batch an
   edge stored, the keys it holds, of one tenant and conversation namespace. A key is live
   while a record names it (ChunkStore.collect keeps it) and a read may only ask for keys a

@@ -1,4 +1,4 @@
-"""How far an edge has replayed the origin's drop log (origin/drops.py), and the replay.
+"""How far an edge has replayed the origin's drop log (kdn/origin/drops.py), and the replay.
 
 The origin logs every key it stops holding (a host's delete, a collect) and broadcasts the
 drop; an edge that was down, restarting or too slow misses the broadcast, and a copy it
@@ -18,7 +18,7 @@ whenever a ping from the origin carries another head:
 An origin that does not answer changes nothing: the edge serves what it holds (an origin
 outage is what edges outlast) and catches up at the next ping.
 
-Each key dropped leaves a tombstone at its position in the log (edge/tombstones.py), set
+Each key dropped leaves a tombstone at its position in the log (kdn/edge/tombstones.py), set
 before the first copy goes and the edge's position moved past it only once every copy is
 gone, so a load in flight meanwhile (a pull, a disk read, a push) never puts the old bytes
 back. A drop of every copy (a reset) first fences off everything in flight.

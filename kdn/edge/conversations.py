@@ -4,7 +4,7 @@ A worker that answered a turn stores the conversation's new whole chunks here, a
 conversation's home edge (kdn.core.conversation). Unlike the main and hot tiers, this one is
 bounded three ways, all in bytes and seconds:
 - its own share of the edge's memory (`capacity`), and with a disk tier (`disk`, an
-  edge/disk.DiskTier of its own) a share of the edge's disk: conversations never evict a
+  kdn/edge/disk.DiskTier of its own) a share of the edge's disk: conversations never evict a
   published KB's chunks, and under pressure they are what goes first (they are recomputable
   history, a KB is what an operator published). Memory's least recently used chunks move to
   the disk rather than go (memory then disk); a read of a chunk on disk brings it back to
@@ -32,8 +32,8 @@ conv_disk_hits (read back from disk).
 A conversation's tail (its trailing partial chunk: kdn.core.conversation.tail_key) is held
 the same way, under its own key, and indexed by the whole chunk before it (tails_after).
 
-A pinned tenant's chunks (origin/conversations.py) are held here the same way, under the
-same TTL and budget; the edge (edge/node.py) also sends them to the origin, which keeps
+A pinned tenant's chunks (kdn/origin/conversations.py) are held here the same way, under the
+same TTL and budget; the edge (kdn/edge/node.py) also sends them to the origin, which keeps
 them durably, and reads them back from there when this tier no longer holds them.
 """
 import collections
@@ -47,14 +47,14 @@ from kdn.core.conversation import (IDLE_TTL_S, MAX_TTL_S, TENANT_BUDGET_BYTES, c
 
 @dataclass
 class _Entry:
-    held: object        # edge/tiers.Held in memory, or None: on disk only
+    held: object        # kdn/edge/tiers.Held in memory, or None: on disk only
     tenant: str
     ns: bytes
     nbytes: int
     ttl_s: float
     used: float         # monotonic time of the last put or read
     disk: bool = False  # a file of it is in the disk tier
-    at_origin: bool = False   # a pinned tenant's chunk the origin holds too (origin/conversations.py)
+    at_origin: bool = False   # a pinned tenant's chunk the origin holds too (kdn/origin/conversations.py)
     after: bytes = None       # a tail (a trailing partial chunk): the key of the whole chunk before it
     tokens: int = 0           # a tail's tokens
 
@@ -83,7 +83,7 @@ class Conversations:
         self.default_ttl_s = check_ttl(default_ttl_s)
         self.default_budget = check_budget(default_budget_bytes)
         self.clock = clock
-        self.disk = disk        # edge/disk.DiskTier of this tier's own, or None: memory only
+        self.disk = disk        # kdn/edge/disk.DiskTier of this tier's own, or None: memory only
         self.keep = keep        # obj -> Held, for a chunk read back from disk
         self._lock = threading.Lock()
         self._entries = collections.OrderedDict()   # key -> _Entry, least recently used first
@@ -121,10 +121,10 @@ class Conversations:
                 or (budget_bytes is not None and self.budget_of(tenant) != budget_bytes)
                 or (ttl_s is not None and self.ttl_of(tenant) != min(ttl_s, cap)))
 
-    # --- pinned tenants (origin/conversations.py) -------------------------------------------
+    # --- pinned tenants (kdn/origin/conversations.py) -------------------------------------------
     def set_pinned(self, tenants) -> None:
         """The tenants whose conversations the origin keeps (the origin's pings, an operator):
-        their names, or {tenant: epoch} (origin/conversations.py: it moves on with each
+        their names, or {tenant: epoch} (kdn/origin/conversations.py: it moves on with each
         deletion there). A tenant no longer pinned, or whose epoch moved on, has its chunks
         marked as not at the origin: pinned again, they are sent again."""
         epochs = dict(tenants) if isinstance(tenants, dict) else {t: self._epochs.get(t, 0) for t in tenants}

@@ -1,6 +1,6 @@
 """Eviction policies for the edge's byte-bounded chunk cache: which chunk goes when it is full.
 
-A policy only orders keys; the cache (edge/cache.py) owns the values, the byte budget and the
+A policy only orders keys; the cache (kdn/edge/cache.py) owns the values, the byte budget and the
 lock. The contract is four calls: `insert(key, size)` when a chunk arrives, `touch(key)` on a
 hit, `remove(key)` when the cache drops a chunk for its own reasons (discard, pin), and
 `evict()` which picks a victim, forgets it and returns its key (None when nothing is left).

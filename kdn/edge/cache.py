@@ -1,7 +1,7 @@
 """The edge's memory tier: a byte-bounded map from chunk key to chunk, with pinning.
 
 Capacity is counted in bytes, not entries, because chunks of different models differ in size
-by orders of magnitude. When a new chunk does not fit, the eviction policy (edge/eviction.py,
+by orders of magnitude. When a new chunk does not fit, the eviction policy (kdn/edge/eviction.py,
 LRU or S3-FIFO) names victims until it does. Pinned chunks (a KB an operator pins in a
 region) are taken out of the policy, so they are never victims; their total may not exceed
 the capacity, and a pin that would is refused before anything changes. A chunk bigger than

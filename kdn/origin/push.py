@@ -6,8 +6,8 @@ then sent the rest in batches of at most PUSH_BATCH_BYTES, BATCHES_IN_FLIGHT at 
 all edges. When the membership changes, every live chunk goes to owners that did not own it
 before. A dead or slow edge is skipped (counted in edge_call_failures): it refills by
 pull-through, and a publish never fails for it. Any other error from an edge raises.
-Opaque objects (put_objects) are pushed the same way, in the background (origin/node.py).
-Each batch carries the drop log's settled head read before its bytes (origin/drops.py), so
+Opaque objects (put_objects) are pushed the same way, in the background (kdn/origin/node.py).
+Each batch carries the drop log's settled head read before its bytes (kdn/origin/drops.py), so
 an edge that has applied a later drop of one of its keys does not keep the old bytes.
 """
 import asyncio

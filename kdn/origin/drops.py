@@ -2,7 +2,7 @@
 which missed a drop (down, restarting, too slow for the broadcast) replays it before its
 copy can stand beside other bytes put later under the same key.
 
-A key means one byte string (origin/store.py). A host layer's delete (LMCache's eviction,
+A key means one byte string (kdn/origin/store.py). A host layer's delete (LMCache's eviction,
 `delete_objects`) or a collect removes a key from the store; a later put of that key may
 carry other bytes (another machine computed them). An edge still holding the old copy
 would then serve a second byte string for one key. So every removal is appended here first,
@@ -10,7 +10,7 @@ durably, and only then done: each append is one object `drops/<start:016d>-<end:
 holding the keys that took sequence numbers start .. end-1 (msgpack), beside `drops/log-id`,
 a random id made when the log is first written. `head` is the number of keys ever logged.
 Edges keep the (id, head) they have replayed up to (on their disk tier, so a restart keeps
-it), and the origin's pings carry its own (edge/node.py: catch_up). An edge whose number is
+it), and the origin's pings carry its own (kdn/edge/node.py: catch_up). An edge whose number is
 behind fetches `since(n)` and drops those keys; one whose id differs (another store), whose
 number is ahead (a store rebuilt), or which is behind what the log still keeps, drops every
 copy it holds: a cache emptied is refilled from the origin, a stale copy would be served.
@@ -23,7 +23,7 @@ under which the store logs keys and deletes them, so every key logged before it 
 edge at that head therefore reads, from the origin or from an owner at least as far, only
 bytes no drop before it removed; and a push carries the settled head read before its
 bytes, so an edge that applied a later drop of a key refuses the old bytes
-(edge/tombstones.py).
+(kdn/edge/tombstones.py).
 """
 import os
 import re
@@ -40,7 +40,7 @@ _SEGMENT = re.compile(r"drops/(\d{16})-(\d{16})")
 
 
 class DropLog:
-    """An append-only, bounded log of removed keys in an origin/objects.py backend."""
+    """An append-only, bounded log of removed keys in an kdn/origin/objects.py backend."""
 
     def __init__(self, objects, max_kept: int = MAX_KEPT):
         self.objects, self.max_kept = objects, max_kept
@@ -125,7 +125,7 @@ class DropLog:
 
 
 def settled(store) -> dict:
-    """The drop log's state {"log", "head"} with no removal half done: origin/store.py logs
+    """The drop log's state {"log", "head"} with no removal half done: kdn/origin/store.py logs
     keys and deletes them under its lock (collect, delete_objects), taken here, so every key
     logged before head is gone from the store (and bytes read after this are at least that
     new)."""

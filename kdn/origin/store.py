@@ -1,6 +1,6 @@
 """The origin's durable, content-addressed chunk store and KB manifest registry.
 
-It keeps its objects in an origin/objects.py backend: a local directory or an S3-compatible
+It keeps its objects in an kdn/origin/objects.py backend: a local directory or an S3-compatible
 bucket. Everything below holds on both, because it is written once, above that interface.
 
 A chunk is stored as its encoded frame (kdn/core/chunk.py: header with an xxh3 checksum, then the
@@ -146,9 +146,9 @@ class ChunkStore:
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self.counters["cleaned_partials"] = self.objects.clean_partials()
         self._count, self._bytes = self._scan_chunks()
-        # every key removed is logged here first, for edges that miss the drop (origin/drops.py)
+        # every key removed is logged here first, for edges that miss the drop (kdn/origin/drops.py)
         self.drops = DropLog(self.objects)
-        # pinned tenants' conversation KV and the records naming its keys (origin/conversations.py)
+        # pinned tenants' conversation KV and the records naming its keys (kdn/origin/conversations.py)
         self.conversations = OriginConversations(self.objects)
 
     # --- opening -----------------------------------------------------------------------
@@ -650,12 +650,12 @@ class ChunkStore:
             return None
         return _GONE if when is None else max(0.0, now - when)
 
-    # --- pinned conversations (origin/conversations.py) -----------------------------------
+    # --- pinned conversations (kdn/origin/conversations.py) -----------------------------------
     def put_conversation(self, tenant: str, ns: bytes, chunks) -> list:
         """Store a pinned conversation's chunks (Chunks of namespace ns) durably and record them
         for (tenant, ns): [(written, sum)] in order. The keys are live (collect keeps them) from
         the put on: pending until the record is written, the record's after. BadRequest when
-        the tenant is no longer pinned (origin/conversations.py record)."""
+        the tenant is no longer pinned (kdn/origin/conversations.py record)."""
         ns = _ns(ns)
         bad = next((c for c in chunks if not isinstance(c, Chunk) or c.opaque or c.ns != ns), None)
         if bad is not None:
@@ -677,7 +677,7 @@ class ChunkStore:
     def delete_conversation(self, tenant: str) -> int:
         """Forget a tenant's pinned conversations and delete their chunks, each checked to be
         of the recorded namespace by its frame header. Not logged in the drop log: the home
-        edge's copy is the bytes these were (origin/conversations.py). How many were deleted."""
+        edge's copy is the bytes these were (kdn/origin/conversations.py). How many were deleted."""
         n = 0
         with self._lock:
             for ns, keys in self.conversations.forget(tenant).items():

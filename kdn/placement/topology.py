@@ -27,11 +27,11 @@ Links are symmetric. Users write it as TOML:
     latency_ms = 40.0
     bandwidth_gbps = 1.0
 
-An edge may also name a disk tier beneath its memory (edge/disk.py): `disk_bytes` (an
+An edge may also name a disk tier beneath its memory (kdn/edge/disk.py): `disk_bytes` (an
 integer > 0) and optionally `disk_dir` (a directory on the edge's node; the edge keeps
 its records in disk_dir/<edge name>), e.g.
 `{ name = "use-1", capacity_bytes = 8_000_000_000, disk_bytes = 500_000_000_000 }`.
-It may publish KV events (edge/events.py): `kv_events = "tcp://127.0.0.1:5557"`, or a table
+It may publish KV events (kdn/edge/events.py): `kv_events = "tcp://127.0.0.1:5557"`, or a table
 `{ endpoint = "tcp://127.0.0.1:5557", block_size = 16, topic = "use-1" }`.
 
 Every problem is a TopologyError naming the file and the entry (`topo.toml: links[0]:

@@ -1,15 +1,15 @@
 """Tombstones: the origin's drops an edge has applied, so that no load in flight puts back
 the bytes a drop removed.
 
-The origin logs every key it removes (origin/drops.py), and the key may then be stored again
-with other bytes. A drop reaches an edge (edge/drops.py's catch-up, the origin's broadcast)
+The origin logs every key it removes (kdn/origin/drops.py), and the key may then be stored again
+with other bytes. A drop reaches an edge (kdn/edge/drops.py's catch-up, the origin's broadcast)
 while copies of the key may be on their way in: a pull from an owner or the origin, a hot
 promotion, a disk read, an encode kept after the reply, a write-back, a push from the
 origin, a repair sent by another edge. So every copy carries its birth: the drop-log
 position its bytes are known to be at least as new as. A load's birth is the position this
 edge had applied when the load started, because every source it asks is at least there: the
-origin answers only drops whose keys are gone (origin/node.py: drops), and an owner behind
-the asker answers nothing (edge/node.py: peer_get). A push's birth is the origin's position
+origin answers only drops whose keys are gone (kdn/origin/node.py: drops), and an owner behind
+the asker answers nothing (kdn/edge/node.py: peer_get). A push's birth is the origin's position
 when it read the bytes; a repair's, that of the load that fetched them.
 
 A drop leaves a tombstone per key: the key's position in the log. A copy whose key's

@@ -1,12 +1,12 @@
 """One read at an edge, the same for Ray and HTTP: the longest prefix of keys, bounded.
 
 fetch(keys) serves the longest prefix of keys the network holds: this edge's tiers first,
-then pull-through (edge/pull.py), stopping at the first key nobody holds. Every served
+then pull-through (kdn/edge/pull.py), stopping at the first key nobody holds. Every served
 chunk's namespace is checked against the asker's, so one tenant's key never returns another
 tenant's KV. The caller's `shape` turns the prefix into what it sends (references for Ray,
-frames for HTTP: edge/forms.py); a copy found corrupt there is dropped from the tiers and
+frames for HTTP: kdn/edge/forms.py); a copy found corrupt there is dropped from the tiers and
 the read is made once more (another replica or the origin) rather than answer short: the
-one retry after corruption on the edge. Below memory, the disk tier (edge/disk.py) is
+one retry after corruption on the edge. Below memory, the disk tier (kdn/edge/disk.py) is
 read for the keys memory lacks, in one worker-thread call, before anything is pulled; a disk
 hit is promoted to memory (main when this edge owns the key, else hot). What a reply
 brought from elsewhere and memory did not keep is queued for the disk tier (a CDN's fill:

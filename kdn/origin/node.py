@@ -1,8 +1,8 @@
 """The origin node: the Ray actor that is the network's authority, and its RPC surface.
 
-Every published chunk and manifest lives in its store (origin/store.py); it keeps the
-membership (origin/membership.py), watches its edges' health (origin/health.py) and pushes
-chunks to their owners (origin/push.py). This module checks each call — the caller's token,
+Every published chunk and manifest lives in its store (kdn/origin/store.py); it keeps the
+membership (kdn/origin/membership.py), watches its edges' health (kdn/origin/health.py) and pushes
+chunks to their owners (kdn/origin/push.py). This module checks each call — the caller's token,
 then every argument (BadRequest before anything changes) — and hands it to those parts.
 
 Publishing is two steps from the publisher: `missing` + `put_chunks` (only the chunks the
@@ -10,7 +10,7 @@ origin lacks or holds corrupt: re-publishing an intact KB transfers nothing) and
 (the manifest, written last, so a version is visible only once every chunk is durable),
 after which the origin pushes each chunk to its ring owners. Disk work runs in threads so
 a slow fsync never stalls the event loop that serves edges' pull-through reads. The origin
-keeps nothing that is not in its store (a directory, or s3://bucket/prefix: origin/objects.py):
+keeps nothing that is not in its store (a directory, or s3://bucket/prefix: kdn/origin/objects.py):
 chunks, manifests, membership and overrides, so a restarted origin reopens all of them, and
 over a bucket it may restart on any node. With store_codec="zstd" its disk holds
 chunks losslessly compressed; lossy codecs are refused: the origin keeps the exact KV every
@@ -111,8 +111,8 @@ class OriginNode:
                             network, e, wait)
                 time.sleep(wait)
         self.actors = actors if actors is not None else Actors(network, token=self.tokens.admin)
-        # each ping carries the drop log's head: an edge behind it replays (origin/drops.py)
-        # and the tenants' conversation policies (origin/conversations.py)
+        # each ping carries the drop log's head: an edge behind it replays (kdn/origin/drops.py)
+        # and the tenants' conversation policies (kdn/origin/conversations.py)
         self.health = Health(self.actors, beat=lambda: {
             "drops": self.store.drops.state(), "conversation_policies": self.store.conversations.policies})
         self.pusher = Pusher(self.store, self.actors, self.roster)
@@ -454,7 +454,7 @@ class OriginNode:
         return d
 
     async def delete_version(self, ns: bytes, name: str, version: int, token=None) -> dict:
-        """Retire a KB version, and its emphasized copies with it (origin/store.py:
+        """Retire a KB version, and its emphasized copies with it (kdn/origin/store.py:
         ChunkStore.delete_version); edges forget each manifest. {"deleted": "name@vN",
         "emphasized_copies": how many copies went with it}."""
         self.tokens.check_admin(token, "delete_version")
@@ -466,7 +466,7 @@ class OriginNode:
         return {"deleted": f"{name}@v{version}", "emphasized_copies": len(copies)}
 
     async def drops(self, since: int = None, token=None) -> dict:
-        """The drop log (origin/drops.py) for an edge catching up: its id ("log"), its settled
+        """The drop log (kdn/origin/drops.py) for an edge catching up: its id ("log"), its settled
         head (every key logged before it is gone from the store), and the keys logged from
         sequence number since up to it ("keys"; None when since is None or the log no longer
         keeps it: the edge then starts over)."""
@@ -481,7 +481,7 @@ class OriginNode:
 
     async def collect(self, object_ttl_s: float = None, token=None) -> dict:
         """Delete chunks no committed version names; opaque objects stay unless written more
-        than object_ttl_s seconds ago (origin/store.py: ChunkStore.collect)."""
+        than object_ttl_s seconds ago (kdn/origin/store.py: ChunkStore.collect)."""
         self.tokens.check_admin(token, "collect")
         if object_ttl_s is not None:
             object_ttl_s = check_number(object_ttl_s, "object_ttl_s", 0)
@@ -557,10 +557,10 @@ class OriginNode:
         self.tokens.check_admin(token, "auth_config")
         return self.tokens.to_dict()
 
-    # --- pinned conversations (origin/conversations.py) -------------------------------------
+    # --- pinned conversations (kdn/origin/conversations.py) -------------------------------------
     async def set_conversation_policy(self, tenant: str, ttl_s=None, budget_bytes=None, max_ttl_s=None,
                                       pinned=None, token=None) -> dict:
-        """A tenant's conversation policy (origin/conversations.py), durably: its idle TTL, the
+        """A tenant's conversation policy (kdn/origin/conversations.py), durably: its idle TTL, the
         longest TTL a request may ask for, its byte budget per edge (None: left as is), and
         whether its conversation KV is pinned here (its home edges send what they keep) or
         not (its chunks here are deleted; edges keep theirs under the tenant's TTL). Every
@@ -582,7 +582,7 @@ class OriginNode:
 
     async def put_conversation(self, tenant: str, ns: bytes, chunks, token=None) -> dict:
         """A home edge's chunks of a pinned tenant's conversation, stored durably before the
-        answer (origin/store.py: put_conversation). BadRequest for a tenant not pinned, or
+        answer (kdn/origin/store.py: put_conversation). BadRequest for a tenant not pinned, or
         chunks that are not exact Chunks of ns. {"received", "written", "differ": the keys
         held here under other bytes (the edge kept a worker's after it lost this copy; it
         takes these instead)}."""

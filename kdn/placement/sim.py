@@ -11,7 +11,7 @@ region; (d) owners + demand-driven hot copies per region (ReplicationPolicy, our
 oracle: (d)'s bytes, filled knowing the true popularity of each phase, the best any
 policy could do with the same storage (it tells a policy's loss from the workload's).
 With `--disk-capacity-factor F` (edges' disk bytes, all edges together, as a multiple of
-the catalog) a seventh: (g) (d) over an edge disk tier (edge/disk.py). Each chunk a region
+the catalog) a seventh: (g) (d) over an edge disk tier (kdn/edge/disk.py). Each chunk a region
 reads from elsewhere is kept on the region's disks (the pull-through fill, written in the
 background), LRU within the region's disk bytes, each chunk on one edge of the region (its
 key's in-region choice, as hot copies are placed), so a region's disks act as one cache; a

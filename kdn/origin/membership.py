@@ -3,7 +3,7 @@
 The origin owns it. Every change of members gets a new version number; edges and clients
 take a membership only if its version is not older than the one they hold, so a late
 broadcast never undoes a newer one. It lives in one object beside the store (a file, or an
-object in the origin's bucket: origin/objects.py), with the operators' per-KB overrides, so
+object in the origin's bucket: kdn/origin/objects.py), with the operators' per-KB overrides, so
 an origin restarted on any node finds it; a change is written first and only then takes
 effect in memory: a failed write (a full disk, a refusing bucket) changes nothing. A file that cannot be read is
 quarantined (renamed aside, logged, counted) and the origin starts from the topology's

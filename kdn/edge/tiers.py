@@ -11,15 +11,15 @@ copy and one elsewhere pulls it straight from this node's store. Evicting a refe
 the object once no reader still holds it. An operator's TTL makes chunks expire (checked on
 every read and swept each tick); a pin takes a chunk out of eviction.
 
-Beneath them, when the edge has one, the disk tier (edge/disk.py): a chunk evicted from
+Beneath them, when the edge has one, the disk tier (kdn/edge/disk.py): a chunk evicted from
 memory is queued and written there by the edge's writer task (drain_write_backs), never on
 a reader's time; a disk hit (from_disk) is read in a worker thread, verified and put into
 this node's store there (one chunk's buffer at a time), then promoted to memory. The queue is bounded in bytes: past the bound a victim
 is not written (counted), so a slow disk never holds memory hostage.
 
-A drop from the origin's log (edge/drops.py) wins over every copy on its way in: each copy
+A drop from the origin's log (kdn/edge/drops.py) wins over every copy on its way in: each copy
 carries its birth and every way into a tier checks it against the drops' tombstones
-(edge/tombstones.py): put, a disk read's promotion, a write-back (checked and written
+(kdn/edge/tombstones.py): put, a disk read's promotion, a write-back (checked and written
 under the same lock as a drop's deletion of the files, so a write never lands after it).
 """
 import asyncio
@@ -37,7 +37,7 @@ class Held:
     """A chunk in the object store (a Chunk or an Encoded frame): its reference plus what
     routing needs without fetching it. nbytes is what holding it costs, raw its KV's size;
     own is False for a peer's object (it vanishes with the peer). born: for a copy on its way
-    in, the drop-log position its bytes are at least as new as (edge/tombstones.py; None:
+    in, the drop-log position its bytes are at least as new as (kdn/edge/tombstones.py; None:
     made here, never older than a drop)."""
     __slots__ = ("ref", "key", "ns", "nbytes", "raw", "codec", "dtype", "own", "obj", "born")
 
@@ -97,13 +97,13 @@ class Tiers:
         hot_bytes = max(1, int(self.capacity * hot_fraction))
         self.main = ChunkCache(self.capacity - hot_bytes, policy, on_evict=self._evicted)
         self.hot = ChunkCache(hot_bytes, "lru", on_evict=self._evicted)   # copies: recency is all that matters
-        self.disk = disk           # edge/disk.py DiskTier, or None
+        self.disk = disk           # kdn/edge/disk.py DiskTier, or None
         self.expiry = {}           # key -> monotonic deadline (a KB's TTL, set by an operator)
         self.pending = collections.OrderedDict()   # key -> (Held, verify first, born): to the disk
         self.pending_bytes = 0
         self.write_back_queue_bytes = int(write_back_queue_bytes)
         self.counters = collections.Counter()
-        self.observer = None       # note(key) when what holds key may have changed (edge/events.py)
+        self.observer = None       # note(key) when what holds key may have changed (kdn/edge/events.py)
         self.tombs = Tombstones()  # the origin's drops, against copies on their way in
         self._disk_turn = asyncio.Lock()   # a write-back's check and write; a drop's deletes
 
@@ -249,7 +249,7 @@ class Tiers:
 
     def write_back(self, held, verify: bool = False, born=None) -> bool:
         """Queue held to be written to the disk tier (verify: check it first, a copy that
-        came from a peer; born: its birth, edge/tombstones.py); False when it is not queued
+        came from a peer; born: its birth, kdn/edge/tombstones.py); False when it is not queued
         (held already, the queue is full, or a drop overtook it)."""
         if self.disk is None or held.key in self.pending or held.key in self.disk:
             return False
@@ -312,7 +312,7 @@ class Tiers:
 
     async def sweep(self) -> int:
         """Drop every chunk whose TTL has passed (their files in one worker-thread call); how
-        many. Tombstones past their time go too (edge/tombstones.py)."""
+        many. Tombstones past their time go too (kdn/edge/tombstones.py)."""
         now = time.monotonic()
         gone = [k for k, t in self.expiry.items() if t <= now]
         if gone:

@@ -16,7 +16,7 @@ A key the edge knows belongs to another namespace (its manifest says so, or the 
 holds does) is never loaded for a reader of this one: such a load would tell the reader,
 by its cost, that the key exists elsewhere.
 
-A drop from the origin's log wins over a load in flight (edge/tombstones.py): a load is born
+A drop from the origin's log wins over a load in flight (kdn/edge/tombstones.py): a load is born
 at the drop-log position this edge had applied when it started, asks owners only to answer
 if they have applied as much (peer_get's drops=), and what a drop overtook meanwhile is
 neither served nor kept, nor sent to an owner as a repair without its birth.
@@ -71,7 +71,7 @@ class Pull:
     async def _from_owners(self, keys, drops=None) -> tuple:
         """({key: (Held, source)}, {owner: [keys it should have had]}): round r asks each
         key's r-th nearest owner, all owners of a round at once. drops: the drop-log state
-        this edge applied; an owner that applied less answers nothing (edge/node.py)."""
+        this edge applied; an owner that applied less answers nothing (kdn/edge/node.py)."""
         ranked = self.membership.sources(keys, self.name, self.region)
         result, lacking = {}, collections.defaultdict(list)
         pending, rnd = list(keys), 0

@@ -3,7 +3,7 @@
 The server is aiohttp on the edge actor's own event loop. Ray builds every async actor's
 loop with uvloop when uvloop is installed (ray._private.async_compat.get_new_event_loop,
 RAY_USE_UVLOOP on by default), so the server runs on uvloop with no policy tricks, and a
-fetch is a plain await of the edge's own read (edge/reads.py, the one the Ray path uses):
+fetch is a plain await of the edge's own read (kdn/edge/reads.py, the one the Ray path uses):
 no thread hop, no second loop, no lock. A uvloop loop in a thread of the actor was measured
 against it (64 MiB fetches of 2 MiB chunks) and gave nothing back: 2.4-3.5 GB/s against
 2.5-3.3 GB/s, within the noise of a shared 2-core machine, because the GIL serializes the
@@ -16,7 +16,7 @@ Content-Length is exact and the client receives the body into one preallocated b
 A raw frame goes out as its small header bytes and a memoryview of the chunk's KV: uvloop
 sends what the socket takes and keeps a reference to the rest, so payloads are never copied
 in user space. A fetch may ask for a codec (a kdn.core.codecs name, or "auto": what pays on the
-link to the request's region; edge/forms.py chooses, as for Ray); X-KDN-Codec names the
+link to the request's region; kdn/edge/forms.py chooses, as for Ray); X-KDN-Codec names the
 codecs used. Encoding is CPU work: it runs in threads, ENCODERS at a time, so concurrent
 requests cannot make the edge hold more than a few replies' worth of encoded frames.
 
@@ -353,7 +353,7 @@ class EdgeHTTP:
         return resp
 
     async def _frames(self, helds, sources, region, asked) -> tuple:
-        """The `shape` of an HTTP fetch (edge/reads.py): [(frame parts, codec)] per chunk.
+        """The `shape` of an HTTP fetch (kdn/edge/reads.py): [(frame parts, codec)] per chunk.
 
         The answer stops where its frames could pass max_reply_bytes or its sources header
         MAX_SOURCE_RUNS runs (the reader asks again); a stored frame that fails its checks

@@ -95,7 +95,7 @@ class EdgeCollector:
             yield from self._http()
 
     def _conversations(self, c):
-        """The conversation tier (edge/conversations.py): bytes per tenant (an operator's
+        """The conversation tier (kdn/edge/conversations.py): bytes per tenant (an operator's
         figure: /metrics is the operator's, like the tenants' names in `kdn status`), reads,
         expiries and evictions by reason."""
         conv = self.edge.conversations.stats()
