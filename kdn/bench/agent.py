@@ -44,9 +44,9 @@ import time
 import uuid
 
 from kdn.bench import emit_json, p, table
+from kdn.bench.harness import REGIONS
 from kdn.core.errors import BadRequest
 
-REGIONS = ("us-east", "eu-west", "ap-south")
 KB = "agent-bench"
 KB_TOKENS = 1000
 ANSWER_TOKENS = 32

@@ -69,7 +69,7 @@ def main(argv=None):
     if shutil.which("hey") is None:
         ap.error("hey is not installed: apt-get install -y hey (Debian/Ubuntu)")
 
-    from kdn.launch.cluster import LocalCluster, start_network, stop_network
+    from kdn.launch.cluster import LocalCluster, start_network, stop_network, teardown
     from kdn.client.join import init_ray
     from kdn.client import Client
     from kdn.client.http import EdgeHTTPClient
@@ -124,6 +124,7 @@ def main(argv=None):
         if probe:
             row(f"{name}: GET /health beside it", 0, small,
                 label=f"  GET /health beside it ({PROBE_CLIENTS} clients)")
+    net = None
     try:
         init_ray(cluster.address)
         net, url, m = network_with(1 << 30, network)
@@ -133,11 +134,9 @@ def main(argv=None):
         # main holds 3/4 of memory: one chunk of the KB, so every answer pulls the others
         net, url, m = network_with(chunk_bytes * 4 // 3 + 4096, network + "-pulled")
         load("whole KB, pulled", url, m, list(m.keys), probe=True)
-        stop_network(net)
     finally:
+        teardown(net, cluster, tmp)     # the network that was up, its cluster, the scratch folder
         ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
     load = os.getloadavg()
     table(rows, ["request", "MiB", "req/s", "p50_ms", "p95_ms", "p99_ms", "200s", "others"])
     print(f"{args.clients} clients, {args.seconds:g} s each; load average {load[0]:.2f} "

@@ -29,8 +29,6 @@ then one more load() of objects already touched.
 import argparse
 import json
 import os
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,38 +37,10 @@ import time
 import uuid
 
 from kdn.bench import emit_json, table
+from kdn.bench.harness import REGIONS, start_redis, stop_process
 
-REGIONS = ("us-east", "eu-west", "ap-south")
 MIB = 1 << 20        # LMCache's "mbps" are MiB/s (the mean of its rounds'); the table gives GB/s (1e9 B/s)
 READER, REMOTE = "us-east", "eu-west"      # the bench process runs on the head node: us-east
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(workdir: str):
-    """A redis-server on 127.0.0.1 (no persistence); (process, port). FileNotFoundError if absent."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise FileNotFoundError("redis-server is not installed (apt-get install -y redis-server)")
-    port = _free_port()
-    proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                             "--appendonly", "no", "--dir", workdir, "--protected-mode", "yes"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return proc, port
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"redis-server did not answer on 127.0.0.1:{port} within 10 s")
 
 
 def object_store_bytes(edge_capacity: int) -> int:
@@ -143,7 +113,7 @@ def main(argv=None):
     run_bytes = (args.rounds + 1) * args.num_keys * args.data_size_kb * 1024   # + a warmup round
 
     from kdn.client.join import init_ray
-    from kdn.launch.cluster import LocalCluster, start_network, stop_network
+    from kdn.launch.cluster import LocalCluster, start_network, teardown
     from kdn.placement.topology import Topology
     work = tempfile.mkdtemp(prefix="kdn-bench-l2-")
     rows, cluster, net, redis = [], None, None, None
@@ -202,18 +172,11 @@ def main(argv=None):
                             "the same, every push landed first: loads from a warm edge")
                 again["store GB/s"] = None      # its stores were deduplicated
                 rows.append(again)
-            if redis is not None:
-                redis.terminate()
-                redis.wait(10)
-                redis = None
+            stop_process(redis)
+            redis = None
     finally:
-        if redis is not None:
-            redis.kill()
-        if net is not None:
-            stop_network(net)
-        if cluster is not None:
-            cluster.shutdown()
-        shutil.rmtree(work, ignore_errors=True)
+        stop_process(redis)
+        teardown(net, cluster, work)
     print(f"lmcache bench l2: {args.num_keys} keys x {args.data_size_kb} KiB a round, "
           f"{args.rounds} rounds (+1 warmup), --no-skip-verify")
     table(rows, ["adapter", "load GB/s", "load p50 ms", "load p99 ms", "store GB/s", "verified", "note"])

@@ -36,9 +36,9 @@ import numpy as np
 import xxhash
 
 from kdn.bench import emit_json, p, table
+from kdn.bench.harness import REGIONS
 from kdn.core.keys import CHUNK_TOKENS
 
-REGIONS = ("us-east", "eu-west", "ap-south")
 TENANT = "bench-load"
 FINGERPRINT = "bench-load-synthetic"
 QUESTION_TOKENS = 16

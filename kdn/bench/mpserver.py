@@ -30,9 +30,9 @@ import time
 import uuid
 
 from kdn.bench import emit_json, table
+from kdn.bench.harness import REGIONS, stop_process
 from kdn.bench.l2 import lmcache_cmd, lmcache_env
 
-REGIONS = ("us-east", "eu-west", "ap-south")
 _LINE = re.compile(r"\[seq (\d+)/(cold|warm)\] (LOOKUP|CHECKSUM): (.*)")
 
 
@@ -95,7 +95,7 @@ def main(argv=None):
 
     from kdn.client.join import init_ray
     from kdn.client.view import NetworkView
-    from kdn.launch.cluster import LocalCluster, free_ports, start_network, stop_network
+    from kdn.launch.cluster import LocalCluster, free_ports, start_network, teardown
     from kdn.placement.topology import Topology
     work = tempfile.mkdtemp(prefix="kdn-bench-mpserver-")
     cluster, net, procs = None, None, []
@@ -123,16 +123,8 @@ def main(argv=None):
         after = view.edge_at(edge, "stats")["counters"]
     finally:
         for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        if net is not None:
-            stop_network(net)
-        if cluster is not None:
-            cluster.shutdown()
+            stop_process(proc, 20)
+        teardown(net, cluster, work)       # the scratch folder too (servers' logs included)
 
     rows, bad = [], 0
     for seq in range(args.sequences):

@@ -41,8 +41,6 @@ import tempfile
 import time
 import uuid
 
-import numpy as np
-
 from kdn.bench import emit_json, median, p, table
 
 REGION = "local"

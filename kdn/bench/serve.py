@@ -31,9 +31,9 @@ import time
 import uuid
 
 from kdn.bench import emit_json, median, p, table
+from kdn.bench.harness import REGIONS
 from kdn.core.errors import BadRequest
 
-REGIONS = ("us-east", "eu-west", "ap-south")
 KNOWLEDGE_TOKENS = 4096
 QUESTION = "In one sentence: what do the documents above say about the powers of Congress?"
 CONCURRENCY = (1, 4, 16)

@@ -28,7 +28,6 @@ Without an anchors folder, only the peers this command runs itself (Redis) are c
 import argparse
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -41,18 +40,13 @@ import numpy as np
 import xxhash
 
 from kdn.bench import emit_json, median, table
+from kdn.bench.harness import start_redis, stop_process
 from kdn.core.chunk import decode, encode
 from kdn.client.http import RECV_STEP
 
 REGION = "bench"
 TENANT, FINGERPRINT = "default", "bench-transport"
 HEADS, HEAD_DIM, TOKENS = 2, 64, 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gbps(nbytes, seconds):
@@ -126,37 +120,6 @@ class Resp:
         raise RuntimeError(f"redis: unexpected reply {line[:40]!r}")
 
 
-def start_redis(tmp: str):
-    exe = shutil.which("redis-server")
-    if exe is None:
-        return None, None
-    port = free_port()
-    proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                             "--appendonly", "no", "--protected-mode", "yes", "--dir", tmp,
-                             "--loglevel", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            r = Resp(port, timeout_s=2)
-            r.send("PING")
-            r.reply()
-            r.close()
-            return proc, port
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("redis-server did not answer PING within 10 s")
-
-
-def stop(proc):
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 # --- the socket's limit: bytes from memory to a reused buffer, nothing else --------------------
 SOCKET_SERVER = """
 import socket, sys
@@ -208,7 +171,7 @@ def bare_socket(nbytes: int, reps: int, piece: int, verify: bool = False) -> lis
                 times.append(time.perf_counter() - t0)
         return times[1:]
     finally:
-        stop(proc)
+        stop_process(proc)
 
 
 def hash_only(kv: np.ndarray, reps: int, piece: int) -> list:
@@ -308,7 +271,7 @@ def main(argv=None):
           f"({TOKENS} tokens x {layers} layers x {HEADS} heads x {HEAD_DIM} head_dim, float16) "
           f"= {total / 2**20:.0f} MiB; median of {args.reps} reps", flush=True)
 
-    from kdn.launch.cluster import LocalCluster, start_network, stop_network
+    from kdn.launch.cluster import LocalCluster, start_network, teardown
     from kdn.client.join import init_ray
     from kdn.client import Client
     from kdn.client.http import EdgeHTTPClient
@@ -318,7 +281,7 @@ def main(argv=None):
     tmp = tempfile.mkdtemp(prefix="kdn-bench-transport-")
     network = f"bench-transport-{uuid.uuid4().hex[:6]}"
     cluster = LocalCluster([REGION], cpus=2, object_store_bytes=max(512 << 20, 6 * total))
-    redis_proc = None
+    redis_proc = net = None
     rows, res = [], {}
     try:
         init_ray(cluster.address)
@@ -384,10 +347,11 @@ def main(argv=None):
         record("xxh3", "xxh3_64", hash_only(kv, args.reps, piece), "hashing alone, one core")
 
         # redis
-        redis_proc, port = start_redis(tmp)
-        if redis_proc is None:
-            print("redis-server is not installed: Redis skipped. Install it with "
-                  "`apt-get install -y redis-server` (Debian/Ubuntu).", flush=True)
+        try:
+            redis_proc, port = start_redis(tmp)
+        except FileNotFoundError as e:
+            redis_proc = None
+            print(f"Redis skipped: {e}", flush=True)
         else:
             names = [c.key.hex() for c in chunks]
             r = Resp(port)
@@ -425,11 +389,9 @@ def main(argv=None):
                 rp.close()
             except ImportError:
                 pass
-        stop_network(network)
     finally:
-        stop(redis_proc)
-        cluster.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
+        stop_process(redis_proc)
+        teardown(net, cluster, tmp)
 
     table(rows, ["transport", "client", "GB/s", "median_ms", "min_ms", "max_ms", "note"])
     out = {"bench": "transport", "chunks": args.chunks, "chunk_bytes": total // args.chunks,

@@ -6,10 +6,13 @@ model's chat template, so every prompt a worker builds (knowledge + question) st
 exactly these tokens. Each document's token range in that turn is found from the
 tokenizer's character offsets, so the manifest says which chunks hold which document.
 
-Prefill is paid only for what the network lacks: the publisher first fetches the longest
-cached prefix of the new token stream (exactly, with the admin token: an unchanged KB is
-cached whole, an edited last document shares every chunk before the edit), rebuilds the
-model's cache from it and prefills only the rest. The KV of a prefix depends only on the
+Prefill is paid only for what the network lacks, and KV moves only where a prefill needs it:
+the publisher first asks the origin which of the new token stream's chunks it stores (a
+lookup: keys out, checksums back). An unchanged KB is stored whole: its new version is
+committed with nothing fetched, computed or sent. Otherwise it fetches the longest cached
+prefix (exactly, with the admin token: an edited last document shares every chunk before the
+edit), rebuilds the model's cache from it, prefills only the rest, and cuts and sends only
+from the first chunk the origin lacks. The KV of a prefix depends only on the
 tokens before it, so the reused part is what a fresh prefill computes (within the engine's
 batch variance: kernels round by batch shape). Only chunks the origin lacks travel; where it
 holds a chunk already, its stored checksum is adopted (a key means the bytes stored first),
@@ -25,11 +28,12 @@ import time
 
 import numpy as np
 
+from kdn.core.checks import check_int
 from kdn.core.chunk import cut
 from kdn.core.errors import BadRequest
 from kdn.client.documents import (MAX_KB_BYTES, MAX_KB_TOKENS, check_documents,  # noqa: F401
                                   check_kb_tokens, join_documents)
-from kdn.core.keys import CHUNK_TOKENS
+from kdn.core.keys import CHUNK_TOKENS, chunk_keys
 from kdn.core.manifest import Manifest, check_name
 from kdn.client.reader import Reader
 
@@ -62,23 +66,26 @@ def knowledge_documents(model, documents) -> list:
 
 
 # --- KV -> chunks --------------------------------------------------------------------------
-def _kv_of(kv, tokens: int):
+def _kv_of(kv, tokens: int, where: str = ""):
     """kv if it is an array (numpy or torch) covering `tokens` tokens; BadRequest otherwise."""
     shape = getattr(kv, "shape", None)
     if not isinstance(kv, np.ndarray) and not type(kv).__module__.startswith("torch"):
         raise BadRequest(f"kv must be a numpy array or torch tensor, got {type(kv).__name__}")
     if len(shape) == 5 and shape[3] != tokens:
-        raise BadRequest(f"kv covers {shape[3]} tokens but the documents have {tokens}")
+        raise BadRequest(f"kv covers {shape[3]} tokens but the documents have {tokens}{where}")
     return kv
 
 
-def split_kv(m: Manifest, kv, dtype: str = None) -> list:
+def split_kv(m: Manifest, kv, dtype: str = None, from_chunk: int = 0) -> list:
     """The Chunks of manifest m, cut from kv (kdn.core.chunk.cut): for the prefix layout one
-    array [layers, 2, heads, total tokens, head_dim]; for segments a list of them, one per
-    document."""
+    array [layers, 2, heads, tokens, head_dim] of the KB's tokens from chunk from_chunk on
+    (None when that is the end); for segments a list of them, one per document."""
     ct = m.chunk_tokens
     if m.layout == "prefix":
-        return cut(_kv_of(kv, m.n_tokens), m.keys, m.ns, ct, dtype)
+        if from_chunk == len(m.keys) and kv is None:
+            return []
+        where = f" from chunk {from_chunk} on" if from_chunk else ""
+        return cut(_kv_of(kv, m.n_tokens - from_chunk * ct, where), m.keys[from_chunk:], m.ns, ct, dtype)
     if not isinstance(kv, (list, tuple)) or len(kv) != len(m.documents):
         raise BadRequest(f"the segments layout needs one kv array per document "
                          f"({len(m.documents)}), got {type(kv).__name__}")
@@ -114,29 +121,46 @@ class Publisher:
         """The longest prefix of `tokens` the network already holds, exact (kdn.client.reader.Fetched)."""
         return self.reader.fetch(tokens)
 
+    def held_chunks(self, tokens) -> int:
+        """How many of the chunks of `tokens` (a prefix KB's, on this publisher's grid) the
+        origin stores, from the first on: a lookup, no KV moves."""
+        sums = self.view.origin("stored", chunk_keys(tokens, self.ns, self.chunk_tokens))
+        return next((i for i, s in enumerate(sums) if s is None), len(sums))
+
     def publish(self, kb: str, documents, kv, layout: str = "prefix", meta: dict = None,
                 dtype: str = None, batch_bytes: int = BATCH_BYTES,
-                timeout_s: float = PUBLISH_TIMEOUT_S) -> dict:
+                timeout_s: float = PUBLISH_TIMEOUT_S, from_chunk: int = 0) -> dict:
         """Publish a KB version whose KV the caller computed; returns the origin's receipt.
 
         documents: [(doc name, token ids), ...] in order. kv: see split_kv(). Only chunks
-        the origin lacks travel; the origin then pushes them to their owners.
+        the origin lacks travel; the origin then pushes them to their owners. from_chunk (the
+        prefix layout): kv covers the KB's tokens from that chunk on (None: from the end), and
+        the origin must hold every chunk before it already (held_chunks): their KV is neither
+        computed nor sent again, and their checksums are the origin's.
         """
         check_name(kb, "knowledge base name")
         m = Manifest.build(kb, self.tenant, self.fingerprint, documents, layout=layout,
                            chunk_tokens=self.chunk_tokens, meta=meta)
-        chunks = split_kv(m, kv, dtype)
+        check_int(from_chunk, "from_chunk", 0, len(m.keys))
+        if from_chunk and layout != "prefix":
+            raise BadRequest("from_chunk is for the prefix layout: a segments KB sends every document's KV")
+        chunks = split_kv(m, kv, dtype, from_chunk)
         # Per-chunk checksums travel in the manifest: every reader verifies what it got
         # against them, whatever hops (disk, peers, object store) it crossed. A key means the
         # bytes stored first: where the origin already holds a chunk (or another publisher
         # stores it first, meanwhile), its checksum is adopted, never this publisher's own
         # (KV computed on another CPU or in another batch shape differs in the last bits).
         sums = self.view.origin("stored", list(m.keys), timeout=timeout_s)
+        gone = next((i for i, x in enumerate(sums[:from_chunk]) if x is None), None)
+        if gone is not None:
+            raise BadRequest(f"the origin no longer holds chunk {gone} of {kb!r} (collected meanwhile): "
+                             "publish again")
         missing = [i for i, x in enumerate(sums) if x is None]
-        sent, sent_bytes, put_sums = self._send([chunks[i] for i in missing], batch_bytes, timeout_s)
+        sent, sent_bytes, put_sums = self._send([chunks[i - from_chunk] for i in missing], batch_bytes,
+                                                timeout_s)
         for i, x in zip(missing, put_sums):
             sums[i] = x
-        adopted = sum(x != c.digest() for x, c in zip(sums, chunks))
+        adopted = sum(x != c.digest() for x, c in zip(sums[from_chunk:], chunks))
         m = dataclasses.replace(m, sums=tuple(sums))
         receipt = self.view.origin("commit", m.to_dict(), timeout=timeout_s)
         receipt.update(sent_chunks=sent, sent_bytes=sent_bytes, adopted_chunks=adopted)
@@ -172,22 +196,36 @@ def publish_documents(client, model, kb: str, documents, progress=None, meta=Non
     tokens = [t for _, toks in named for t in toks]
     check_kb_tokens(kb, len(tokens))
     t0 = time.perf_counter()
+    ct = publisher.chunk_tokens
+    held = publisher.held_chunks(tokens)           # a lookup at the origin: no KV moves
+    if held * ct >= len(tokens):                   # every chunk stored already (an unchanged KB)
+        if progress:
+            progress(len(tokens), len(tokens))
+        receipt = client.publish(kb, named, None, meta=meta, from_chunk=held)
+        receipt.update(tokens=len(tokens), reused_tokens=len(tokens), prefilled_tokens=0, prefill_s=0.0,
+                       fetched_bytes=0, total_s=time.perf_counter() - t0, documents=[n for n, _ in named])
+        return receipt
+    # the longest held prefix, which the prefill continues from (an old version's trailing
+    # partial chunk included: a KB that grew continues from its last token)
     reused = publisher.reuse(tokens)
     cache = model.cache_from_kv(reused.kv_parts(), len(tokens) - reused.tokens) if reused.tokens else None
     t1 = time.perf_counter()
-    parts = [np.concatenate(reused.kv_parts(), axis=3)] if reused.tokens else []
+    computed = []
     if reused.tokens < len(tokens):
-        pre = model.prefill(tokens[reused.tokens:], past=cache, chunk_tokens=publisher.chunk_tokens,
-                            progress=progress)
-        parts.append(pre.kv)
+        computed = [model.prefill(tokens[reused.tokens:], past=cache, chunk_tokens=ct, progress=progress).kv]
     elif progress:
         progress(len(tokens), len(tokens))
     prefill_s = time.perf_counter() - t1
+    # sent from the first chunk the origin lacks or the prefill computed, whichever comes
+    # first: the fetched chunks before it are neither concatenated nor cut again
+    start = min(held, reused.tokens // ct)
+    parts = reused.kv_parts()[start:] + computed
     kv = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=3)
-    receipt = client.publish(kb, named, kv, meta=meta)
+    receipt = client.publish(kb, named, kv, meta=meta, from_chunk=start)
     receipt.update(tokens=len(tokens), reused_tokens=reused.tokens,
                    prefilled_tokens=len(tokens) - reused.tokens, prefill_s=prefill_s,
-                   total_s=time.perf_counter() - t0, documents=[n for n, _ in named])
+                   fetched_bytes=reused.nbytes, total_s=time.perf_counter() - t0,
+                   documents=[n for n, _ in named])
     return receipt
 
 

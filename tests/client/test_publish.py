@@ -126,6 +126,29 @@ def test_publish_sends_only_missing_chunks_and_an_unchanged_kb_makes_no_version(
     assert (counters["publishes"], counters["sent_chunks"], counters["fetches"]) == (3, 7, 1)
 
 
+def test_a_publish_from_a_held_chunk_sends_only_the_kv_after_it(net, synth):
+    """from_chunk: the origin holds every chunk before it, so the caller computes, cuts and
+    sends only the KV after it (publish_documents: an unchanged KB sends none at all)."""
+    cl = Client(network=net.name, region="eu-west", tenant="f", fingerprint=FP, admin_token=ADMIN)
+    toks, kv = synth.tokens(1000, seed=14), synth.kv(1000, seed=14)
+    cl.publish("kb", [("d", toks)], kv)
+    assert cl.publisher.held_chunks(toks) == 4
+    again = cl.publish("kb", [("d", toks)], None, from_chunk=4)
+    assert (again["unchanged"], again["sent_chunks"]) == (True, 0)
+    more = toks + synth.tokens(300, seed=15)
+    assert cl.publisher.held_chunks(more) == 3          # v1's partial fourth chunk is not v2's
+    tail = np.concatenate([kv, synth.kv(300, seed=15)], axis=3)[:, :, :, 768:]
+    r = cl.publish("kb", [("d", more)], tail, from_chunk=3)
+    assert (r["version"], r["chunks"], r["sent_chunks"], r["sent_bytes"]) == (2, 6, 3, tail.nbytes)
+    f = cl.fetch(more, kb="kb")
+    assert f.tokens == 1300 and np.array_equal(np.concatenate(f.kv_parts(), axis=3)[:, :, :, 768:], tail)
+    with pytest.raises(BadRequest, match="kv covers 300 tokens but the documents have 532 from chunk 3 on"):
+        cl.publish("kb", [("d", more)], tail[:, :, :, :300], from_chunk=3)
+    other = synth.tokens(600, seed=16)             # nothing of it is stored
+    with pytest.raises(BadRequest, match="no longer holds chunk 0"):
+        cl.publish("other", [("d", other)], synth.kv(600, seed=16)[:, :, :, 256:], from_chunk=1)
+
+
 def _perturbed(kv):
     """The same KV off in its last bits, as another CPU, GPU or batch shape computes it."""
     other = kv.copy()

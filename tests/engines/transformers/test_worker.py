@@ -137,6 +137,7 @@ def test_republishing_unchanged_knowledge_costs_no_prefill(published, republishe
     assert again["unchanged"] is True and again["version"] == first["version"]
     assert again["prefilled_tokens"] == 0 and again["reused_tokens"] == first["tokens"]
     assert again["sent_chunks"] == 0 and again["sent_bytes"] == 0
+    assert again["fetched_bytes"] == 0, "a lookup at the origin: no KV fetched to find nothing new"
 
 
 def test_appending_a_document_reuses_the_prefix_and_stays_exact(model, net, published, republished):
@@ -147,6 +148,8 @@ def test_appending_a_document_reuses_the_prefix_and_stays_exact(model, net, publ
     assert v2["reused_tokens"] == full_chunks > 0
     assert v2["prefilled_tokens"] == v2["tokens"] - full_chunks
     assert v2["sent_chunks"] == v2["chunks"] - full_chunks // CHUNK_TOKENS
+    # what the prefill continues from, and nothing more, was fetched
+    assert v2["fetched_bytes"] == full_chunks * model.kv_bytes_per_token
     assert v2["documents"] == ["bill-of-rights", "gettysburg-address"]
 
     question = "Who gave the Gettysburg Address?"

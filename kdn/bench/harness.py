@@ -1,0 +1,57 @@
+"""What the benchmarks share besides their output (kdn.bench): the regions they build, free
+ports, and a real redis-server started and stopped for them.
+
+Every benchmark that needs a network builds it with kdn.launch.cluster (LocalCluster,
+start_network) and tears it down with its `teardown`; this module holds the rest that used
+to be written once per benchmark.
+"""
+import shutil
+import socket
+import subprocess
+import time
+
+from kdn.launch.cluster import free_ports
+
+REGIONS = ("us-east", "eu-west", "ap-south")   # the benches' three regions (the first is the origin's)
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the kernel picks it)."""
+    return free_ports(1)[0]
+
+
+def start_redis(workdir: str, timeout_s: float = 10.0):
+    """A redis-server on loopback, no persistence, its files in workdir: (process, port) once
+    it answers PING. FileNotFoundError when redis-server is not installed (the message says
+    how to install it); RuntimeError, the process killed, when it does not answer in time."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise FileNotFoundError("redis-server is not installed (apt-get install -y redis-server)")
+    port = free_port()
+    proc = subprocess.Popen([exe, "--bind", LOOPBACK, "--port", str(port), "--save", "",
+                             "--appendonly", "no", "--protected-mode", "yes", "--dir", workdir,
+                             "--loglevel", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((LOOPBACK, port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return proc, port
+        except OSError:
+            time.sleep(0.05)
+    stop_process(proc)
+    raise RuntimeError(f"redis-server did not answer on {LOOPBACK}:{port} within {timeout_s:.0f} s")
+
+
+def stop_process(proc, timeout_s: float = 10.0) -> None:
+    """Terminate proc (None: nothing) and wait for it; kill it if it does not exit in time."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
