@@ -45,7 +45,7 @@ REGIONS = ("us-east", "eu-west", "ap-south")
 # under `make test`'s workers (--dist loadfile) they start first, so no worker is left
 # running one of them alone at the end. Everything else keeps its collected order.
 LONGEST_FIRST = ("test_readme.py", "serve/test_serve.py", "engines/vllm/test_connector.py",
-                 "serve/test_history.py", "serve/test_vllm.py", "engines/test_lmcache.py",
+                 "serve/test_history.py", "serve/test_vllm.py", "integrations/test_lmcache.py",
                  "engines/transformers/test_model.py", "engines/transformers/test_blend.py",
                  "engines/transformers/test_worker.py", "engines/test_emphasized.py",
                  "multinode/test_faults.py", "multinode/test_network.py",

@@ -90,7 +90,7 @@ def test_the_vocabulary_and_the_nodes_start_without_torch_or_the_upper_layers():
     core = sorted(m for m in health.modules() if m.startswith("kdn.core"))
     code = ("import sys\n" + "".join(f"import {m}\n" for m in core + ["kdn.edge.node", "kdn.origin.node"])
             + "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(("
-            "'kdn.client', 'kdn.engines', 'kdn.serve', 'kdn.launch', 'kdn.cli', 'kdn.bench')))\n"
+            "'kdn.client', 'kdn.engines', 'kdn.integrations', 'kdn.serve', 'kdn.launch', 'kdn.cli', 'kdn.bench')))\n"
             "print(','.join(bad))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)

@@ -22,7 +22,7 @@ PACKAGE = ROOT / "kdn"          # every module's import name is its path under t
 # ways to the network. Each must exist (tests/test_layers.py): a path left behind by a move
 # would silently scan nothing.
 RPC_PATHS = ("kdn/edge/", "kdn/origin/", "kdn/client/", "kdn/core/rpc.py", "kdn/launch/", "kdn/serve/",
-             "kdn/engines/sources.py", "kdn/engines/objects.py")
+             "kdn/engines/sources.py", "kdn/integrations/objects.py")
 
 
 def modules():
@@ -44,6 +44,7 @@ LAYERS = {
     "kdn.origin": ("kdn.core", "kdn.placement"),
     "kdn.client": ("kdn.core", "kdn.placement"),
     "kdn.engines": ("kdn.core", "kdn.client"),
+    "kdn.integrations": ("kdn.core", "kdn.client"),
     "kdn.serve": ("kdn.core", "kdn.client", "kdn.engines"),
     "kdn.launch": ("kdn.core", "kdn.client", "kdn.placement", "kdn.edge", "kdn.origin"),
 }

@@ -21,7 +21,7 @@ table gives the modelled floor of a cross-region load (bytes / link bandwidth + 
 latency, kdn.placement.topology.default_local) beside the measured row.
 
 `--breakdown` adds where a KDN load's time goes, measured in this process on the same
-network (kdn.engines.objects, no LMCache in between): per round of --num-keys objects never
+network (kdn.integrations.objects, no LMCache in between): per round of --num-keys objects never
 read before, the fetch call (the reader's edge answers with object references), the first
 touch of the objects' pages in this process, and the verified copy into the host's buffers;
 then one more load() of objects already touched.
@@ -48,7 +48,7 @@ def object_store_bytes(edge_capacity: int) -> int:
     in flight and two store batches, below Ray's spilling threshold (80% full by default):
     smaller, Ray spills the edges' objects to disk mid-run and the rounds that read them
     back take several times longer."""
-    from kdn.engines.objects import PUT_BATCH_BYTES
+    from kdn.integrations.objects import PUT_BATCH_BYTES
     from kdn.launch.cluster import SPILL_THRESHOLD
     from kdn.origin.node import OBJECT_PUSH_BACKLOG_BYTES
     return int((edge_capacity + OBJECT_PUSH_BACKLOG_BYTES + 2 * PUT_BATCH_BYTES) / SPILL_THRESHOLD) + (512 << 20)
@@ -136,7 +136,7 @@ def main(argv=None):
             out = os.path.join(work, f"{which}.json")
             if which.startswith("kdn"):
                 region = READER if which == "kdn-local" else REMOTE
-                adapter = {"type": "plugin", "module_path": "kdn.engines.lmcache",
+                adapter = {"type": "plugin", "module_path": "kdn.integrations.lmcache",
                            "class_name": "KDNL2Adapter",
                            "adapter_params": {"network": net.name, "region": region,
                                               "address": cluster.address,
@@ -236,7 +236,7 @@ def breakdown(net, address: str, args) -> list:
     import numpy as np
     from kdn.core.auth import ensure_admin_token
     from kdn.core.env import kdn_home
-    from kdn.engines import objects
+    from kdn.integrations import objects
     size, n = args.data_size_kb * 1024, args.num_keys
     obj = objects.Objects.connect(net.name, READER, "bench", admin_token=ensure_admin_token(kdn_home()),
                                   address=address)
@@ -253,7 +253,7 @@ def _load_parts(obj, ns, data, outs, n_rounds: int) -> dict:
     """Store n_rounds rounds of objects, wait for every push, time each round's load in
     parts, load the last round once more (warm), delete them all."""
     from kdn.bench import median
-    from kdn.engines import objects
+    from kdn.integrations import objects
     n, size = len(data), data[0].nbytes
     rounds = [[os.urandom(16) for _ in range(n)] for _ in range(n_rounds)]
     for keys in rounds:

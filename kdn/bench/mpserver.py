@@ -1,7 +1,7 @@
 """LMCache's multiprocess servers over KDN, end to end: one stores in a region, another loads in another.
 
 Two `lmcache server` processes (LMCache 0.5.6, CPU), each with KDN as its plugin L2 adapter
-(kdn.engines.lmcache) in its own region: `--store-region` (default us-east) and
+(kdn.integrations.lmcache) in its own region: `--store-region` (default us-east) and
 `--load-region` (default ap-south), on a three-region KDN network started here
 (kdn.launch.cluster.LocalCluster, one edge per region). LMCache's own `lmcache bench server
 --mode cpu --transfer-mode lmcache_driven` drives them (LMCache's code sends the requests and
@@ -39,7 +39,7 @@ _LINE = re.compile(r"\[seq (\d+)/(cold|warm)\] (LOOKUP|CHECKSUM): (.*)")
 def start_server(region: str, network: str, address: str, ports: tuple, log_path: str):
     """An `lmcache server` with KDN as its L2 adapter in region; (process, rpc url, http url)."""
     rpc, http = ports
-    adapter = {"type": "plugin", "module_path": "kdn.engines.lmcache", "class_name": "KDNL2Adapter",
+    adapter = {"type": "plugin", "module_path": "kdn.integrations.lmcache", "class_name": "KDNL2Adapter",
                "adapter_params": {"network": network, "region": region, "address": address}}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(lmcache_cmd("server", "--host", "127.0.0.1", "--port", str(rpc),

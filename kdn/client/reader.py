@@ -167,7 +167,7 @@ class Reader:
 
     def fetch_objects(self, keys, timeout_s: float = None) -> Fetched:
         """The longest held prefix of keys no manifest names (opaque objects of another cache
-        layer: kdn.engines.objects), each checked by its frame; their owner checks contents."""
+        layer: kdn.integrations.objects), each checked by its frame; their owner checks contents."""
         t0 = time.perf_counter()
         keys = list(keys)
         got = self._receive(keys, {}, timeout_s, claim=True) if keys else _Received()

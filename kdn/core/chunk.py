@@ -25,7 +25,7 @@ bytes), and verifying costs one xxh3 pass, faster than a memory copy.
 Codecs are pluggable (kdn.core.codecs is the table; "raw" is the kv bytes themselves).
 
 Opaque chunks: another cache layer's objects (LMCache memory objects, SGLang pages: see
-kdn.engines.objects) travel as chunks of dtype "opaque": kv is a 1-D uint8 array of the
+kdn.integrations.objects) travel as chunks of dtype "opaque": kv is a 1-D uint8 array of the
 object's bytes, and the frame says exactly that (dtype "opaque", layers = heads = head_dim =
 tokens = 0, raw = the length), never a made-up KV shape. Only lossless codecs apply to them.
 

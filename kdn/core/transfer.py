@@ -45,7 +45,7 @@ PROFILE = {
 # A reader's deadline for one edge's answer: a healthy edge on a busy 2-core machine meets
 # it, a hung one costs a bounded time proportional to the work asked. A fixed 4 s (+ bytes)
 # had a load of 16,384 small objects (10-40 s of healthy work) fail over on every edge and
-# load nothing; hosts (kdn.engines.objects) also split large loads so one answer stays short.
+# load nothing; hosts (kdn.integrations.objects) also split large loads so one answer stays short.
 DEADLINE_BASE_S = 4.0          # any call: Ray's dispatch, an actor's queue on a busy machine
 DEADLINE_PER_KEY_S = 0.005     # per key: 2-20x the 0.25-2.4 ms measured for small objects
                                # (warm refs; cold ones, 2 cores at a load average of 10-15)

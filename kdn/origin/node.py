@@ -290,7 +290,7 @@ class OriginNode:
         return {"received": len(chunks), "written": written, "sums": [x for _, x in results]}
 
     async def put_objects(self, chunks, token=None) -> dict:
-        """Store opaque chunks (another cache layer's objects, kdn.engines.objects) durably: no
+        """Store opaque chunks (another cache layer's objects, kdn.integrations.objects) durably: no
         manifest names them, so storing is their commit, and the answer comes once they are
         (one fsync batch per call). Their push to the ring owners follows in the background
         (`_push_objects`); until an owner has one, an edge's pull-through reads it here.

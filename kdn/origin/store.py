@@ -42,7 +42,7 @@ the conditional write: a version is visible while its .kdnm exists and no .retir
 (kdn.core.emphasis: edits of that version stored under a namespace of their own), and stats()
 counts those copies apart from the KBs' versions.
 
-Other cache layers' objects (LMCache's, SGLang's: opaque chunks, kdn.engines.objects) are
+Other cache layers' objects (LMCache's, SGLang's: opaque chunks, kdn.integrations.objects) are
 stored the same way, but no manifest will ever name them: collect() tells them by their
 frame header (dtype "opaque") and keeps them, across restarts, unless an object TTL is
 given; delete_objects() removes a namespace's objects by key (the host layer's delete).

@@ -84,10 +84,10 @@ def test_the_fetch_deadline_grows_with_keys_and_bytes():
 
 
 def test_readers_and_hosts_share_the_one_deadline():
-    """kdn.client.reader (KB chunks of unknown size) and kdn.engines.objects (objects of known
+    """kdn.client.reader (KB chunks of unknown size) and kdn.integrations.objects (objects of known
     size) both take kdn.core.transfer's deadline; neither keeps a formula of its own."""
     from kdn.client import reader
-    from kdn.engines import objects
+    from kdn.integrations import objects
     r = reader.Reader.__new__(reader.Reader)
     assert r._timeout(3) == kt.fetch_deadline_s(3, 3 * reader.CHUNK_BYTES_ESTIMATE)
     for module in (reader, objects):

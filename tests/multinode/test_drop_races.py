@@ -1,7 +1,7 @@
 """A drop wins over every load in flight (kdn/edge/tombstones.py), on the real 3-region network.
 
 Readers keep loading while the origin removes what they load: LMCache adapters (the real
-L2 adapter, kdn.engines.lmcache) load 32 objects in a loop in every region while
+L2 adapter, kdn.integrations.lmcache) load 32 objects in a loop in every region while
 `collect(object_ttl_s=0)` expires them; readers fetch a KB in every region while it is
 deleted and collected. Once the drop has reached every edge, no edge holds any of those
 keys, and storing the same keys again with other bytes loads those bytes, every key, in
@@ -43,7 +43,7 @@ def net(small_network, ray_cluster):
 
 
 def lmcache_helpers():
-    """tests/engines/test_lmcache.py's helpers (key, memobj, store, load, lookup), loaded
+    """tests/integrations/test_lmcache.py's helpers (key, memobj, store, load, lookup), loaded
     by path (tests are not a package); skips where LMCache is not installed."""
     pytest.importorskip("lmcache", reason="LMCache is not installed: pip install -e '.[lmcache]'")
     path = Path(__file__).parents[1] / "engines" / "test_lmcache.py"
@@ -111,8 +111,8 @@ def test_a_collect_racing_lmcache_loads_leaves_no_copy_and_new_bytes_load_everyw
     a collect under the loads, after which no edge holds any of them. Then each key stored
     again with other bytes loads those bytes in every region."""
     from kdn.client.operator import Operator
-    from kdn.engines.lmcache import KDNL2Adapter, KDNL2AdapterConfig, host_key
-    from kdn.engines.objects import object_key
+    from kdn.integrations.lmcache import KDNL2Adapter, KDNL2AdapterConfig, host_key
+    from kdn.integrations.objects import object_key
     h = lmcache_helpers()
     adapters = {r: KDNL2Adapter(KDNL2AdapterConfig.from_dict(
         {"network": net.name, "region": r, "address": net.address, "token": ADMIN}))

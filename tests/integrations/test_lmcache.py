@@ -27,8 +27,8 @@ import torch  # noqa: E402
 from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj  # noqa: E402
 
-from kdn.engines.lmcache import KDNL2Adapter, KDNL2AdapterConfig, host_key  # noqa: E402
-from kdn.engines.objects import object_key, pack  # noqa: E402
+from kdn.integrations.lmcache import KDNL2Adapter, KDNL2AdapterConfig, host_key  # noqa: E402
+from kdn.integrations.objects import object_key, pack  # noqa: E402
 from kdn.core.errors import BadConfig  # noqa: E402
 
 MODEL = "test-model"
@@ -54,7 +54,7 @@ def params(net, region, **extra):
 
 
 def adapter_json(net, region) -> str:
-    return json.dumps({"type": "plugin", "module_path": "kdn.engines.lmcache",
+    return json.dumps({"type": "plugin", "module_path": "kdn.integrations.lmcache",
                        "class_name": "KDNL2Adapter", "adapter_params": params(net, region)})
 
 
@@ -244,7 +244,7 @@ def test_reads_carry_the_read_token_writes_the_admin_token_and_a_wrong_one_is_na
     outs = [memobj(1 << 16, fill=0.0) for _ in keys]
     assert load(reader, keys, outs) == [True] * 3
     assert all(bytes(o.byte_array) == bytes(w.byte_array) for o, w in zip(outs, objs))
-    caplog.set_level("ERROR", logger="kdn.engines.lmcache")
+    caplog.set_level("ERROR", logger="kdn.integrations.lmcache")
     assert lookup(writer, keys) == [False] * 3                 # the admin token never reads
     assert writer.counters["lookup_refused"] == 1
     assert load(wrong, keys, [memobj(1 << 16) for _ in keys]) == [False] * 3
@@ -275,7 +275,7 @@ def test_lmcache_plugin_loader_builds_the_adapter_and_reports_bad_params(net):
     a = create_l2_adapter(cfg)
     try:
         assert isinstance(a, KDNL2Adapter) and a.objects.view.region == "eu-west"
-        # the object store's pages are mapped ahead of loads by default (kdn.engines.prefault)
+        # the object store's pages are mapped ahead of loads by default (kdn.integrations.prefault)
         deadline = time.monotonic() + 10
         while a.stats()["objects"]["prefault"]["passes"] < 1:
             assert time.monotonic() < deadline, a.stats()["objects"]["prefault"]

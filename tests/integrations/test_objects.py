@@ -1,4 +1,4 @@
-"""Opaque objects in KDN (kdn.engines.objects) and their frames (kdn.core.chunk's dtype "opaque"):
+"""Opaque objects in KDN (kdn.integrations.objects) and their frames (kdn.core.chunk's dtype "opaque"):
 bytes and checksums round-trip, a corrupt or mis-sized object is never unpacked as good,
 frames say "opaque" and never a KV shape, only lossless codecs apply, a forged header is
 refused, namespaces separate tenants, layers and models, and bad settings name the field;
@@ -13,7 +13,7 @@ from kdn.core.errors import (BadConfig, BadHeader, BadLength, BadRequest, Checks
                              UnknownCodec)
 from kdn.core.keys import MAX_FETCH_KEYS
 from kdn.core.transfer import fetch_deadline_s
-from kdn.engines.objects import (READ_BATCH_BYTES, READ_BATCH_KEYS, TRAILER, Objects, Tenancy,
+from kdn.integrations.objects import (READ_BATCH_BYTES, READ_BATCH_KEYS, TRAILER, Objects, Tenancy,
                                  check_params, object_key, object_namespace, pack, read_batch,
                                  read_tokens_of, unpack_into)
 

@@ -2,17 +2,17 @@
 
 LMCache (0.5.6) loads it with its own `plugin` adapter type, no patch:
 
-    --l2-adapter '{"type": "plugin", "module_path": "kdn.engines.lmcache",
+    --l2-adapter '{"type": "plugin", "module_path": "kdn.integrations.lmcache",
                    "class_name": "KDNL2Adapter",
                    "adapter_params": {"network": "kdn", "region": "eu-west", "token": "..."}}'
 
 and finds `KDNL2AdapterConfig` beside the class by its name. A store publishes the memory
-objects' bytes (opaque chunks, kdn.engines.objects) to the origin, which keeps them durably
+objects' bytes (opaque chunks, kdn.integrations.objects) to the origin, which keeps them durably
 and pushes them to their ring owners; a lookup asks the nearest live edge (then the origin
 for what it lacks); a load fetches from the nearest live edge, failing over, straight into
 LMCache's memory objects (`obj.byte_array`: one copy, from Ray's object store). A key is
 ObjectKey's chunk hash, rank and object group, in the namespace of (tenant, model); the
-key's `cache_salt` picks the tenant (kdn.engines.objects.Tenancy).
+key's `cache_salt` picks the tenant (kdn.integrations.objects.Tenancy).
 
 LMCache's contract, as its own fs and mock adapters keep it: three distinct eventfds, a
 lock over task ids and completed results, one daemon thread with an asyncio loop (network
@@ -22,7 +22,7 @@ found any edge can serve until unlock (or a delete). A load that fails reports t
 not loaded and LMCache recomputes them: never a wrong byte (every object is checked end to
 end). `delete` (LMCache's eviction: give `capacity_bytes` to turn its global eviction on)
 deletes from the origin and every edge; objects otherwise stay until an operator's
-`collect(object_ttl_s=...)` (kdn.engines.objects: lifetime).
+`collect(object_ttl_s=...)` (kdn.integrations.objects: lifetime).
 
 Tokens: `token` (the admin token) goes only with stores and deletes; lookups and loads carry
 `read_token` (`tenant`'s) or `read_tokens` (per tenant). A refusal is logged once as an
@@ -42,7 +42,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from kdn.engines.objects import Objects, Tenancy, check_params, object_key, read_tokens_of
+from kdn.integrations.objects import Objects, Tenancy, check_params, object_key, read_tokens_of
 from kdn.core.checks import check_int
 from kdn.core.errors import AccessDenied, BadConfig, NetworkError
 
@@ -62,7 +62,7 @@ PARAMS = {               # adapter_params: name -> (type, default)
     "read_tokens": ((dict, type(None)), None),  # tenant -> read token, for the tenants salts map to
     "capacity_bytes": (int, 0),            # > 0: LMCache's eviction deletes beyond it (0: none)
     "address": ((str, type(None)), None),  # Ray's address (default: `kdn up`'s, else auto)
-    "prefault": (bool, True),              # map the object store's pages ahead of loads (kdn.engines.prefault)
+    "prefault": (bool, True),              # map the object store's pages ahead of loads (kdn.integrations.prefault)
 }
 
 

@@ -1,4 +1,4 @@
-"""kdn.engines.prefault: which mappings it reads as Ray's object store, the runs of pages it
+"""kdn.integrations.prefault: which mappings it reads as Ray's object store, the runs of pages it
 populates, and, on a real shared-memory mapping, that it populates only pages that hold
 memory (it never makes the store allocate any) and gives up, saying why, where it cannot run."""
 import mmap
@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from kdn.engines import prefault
-from kdn.engines.prefault import Prefaulter, runs, store_regions
+from kdn.integrations import prefault
+from kdn.integrations.prefault import Prefaulter, runs, store_regions
 
 MAPS = """\
 55d0c0000000-55d0c0021000 r-xp 00000000 08:01 131  /usr/bin/python3.11

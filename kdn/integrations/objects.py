@@ -1,6 +1,6 @@
 """Other cache layers' objects in KDN: opaque byte strings under keys in a tenant namespace.
 
-LMCache (kdn.engines.lmcache) and SGLang's HiCache (kdn.engines.sglang) hand KDN objects it
+LMCache (kdn.integrations.lmcache) and SGLang's HiCache (kdn.integrations.sglang) hand KDN objects it
 does not interpret: an LMCache memory object's bytes, an SGLang page. Each is kept as one
 opaque chunk (kdn.core.chunk: dtype "opaque", its frame says so) whose bytes are the object
 followed by the xxh3_64 of the object (8 bytes, little-endian): no manifest names these
@@ -203,10 +203,10 @@ class Objects:
         from kdn.client.reader import Reader
         self.view, self.layer, self.token = view, layer, admin_token
         self.read_tokens = dict(read_tokens or {})
-        # the object store's pages mapped ahead of the loads (kdn.engines.prefault)
+        # the object store's pages mapped ahead of the loads (kdn.integrations.prefault)
         self.prefaulter = None
         if prefault:
-            from kdn.engines.prefault import Prefaulter
+            from kdn.integrations.prefault import Prefaulter
             self.prefaulter = Prefaulter().start()
         self._names = {}               # ns -> (tenant, fingerprint) it digests
         self._readers = {}             # ns -> Reader

@@ -18,8 +18,8 @@ import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-from kdn.engines.objects import object_key, pack  # noqa: E402
-from kdn.engines.sglang import KDNHiCacheStorage  # noqa: E402
+from kdn.integrations.objects import object_key, pack  # noqa: E402
+from kdn.integrations.sglang import KDNHiCacheStorage  # noqa: E402
 from kdn.core.errors import BadConfig, BadKey  # noqa: E402
 
 MODEL = "test-model"
@@ -46,7 +46,7 @@ def make_config(net, *, is_mla_model=False, tp_rank=0, tp_size=1, region="eu-wes
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=is_mla_model, enable_storage_metrics=False, is_page_first_layout=True,
         model_name=MODEL,
-        extra_config={"backend_name": "kdn", "module_path": "kdn.engines.sglang",
+        extra_config={"backend_name": "kdn", "module_path": "kdn.integrations.sglang",
                       "class_name": "KDNHiCacheStorage", "interface_v1": 1, "network": net.name,
                       "region": region, "address": net.address, **extra})
 
@@ -201,7 +201,7 @@ def test_reads_need_the_read_token_and_stores_the_admin_token(net, caplog):
     assert all(reader.batch_get_v1(keys, torch.arange(3, 6)))
     # bytes stored and read back, no arithmetic: equal on any CPU
     assert torch.equal(buffer[:3 * 512], buffer[3 * 512:6 * 512])
-    caplog.set_level("ERROR", logger="kdn.engines.sglang")
+    caplog.set_level("ERROR", logger="kdn.integrations.sglang")
     assert writer.batch_exists(keys) == 0                   # the admin token never reads
     assert wrong.batch_get_v1(keys, torch.arange(6, 9)) == [False] * 3
     assert reader.batch_set_v1([uuid.uuid4().hex], torch.arange(1)) == [False]   # no admin token
@@ -226,7 +226,7 @@ def test_bad_extra_config_names_the_field(net, extra, field):
 
 
 class MemoryObjects:
-    """kdn.engines.objects.Objects in a dict: what the backend would store, by KDN key."""
+    """kdn.integrations.objects.Objects in a dict: what the backend would store, by KDN key."""
 
     def __init__(self):
         self.stored, self.counters = {}, {"refused": 0}
@@ -253,7 +253,7 @@ def offline_backend():
     cfg = HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
         enable_storage_metrics=False, is_page_first_layout=True, model_name=MODEL,
-        extra_config={"backend_name": "kdn", "module_path": "kdn.engines.sglang",
+        extra_config={"backend_name": "kdn", "module_path": "kdn.integrations.sglang",
                       "class_name": "KDNHiCacheStorage"})
     store = KDNHiCacheStorage(cfg, {}, objects=MemoryObjects())
     pool, _ = create_mock_host_kv_cache(1 << 12, entries_per_page=2, page_elements=16)

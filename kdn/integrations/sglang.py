@@ -3,7 +3,7 @@
 SGLang (0.5.23) loads it as a dynamic backend, no patch:
 
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
-      '{"backend_name": "kdn", "module_path": "kdn.engines.sglang",
+      '{"backend_name": "kdn", "module_path": "kdn.integrations.sglang",
         "class_name": "KDNHiCacheStorage", "interface_v1": 1,
         "network": "kdn", "region": "eu-west", "tenant": "acme", "token": "..."}'
 
@@ -11,7 +11,7 @@ and builds it as `KDNHiCacheStorage(storage_config, kwargs)`; the host pool arri
 through `register_mem_pool_host`. A page's key is SGLang's chained SHA-256 hex string
 (already seeded by its storage namespace and cache salt); each page entry (keys and values
 for MHA, one latent for MLA, as `get_page_buffer_meta` lays them out) is one opaque object
-(kdn.engines.objects) under "<page key>_<rank suffix>_<entry>" in the namespace of
+(kdn.integrations.objects) under "<page key>_<rank suffix>_<entry>" in the namespace of
 (tenant, model). Stores publish to the origin; `batch_exists` asks the nearest live edge and
 returns the length of the consecutive hit prefix; loads fetch from the nearest live edge,
 failing over, straight into the host pool's pages (one copy). A page that does not arrive
@@ -20,7 +20,7 @@ intact is reported missing and SGLang recomputes it: never a wrong byte.
 Tokens: `token` (the admin token) goes only with stores; lookups and loads carry
 `read_token` (the tenant's). A refusal is logged once as an error naming the setting,
 counted (`refused`), and the pages reported not stored / missing. HiCache has no per-key
-delete: pages stay until an operator's `collect(object_ttl_s=...)` (kdn.engines.objects).
+delete: pages stay until an operator's `collect(object_ttl_s=...)` (kdn.integrations.objects).
 
 Calls block, as SGLang's own backends' do: SGLang makes them from its cache controller's
 I/O threads, never its scheduler's.
@@ -36,7 +36,7 @@ import logging
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from kdn.engines.objects import REQUIRED, Objects, as_bytes, check_params, object_key, read_tokens_of
+from kdn.integrations.objects import REQUIRED, Objects, as_bytes, check_params, object_key, read_tokens_of
 from kdn.core.errors import AccessDenied, BadConfig, BadKey, NetworkError
 
 log = logging.getLogger(__name__)
