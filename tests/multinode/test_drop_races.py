@@ -46,7 +46,7 @@ def lmcache_helpers():
     """tests/integrations/test_lmcache.py's helpers (key, memobj, store, load, lookup), loaded
     by path (tests are not a package); skips where LMCache is not installed."""
     pytest.importorskip("lmcache", reason="LMCache is not installed: pip install -e '.[lmcache]'")
-    path = Path(__file__).parents[1] / "engines" / "test_lmcache.py"
+    path = Path(__file__).parents[1] / "integrations" / "test_lmcache.py"
     spec = importlib.util.spec_from_file_location("kdn_tests_lmcache_helpers", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
