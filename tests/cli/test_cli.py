@@ -92,11 +92,12 @@ def test_too_large_a_publish_is_refused_before_the_model_loads(tmp_path, capsys,
 def test_errors_print_one_line_without_tracebacks_or_escape_codes(ray_cluster, capsys, monkeypatch):
     import ray
     import kdn.cli as cli
+    import kdn.cli.cluster as cluster
     from kdn.core.errors import NetworkError
 
     def refused(args, rest):
         raise NetworkError("\x1b[31mred\x1b[0m alert\nsecond line\x07 \x1b]0;title\x07end")
-    monkeypatch.setattr(cli, "_status", refused)
+    monkeypatch.setattr(cluster, "_status", refused)
     assert cli.main(["status"]) == 2
     assert _one_error_line(capsys.readouterr().err) == "kdn: error: red alert second line end"
 
@@ -104,7 +105,7 @@ def test_errors_print_one_line_without_tracebacks_or_escape_codes(ray_cluster, c
     def buggy():
         raise ValueError("\x1b[1mwrong\x1b[0m value\nin a node")
 
-    monkeypatch.setattr(cli, "_status", lambda args, rest: ray.get(buggy.remote()))
+    monkeypatch.setattr(cluster, "_status", lambda args, rest: ray.get(buggy.remote()))
     assert cli.main(["status"]) == 1
     assert _one_error_line(capsys.readouterr().err) == \
         "kdn: error: unexpected ValueError in a KDN node: wrong value in a node"
@@ -126,7 +127,7 @@ def test_status_of_a_dead_recorded_cluster_fails_at_once(tmp_path, capsys, monke
 
 
 def test_status_shows_an_edges_disk_tier_beside_memory():
-    from kdn.cli import status_rows
+    from kdn.cli.cluster import status_rows
     tier = {"items": 2, "bytes": 3 << 20}
     edge = {"name": "e-0", "region": "r", "main": tier, "hot": tier, "hot_copies": 2,
             "counters": {"chunks_served": 4, "served_local": 4},
@@ -165,7 +166,7 @@ def _no_model(monkeypatch):
 
 
 def test_the_cli_knows_the_models_fingerprint_without_loading_it(model):
-    from kdn.cli import _model_fingerprint
+    from kdn.cli.kb import _model_fingerprint
     assert _model_fingerprint() == model.fingerprint
 
 
