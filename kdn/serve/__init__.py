@@ -1,7 +1,7 @@
 """`kdn serve`: the OpenAI-compatible service, one Ray Serve deployment per region.
 
 - api.py       the wire format: requests checked, responses and errors shaped (no Ray, no model);
-- app.py       the application: the ingress (its class `Router`), the transformers replica,
+- app.py       the application: the ingress (class `Ingress`, deployment `router`), the transformers replica,
                start and stop;
 - regions.py   which region answers a request (expected time to first token per region);
 - router.py    which replica of a region answers (Serve's request router, KV-aware);

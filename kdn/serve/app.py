@@ -9,7 +9,7 @@ One Serve application per network (named `kdn-<network>`, route prefix "/"):
   admits a few requests and answers them one at a time in arrival order, the model in a
   thread of its own; a caller that goes away stops its answer at the next token. With
   engine "vllm" the replicas are kdn.serve.vllm.VllmRegionWorker (vLLM and KDN's connector);
-- an ingress deployment (`router`, class `Router`, no CPUs, 2 replicas) that speaks HTTP: it checks the
+- an ingress deployment (`router`, class `Ingress`, no CPUs, 2 replicas) that speaks HTTP: it checks the
   token and the request (kdn.serve.api) before any replica is busy, picks the region and
   relays the answer; a stream that breaks (a replica died) ends with an OpenAI error event,
   which the openai client raises, never with a silent end a client could take as complete.
@@ -254,7 +254,7 @@ class RegionWorker:
                     yield event
 
 
-class Router:
+class Ingress:
     """The ingress: HTTP in, a region's deployment chosen, the answer relayed (see the module)."""
 
     def __init__(self, workers: dict, nearest: dict, auth: dict, base_model: str, links: dict = None,
@@ -645,7 +645,7 @@ def deploy(network: str = "kdn", regions=None, port: int = DEFAULT_PORT, auth: d
             graceful_shutdown_timeout_s=5, **routed,
             ray_actor_options={"label_selector": {"region": r}, "num_cpus": replica_cpus})
         workers[r] = d.bind(network, r, **({"auth": auth or {}} if engine == "vllm" else {}))
-    router = serve.deployment(Router).options(
+    router = serve.deployment(Ingress).options(
         name=ROUTER, num_replicas=routers, max_ongoing_requests=1000,
         ray_actor_options={"num_cpus": 0, "label_selector": {"region": topo.origin_region}})
     app = router.bind(workers, nearest_regions(topo, regions), auth or {}, base_model or MODEL_NAME,

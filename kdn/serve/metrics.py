@@ -1,6 +1,6 @@
 """`kdn serve`'s counters for `/metrics` (Prometheus text) and `kdn status`, summed over the ingress.
 
-Each ingress replica (kdn.serve.app.Router) counts its requests, errors and region decisions,
+Each ingress replica (kdn.serve.app.Ingress) counts its requests, errors and region decisions,
 and its request routers (kdn.serve.router, one per region) count their replica decisions. A
 scrape reaches one ingress replica, chosen by Serve, so each replica writes its snapshot to
 Ray's GCS key-value store (the store Serve keeps its own state in) under the service's

@@ -1,7 +1,7 @@
 """`kdn serve --engine vllm`: a replica of a region's deployment that answers with vLLM and KDN's KV connector.
 
 `VllmRegionWorker` has RegionWorker's interface and wire protocol (kdn.serve.app: models,
-complete, stream, stats; the Router cannot tell them apart) but its engine is vLLM (the
+complete, stream, stats; the ingress cannot tell them apart) but its engine is vLLM (the
 in-process engine of kdn.engines.vllm.run.start_engine, role kv_consumer, `conversations` on)
 whose KDNConnector reads the knowledge's KV from the region's nearest edge. It answers over
 KBs published through vLLM (`kdn publish --engine vllm`): they are read under vLLM's own

@@ -170,12 +170,12 @@ def test_a_conversations_next_turn_goes_to_the_replica_that_holds_it_unless_its_
 
 
 def test_a_request_whose_replica_died_before_answering_is_sent_once_more():
-    """kdn.serve.app.Router._twice: a replica's death before its answer costs a retry (another
+    """kdn.serve.app.Ingress._twice: a replica's death before its answer costs a retry (another
     replica), not a failed request; a second death, or any other error, is raised."""
     import collections
     from ray.exceptions import RayActorError
-    from kdn.serve.app import Router
-    router = Router.__new__(Router)
+    from kdn.serve.app import Ingress
+    router = Ingress.__new__(Ingress)
     router.counters = collections.Counter()
     calls = []
 
@@ -215,15 +215,15 @@ def test_a_regions_view_is_its_wait_plus_the_fetch_from_the_tier_that_holds_the_
 
 
 def test_the_ingress_routes_a_kb_across_regions_and_counts_the_decision():
-    """kdn.serve.app.Router.across over the request routers Serve made in its process (here
+    """kdn.serve.app.Ingress.across over the request routers Serve made in its process (here
     made by hand): us-east's one replica has 3 requests ahead; eu-west's is idle and its
     engine holds the KB; 110 ms between them."""
     import collections
-    from kdn.serve.app import Router
+    from kdn.serve.app import Ingress
     app = "kdn-across"
     _region_router(app, "us-east", [_Replica("u", {"kbs": ["t/kb"], "service_s": 1.0})], {"u": 3})
     _region_router(app, "eu-west", [_Replica("e", {"kbs": ["t/kb"], "service_s": 1.0})], {"e": 0})
-    ingress = Router.__new__(Router)
+    ingress = Ingress.__new__(Ingress)
     ingress.network, ingress.workers = "across", {"us-east": None, "eu-west": None}
     ingress.links = {"rtt_s": {"us-east": {"us-east": 0.0, "eu-west": 0.11}},
                      "origin": {"us-east": (0.0002, 1e10), "eu-west": (0.055, 1e9)}}
@@ -254,7 +254,7 @@ def test_the_region_decision_weighs_no_farther_region_past_its_budget(monkeypatc
     from kdn.serve import app as serve_app
     _region_router("kdn-budget", "us-east", [_Replica("bu", {"service_s": 1.0})], {"bu": 9})
     _region_router("kdn-budget", "eu-west", [_Replica("be", {"service_s": 1.0})], {"be": 0})
-    ingress = serve_app.Router.__new__(serve_app.Router)
+    ingress = serve_app.Ingress.__new__(serve_app.Ingress)
     ingress.network, ingress.workers = "budget", {"us-east": None, "eu-west": None}
     ingress.nearest = {"us-east": ["us-east", "eu-west"]}
     ingress.links = {"rtt_s": {"us-east": {"us-east": 0.0, "eu-west": 0.11}}, "origin": {}}
@@ -266,14 +266,14 @@ def test_the_region_decision_weighs_no_farther_region_past_its_budget(monkeypatc
 
 
 def test_a_retry_after_a_death_may_cross_regions_once_if_the_request_had_not():
-    """kdn.serve.app.Router._cross_once: us-east's only replica died (Serve's router dropped
+    """kdn.serve.app.Ingress._cross_once: us-east's only replica died (Serve's router dropped
     it: no replica left); a request that had stayed home is retried in eu-west, one that had
     already crossed regions, or named its region, is retried where it was."""
     import collections
-    from kdn.serve.app import Router
+    from kdn.serve.app import Ingress
     _region_router("kdn-retry", "us-east", [])
     _region_router("kdn-retry", "eu-west", [_Replica("re", {"service_s": 1.0})], {"re": 0})
-    ingress = Router.__new__(Router)
+    ingress = Ingress.__new__(Ingress)
     ingress.network, ingress.workers = "retry", {"us-east": None, "eu-west": None}
     ingress.nearest = {"us-east": ["us-east", "eu-west"], "eu-west": ["eu-west", "us-east"]}
     ingress.links = {"rtt_s": {"us-east": {"us-east": 0.0, "eu-west": 0.11},
@@ -308,11 +308,11 @@ def test_a_request_serve_asks_about_again_is_one_decision():
 
 
 def test_the_counter_loop_retries_what_the_store_can_answer_and_stops_on_a_bug_visibly(monkeypatch):
-    """kdn.serve.app.Router._publish_counters: a lost GCS connection is counted and tried again
+    """kdn.serve.app.Ingress._publish_counters: a lost GCS connection is counted and tried again
     next period; any other error ends the loop, and stats() names it (publish_failure)."""
     import collections
     from kdn.serve import app as serve_app, metrics
-    router = serve_app.Router.__new__(serve_app.Router)
+    router = serve_app.Ingress.__new__(serve_app.Ingress)
     router.network, router.workers, router.home = "n", {}, "us-east"
     router.counters, router.publish_failure, router._publisher = collections.Counter(), None, None
     monkeypatch.setattr(router, "_replica_id", lambda: "r0")
