@@ -70,6 +70,16 @@ def test_no_function_outside_the_benchmarks_is_over_80_lines():
     assert [(n, where) for n, where in longest if n > 80] == []
 
 
+def test_no_node_method_is_called_by_a_string_and_one_module_reads():
+    """Every call to a node goes through a stub of kdn.core.interfaces (its arguments checked
+    against the method's signature before anything is sent), and prompt-to-keys through KB
+    manifests is written once, in kdn/client/reader.py, for both transports."""
+    health = _health()
+    mods = health.modules()
+    assert health.rpc_calls_by_string(mods) == []
+    assert health.readers(mods) == ["kdn/client/reader.py"]
+
+
 def test_the_rpc_paths_code_health_scans_exist():
     """tools/code_health.py counts broad excepts on the RPC paths: each path names a file or
     folder that is there (a list left behind by a move once scanned kdn/rpc, gone)."""

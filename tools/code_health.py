@@ -8,7 +8,11 @@
   (`isinstance(x, bool) or not isinstance(...)`) that a shared validator should do;
 - `except Exception` clauses in the node, client and launch modules (the RPC paths), and
   how many of them carry a comment that says why (`# noqa: BLE001 - ...`);
-- import cycles between KDN's modules (module-level imports, as Python resolves them).
+- import cycles between KDN's modules (module-level imports, as Python resolves them);
+- RPC calls that name their method by a string (a node interface method's name passed to a
+  transport, or `getattr(handle, name).remote` outside kdn/core/rpc.py, the one place where
+  a stub's attribute becomes Ray's method name), and readers: modules that turn a prompt into
+  chunk keys through KB manifests (`best_prefix`), which kdn/client/reader.py alone should do.
 """
 import ast
 import json
@@ -140,6 +144,50 @@ def broad_excepts(mods):
     return found
 
 
+# Functions that send a call to a node, or wrap one that does: a node method's name passed
+# to one of these as a string is a call that no signature checks.
+TRANSPORTS = {"call", "call_sync", "try_call", "start", "ask", "edge_at", "broadcast", "_each_edge",
+              "origin", "edge", "nearest", "at", "stub", "later"}
+
+
+def _interface_methods() -> set:
+    sys.path.insert(0, str(ROOT))
+    from kdn.core.interfaces import EdgeAPI, OriginAPI, methods
+    return set(methods(EdgeAPI)) | set(methods(OriginAPI))
+
+
+def rpc_calls_by_string(mods) -> list:
+    """Where a node method is named by a string: passed to a transport, or getattr'd for .remote."""
+    names, found = _interface_methods(), []
+    for path in mods.values():
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            f = node.func
+            named = f.attr in TRANSPORTS and any(
+                isinstance(a, ast.Constant) and a.value in names for a in node.args[:2])
+            by_getattr = (f.attr == "remote" and isinstance(f.value, ast.Call)
+                          and getattr(f.value.func, "id", None) == "getattr"
+                          and rel != "kdn/core/rpc.py")
+            if named or by_getattr:
+                found.append(f"{rel}:{node.lineno}")
+    return found
+
+
+def readers(mods) -> list:
+    """Modules that compute a prompt's chunk keys through KB manifests (call best_prefix)."""
+    out = []
+    for name, path in mods.items():
+        if name == "kdn.core.manifest":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "best_prefix":
+                out.append(str(path.relative_to(ROOT)))
+                break
+    return out
+
+
 def import_graph(mods, deferred=False):
     """module -> KDN modules it imports: at module level, or (deferred) anywhere, function
     bodies included (an import hidden in a function is still a dependency)."""
@@ -202,6 +250,8 @@ def main(argv=None):
     classes = largest_classes(mods)
     repeated = repeated_constants(mods)
     checks = hand_checks(mods)
+    by_string = rpc_calls_by_string(mods)
+    reading = readers(mods)
     print("modules per folder:")
     for folder, n in folders.items():
         print(f"  {n:4d}  {folder}")
@@ -221,6 +271,12 @@ def main(argv=None):
     print(f"broad excepts on RPC paths: {len(excepts)} ({sum(e['why'] for e in excepts)} with a comment)")
     for e in excepts:
         print(f"  {e['where']}{'' if e['why'] else '  (no comment)'}")
+    print(f"RPC calls naming their method by a string: {len(by_string)}")
+    for where in by_string:
+        print(f"  {where}")
+    print(f"readers (prompt to keys through manifests): {len(reading)}")
+    for where in reading:
+        print(f"  {where}")
     print(f"import cycles: {len(cyc)}")
     for c in cyc:
         print("  " + " <-> ".join(c))
@@ -230,6 +286,7 @@ def main(argv=None):
     if "--json" in argv:
         print(json.dumps({"folders": folders, "layer_violations": violations, "classes": classes,
                           "repeated_constants": repeated, "hand_checks": checks, "longest": longest, "broad_excepts": len(excepts), "cycles": cyc,
+                          "rpc_calls_by_string": by_string, "readers": reading,
                           "deferred_cycles": deferred}))
     return 0
 

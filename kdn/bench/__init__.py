@@ -11,7 +11,7 @@ import time
 
 from kdn.cli.table import table  # noqa: F401 - every bench prints the CLI's tables
 
-NAMES = ["keys", "codec", "store", "cache", "tiers", "placement", "fetch", "ttft", "transport",
+NAMES = ["keys", "frames", "store", "cache", "tiers", "placement", "fetch", "ttft", "transport",
          "load", "codecs", "blend", "fuzz", "links", "quantlab", "vllm", "serve", "l2", "route", "emphasis",
          "hey", "mpserver", "agent", "attention"]
 

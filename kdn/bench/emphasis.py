@@ -19,7 +19,7 @@ to show what choosing on them would have picked). The tables show both splits.
 Each item is answered greedily (at most 24 tokens, stopping once the reply has named one of
 the answers in full), all in one run with SmolLM2-135M: the KB as published (none); the
 trusted document emphasized by duplicating its KV k times (dup k: +log k on its attention
-logits, kdn.engines.emphasis); the trusted document simply placed last (last, the prompt-side
+logits, kdn.engines.kv_edit); the trusted document simply placed last (last, the prompt-side
 alternative, its own prefill); on request (--also) its values or keys scaled instead
 (vscale 2 / kscale 1.5) and both placed last and duplicated (last+dup).
 
@@ -161,7 +161,7 @@ class Runner:
         edited-from token). The answer slot: the first step whose greedy token is one of `slot`
         (the answers' first tokens). stop: (gold forms, other forms): the reply ends once it has
         named one in full."""
-        from kdn.engines import emphasis as E
+        from kdn.engines import kv_edit as E
         model = self.model
         q = model.question_tokens(question)
         t0 = time.perf_counter()

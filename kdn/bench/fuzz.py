@@ -1,8 +1,8 @@
-"""`kdn bench fuzz`: hostile input against a real edge's HTTP API for --seconds (kdn.bench.fuzzer).
+"""`kdn bench fuzz`: hostile input against a real edge's HTTP API for --seconds (kdn.testing.fuzzer).
 
 It starts a network of its own (two regions, an admin token and a read token for the fuzzed
 tenant, so wrong and absent tokens are really refused, not merely ignored), publishes one
-KB, and fuzzes one edge with every kind of kdn.bench.fuzzer case while a thread samples the edge
+KB, and fuzzes one edge with every kind of kdn.testing.fuzzer case while a thread samples the edge
 process's memory (psutil, on the pid /health reports). A few idle connections (half a
 request line, or nothing) are held open meanwhile: the edge must close them within its
 idle bound. It reports cases by kind and status (0 answers may be 5xx), the edge's peak RSS
@@ -20,7 +20,7 @@ import numpy as np
 import xxhash
 
 from kdn.bench import emit_json, table
-from kdn.bench.fuzzer import Fuzzer
+from kdn.testing.fuzzer import Fuzzer
 
 MIB = 1 << 20
 

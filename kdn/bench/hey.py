@@ -14,7 +14,7 @@ Beside both whole-KB loads, 2 more clients GET /health, which does nothing but a
 the edge's event loop: its latency is how long the loop keeps a request waiting (work on
 the loop stalls it; work in threads only shares the cores).
 Every request's answer is checked by hey only for its status (200); the bytes are checked
-once before, by EdgeHTTPClient (every frame verified).
+once before, by the reader over HTTP (kdn.client.http.HTTPEdges; every frame verified).
 
 Figures: requests/s, and latency p50/p95/p99 as hey gives them (p99 needs 100 requests).
 Compare runs of one sitting only (the machine's load changes them): the load average is
@@ -72,7 +72,8 @@ def main(argv=None):
     from kdn.launch.cluster import LocalCluster, start_network, stop_network, teardown
     from kdn.client.join import init_ray
     from kdn.client import Client
-    from kdn.client.http import EdgeHTTPClient
+    from kdn.client.http import HTTPEdges
+    from kdn.client.reader import Reader
     from kdn.placement.topology import Topology
     import ray
 
@@ -96,11 +97,11 @@ def main(argv=None):
         url = ray.get(edge.ping.remote())["http"]
         cl = Client(network=name, region=REGION, tenant=TENANT, fingerprint=FINGERPRINT)
         cl.publish("hey", [("blob", tokens)], kv)
-        h = EdgeHTTPClient(url, timeout_s=120)
-        f = h.fetch_tokens(tokens, TENANT, FINGERPRINT)
+        edges = HTTPEdges([url], timeout_s=120)
+        f = Reader(edges, TENANT, FINGERPRINT).fetch(tokens)
         if [xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")) for c in f.chunks] != want:
             raise RuntimeError("HTTP fetch returned other bytes than published")
-        h.close()
+        edges.close()
         return net, url, cl.manifest("hey")
 
     def row(name, mib, r, label=None):

@@ -82,8 +82,7 @@ def settle_pushes(net) -> None:
     from kdn.client.view import NetworkView
     from kdn.core.auth import ensure_admin_token
     from kdn.core.env import kdn_home
-    NetworkView(net.name, region=READER, admin_token=ensure_admin_token(kdn_home())).origin(
-        "pushes_settled", timeout=600)
+    NetworkView(net.name, region=READER, admin_token=ensure_admin_token(kdn_home())).origin(600).pushes_settled()
 
 
 def row(name: str, metrics: dict, note: str = "") -> dict:
@@ -258,7 +257,7 @@ def _load_parts(obj, ns, data, outs, n_rounds: int) -> dict:
     rounds = [[os.urandom(16) for _ in range(n)] for _ in range(n_rounds)]
     for keys in rounds:
         obj.store([(ns, k) for k in keys], data)
-    obj.view.origin("pushes_settled", timeout=300, token=obj.token)  # every edge holds every key
+    obj.view.origin(300).pushes_settled(token=obj.token)  # every edge holds every key
     reader, fetch, touch, copy = obj._reader(ns), [], [], []
     for keys in rounds:
         t0 = time.perf_counter()

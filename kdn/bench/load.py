@@ -9,7 +9,7 @@ keeping the KV itself in the workers.
 Then --workers worker processes per transport fetch for --seconds: Ray workers are actors
 placed on the nodes of the regions in turn (their Client takes its region from the node's
 label), HTTP workers are plain processes outside Ray that read the edges' HTTP URLs with
-EdgeHTTPClient. Access control is on: the tenant has a read token every worker presents. Each worker picks KB i with probability proportional to 1/(i+1)^zipf and asks
+the one reader over HTTP (kdn.client.http.HTTPEdges). Access control is on: the tenant has a read token every worker presents. Each worker picks KB i with probability proportional to 1/(i+1)^zipf and asks
 for that KB followed by a short question. Halfway, the bench SIGKILLs one edge's process (a
 crash, not a stop). Ray restarts the actor empty, on a new HTTP port.
 
@@ -193,20 +193,22 @@ class EdgeURLs:
 
 
 def http_fetch(urls: EdgeURLs, clients: dict, want: dict, token: str) -> tuple:
-    """(Fetched, failovers): the first edge URL that answers; an edge that does not answer
-    (Unreachable) is failed over, one that answers with a fault (RemoteError, a 5xx) is an error."""
+    """(Fetched, failovers): the first edge URL that answers, in this bench's ranking (one
+    kdn.client.reader.Reader per URL, over HTTP); an edge that does not answer is failed
+    over, one that answers with a fault (RemoteError, a 5xx) is an error."""
     from kdn.core.errors import NoLiveEdge
-    from kdn.core.rpc import Unreachable
-    from kdn.client.http import EdgeHTTPClient
+    from kdn.client.http import HTTPEdges
+    from kdn.client.reader import Reader
     failovers, tried = 0, []
     for url in urls.ranked():
-        client = clients.get(url)
-        if client is None:
-            client = clients[url] = EdgeHTTPClient(url, timeout_s=HTTP_TIMEOUT_S, token=token)
+        reader = clients.get(url)
+        if reader is None:
+            reader = clients[url] = Reader(HTTPEdges([url], token=token, timeout_s=HTTP_TIMEOUT_S),
+                                           TENANT, FINGERPRINT, token=token)
         try:
-            return client.fetch_tokens(want["prompt"], TENANT, FINGERPRINT, kb=want["kb"]), failovers
-        except Unreachable:
-            client.close()
+            return reader.fetch(want["prompt"], kb=want["kb"]), failovers
+        except NoLiveEdge:
+            reader.view.close()
             clients.pop(url, None)
             urls.failed(url)
             failovers += 1
@@ -245,7 +247,7 @@ def http_worker(worker: int, region: str, registry: str, wants: list, weights, s
         ready.put(worker)
     finally:
         for c in clients.values():
-            c.close()
+            c.view.close()
         out.put(tally.d)
 
 

@@ -118,9 +118,9 @@ def main(argv=None):
         stored, m_store = run_bench(*servers["store"][:2], args, os.path.join(work, "store.json"))
         view = NetworkView(name, region=args.load_region)
         edge = view.ranked_edges()[0]                     # the load region's own edge
-        before = view.edge_at(edge, "stats")["counters"]
+        before = view.at(edge).stats()["counters"]
         loaded, m_load = run_bench(*servers["load"][:2], args, os.path.join(work, "load.json"))
-        after = view.edge_at(edge, "stats")["counters"]
+        after = view.at(edge).stats()["counters"]
     finally:
         for proc in procs:
             stop_process(proc, 20)

@@ -7,7 +7,7 @@ a published KB of N chunks (default 32 chunks of 2 MiB = 64 MiB: 256 tokens x 16
 - ray:   Client.fetch(tokens) in a Ray worker process on the edge's node: keys computed in
          the worker, the edge's answer through the object store (mapped, not copied, on the
          worker's side), every chunk verified against its manifest checksum.
-- http:  EdgeHTTPClient.fetch_tokens(tokens) in this process (not a Ray call): the frames
+- http:  Reader over HTTPEdges (kdn.client.http) in this process (not a Ray call): the frames
          received into one reused buffer, each verified (xxh3) as soon as it is in.
 - socket: the HTTP path's ceiling: another process sends the same number of bytes from its
          memory over one loopback TCP connection, received by recv_into into one reused
@@ -274,7 +274,8 @@ def main(argv=None):
     from kdn.launch.cluster import LocalCluster, start_network, teardown
     from kdn.client.join import init_ray
     from kdn.client import Client
-    from kdn.client.http import EdgeHTTPClient
+    from kdn.client.http import HTTPEdges
+    from kdn.client.reader import Reader
     from kdn.placement.topology import Topology
     import ray
 
@@ -324,19 +325,19 @@ def main(argv=None):
                f"object store, zero-copy map; sources {','.join(got['sources'])}")
 
         # http: this process, no Ray call on the path
-        h = EdgeHTTPClient(url, timeout_s=120)
-        f = h.fetch_tokens(tokens, TENANT, FINGERPRINT)
+        h = Reader(HTTPEdges([url], timeout_s=120), TENANT, FINGERPRINT)
+        f = h.fetch(tokens)
         if [xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")) for c in f.chunks] != digests:
             raise RuntimeError("HTTP fetch returned other bytes than published")
         times, sources = [], set(f.sources)
         for _ in range(args.reps):
             del f
             t0 = time.perf_counter()
-            f = h.fetch_tokens(tokens, TENANT, FINGERPRINT)
+            f = h.fetch(tokens)
             times.append(time.perf_counter() - t0)
             sources |= set(f.sources)
         del f
-        record("http", "EdgeHTTPClient", times,
+        record("http", "Reader over HTTPEdges", times,
                f"one recv buffer, every frame verified; sources {','.join(sorted(sources))}")
         h.close()
         piece = total // args.chunks

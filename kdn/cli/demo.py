@@ -201,17 +201,19 @@ def _savings(client, model, results, say) -> dict:
 
 
 def _http_check(net, client, model) -> str:
-    from kdn.client.http import EdgeHTTPClient
+    from kdn.client.http import HTTPEdges
+    from kdn.client.reader import Reader
     edge = net.topology.edges_in("eu-west")[0]
-    url = client.view.edge_at(edge, "ping", timeout=30)["http"]
+    url = client.view.at(edge, 30).ping()["http"]
     m = client.manifest(KB)
     prompt = m.token_ids().tolist() + model.question_tokens("What does the Eighth Amendment forbid?")
-    with EdgeHTTPClient(url) as hc:
-        t0 = time.perf_counter()
-        got = hc.fetch_tokens(prompt, client.tenant, client.fingerprint, kb=KB)
-        dt = time.perf_counter() - t0
-        ray_got = client.fetch(prompt, kb=KB)
-        same = got.tokens == ray_got.tokens and all(
-            np.array_equal(a.kv, b.kv) for a, b in zip(got.chunks, ray_got.chunks))
+    edges = HTTPEdges([url])
+    t0 = time.perf_counter()
+    got = Reader(edges, client.tenant, client.fingerprint).fetch(prompt, kb=KB)
+    dt = time.perf_counter() - t0
+    ray_got = client.fetch(prompt, kb=KB)
+    same = got.tokens == ray_got.tokens and all(
+        np.array_equal(a.kv, b.kv) for a, b in zip(got.chunks, ray_got.chunks))
+    edges.close()
     return (f"GET {url}/v1/fetch: {got.tokens} tokens, {got.nbytes / 2**20:.1f} MiB in {dt * 1000:.0f} ms, "
             f"checksums verified, {'byte-identical to' if same else 'DIFFERENT FROM'} the Ray path")

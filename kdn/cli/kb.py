@@ -67,9 +67,9 @@ def _publish(args, rest):
 
 
 def _store_emphasis(cl, model, kb: str, weights: dict, version: int = None) -> None:
-    """Store the edit `weights` of a KB version in the network (kdn.engines.emphasized), so
+    """Store the edit `weights` of a KB version in the network (kdn.engines.emphasis_variants), so
     readers fetch its edited chunks instead of editing the KB's KV themselves."""
-    from kdn.engines.emphasized import publish_emphasis
+    from kdn.engines.emphasis_variants import publish_emphasis
     e = publish_emphasis(cl, model, kb, weights, version)
     print(f"emphasis {e['weights']} on v{e['of_version']}: {e['extra_tokens']} duplicated KV entries; the "
           f"first {e['kb_chunks']} chunks are the KB's own, sent {e['sent_chunks']} edited chunks "

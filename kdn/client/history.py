@@ -105,9 +105,9 @@ class History:
             keys = conversation_keys(tokens, ns, self.chunk_tokens)[start_chunk:]
             t0 = time.perf_counter()
             try:
-                got = self.view.edge_at(edge, "conversation_find" if tails else "conversation_lookup",
-                                        keys, ns, self.tenant, self.fingerprint, scope, token=self.token,
-                                        timeout=LOOKUP_TIMEOUT_S)
+                at = self.view.at(edge, LOOKUP_TIMEOUT_S)
+                got = (at.conversation_find if tails else at.conversation_lookup)(
+                    keys, ns, self.tenant, self.fingerprint, scope, token=self.token)
             except Unreachable:
                 self.counters["lookup_unreachable"] += 1
                 continue
@@ -141,9 +141,8 @@ class History:
         edge, scope, ns = home
         keys = conversation_keys(tokens, ns, self.chunk_tokens)[start_chunk:]
         try:
-            return int(self.view.edge_at(edge, "conversation_lookup", keys, ns, self.tenant,
-                                         self.fingerprint, scope, token=self.token,
-                                         timeout=LOOKUP_TIMEOUT_S))
+            return int(self.view.at(edge, LOOKUP_TIMEOUT_S).conversation_lookup(
+                keys, ns, self.tenant, self.fingerprint, scope, token=self.token))
         except Unreachable:
             self.counters["lookup_unreachable"] += 1
             return 0
@@ -172,9 +171,8 @@ class History:
         keys = found.keys[:found.held] + ([found.tail[0]] if found.tail else [])
         t0 = time.perf_counter()
         try:
-            reply = self.view.edge_at(found.edge, "conversation_fetch", keys, found.ns, self.tenant,
-                                      self.fingerprint, found.scope, token=self.token,
-                                      timeout=fetch_deadline_s(len(keys)))
+            reply = self.view.at(found.edge, fetch_deadline_s(len(keys))).conversation_fetch(
+                keys, found.ns, self.tenant, self.fingerprint, found.scope, token=self.token)
             refs = reply["refs"]
             t1 = time.perf_counter()
             objs = self.view.actors.get_sync(found.edge, refs, timeout=fetch_deadline_s(
@@ -228,9 +226,9 @@ class History:
             tail = cut(kv[:, :, :, at:at + n_tail], [tail_key(every[n_whole - 1], tokens[n_whole * c:], c)],
                        ns, c)[0]
         try:
-            kept = self.view.edge_at(edge, "put_conversation", chunks, self.tenant, self.fingerprint,
-                                     scope, retention, head=every[start_chunk:min(first, n_whole)], tail=tail,
-                                     token=self.token, timeout=STORE_TIMEOUT_S)
+            kept = self.view.at(edge, STORE_TIMEOUT_S).put_conversation(
+                chunks, self.tenant, self.fingerprint, scope, retention,
+                head=every[start_chunk:min(first, n_whole)], tail=tail, token=self.token)
         except Unreachable:
             self.counters["store_unreachable"] += 1
             return {"edge": edge, "chunks": 0, "tokens": 0}

@@ -25,7 +25,9 @@ raises kdn.core.errors.RemoteError, surfaced; a 4xx is the caller's (BadRequest,
 import collections
 import http.client
 import json
+import functools
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from urllib.parse import urlencode, urlsplit
@@ -36,12 +38,14 @@ import numpy as np
 from kdn.core.chunk import codecs, decode, frame_size, header_bytes, read_header
 from kdn.core.codecs import LOSSY
 from kdn.core.wire import unpack_sources
-from kdn.core.errors import AccessDenied, BadRequest, KDNError, ManifestError, RemoteError
+from kdn.core.errors import AccessDenied, BadRequest, KDNError, NoLiveEdge, RemoteError
 from kdn.core.rpc import Unreachable
-from kdn.core.keys import KEY_BYTES, as_token_array, namespace_digest
+from kdn.core.keys import KEY_BYTES
 from kdn.core.env import is_loopback
-from kdn.core.manifest import Manifest, best_prefix
-from kdn.client.reader import MANIFEST_TTL_S, Fetched
+from kdn.core.interfaces import EdgeReads
+from kdn.core.manifest import Manifest
+from kdn.core.rpc import Stub
+from kdn.client.reader import Fetched
 MAX_RESPONSE_BYTES = 64 << 30
 RECV_STEP = 1 << 20         # bytes received between looks for completed frames
 
@@ -53,9 +57,11 @@ class _Page:
     sources: list
     codecs: list
     exact: list
-    wire_bytes: int
+    sizes: list                 # bytes of each frame received
     edge: str
     more: bool
+
+    wire_bytes = property(lambda self: sum(self.sizes))
 
 
 class EdgeHTTPClient:
@@ -78,7 +84,6 @@ class EdgeHTTPClient:
         self._conn = None
         self.reuse_buffer = reuse_buffer
         self._buffer = None         # the last receive buffer, reused once nothing views it
-        self._manifests = {}        # (tenant, fingerprint) -> (fetched at, [Manifest])
         # requests, reconnects, fetches, chunks, bytes (received), kv_bytes, buffers_reused
         self.counters = collections.Counter()
         self.codecs = collections.Counter()      # codec -> frames received in it
@@ -168,19 +173,16 @@ class EdgeHTTPClient:
             self._refuse(resp, "GET", "/metrics")
         return resp.read().decode("utf-8")
 
-    def kbs(self, tenant: str, fingerprint: str, refresh: bool = True) -> list:
-        """Committed KB manifests of the namespace (tenant, fingerprint), as Manifests."""
-        at, ms = self._manifests.get((tenant, fingerprint), (0.0, None))
-        if refresh or ms is None or time.monotonic() - at > MANIFEST_TTL_S:
-            got = self._json("GET", "/v1/kbs?" + urlencode({"tenant": tenant,
-                                                             "fingerprint": fingerprint}))
-            ms = []
-            for d in got["manifests"]:
-                d = dict(d, keys=[bytes.fromhex(k) for k in d["keys"]],
-                         tokens=bytes.fromhex(d.get("tokens") or ""))
-                ms.append(Manifest.from_dict(d))
-            self._manifests[(tenant, fingerprint)] = (time.monotonic(), ms)
-        return ms
+    def list_manifests(self, tenant: str, fingerprint: str) -> list:
+        """Committed KB manifests of the namespace (tenant, fingerprint), as dicts (what the
+        Ray transport answers: keys and tokens as bytes)."""
+        got = self._json("GET", "/v1/kbs?" + urlencode({"tenant": tenant, "fingerprint": fingerprint}))
+        return [dict(d, keys=[bytes.fromhex(k) for k in d["keys"]],
+                     tokens=bytes.fromhex(d.get("tokens") or "")) for d in got["manifests"]]
+
+    def kbs(self, tenant: str, fingerprint: str) -> list:
+        """list_manifests() as Manifests."""
+        return [Manifest.from_dict(d) for d in self.list_manifests(tenant, fingerprint)]
 
     def lookup(self, keys, ns: bytes) -> dict:
         """{"chunks": n, ...}: how long a prefix of keys the network holds; no KV moves."""
@@ -196,10 +198,10 @@ class EdgeHTTPClient:
         """
         t0 = time.perf_counter()
         keys = [bytes(k) for k in keys]
-        pages = [self._fetch_page(keys, ns, region, codec)]
+        pages = [self.fetch_page(keys, ns, region, codec)]
         got = len(pages[0].chunks)
         while pages[-1].more and pages[-1].chunks and got < len(keys):
-            pages.append(self._fetch_page(keys[got:], ns, region, codec))
+            pages.append(self.fetch_page(keys[got:], ns, region, codec))
             got += len(pages[-1].chunks)
         chunks = [c for p in pages for c in p.chunks]
         used = collections.Counter(c for p in pages for c in p.codecs)
@@ -214,13 +216,13 @@ class EdgeHTTPClient:
                        exact=all(e for p in pages for e in p.exact),
                        wire_bytes=sum(p.wire_bytes for p in pages), codecs=dict(used))
 
-    def _fetch_page(self, keys, ns, region, codec) -> "_Page":
+    def fetch_page(self, keys, ns, region, codec) -> "_Page":
         """One fetch answer: its verified chunks and what its headers say."""
         resp = self._request("POST", "/v1/fetch", self._keys_body(keys, ns, region, codec),
                              "application/msgpack")
         if resp.status != 200:
             self._refuse(resp, "POST", "/v1/fetch")
-        buf, (chunks, used, exact) = self._receive(resp, keys, ns)
+        buf, (chunks, used, exact, sizes) = self._receive(resp, keys, ns)
         try:
             sources = unpack_sources(resp.getheader("X-KDN-Sources"), len(keys))
         except BadRequest as e:
@@ -229,11 +231,11 @@ class EdgeHTTPClient:
             raise RemoteError(f"edge {self.url} sent {len(chunks)} frames but headers say "
                                f"{resp.getheader('X-KDN-Chunks')} chunks from {len(sources)} sources")
         self.counters["bytes"] += buf.nbytes
-        return _Page(chunks, sources, used, exact, buf.nbytes, resp.getheader("X-KDN-Edge"),
+        return _Page(chunks, sources, used, exact, sizes, resp.getheader("X-KDN-Edge"),
                      resp.getheader("X-KDN-More") == "1")
 
     def _receive(self, resp, keys, ns) -> tuple:
-        """(buffer, (chunks, codecs, exact)): the whole body of resp received into one buffer
+        """(buffer, (chunks, codecs, exact, sizes)): the whole body of resp received into one buffer
         (its exact Content-Length), each frame verified as soon as its last byte is in.
 
         The body is read RECV_STEP bytes at a time straight into the buffer (readinto: the
@@ -292,31 +294,91 @@ class EdgeHTTPClient:
             self._buffer = b
         return b[:n]
 
-    def fetch_tokens(self, tokens, tenant: str, fingerprint: str, kb: str = None,
-                     region: str = None, codec: str = None) -> Fetched:
-        """The longest cached prefix of a prompt's tokens (keys computed here, as a Ray client does).
 
-        The prompt is keyed with the chunking of the KB it starts with (its n_tokens boundary
-        from kbs(), cached a few seconds), so a KB's trailing partial chunk is found too.
-        """
-        t0 = time.perf_counter()
-        ns = namespace_digest(tenant, fingerprint)
-        manifests = self.kbs(tenant, fingerprint, refresh=False)
-        keys, m = best_prefix(tokens, ns, manifests, kb)
-        if kb is not None and m is None:
-            manifests = self.kbs(tenant, fingerprint, refresh=True)
-            if not any(x.name == kb for x in manifests):
-                raise ManifestError(f"no knowledge base {kb!r} for tenant {tenant!r} and "
-                                    f"fingerprint {fingerprint!r} at edge {self.url}")
-            keys, m = best_prefix(tokens, ns, manifests, kb)
-        f = self.fetch(keys, ns, region, codec) if keys else \
-            Fetched([], [], [], 0, 0, None, 0.0)
-        n = len(f.chunks)
-        total = len(as_token_array(tokens))
-        f.tokens = m.n_tokens if m is not None and n == len(m.keys) else min(f.tokens, total)
-        f.kb = m
-        f.seconds = time.perf_counter() - t0
-        return f
+class HTTPEdges:
+    """The HTTP transport of a reader (kdn.client.reader.Reader): edges' HTTP servers in the
+    order given (nearest first), answering the reader's part of the edge interface
+    (kdn.core.interfaces.EdgeReads) as the Ray transport (kdn.client.view) does.
+
+    A call goes to the first edge that answers; one that gets no answer (Unreachable) is
+    failed over, one that answers with a fault of its own (RemoteError) or a refusal raises.
+    Each thread has its own connections (a client is one connection). codec: how edges
+    encode frames (None: raw; "auto": what pays on the link to `region`).
+    """
+    node_id = None              # a Ray node id (edges over HTTP send frames, never references)
+
+    def __init__(self, urls, token: str = None, region: str = None, codec: str = None,
+                 allow_remote: bool = False, timeout_s: float = 30.0):
+        if not urls:
+            raise BadRequest("the http transport needs at least one edge URL")
+        self.urls, self.token, self.region, self.codec = list(urls), token, region, codec
+        self.allow_remote, self.timeout_s = allow_remote, timeout_s
+        self._local = threading.local()
+        self.counters = collections.Counter()      # failovers
+
+    def clients(self) -> list:
+        """This thread's clients, one per URL (made on first use)."""
+        if not hasattr(self._local, "clients"):
+            self._local.clients = [EdgeHTTPClient(u, timeout_s=self.timeout_s, token=self.token,
+                                                  allow_remote=self.allow_remote) for u in self.urls]
+        return self._local.clients
+
+    def close(self) -> None:
+        for c in getattr(self._local, "clients", ()):
+            c.close()
+
+    def nearest(self, timeout: float = None, resolve_refs: bool = False) -> EdgeReads:
+        """Each call answered by the first edge that answers: (reply, edge URL, [URLs that
+        failed]); NoLiveEdge when none does. (timeout: each connection times out on its own.)"""
+        return Stub(EdgeReads, self._first_answer, "the nearest edge")
+
+    def at(self, url: str, timeout: float = None) -> EdgeReads:
+        """One edge's answers (Unreachable when it gives none)."""
+        client = next((c for c in self.clients() if c.url == url), None)
+        if client is None:          # a peer an edge named as a chunk's source: not reachable here
+            raise Unreachable(f"{url!r} is not one of this reader's edge URLs")
+        return Stub(EdgeReads, functools.partial(self._answer, client), f"edge {url}")
+
+    def follow(self, ring_version: int) -> None:
+        """Edges over HTTP are named by URL, not placed by the ring: nothing to re-read."""
+
+    def _first_answer(self, method, args, kw) -> tuple:
+        failed, errors = [], []
+        for c in self.clients():
+            try:
+                return self._answer(c, method, args, kw), c.url, failed
+            except Unreachable as e:
+                self.counters["failovers"] += 1
+                failed.append(c.url)
+                errors.append(str(e))
+        raise NoLiveEdge("no edge answered " + method + ": " + "; ".join(errors))
+
+    def _answer(self, client, method, args, kw):
+        kw = dict(kw)
+        kw.pop("token", None)       # each client carries this transport's token
+        return getattr(self, "_" + method)(client, *args, **kw)
+
+    @staticmethod
+    def _list_manifests(client, tenant, fingerprint):
+        return client.list_manifests(tenant, fingerprint)
+
+    @staticmethod
+    def _lookup(client, keys, ns):
+        return client.lookup(keys, ns)
+
+    def _fetch(self, client, keys, ns, region=None, resolve=False, node=None, accept=None,
+               tenant=None, fingerprint=None) -> dict:
+        if tenant is not None or fingerprint is not None:
+            raise BadRequest("objects no manifest names (kdn.integrations.objects) are read over "
+                             "Ray, not HTTP")
+        p = client.fetch_page(keys, ns, region, self.codec)
+        return {"chunks": p.chunks, "sources": p.sources, "codecs": p.codecs, "wire": p.sizes,
+                "exact": p.exact, "more": p.more, "edge": p.edge, "ring": 0}
+
+    @staticmethod
+    def _drop_corrupt(client, keys, ns) -> int:
+        return 0                    # an edge's HTTP server takes no reports: it serves only
+                                    # copies whose stored frame checks (kdn/edge/http.py)
 
 
 class _Frames:
@@ -324,7 +386,7 @@ class _Frames:
 
     def __init__(self, url: str, mv: memoryview, keys, ns: bytes):
         self.url, self.mv, self.keys, self.ns = url, mv, keys, ns
-        self.chunks, self.used, self.exact = [], [], []
+        self.chunks, self.used, self.exact, self.sizes = [], [], [], []
         self.off = 0                # where the next frame starts
         self.header = None          # (header, payload offset) of the frame at off, once read
 
@@ -351,11 +413,12 @@ class _Frames:
             self.chunks.append(chunk)
             self.used.append(header["codec"])
             self.exact.append(header["codec"] not in LOSSY or header["nbytes"] == header["raw"])
+            self.sizes.append(end - self.off)
             self.off, self.header = end, None
 
     def done(self) -> tuple:
-        """(chunks, codecs, exact flags) once the whole body is in."""
+        """(chunks, codecs, exact flags, frame sizes) once the whole body is in."""
         if self.off != len(self.mv):
             raise RemoteError(f"edge {self.url}: the body ends inside frame {len(self.chunks)} "
                                f"(byte {self.off} of {len(self.mv)})")
-        return self.chunks, self.used, self.exact
+        return self.chunks, self.used, self.exact, self.sizes

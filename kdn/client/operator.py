@@ -14,7 +14,8 @@ from kdn.core.emphasis import is_emphasized, model_of
 from kdn.core.errors import BadRequest, NetworkError, VersionNotFound
 from kdn.core.keys import namespace_digest
 from kdn.placement.topology import Topology
-from kdn.core.rpc import Unreachable
+from kdn.core.interfaces import EdgeAPI
+from kdn.core.rpc import Stub, Unreachable
 
 OVERRIDE_TIMEOUT_S = 120.0    # an override moves chunks between edges before it answers
 RING_TIMEOUT_S = 300.0        # adding or removing an edge re-homes its keys first
@@ -53,11 +54,11 @@ class Operator:
         return self._override(kb, emphasis=weights)
 
     def _override(self, kb: str, **setting) -> dict:
-        return self.view.origin("set_override", self.tenant, kb, timeout=OVERRIDE_TIMEOUT_S, **setting)
+        return self.view.origin(OVERRIDE_TIMEOUT_S).set_override(self.tenant, kb, **setting)
 
     def warm(self, kb: str, region: str) -> dict:
         """Copy every chunk of `kb` to the edges of `region` now (before its readers ask)."""
-        return self.view.origin("warm", self.tenant, kb, region, timeout=OVERRIDE_TIMEOUT_S)
+        return self.view.origin(OVERRIDE_TIMEOUT_S).warm(self.tenant, kb, region)
 
     def delete(self, kb: str, version: int, fingerprint: str = None) -> dict:
         """Retire one version of this tenant's KB (its chunks are collected later).
@@ -74,8 +75,7 @@ class Operator:
                              f"delete the KB version under its model ({model_of(fingerprint)!r:.120}), "
                              "and its emphasized copies go with it")
         if fingerprint is None:
-            fps = sorted({m["fingerprint"] for m in self.view.origin("manifests", name=kb, own=True,
-                                                                     timeout=MANIFESTS_TIMEOUT_S)
+            fps = sorted({m["fingerprint"] for m in self.view.origin(MANIFESTS_TIMEOUT_S).manifests(name=kb, own=True)
                           if (m["tenant"], m["name"], m["version"]) == (self.tenant, kb, version)})
             if not fps:
                 raise VersionNotFound(f"KB {kb!r} of tenant {self.tenant!r} has no version {version}")
@@ -83,27 +83,27 @@ class Operator:
                 raise BadRequest(f"{kb}@v{version} of tenant {self.tenant!r} exists under {len(fps)} "
                                  f"models ({', '.join(fps)}): name the one to delete (fingerprint=)")
             fingerprint = fps[0]
-        return self.view.origin("delete_version", namespace_digest(self.tenant, fingerprint), kb, version)
+        return self.view.origin().delete_version(namespace_digest(self.tenant, fingerprint), kb, version)
 
     def collect(self, object_ttl_s: float = None) -> dict:
         """Delete the origin's chunks no committed version names (of every tenant). Other
         cache layers' objects (LMCache's, SGLang's) stay, unless written more than
         object_ttl_s seconds ago."""
-        return self.view.origin("collect", object_ttl_s=object_ttl_s, timeout=OVERRIDE_TIMEOUT_S)
+        return self.view.origin(OVERRIDE_TIMEOUT_S).collect(object_ttl_s=object_ttl_s)
 
     # --- conversations (kdn/edge/conversations.py) -----------------------------------------------
     def conversations(self, tenant: str = None) -> list:
         """Per edge, a tenant's conversation KV there (per conversation namespace: chunks,
         bytes, seconds idle) and its settings; an edge that does not answer is {"down": True}."""
-        return self._each_edge("conversations_of", tenant or self.tenant)
+        return self._every_edge().conversations_of(tenant or self.tenant)
 
     def drop_conversations(self, tenant: str = None) -> dict:
         """Drop a tenant's conversation KV on every edge and, of a pinned tenant, at the origin:
         {edge: chunks dropped, or None if down}, and {"origin": chunks deleted there}."""
         tenant = tenant or self.tenant
         # the origin first: an edge's lookup between the two would pull its copies back
-        origin = self.view.origin("drop_conversations", tenant, timeout=OVERRIDE_TIMEOUT_S)["deleted"]
-        out = {r["edge"]: r.get("value") for r in self._each_edge("drop_conversations", tenant)}
+        origin = self.view.origin(OVERRIDE_TIMEOUT_S).drop_conversations(tenant)["deleted"]
+        out = {r["edge"]: r.get("value") for r in self._every_edge().drop_conversations(tenant)}
         out["origin"] = origin
         return out
 
@@ -118,14 +118,14 @@ class Operator:
         tenant = tenant or self.tenant
         if not isinstance(pinned, bool):
             raise BadRequest(f"pinned must be True or False, got {pinned!r:.40}")
-        got = self.view.origin("set_conversation_policy", tenant, pinned=pinned, timeout=OVERRIDE_TIMEOUT_S)
+        got = self.view.origin(OVERRIDE_TIMEOUT_S).set_conversation_policy(tenant, pinned=pinned)
         return {"tenant": tenant, "pinned": pinned, "deleted": got["deleted"],
-                "edges": self._each_edge("set_conversation_policy", tenant, pinned=pinned)}
+                "edges": self._every_edge().set_conversation_policy(tenant, pinned=pinned)}
 
     def pinned_conversations(self, tenant: str = None) -> dict:
         """What the origin keeps of a tenant's conversations: {"pinned": bool, "chunks": {ns hex: n}}."""
         tenant = tenant or self.tenant
-        got = self.view.origin("pinned_conversations", tenant)
+        got = self.view.origin().pinned_conversations(tenant)
         return {"pinned": tenant in got["tenants"], "chunks": got["chunks"]}
 
     def set_conversation_policy(self, tenant: str = None, ttl_s: float = None, budget_bytes: int = None,
@@ -137,24 +137,27 @@ class Operator:
         if ttl_s is None and budget_bytes is None and max_ttl_s is None:
             raise BadRequest("set_conversation_policy: name ttl_s, budget_bytes or max_ttl_s")
         tenant = tenant or self.tenant
-        self.view.origin("set_conversation_policy", tenant, ttl_s=ttl_s, budget_bytes=budget_bytes,
-                         max_ttl_s=max_ttl_s, timeout=OVERRIDE_TIMEOUT_S)
-        return self._each_edge("set_conversation_policy", tenant, ttl_s=ttl_s,
-                               budget_bytes=budget_bytes, max_ttl_s=max_ttl_s)
+        self.view.origin(OVERRIDE_TIMEOUT_S).set_conversation_policy(
+            tenant, ttl_s=ttl_s, budget_bytes=budget_bytes, max_ttl_s=max_ttl_s)
+        return self._every_edge().set_conversation_policy(
+            tenant, ttl_s=ttl_s, budget_bytes=budget_bytes, max_ttl_s=max_ttl_s)
 
-    def _each_edge(self, method: str, *args, **kw) -> list:
-        """method on every edge of the ring with the admin token, in order; an edge that does
-        not answer is reported down, and the first refusal (a bad value) raises."""
-        out = []
-        for e in self.view.ring.edges:
-            try:
-                got = self.view.edge_at(e.name, method, *args, token=self.view.admin_token,
-                                        timeout=STATUS_TIMEOUT_S, **kw)
-            except Unreachable:
-                out.append({"edge": e.name, "region": e.region, "down": True})
-                continue
-            out.append(got if isinstance(got, dict) else {"edge": e.name, "region": e.region, "value": got})
-        return out
+    def _every_edge(self) -> EdgeAPI:
+        """Every edge of the ring, in order, with the admin token: a call answers one entry
+        per edge (an edge that does not answer is reported down); the first refusal (a bad
+        value) raises."""
+        def send(method, args, kw):
+            out = []
+            for e in self.view.ring.edges:
+                try:
+                    got = self.view.actors.call_sync(e.name, method, *args, token=self.view.admin_token,
+                                                     timeout=STATUS_TIMEOUT_S, **kw)
+                except Unreachable:
+                    out.append({"edge": e.name, "region": e.region, "down": True})
+                    continue
+                out.append(got if isinstance(got, dict) else {"edge": e.name, "region": e.region, "value": got})
+            return out
+        return Stub(EdgeAPI, send, "every edge")
 
     # --- ring ----------------------------------------------------------------------------
     def add_edge(self, name: str, region: str, capacity_bytes: int = 2 << 30, **edge_options) -> dict:
@@ -162,19 +165,19 @@ class Operator:
         from kdn.launch.cluster import start_edge
         topo = Topology.from_dict(self.view.membership["topology"])
         edge = topo.add_edge(name, region, int(capacity_bytes))
-        auth = self.view.origin("auth_config")
+        auth = self.view.origin().auth_config()
         # detached: the edge belongs to the network, not to this process (stop_network kills it)
         start_edge(self.view.network, edge, topo, capacity_bytes=capacity_bytes, detached=True,
                    auth=auth, replicas=self.view.membership.get("replicas", 2), **edge_options)
-        self.view.edge_at(name, "ping", timeout=EDGE_START_TIMEOUT_S)
-        m = self.view.origin("add_edge", name, region, edge.weight, timeout=RING_TIMEOUT_S)
+        self.view.at(name, EDGE_START_TIMEOUT_S).ping()
+        m = self.view.origin(RING_TIMEOUT_S).add_edge(name, region, edge.weight)
         self.view.refresh()
         return m
 
     def remove_edge(self, name: str, kill: bool = True) -> dict:
         """Take an edge out of the ring (its keys re-homed first), then stop it."""
         import ray
-        m = self.view.origin("remove_edge", name, timeout=RING_TIMEOUT_S)
+        m = self.view.origin(RING_TIMEOUT_S).remove_edge(name)
         if kill:
             try:
                 ray.kill(self.view.actors.handle(name), no_restart=True)
@@ -190,7 +193,7 @@ class Operator:
         out = {"network": self.view.network, "region": self.view.region, "edges": []}
         asked = {e.name: self._ask_stats(e.name) for e in self.view.ring.edges}
         try:
-            out["origin"] = self.view.origin("stats", timeout=timeout_s)
+            out["origin"] = self.view.origin(timeout_s).stats()
         except NetworkError as e:
             out["origin"] = {"unreachable": str(e)}
         deadline = time.monotonic() + timeout_s
@@ -208,6 +211,6 @@ class Operator:
     def _ask_stats(self, edge: str):
         """An edge's stats call in flight (all edges are asked at once), None if it has no actor."""
         try:
-            return self.view.actors.start(edge, "stats", token=self.view.admin_token)
+            return self.view.actors.stub(edge, how="start").stats(token=self.view.admin_token)
         except Unreachable:
             return None

@@ -115,7 +115,7 @@ class Publisher:
 
     def check_access(self) -> None:
         """AccessDenied now, not after a prefill, unless the origin takes this admin token."""
-        self.view.origin("stored", [])
+        self.view.origin().stored([])
 
     def reuse(self, tokens):
         """The longest prefix of `tokens` the network already holds, exact (kdn.client.reader.Fetched)."""
@@ -124,7 +124,7 @@ class Publisher:
     def held_chunks(self, tokens) -> int:
         """How many of the chunks of `tokens` (a prefix KB's, on this publisher's grid) the
         origin stores, from the first on: a lookup, no KV moves."""
-        sums = self.view.origin("stored", chunk_keys(tokens, self.ns, self.chunk_tokens))
+        sums = self.view.origin().stored(chunk_keys(tokens, self.ns, self.chunk_tokens))
         return next((i for i, s in enumerate(sums) if s is None), len(sums))
 
     def publish(self, kb: str, documents, kv, layout: str = "prefix", meta: dict = None,
@@ -150,7 +150,7 @@ class Publisher:
         # bytes stored first: where the origin already holds a chunk (or another publisher
         # stores it first, meanwhile), its checksum is adopted, never this publisher's own
         # (KV computed on another CPU or in another batch shape differs in the last bits).
-        sums = self.view.origin("stored", list(m.keys), timeout=timeout_s)
+        sums = self.view.origin(timeout_s).stored(list(m.keys))
         gone = next((i for i, x in enumerate(sums[:from_chunk]) if x is None), None)
         if gone is not None:
             raise BadRequest(f"the origin no longer holds chunk {gone} of {kb!r} (collected meanwhile): "
@@ -162,7 +162,7 @@ class Publisher:
             sums[i] = x
         adopted = sum(x != c.digest() for x, c in zip(sums[from_chunk:], chunks))
         m = dataclasses.replace(m, sums=tuple(sums))
-        receipt = self.view.origin("commit", m.to_dict(), timeout=timeout_s)
+        receipt = self.view.origin(timeout_s).commit(m.to_dict())
         receipt.update(sent_chunks=sent, sent_bytes=sent_bytes, adopted_chunks=adopted)
         self.counters.update(publishes=1, sent_chunks=sent, sent_bytes=sent_bytes,
                              adopted_chunks=adopted)
@@ -177,7 +177,7 @@ class Publisher:
             batch.append(c)
             size += c.nbytes
             if size >= batch_bytes or len(batch) >= BATCH_CHUNKS or i == len(chunks) - 1:
-                sums += self.view.origin("put_chunks", batch, timeout=timeout_s)["sums"]
+                sums += self.view.origin(timeout_s).put_chunks(batch)["sums"]
                 sent, sent_bytes, batch, size = sent + len(batch), sent_bytes + size, [], 0
         return sent, sent_bytes, sums
 

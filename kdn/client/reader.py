@@ -1,9 +1,15 @@
 """Reads: the longest verified prefix of a prompt's KV, from the nearest live edge.
 
+The one reader, over either transport: Ray (kdn.client.view.NetworkView: edges ranked by the
+topology, failover on Unreachable) or HTTP (kdn.client.http.HTTPEdges: edges' HTTP servers in
+the order given). Either answers the reader's part of the edge interface
+(kdn.core.interfaces.EdgeReads) through `nearest()` and `at(edge)`.
+
 A worker computes everything itself: the keys of its prompt (kdn.core.keys), which KB the prompt
-starts with (manifests, listed by an edge and cached a few seconds), and so the chunk
-checksums the publisher recorded. It asks the nearest live edge for those keys (kdn.client.view:
-failover to the next edge on Unreachable) and checks every chunk it gets in one place
+starts with (manifests, listed by an edge and cached a few seconds; a prompt that matches no
+KB lists them again at most once a second, so a KB published seconds ago is found at once),
+and so the chunk checksums the publisher recorded. It asks the nearest live edge for those
+keys and checks every chunk it gets in one place
 (`_checked`): the frame decodes, the chunk is the one asked for, and exact KV hashes to its
 manifest checksum. A corrupt copy is reported to the edge holding it (which drops it only if
 it really fails) and its keys fetched again, so a reader never returns wrong KV. An edge
@@ -24,6 +30,7 @@ from kdn.core.transfer import check_accept, fetch_deadline_s
 CHUNK_BYTES_ESTIMATE = 64 << 20  # generous: the timeout must not cut a slow but healthy transfer
 MAX_CORRUPT_RETRIES = 2        # fetches repeated after dropping corrupt copies
 MANIFEST_TTL_S = 5.0           # a reader's cached manifests are this fresh (Ray and HTTP alike)
+REFRESH_ON_MISS_S = 1.0        # a prompt that matches no KB re-lists the KBs at most this often
 DROP_TIMEOUT_S = 5.0
 
 
@@ -81,7 +88,8 @@ class _Received:
 
 
 class Reader:
-    """Fetches and lookups of one namespace (tenant, model fingerprint) through `view`.
+    """Fetches and lookups of one namespace (tenant, model fingerprint) through `view`, the
+    transport (a NetworkView over Ray, or HTTPEdges).
 
     token: the tenant's read token (or the admin token). accept: the codecs taken over a
     slow link besides raw (default the lossless ones; a lossy one makes answers inexact).
@@ -97,6 +105,7 @@ class Reader:
         self.chunk_tokens = chunk_tokens
         self.counters = collections.Counter()
         self._manifests = (0.0, [])  # (listed at, [Manifest])
+        self._relisted = 0.0         # when a prompt that matched no KB last re-listed them
 
     def stats(self) -> dict:
         return {"tenant": self.tenant, "counters": dict(self.counters)}
@@ -106,7 +115,7 @@ class Reader:
         """Committed KB versions of this namespace (cached MANIFEST_TTL_S)."""
         at, ms = self._manifests
         if refresh or time.monotonic() - at > MANIFEST_TTL_S:
-            got, _, _ = self.view.edge("list_manifests", self.tenant, self.fingerprint, token=self.token)
+            got, _, _ = self.view.nearest().list_manifests(self.tenant, self.fingerprint, token=self.token)
             ms = [Manifest.from_dict(d) for d in got]
             self._manifests = (time.monotonic(), ms)
         return ms
@@ -114,6 +123,7 @@ class Reader:
     def forget_manifests(self) -> None:
         """A version was just published or deleted: list again on the next read."""
         self._manifests = (0.0, [])
+        self._relisted = 0.0
 
     def manifest(self, kb: str, version: int = None) -> Manifest:
         for refresh in (False, True):
@@ -131,16 +141,22 @@ class Reader:
         key covers exactly the KB's tokens, so the prompt is cut at the KB's length there.
         Without `kb`, every KB of the namespace is a candidate and the longest match wins.
         """
-        cands = [self.manifest(kb, version)] if kb else self.manifests()
-        return best_prefix(tokens, self.ns, cands, kb, self.chunk_tokens)
+        if kb:
+            return best_prefix(tokens, self.ns, [self.manifest(kb, version)], kb, self.chunk_tokens)
+        keys, m = best_prefix(tokens, self.ns, self.manifests(), None, self.chunk_tokens)
+        if m is None and time.monotonic() - self._relisted > REFRESH_ON_MISS_S:
+            self._relisted = time.monotonic()
+            self.counters["relisted"] += 1
+            keys, m = best_prefix(tokens, self.ns, self.manifests(refresh=True), None, self.chunk_tokens)
+        return keys, m
 
     # --- reads ---------------------------------------------------------------------------
     def lookup(self, tokens, kb: str = None) -> dict:
         """How many leading tokens of the prompt the network holds (no KV moves)."""
         keys, m = self.keys_for(tokens, kb)
-        got, edge, _ = self.view.edge("lookup", keys, self.ns, token=self.token)
+        got, edge, _ = self.view.nearest().lookup(keys, self.ns, token=self.token)
         n = got["chunks"]
-        return {"chunks": n, "tokens": self._tokens_of(n, len(as_token_array(tokens)), m),
+        return {"chunks": n, "tokens": self.tokens_of(n, len(as_token_array(tokens)), m),
                 "keys": len(keys), "edge": edge, "kb": m.label() if m else None}
 
     def fetch(self, tokens, kb: str = None, timeout_s: float = None, version: int = None) -> Fetched:
@@ -151,7 +167,7 @@ class Reader:
             return Fetched([], [], [], 0, 0, None, 0.0, kb=m)
         expected = m.sum_of() if m is not None and m.sums else self._known_sums()
         got = self._receive(keys, expected, timeout_s)
-        n_tokens = self._tokens_of(len(got.chunks), len(as_token_array(tokens)), m)
+        n_tokens = self.tokens_of(len(got.chunks), len(as_token_array(tokens)), m)
         return got.fetched(keys, n_tokens, t0, kb=m)
 
     def fetch_keys(self, keys, manifest: Manifest = None, timeout_s: float = None) -> Fetched:
@@ -173,7 +189,8 @@ class Reader:
         got = self._receive(keys, {}, timeout_s, claim=True) if keys else _Received()
         return got.fetched(keys, 0, t0)
 
-    def _tokens_of(self, n_chunks, n_tokens, m):
+    def tokens_of(self, n_chunks, n_tokens, m) -> int:
+        """Prompt tokens (of n_tokens) that the first n_chunks chunks of its keys cover."""
         if m is not None and n_chunks == len(m.keys):
             return m.n_tokens
         return min(n_chunks * self.chunk_tokens, n_tokens)
@@ -202,11 +219,11 @@ class Reader:
         named = {"tenant": self.tenant, "fingerprint": self.fingerprint} if claim else {}
         while len(got.chunks) < len(keys):
             rest = keys[len(got.chunks):len(got.chunks) + MAX_FETCH_KEYS]
-            reply, edge, failed = self.view.edge(
-                "fetch", rest, self.ns, self.view.region, timeout=timeout_s or self._timeout(len(rest)),
-                resolve_refs=True, node=self.view.node_id, accept=self.accept, token=self.token, **named)
+            nearest = self.view.nearest(timeout_s or self._timeout(len(rest)), resolve_refs=True)
+            reply, edge, failed = nearest.fetch(rest, self.ns, self.view.region, node=self.view.node_id,
+                                                accept=self.accept, token=self.token, **named)
             got.failovers += failed
-            chunks, exact, bad = self._check_reply(rest, reply["chunks"], edge, expected)
+            chunks, exact, bad = self._check_reply(rest, reply, edge, expected)
             got.add(reply, chunks, exact, edge)
             self.view.follow(reply.get("ring", 0))
             if bad:
@@ -221,19 +238,23 @@ class Reader:
         self.counters["chunks"] += len(got.chunks)
         return got
 
-    def _check_reply(self, keys, objs, edge: str, expected: dict) -> tuple:
+    def _check_reply(self, keys, reply: dict, edge: str, expected: dict) -> tuple:
         """(chunks, exact flags) of the verified prefix of an edge's reply, and the indices
-        of every copy in it that failed (all reported at once, so one retry fixes them)."""
+        of every copy in it that failed (all reported at once, so one retry fixes them).
+        Whether a chunk is exact is the object's own word (Ray: a Chunk or an Encoded frame)
+        unless the reply says (HTTP: frames decoded on receipt)."""
+        objs = reply["chunks"]
+        flags = reply.get("exact") or [o.exact for o in objs]
         chunks, exact, bad = [], [], []
         for i, (key, obj) in enumerate(zip(keys, objs)):
             if obj.key != key or obj.ns != self.ns:
                 raise RemoteError(f"edge {edge} answered a chunk that is not the one asked for")
-            chunk = _checked(obj, expected.get(key))
+            chunk = _checked(obj, expected.get(key), flags[i])
             if chunk is None:
                 bad.append(i)
             elif not bad:
                 chunks.append(chunk)
-                exact.append(obj.exact)
+                exact.append(flags[i])
         return chunks, exact, bad
 
     def _drop_corrupt(self, edge: str, bad) -> None:
@@ -243,19 +264,18 @@ class Reader:
             by_holder[source_holder(source, edge)].append(key)
         for holder, keys in by_holder.items():
             try:
-                self.view.edge_at(holder, "drop_corrupt", keys, self.ns, token=self.token,
-                                  timeout=DROP_TIMEOUT_S)
+                self.view.at(holder, DROP_TIMEOUT_S).drop_corrupt(keys, self.ns, token=self.token)
             except Unreachable:
                 pass                 # a dead holder holds nothing
 
 
-def _checked(obj, expected: "int | None"):
+def _checked(obj, expected: "int | None", exact: bool):
     """The Chunk of a received Chunk or Encoded, or None when its bytes are not right: the
     frame decodes (its checksums hold) and exact KV hashes to its manifest checksum. Lossy
     KV is not the published KV by design: only its frame vouches for it."""
     try:
         chunk = obj.decode()
-        chunk.verify(expected if obj.exact else None)
+        chunk.verify(expected if exact else None)
     except FrameError:
         return None
     return chunk

@@ -9,13 +9,15 @@ origin call is retried until its deadline while the origin restarts (Ray brings 
 from disk; every origin method is idempotent). Any other error raises: a KDNError the
 remote raised on purpose as itself, anything else as the bug it is.
 """
+import functools
 import time
 
 from kdn.core.errors import BadRequest, NetworkError, NoLiveEdge
 from kdn.core.names import NAMESPACE, ORIGIN_NODE, edge_actor_name
 from kdn.placement.ring import Edge, Ring
 from kdn.placement.topology import Topology
-from kdn.core.rpc import Actors, Unreachable
+from kdn.core.interfaces import EdgeAPI, OriginAPI
+from kdn.core.rpc import Actors, Stub, Unreachable
 
 CALL_TIMEOUT_S = 5.0          # a control call
 SUSPECT_S = 10.0              # a failed edge is tried last for this long
@@ -62,7 +64,7 @@ class NetworkView:
     def refresh(self) -> None:
         """Re-read membership and topology (from the origin, else the newest an edge has)."""
         try:
-            m = self.origin("membership")
+            m = self.origin().membership()
         except Unreachable:
             m = self._membership_from_edges()
         self.membership = m
@@ -78,7 +80,7 @@ class NetworkView:
         best = None
         for name in names:
             try:
-                got = self.actors.call_sync(name, "membership", timeout=EDGE_MEMBERSHIP_TIMEOUT_S)
+                got = self.actors.edge(name, EDGE_MEMBERSHIP_TIMEOUT_S, "sync").membership()
             except Unreachable:
                 continue                 # dead or restarting edge: ask the next
             if best is None or got["version"] > best["version"]:
@@ -96,10 +98,14 @@ class NetworkView:
             except NetworkError:
                 pass
 
-    # --- calls ---------------------------------------------------------------------------
-    def origin(self, method: str, *args, timeout: float = CALL_TIMEOUT_S, **kw):
-        """The origin's answer, with the admin token. While the origin is unreachable (it
-        restarts from disk) the call is retried until `timeout`; then Unreachable."""
+    # --- calls: stubs of kdn.core.interfaces ---------------------------------------------
+    def origin(self, timeout: float = CALL_TIMEOUT_S) -> OriginAPI:
+        """The origin's interface, with the admin token; each call answers the origin's reply.
+        While the origin is unreachable (it restarts from disk) a call is retried until
+        `timeout`; then Unreachable."""
+        return Stub(OriginAPI, functools.partial(self._origin_call, timeout), "the origin")
+
+    def _origin_call(self, timeout, method, args, kw):
         kw.setdefault("token", self.admin_token)
         deadline = time.monotonic() + timeout
         while True:
@@ -119,19 +125,23 @@ class NetworkView:
         ranked = self.topology.rank_sources(self.region, cands, 1 << 20)
         return sorted(ranked, key=lambda n: self._suspect.get(n, 0) > now)
 
-    def edge(self, method: str, *args, timeout: float = CALL_TIMEOUT_S,
-             resolve_refs: bool = False, **kw) -> tuple:
-        """(reply, edge, [edges that failed]) from the nearest live edge that answers.
+    def nearest(self, timeout: float = CALL_TIMEOUT_S, resolve_refs: bool = False) -> EdgeAPI:
+        """The edges' interface, each call answered by the nearest live edge that answers:
+        (reply, edge, [edges that failed]); NoLiveEdge when none does.
 
         With resolve_refs, the reply's object references ("refs") are fetched into
         reply["chunks"] inside the same failover: an edge that dies between answering and
         the transfer costs a retry on the next edge.
         """
+        return Stub(EdgeAPI, functools.partial(self._nearest_call, timeout, resolve_refs),
+                    "the nearest edge")
+
+    def _nearest_call(self, timeout, resolve_refs, method, args, kw) -> tuple:
         failed = []
         for edge in self.ranked_edges():
             t0 = time.monotonic()
             try:
-                reply = self.actors.call_sync(edge, method, *args, timeout=timeout, **kw)
+                reply = self.actors.call_sync(edge, method, *args, timeout=timeout, **dict(kw))
                 if resolve_refs:
                     left = max(0.5, timeout - (time.monotonic() - t0))
                     refs = reply.pop("refs")
@@ -143,6 +153,6 @@ class NetworkView:
         raise NoLiveEdge(f"no edge of network {self.network!r} answered {method} "
                          f"(tried {', '.join(failed) or 'none'})")
 
-    def edge_at(self, edge: str, method: str, *args, timeout: float = CALL_TIMEOUT_S, **kw):
-        """One named edge's answer (Unreachable if it does not give one)."""
-        return self.actors.call_sync(edge, method, *args, timeout=timeout, **kw)
+    def at(self, edge: str, timeout: float = CALL_TIMEOUT_S) -> EdgeAPI:
+        """One named edge's interface (a call raises Unreachable if it gets no answer)."""
+        return self.actors.edge(edge, timeout, "sync")

@@ -1,13 +1,13 @@
 """Emphasis weights: an operator's {document: integer weight} for a KB, checked.
 
-The setting that kdn.engines.emphasis turns into edited KV (a weight k adds log k to the
+The setting that kdn.engines.kv_edit turns into edited KV (a weight k adds log k to the
 document's attention logits). Publishers, the origin (a KB's emphasis override, like its pin
 or TTL), the service (per request) and the CLI check weights here, so each refuses the same
 values with the same message before anything changes. A weight of 1 is no edit and is dropped:
 {} means "the KB's exact KV". One rule everywhere: a weight is an integer in [1, MAX_EMPHASIS],
 and typed on a command line it is written in ASCII digits.
 
-Emphasized copies. An edit of a KB version that an operator stores (kdn.engines.emphasized) is
+Emphasized copies. An edit of a KB version that an operator stores (kdn.engines.emphasis_variants) is
 a manifest of the same KB name under a fingerprint derived from the model's,
 "<model fingerprint>~emphasis-<32 hex>": its keys are its own, so no reader of the KB can name
 them. Such a manifest is a copy that belongs to the KB version its meta names ("of"), never a
@@ -92,7 +92,7 @@ def override_of(manifest) -> dict:
 
 # --- emphasized copies (see the module) ----------------------------------------------------------
 def emphasis_fingerprint(fingerprint: str, salt: bytes) -> str:
-    """The fingerprint of an edit's namespace (salt: kdn.engines.emphasis.edit_salt): never a
+    """The fingerprint of an edit's namespace (salt: kdn.engines.kv_edit.edit_salt): never a
     model's own, and `is_emphasized` says so."""
     return f"{fingerprint}{EMPHASIS_MARK}{bytes(salt).hex()}"
 

@@ -16,12 +16,18 @@ A handle is looked up once and cached. The lookup (ray.get_actor) is a blocking 
 Ray's GCS: an async caller makes it in a worker thread, one lookup per actor however many
 calls wait for it, so re-resolving an actor after a failover never stalls the caller's loop.
 
-Every KDN actor method takes `token=` (the admin token for node-to-node calls, a tenant's
-read token for reads); `Actors` passes the one it holds unless a call names another.
+Methods are named by attribute, never by a string: `Actors.edge(name)` and `Actors.origin()`
+return a `Stub` of the node's interface (kdn.core.interfaces), whose call checks its
+arguments against the interface's signature before anything is sent. Every KDN actor method
+takes `token=` (the admin token for node-to-node calls, a tenant's read token for reads);
+`Actors` passes the one it holds unless a call names another.
 """
 import asyncio
+import functools
+import inspect
 
 from kdn.core.errors import KDNError, NetworkError
+from kdn.core.interfaces import EdgeAPI, OriginAPI, methods
 from kdn.core.names import NAMESPACE, ORIGIN_NODE, actor_name
 
 
@@ -43,6 +49,42 @@ def remote_error(e: BaseException) -> BaseException:
     return cause if isinstance(cause, KDNError) else e
 
 
+@functools.lru_cache(maxsize=None)
+def _signatures(api) -> dict:
+    return {n: inspect.signature(f) for n, f in methods(api).items()}
+
+
+class Stub:
+    """A node interface's methods as attributes: `stub.have(keys)` checks the arguments
+    against `api`'s signature (TypeError here, before anything is sent), then returns
+    `send(method, args, kw)`: an awaitable, an answer or an object ref, as the transport
+    that made the stub does. `token=` names another token than the transport's."""
+
+    __slots__ = ("_api", "_send", "_label")
+
+    def __init__(self, api, send, label: str):
+        self._api, self._send, self._label = api, send, label
+
+    def __getattr__(self, name):
+        sig = _signatures(self._api).get(name)
+        if sig is None:
+            raise AttributeError(f"{self._label} has no method {name!r} ({self._api.__name__}, "
+                                 f"kdn.core.interfaces)")
+        send, label = self._send, self._label
+
+        def call(*args, **kw):
+            try:
+                sig.bind(None, *args, **{k: v for k, v in kw.items() if k != "token"})
+            except TypeError as e:
+                raise TypeError(f"{label}.{name}(): {e}") from None
+            return send(name, args, kw)
+        call.__name__ = call.__qualname__ = name
+        return call
+
+    def __repr__(self):
+        return f"<{self._api.__name__} of {self._label}>"
+
+
 class Actors:
     """Handles of one network's named actors, by node: an edge's name, or ORIGIN_NODE.
 
@@ -57,6 +99,27 @@ class Actors:
 
     def label(self, node) -> str:
         return "the origin" if node is ORIGIN_NODE else f"edge {node!r}"
+
+    # --- stubs: how callers call (the methods below are their transport) -------------------
+    def edge(self, name: str, timeout: float = None, how: str = "call") -> EdgeAPI:
+        """Edge `name`'s interface; see stub()."""
+        return self.stub(name, timeout, how)
+
+    def origin(self, timeout: float = None, how: str = "call") -> OriginAPI:
+        """The origin's interface; see stub()."""
+        return self.stub(ORIGIN_NODE, timeout, how)
+
+    def stub(self, node, timeout: float = None, how: str = "call"):
+        """node's interface, each method called as `how` says: "call" (awaitable, call()),
+        "try" (awaitable, None when it fails over: try_call()), "sync" (the answer, for a
+        plain caller: call_sync()) or "start" (an object ref, not waited for: start())."""
+        if how != "start" and timeout is None:
+            raise TypeError(f"a {how!r} stub needs a timeout")
+        send = {"call": lambda m, a, k: self.call(node, m, *a, timeout=timeout, **k),
+                "try": lambda m, a, k: self.try_call(node, m, *a, timeout=timeout, **k),
+                "sync": lambda m, a, k: self.call_sync(node, m, *a, timeout=timeout, **k),
+                "start": lambda m, a, k: self.start(node, m, *a, **k)}[how]
+        return Stub(OriginAPI if node is ORIGIN_NODE else EdgeAPI, send, self.label(node))
 
     def handle(self, node):
         h = self._handles.get(node)

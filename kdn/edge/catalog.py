@@ -15,7 +15,6 @@ import asyncio
 import collections
 import time
 
-from kdn.core.names import ORIGIN_NODE
 from kdn.core.errors import AccessDenied, BadRequest
 from kdn.core.keys import namespace_digest
 
@@ -66,8 +65,7 @@ class Catalog:
     async def list(self, tenant: str, fingerprint: str, token) -> list:
         """Manifests of one namespace: from the origin when it answers, else the broadcast copy."""
         self.tokens.check_read(tenant, token, "listing knowledge bases")
-        got = await self.peers.ask(ORIGIN_NODE, "manifests", namespace_digest(tenant, fingerprint),
-                                   timeout=LIST_TIMEOUT_S)
+        got = await self.peers.origin(LIST_TIMEOUT_S).manifests(namespace_digest(tenant, fingerprint))
         if got is None:
             return self.listed(tenant, fingerprint)
         for m in got:
@@ -121,7 +119,7 @@ class Catalog:
 
     async def _ask_origin(self) -> None:
         self.counters["manifest_refreshes"] += 1
-        for m in await self.peers.ask(ORIGIN_NODE, "manifests", timeout=LIST_TIMEOUT_S) or []:
+        for m in await self.peers.origin(LIST_TIMEOUT_S).manifests() or []:
             self.add(m)
 
     def stats(self) -> dict:

@@ -30,7 +30,6 @@ import os
 
 from kdn.core.errors import BadRequest
 from kdn.core.files import write_atomic
-from kdn.core.names import ORIGIN_NODE
 from kdn.edge.tombstones import check_state
 
 log = logging.getLogger(__name__)
@@ -94,7 +93,7 @@ class Replay:
         answer. One at a time: a second caller waits for the first, then finds it level."""
         async with self._lock:
             since = None if self.seen is None else self.seen[1]
-            r = await self.peers.ask(ORIGIN_NODE, "drops", since, timeout=DROPS_TIMEOUT_S)
+            r = await self.peers.origin(DROPS_TIMEOUT_S).drops(since)
             if r is None:
                 return False
             self.counters["drops_catch_ups"] += 1

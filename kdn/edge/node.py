@@ -38,7 +38,6 @@ from kdn.edge.disk import DiskTier
 from kdn.edge.drops import Replay
 from kdn.edge.forms import Forms, corrupted
 from kdn.edge.membership import Membership
-from kdn.core.names import ORIGIN_NODE
 from kdn.edge.peers import PEER_TIMEOUT_S, Peers
 from kdn.edge.pull import Pull
 from kdn.edge.reads import MAX_REPLY_BYTES, Reads, check_keys
@@ -204,7 +203,7 @@ class EdgeNode:
 
     async def _refresh_membership(self):
         self._last_refresh = time.monotonic()
-        m = await self.peers.ask(ORIGIN_NODE, "membership", timeout=MEMBERSHIP_TIMEOUT_S)
+        m = await self.peers.origin(MEMBERSHIP_TIMEOUT_S).membership()
         if m is not None and self.members.apply(m):
             self.counters["membership_refreshed"] += 1
 
@@ -546,7 +545,7 @@ class EdgeNode:
             if left <= 0:
                 return self._pin_failed("failures", tenant, len(batch), "no time left")
             try:
-                got = await self.peers.ask(ORIGIN_NODE, "put_conversation", tenant, ns, batch, timeout=left)
+                got = await self.peers.origin(left).put_conversation(tenant, ns, batch)
             except BadRequest as e:
                 return self._pin_failed("refused", tenant, len(batch), e)
             except StoreError as e:
@@ -591,8 +590,7 @@ class EdgeNode:
         if held == len(keys) or left <= 0:
             return
         try:
-            got = await self.peers.ask(ORIGIN_NODE, "conversation_chunks", tenant, ns, keys[held:],
-                                       timeout=left)
+            got = await self.peers.origin(left).conversation_chunks(tenant, ns, keys[held:])
         except StoreError as e:
             self.counters["conversation_pull_store_errors"] += 1
             log.warning("edge %s: the origin could not read tenant %r's pinned conversation: %s",

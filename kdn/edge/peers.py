@@ -1,7 +1,8 @@
 """An edge's calls to the other edges and to the origin, with the admin token.
 
 Calls go through kdn.core.rpc.Actors, which fails over only when a node is dead, restarting,
-missing or too slow: then ask() answers None and counts peer_failures or origin_failures, and
+missing or too slow: then a call of `origin()` or `edge(name)` (stubs of kdn.core.interfaces)
+answers None and counts peer_failures or origin_failures, and
 the caller moves to its next source. Anything else (a remote KDNError, a wrong signature) is
 a bug or a refusal and raises: a broad except here once hid a membership refresh that never
 ran. Work sent after a reply (read repair) runs as a task this object keeps until it ends;
@@ -11,8 +12,9 @@ import asyncio
 import collections
 import logging
 
+from kdn.core.interfaces import EdgeAPI, OriginAPI
 from kdn.core.names import ORIGIN_NODE
-from kdn.core.rpc import Actors, Unreachable
+from kdn.core.rpc import Actors, Stub, Unreachable
 
 log = logging.getLogger("kdn.edge")
 
@@ -25,14 +27,23 @@ PEER_READ_S = 5.0         # a peer's object must arrive within this: else a repl
 class Peers:
     def __init__(self, network: str, admin_token: str = None, edge: str = "?"):
         self.actors = Actors(network, admin_token)
-        self.edge = edge
+        self.name = edge                # whose calls these are (for the log)
         self.counters = collections.Counter()
         self._tasks = set()        # work sent after a reply, referenced till done
 
-    async def ask(self, node, method, *args, timeout: float = None, **kw):
-        """node's answer (an edge's name, or ORIGIN_NODE); None when node is unreachable."""
-        if timeout is None:
-            timeout = ORIGIN_TIMEOUT_S if node is ORIGIN_NODE else PEER_TIMEOUT_S
+    def origin(self, timeout: float = ORIGIN_TIMEOUT_S) -> OriginAPI:
+        """The origin's interface; a call answers None when the origin is unreachable."""
+        return Stub(OriginAPI, lambda m, a, k: self.ask(ORIGIN_NODE, m, *a, timeout=timeout, **k),
+                    "the origin")
+
+    def edge(self, name: str, timeout: float = PEER_TIMEOUT_S) -> EdgeAPI:
+        """Edge name's interface; a call answers None when that edge is unreachable."""
+        return Stub(EdgeAPI, lambda m, a, k: self.ask(name, m, *a, timeout=timeout, **k),
+                    f"edge {name!r}")
+
+    async def ask(self, node, method, *args, timeout: float, **kw):
+        """node's answer to method, None when node is unreachable: the transport under the
+        stubs (callers call origin() and edge(); a test stands in for the network here)."""
         try:
             return await self.actors.call(node, method, *args, timeout=timeout, **kw)
         except Unreachable:
@@ -52,7 +63,7 @@ class Peers:
         e = task.exception()
         if e is not None:
             self.counters["after_reply_errors"] += 1
-            log.error("edge %s: %s failed: %s: %s", self.edge, what, type(e).__name__, e,
+            log.error("edge %s: %s failed: %s: %s", self.name, what, type(e).__name__, e,
                       exc_info=e)
 
     def stats(self) -> dict:

@@ -27,7 +27,7 @@ import collections
 from kdn.edge.peers import PEER_READ_S
 from kdn.edge.singleflight import Group
 from kdn.edge.tiers import Held
-from kdn.core.names import ORIGIN, ORIGIN_NODE, peer_source
+from kdn.core.names import ORIGIN, peer_source
 from kdn.core.rpc import failover_errors
 
 
@@ -80,8 +80,7 @@ class Pull:
             for k in pending:
                 if len(ranked[k]) > rnd:
                     groups[ranked[k][rnd]].append(k)
-            replies = await asyncio.gather(*(self.peers.ask(e, "peer_get", ks, region=self.region,
-                                                            drops=drops)
+            replies = await asyncio.gather(*(self.peers.edge(e).peer_get(ks, region=self.region, drops=drops)
                                              for e, ks in groups.items()))
             for (e, ks), got in zip(groups.items(), replies):
                 if got is None:          # unreachable: its keys go to the next owner
@@ -98,7 +97,7 @@ class Pull:
     async def _from_origin(self, keys) -> dict:
         """key -> (the origin's verified copy (Chunk or Encoded), a Held of it in this node's
         store)."""
-        got = await self.peers.ask(ORIGIN_NODE, "get_chunks", keys) or [None] * len(keys)
+        got = await self.peers.origin().get_chunks(keys) or [None] * len(keys)
         pairs = [(k, c) for k, c in zip(keys, got) if c is not None and c.key == k]
 
         def verified():       # hashing (decoding, for a frame) and ray.put's copy: off the loop
@@ -112,7 +111,7 @@ class Pull:
             repair = [from_origin[k] for k in ks if k in from_origin]
             if repair:
                 self.counters["repairs_sent"] += len(repair)
-                self.peers.later(self.peers.ask(e, "put_chunks", repair, drops=drops),
+                self.peers.later(self.peers.edge(e).put_chunks(repair, drops=drops),
                                  f"read repair of {e}")
 
     # --- keeping ----------------------------------------------------------------------------

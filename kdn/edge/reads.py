@@ -22,7 +22,6 @@ import asyncio
 import collections
 import time
 
-from kdn.core.names import ORIGIN_NODE
 from kdn.core.errors import BadRequest
 from kdn.core.keys import MAX_FETCH_KEYS, check_key
 from kdn.core.names import DISK, LOCAL, source_kind
@@ -200,7 +199,7 @@ class Reads:
         n = next((i for i, h in enumerate(here) if not h), len(keys))
         if n < len(keys):
             rest = keys[n:]
-            got = await self.peers.ask(ORIGIN_NODE, "has", rest, ns, timeout=LOOKUP_TIMEOUT_S)
+            got = await self.peers.origin(LOOKUP_TIMEOUT_S).has(rest, ns)
             if got is None:              # the origin is down: ask the owners
                 got = await self._owners_have(rest, ns)
             n += next((i for i, h in enumerate(got) if not h), len(got))
@@ -216,7 +215,7 @@ class Reads:
         rest = [i for i, h in enumerate(held) if not h]
         if rest:
             asked = [keys[i] for i in rest]
-            got = await self.peers.ask(ORIGIN_NODE, "has", asked, ns, timeout=LOOKUP_TIMEOUT_S)
+            got = await self.peers.origin(LOOKUP_TIMEOUT_S).has(asked, ns)
             if got is None:              # the origin is down: ask the owners
                 got = await self._owners_have(asked, ns)
             for i, h in zip(rest, got):
@@ -231,7 +230,7 @@ class Reads:
             for o in owners:
                 if o != self.name:
                     asked[o].append(k)
-        replies = await asyncio.gather(*(self.peers.ask(o, "have", ks, ns, timeout=LOOKUP_TIMEOUT_S)
+        replies = await asyncio.gather(*(self.peers.edge(o, LOOKUP_TIMEOUT_S).have(ks, ns)
                                          for o, ks in asked.items()))
         held = {k for ks, got in zip(asked.values(), replies) for k, h in zip(ks, got or ()) if h}
         return [k in held for k in keys]

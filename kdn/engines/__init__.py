@@ -5,8 +5,9 @@
 - fingerprint.py   which engine computed a cache, as part of the model's fingerprint;
 - sources.py       how a connector inside an engine reaches edges (Ray or HTTP), tenants by
                    cache salt, deadlines;
-- emphasis.py      KV edited so the model attends more to trusted documents;
-- emphasized.py    emphasized KV in the network: apart from exact KV, served only on request;
+- kv_edit.py       KV edited so the model attends more to trusted documents (emphasis);
+- emphasis_variants.py  emphasized KV in the network: apart from exact KV, served only on
+                   request;
 - transformers/    the HF transformers engine: the model, its cache adapter, blended reuse;
 - vllm/            vLLM through its v1 KV connector (`kdn.engines.vllm`).
 

@@ -263,7 +263,7 @@ class Objects:
 
     def _put(self, chunks) -> int:
         try:
-            got = self.view.origin("put_objects", chunks, timeout=STORE_TIMEOUT_S, token=self.token)
+            got = self.view.origin(STORE_TIMEOUT_S).put_objects(chunks, token=self.token)
         except AccessDenied as e:
             self.counters["store_refused"] += 1
             raise AccessDenied(f"KDN {self.layer}: the origin refused a store ({e}): stores need the "
@@ -284,9 +284,8 @@ class Objects:
         for s in range(0, len(keys), READ_BATCH_KEYS):
             part = keys[s:s + READ_BATCH_KEYS]
             with self._reads_of(tenant):
-                here, _, _ = self.view.edge("holds", part, ns, token=self.read_tokens.get(tenant),
-                                            tenant=tenant, fingerprint=fingerprint,
-                                            timeout=fetch_deadline_s(len(part)))
+                here, _, _ = self.view.nearest(fetch_deadline_s(len(part))).holds(
+                    part, ns, token=self.read_tokens.get(tenant), tenant=tenant, fingerprint=fingerprint)
             held[s:s + len(part)] = here
         self.counters["lookups"] += 1
         self.counters["lookup_keys"] += len(keys)
@@ -312,8 +311,7 @@ class Objects:
         n = 0
         for s in range(0, len(keys), BATCH_OBJECTS):
             try:
-                got = self.view.origin("delete_objects", keys[s:s + BATCH_OBJECTS], ns,
-                                       timeout=STORE_TIMEOUT_S, token=self.token)
+                got = self.view.origin(STORE_TIMEOUT_S).delete_objects(keys[s:s + BATCH_OBJECTS], ns, token=self.token)
             except AccessDenied as e:
                 self.counters["delete_refused"] += 1
                 raise AccessDenied(f"KDN {self.layer}: the origin refused a delete ({e}): deletes "

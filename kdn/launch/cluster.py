@@ -269,11 +269,10 @@ def start_network(topology, root, network: str = "kdn", detached: bool = False,
     actors = Actors(network, auth["admin"])
     deadline = time.monotonic() + timeout_s
     try:
-        pings = {node: actors.start(node, "ping") for node in (ORIGIN_NODE, *edges)}   # all at once
+        pings = {node: actors.stub(node, how="start").ping() for node in (ORIGIN_NODE, *edges)}   # all at once
         for node, ref in pings.items():
             actors.get_sync(node, ref, timeout=max(0.1, deadline - time.monotonic()))
-        actors.call_sync(ORIGIN_NODE, "set_members", [(e.name, e.region, e.weight) for e in topology.edges],
-                         timeout=timeout_s)
+        actors.origin(timeout_s, "sync").set_members([(e.name, e.region, e.weight) for e in topology.edges])
     except Unreachable as e:
         stop_network(network)        # nothing half-started is left behind
         raise NetworkError(f"network {network!r} did not start within {timeout_s:.0f} s: {e}") from None

@@ -30,7 +30,7 @@ class Health:
         """Ping members and down edges; the membership to apply now, or None when none changed."""
         names = [m[0] for m in members] + list(self.down)
         beat = self.beat()
-        replies = await asyncio.gather(*(self.actors.try_call(n, "ping", timeout=self.timeout_s, **beat)
+        replies = await asyncio.gather(*(self.actors.edge(n, self.timeout_s, "try").ping(**beat)
                                          for n in names))
         alive = {n for n, r in zip(names, replies) if r is not None}
         for n in names:

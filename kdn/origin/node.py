@@ -165,7 +165,7 @@ class OriginNode:
         _changing, so no membership is saved under a number edges would ignore."""
         if not self.roster.recovering:
             return
-        replies = await self.pusher.broadcast("membership")
+        replies = await self.pusher.every_edge().membership()
         seen = [r["version"] for r in replies if isinstance(r, dict)]
         if seen or not self.roster.members:
             await asyncio.to_thread(self.roster.save, version=max(seen, default=0) + 1)
@@ -229,7 +229,7 @@ class OriginNode:
         return self.roster.view()
 
     async def _broadcast_membership(self):
-        await self.pusher.broadcast("set_membership", self.roster.view())
+        await self.pusher.every_edge().set_membership(self.roster.view())
 
     async def add_edge(self, name: str, region: str, weight: float = 1.0, token=None) -> dict:
         self.tokens.check_admin(token, "add_edge")
@@ -359,7 +359,7 @@ class OriginNode:
         self.counters["objects_deleted"] += len(gone)
         # with the log's settled head: a copy on its way into an edge read before it is refused
         at = await asyncio.to_thread(settled, self.store) if gone else None
-        dropped = await self.pusher.broadcast("drop", gone, drops=at) if gone else []
+        dropped = await self.pusher.every_edge().drop(gone, drops=at) if gone else []
         return {"deleted": len(gone), "dropped": dict(zip(self.roster.names(), dropped))}
 
     async def commit(self, manifest: dict, push: bool = True, token=None) -> dict:
@@ -385,7 +385,7 @@ class OriginNode:
         else:
             committed, unchanged = await asyncio.to_thread(self.store.commit, m), False
             self.counters["versions_committed"] += 1
-        await self.pusher.broadcast("add_manifest", self._listed(committed))
+        await self.pusher.every_edge().add_manifest(self._listed(committed))
         placement, pushed = await self.pusher.push(committed) if push else ({}, {})
         return {"kb": committed.name, "tenant": committed.tenant, "version": committed.version,
                 "unchanged": unchanged, "chunks": len(committed.keys), "tokens": committed.n_tokens,
@@ -461,8 +461,8 @@ class OriginNode:
         ns, name, version = _ns(ns), _name(name, "KB name"), _version(version)
         copies = await asyncio.to_thread(self.store.delete_version, ns, name, version)
         for c in copies:
-            await self.pusher.broadcast("drop_manifest", c.ns, c.name, c.version)
-        await self.pusher.broadcast("drop_manifest", ns, name, version)
+            await self.pusher.every_edge().drop_manifest(c.ns, c.name, c.version)
+        await self.pusher.every_edge().drop_manifest(ns, name, version)
         return {"deleted": f"{name}@v{version}", "emphasized_copies": len(copies)}
 
     async def drops(self, since: int = None, token=None) -> dict:
@@ -530,7 +530,7 @@ class OriginNode:
             out["placement"], out["pushed"] = await self.pusher.push(latest)
         if ttl_s is not None:                      # its emphasized copies' chunks too, as pushes do
             keys = list(dict.fromkeys(k for m in stored for k in m.keys))
-            held = await self.pusher.broadcast("set_ttl", keys, ov["ttl_s"])
+            held = await self.pusher.every_edge().set_ttl(keys, ov["ttl_s"])
             out["ttl_set"] = dict(zip(self.roster.names(), held))
         return out
 

@@ -11,12 +11,14 @@ Each batch carries the drop log's settled head read before its bytes (kdn/origin
 an edge that has applied a later drop of one of its keys does not keep the old bytes.
 """
 import asyncio
+import functools
 import collections
 
 from kdn.core.errors import StoreError
 from kdn.origin.drops import settled
 from kdn.origin.overrides import kb_id
-from kdn.core.rpc import Unreachable
+from kdn.core.interfaces import EdgeAPI
+from kdn.core.rpc import Stub, Unreachable
 
 PUSH_BATCH_BYTES = 64 << 20     # one put_chunks call carries at most this much
 BATCHES_IN_FLIGHT = 4           # batches in flight at once, across all edges
@@ -48,18 +50,23 @@ class Pusher:
         self.store, self.actors, self.membership = store, actors, membership
         self.counters = collections.Counter(chunks_pushed=0, edge_call_failures=0)
 
-    async def call(self, edge, method, *args, timeout=BATCH_TIMEOUT_S, **kw):
-        """edge's answer; None when it is dead, restarting or too slow (counted)."""
+    def edge(self, edge: str, timeout: float = BATCH_TIMEOUT_S) -> EdgeAPI:
+        """edge's interface; a call answers None when it is dead, restarting or too slow (counted)."""
+        return Stub(EdgeAPI, functools.partial(self._call, edge, timeout), f"edge {edge!r}")
+
+    def every_edge(self, timeout: float = QUICK_TIMEOUT_S) -> EdgeAPI:
+        """Every member edge's interface at once: a call answers [answer or None] per edge."""
+        async def send(method, args, kw):
+            return await asyncio.gather(*(self._call(n, timeout, method, args, dict(kw))
+                                          for n in self.membership.names()))
+        return Stub(EdgeAPI, send, "every edge")
+
+    async def _call(self, edge, timeout, method, args, kw):
         try:
             return await self.actors.call(edge, method, *args, timeout=timeout, **kw)
         except Unreachable:
             self.counters["edge_call_failures"] += 1
             return None
-
-    async def broadcast(self, method, *args, timeout=QUICK_TIMEOUT_S, **kw) -> list:
-        """Call method on every member edge at once; their answers (None where missed)."""
-        return await asyncio.gather(*(self.call(n, method, *args, timeout=timeout, **kw)
-                                      for n in self.membership.names()))
 
     def _override(self, m) -> dict:
         return self.membership.overrides.get(kb_id(m.tenant, m.name), {})
@@ -95,12 +102,12 @@ class Pusher:
         pushed = {}
 
         async def push_to(edge, keys):
-            have = await self.call(edge, "have", keys, timeout=QUICK_TIMEOUT_S)
+            have = await self.edge(edge, QUICK_TIMEOUT_S).have(keys)
             if have is None:
                 pushed[edge] = 0
                 return
             if edge in pinned:   # chunks it already holds get pinned where they are
-                await self.call(edge, "pin_keys", [k for k, h in zip(keys, have) if h])
+                await self.edge(edge).pin_keys([k for k, h in zip(keys, have) if h])
             pushed[edge] = await self.send(edge, [k for k, h in zip(keys, have) if not h], sem,
                                            role="main", pin=edge in pinned, ttl_s=ov.get("ttl_s"))
 
@@ -121,7 +128,7 @@ class Pusher:
         sem, pushed = asyncio.Semaphore(BATCHES_IN_FLIGHT), {}
 
         async def push_to(edge, keys):
-            have = await self.call(edge, "have", keys, timeout=QUICK_TIMEOUT_S)
+            have = await self.edge(edge, QUICK_TIMEOUT_S).have(keys)
             pushed[edge] = 0 if have is None else \
                 await self.send(edge, [k for k, h in zip(keys, have) if not h], sem)
 
@@ -137,8 +144,7 @@ class Pusher:
         async def flush(batch):
             async with sem:
                 drops, chunks = await asyncio.to_thread(read, batch)
-                ok = await self.call(edge, "put_chunks", chunks, role=role, pin=pin, ttl_s=ttl_s,
-                                     drops=drops)
+                ok = await self.edge(edge).put_chunks(chunks, role=role, pin=pin, ttl_s=ttl_s, drops=drops)
                 return len(batch) if ok is not None else 0
 
         jobs, batch, size = [], [], 0
@@ -172,6 +178,6 @@ class Pusher:
         sem = asyncio.Semaphore(BATCHES_IN_FLIGHT)
         sent = {}
         for e in edges:
-            have = await self.call(e, "have", list(m.keys), timeout=QUICK_TIMEOUT_S) or [False] * len(m.keys)
+            have = await self.edge(e, QUICK_TIMEOUT_S).have(list(m.keys)) or [False] * len(m.keys)
             sent[e] = await self.send(e, [k for k, h in zip(m.keys, have) if not h], sem, role="hot")
         return sent

@@ -10,7 +10,7 @@ Pure functions, no Ray and no model, so every rule is testable alone:
   "kdn_fetch": false (extra_body) computes the knowledge's KV in the worker instead of
   fetching it: the same service without KDN, for comparisons (`kdn bench serve`).
   "emphasis": {"doc.md": 4} (extra_body) answers over the KB's KV edited to attend more to
-  those documents (kdn.engines.emphasis; integer weights, checked against the KB's documents);
+  those documents (kdn.engines.kv_edit; integer weights, checked against the KB's documents);
   without it a KB's emphasis override applies (an operator's setting), and {} asks for the
   exact KV. Every answer says which it got: "kdn": {"exact": bool, "emphasis": {...}}.
   "model": "<model>" with no KB is a plain chat. Every chat's KV is kept for its next turn
@@ -179,7 +179,7 @@ class ChatRequest:
     include_usage: bool   # stream_options.include_usage (usage is always on the last chunk here)
     seed: "int | None"
     kdn_fetch: bool = True   # False: compute the knowledge's KV here, as if there were no KDN (comparisons)
-    emphasis: dict = None    # {document: int weight}: attend more to those documents (kdn.engines.emphasis);
+    emphasis: dict = None    # {document: int weight}: attend more to those documents (kdn.engines.kv_edit);
                              # None: the KB's override, if any; {}: the exact KV
     prompt_cache_key: str = None        # OpenAI's: which conversation (routing affinity)
     prompt_cache_retention: str = None  # OpenAI's: "in_memory" (the tenant's idle TTL) or "24h"

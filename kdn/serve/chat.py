@@ -105,7 +105,7 @@ class Chat:
         """The Turn for messages after the KB `manifest` (None: a plain chat).
         fetch=False: nothing is fetched, the whole prompt is computed (no KDN, for comparisons;
         a KB's emphasis override does not apply then, and nothing is kept). emphasis {document:
-        int weight}: the KB's KV edited (kdn.engines.emphasized); None: the KB's override, if
+        int weight}: the KB's KV edited (kdn.engines.emphasis_variants); None: the KB's override, if
         an operator set one (kdn.core.emphasis.override_of); {}: the exact KV. An emphasized
         cache holds more entries than cached tokens (its `kdn_extra`), names its weights
         (`kdn_emphasis`), and is never exact. salt, retention: the conversation's narrower
@@ -201,9 +201,9 @@ class Chat:
                                  self.model.cache_bytes(turn.cache), 0.0, "engine")
 
     def _emphasized(self, turn: Turn, manifest, emphasis: dict, max_tokens: int) -> bool:
-        """Give turn the KB's KV edited by emphasis (kdn.engines.emphasized); False when there
+        """Give turn the KB's KV edited by emphasis (kdn.engines.emphasis_variants); False when there
         is none to be had (the exact KV is read instead)."""
-        from kdn.engines.emphasized import emphasized_kv
+        from kdn.engines.emphasis_variants import emphasized_kv
         e = emphasized_kv(self.client, self.model, manifest, emphasis)
         if e is None:
             return False

@@ -1,4 +1,6 @@
-"""Real servers that tests and benchmarks start on loopback: an S3-compatible one (s3.py).
+"""Testing tools: real servers that tests and benchmarks start on loopback (s3.py: an
+S3-compatible one), and the HTTP fuzzer (fuzzer.py) that `kdn bench fuzz` and the tests run
+against a live edge.
 
-They are real servers (moto speaks S3 over HTTP), not mocks; nothing here runs in production.
+The servers are real (moto speaks S3 over HTTP), not mocks; nothing here runs in production.
 """

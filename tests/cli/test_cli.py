@@ -299,7 +299,7 @@ def test_emphasis_at_publish_and_by_kdn_emphasize_is_the_kbs_override(code_net, 
     assert [k for k in origin["kbs"] if k["name"] == "pol"] == \
         [{"tenant": "default", "name": "pol", "fingerprint": cli_env.fingerprint, "versions": [1]}]
     assert origin["store"]["emphasized_copies"] == 5
-    listed = lambda: reader.view.origin("manifests", name="pol")
+    listed = lambda: reader.view.origin().manifests(name="pol")
     assert len(listed()) == 6
     assert main(["delete", "pol", "1"] + code_net) == 0, capsys.readouterr().err
     assert "default/pol@v1 retired with its 5 emphasized copies" in capsys.readouterr().out

@@ -79,9 +79,9 @@ def test_a_bug_in_a_call_is_not_swallowed(net):
     cl = Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP, token=ACME)
     # A wrong signature (the membership-refresh bug of issue 12) raises, not "no edge answered".
     with pytest.raises(TypeError, match="no_such_argument"):
-        cl.view.edge("lookup", [], cl.ns, token=ACME, no_such_argument=1)
+        cl.view.nearest().lookup([], cl.ns, token=ACME, no_such_argument=1)
     with pytest.raises(TypeError, match="no_such_argument"):
-        cl.view.origin("membership", no_such_argument=1)
+        cl.view.origin().membership(no_such_argument=1)
     assert cl.ranked_edges()[0] == "us-east-0", "a bug does not make an edge suspect"
 
 

@@ -84,7 +84,7 @@ def _copy_fingerprints(fp: str, n: int) -> list:
 
 def test_emphasized_copies_are_never_the_kb_and_go_with_it(net):
     """A KB's emphasized copies (manifests of its name and version under fingerprints derived
-    from its model's, kdn.engines.emphasized) never stand for the KB: emphasis set, cleared and
+    from its model's, kdn.engines.emphasis_variants) never stand for the KB: emphasis set, cleared and
     set again in a row, warm, status, delete and a reader's KB list see the KB's own manifests
     only; deleting the version retires its copies (gone from the origin's listing and from the
     edges), and a copy's fingerprint is refused where a model's is meant."""
@@ -101,7 +101,7 @@ def test_emphasized_copies_are_never_the_kb_and_go_with_it(net):
             rng.standard_normal((2, 2, 2, 300, 8)).astype(np.float32), meta=meta)
         assert got["version"] == 1
     ops = Client(network=net.name, admin_token=ADMIN)                 # no fingerprint: `kdn` as run
-    listed = lambda **kw: {(m["fingerprint"], m["version"]) for m in ops.view.origin("manifests", name="kba", **kw)}
+    listed = lambda **kw: {(m["fingerprint"], m["version"]) for m in ops.view.origin().manifests(name="kba", **kw)}
     assert listed() == {("fp-e", 1)} | {(fp, 1) for fp in copies}    # edges still learn the copies
     assert listed(own=True) == {("fp-e", 1)}
     # emphasize, clear, emphasize again: the KB's documents, every time

@@ -210,7 +210,7 @@ def test_a_manifest_with_other_checksums_than_the_stored_chunks_is_refused(net, 
     m = cl.manifest("kb")
     forged = dataclasses.replace(m, name="forged", version=None, sums=(m.sums[0] ^ 1,) + m.sums[1:])
     with pytest.raises(ManifestError, match="a key means the bytes stored first"):
-        cl.publisher.view.origin("commit", forged.to_dict(), timeout=60)
+        cl.publisher.view.origin(60).commit(forged.to_dict())
     assert [x.name for x in cl.manifests(refresh=True)] == ["kb"]
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from kdn.core.chunk import Chunk, Encoded
 from kdn.core.errors import RemoteError
+from kdn.core.interfaces import EdgeReads
+from kdn.core.rpc import Stub
 from kdn.core.manifest import Manifest
 from kdn.client.publish import split_kv
 from kdn.client.reader import MAX_CORRUPT_RETRIES, Reader
@@ -27,7 +29,7 @@ def _tokens(n, seed=0):
 
 
 class ScriptedView:
-    """A view whose nearest edge "e1" holds `held` (key -> object) and answers fetches with at
+    """A transport (kdn.client.view's nearest/at) whose nearest edge "e1" holds `held` (key -> object) and answers fetches with at
     most `per_reply` chunks, saying "more" when it stopped for that bound."""
     region, node_id = "us-east", "node-1"
 
@@ -36,7 +38,13 @@ class ScriptedView:
         self.per_reply, self.sources = per_reply, sources or {}
         self.fetched, self.reported = [], []
 
-    def edge(self, method, *args, timeout=5.0, resolve_refs=False, **kw):
+    def nearest(self, timeout=5.0, resolve_refs=False):
+        return Stub(EdgeReads, lambda m, a, k: self.edge(m, *a, resolve_refs=resolve_refs, **k), "e1")
+
+    def at(self, edge, timeout=5.0):
+        return Stub(EdgeReads, lambda m, a, k: self.edge_at(edge, m, *a, **k), edge)
+
+    def edge(self, method, *args, resolve_refs=False, **kw):
         assert kw["token"] == TOKEN, "every read carries the reader's token"
         if method == "list_manifests":
             return [m.to_dict() for m in self.manifests], "e1", []
@@ -53,7 +61,7 @@ class ScriptedView:
                  "codecs": [c.codec for c in out], "wire": [c.nbytes for c in out],
                  "ring": 0, "more": more}, "e1", [])
 
-    def edge_at(self, edge, method, *args, timeout, **kw):
+    def edge_at(self, edge, method, *args, **kw):
         assert method == "drop_corrupt"
         self.reported.append((edge, list(args[0]), args[1], kw["token"]))
         for k in args[0]:          # the holder drops the bad copy; the next fetch finds a good one

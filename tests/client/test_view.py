@@ -25,7 +25,7 @@ def test_edges_are_ranked_nearest_first_and_a_failed_one_goes_last(net):
     assert v.membership["version"] >= 1 and len(v.ring) == 3
     v._suspect["ap-south-0"] = time.monotonic() + 60
     assert v.ranked_edges()[-1] == "ap-south-0"
-    reply, edge, failed = v.edge("membership", timeout=10)
+    reply, edge, failed = v.nearest(10).membership()
     assert edge != "ap-south-0" and failed == [] and reply["version"] == v.membership["version"]
 
 
@@ -43,9 +43,9 @@ def test_a_network_that_is_not_there_fails_fast_and_clearly(ray_cluster):
 
 def test_origin_calls_carry_the_admin_token_and_give_up_at_their_deadline(net):
     v = NetworkView(net.name, admin_token=ADMIN)
-    assert v.origin("stats")["role"] == "origin"
+    assert v.origin().stats()["role"] == "origin"
     v.actors = Actors(f"gone{uuid.uuid4().hex[:6]}")   # as if the origin were down for good
     t0 = time.monotonic()
     with pytest.raises(Unreachable, match="did not answer stats within 1 s"):
-        v.origin("stats", timeout=1.0)
+        v.origin(1.0).stats()
     assert 0.8 < time.monotonic() - t0 < 5

@@ -6,6 +6,7 @@ import pytest
 
 from kdn.core.auth import Tokens
 from kdn.edge.catalog import LEARN_PERIOD_S, Catalog
+from kdn.edge.peers import Peers
 from kdn.core.errors import AccessDenied
 from kdn.core.keys import namespace_digest
 
@@ -18,6 +19,8 @@ class Origin:
 
     def __init__(self, manifests=()):
         self.manifests, self.asked = list(manifests), []
+
+    origin, edge = Peers.origin, Peers.edge        # stubs over ask(), as an edge's Peers has
 
     async def ask(self, node, method, *args, timeout=None, **kw):
         self.asked.append((node, method) + args)

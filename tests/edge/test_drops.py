@@ -16,6 +16,7 @@ import pytest
 from kdn.core.errors import BadRequest
 from kdn.core.names import ORIGIN_NODE
 from kdn.edge.drops import POSITION_FILE
+from kdn.edge.peers import Peers
 from kdn.origin.drops import DropLog
 from kdn.origin.objects import LocalObjects
 
@@ -29,6 +30,8 @@ class Origin:
         self.log = DropLog(LocalObjects(root))
         self.down = False
         self.chunks, self.gate = {}, None
+
+    origin, edge = Peers.origin, Peers.edge        # stubs over ask(), as an edge's Peers has
 
     async def ask(self, node, method, *args, timeout=None, **kw):
         if self.down or node is not ORIGIN_NODE:

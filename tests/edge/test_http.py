@@ -29,7 +29,8 @@ from kdn.edge.http import IDLE_S, MAX_BODY_BYTES, EdgeHTTP, is_loopback
 from kdn.edge.reads import MAX_REPLY_BYTES
 from kdn.core.wire import unpack_sources
 from kdn.core.errors import BadRequest, ChecksumMismatch, ManifestError, RemoteError
-from kdn.client.http import EdgeHTTPClient
+from kdn.client.http import EdgeHTTPClient, HTTPEdges
+from kdn.client.reader import Reader
 from kdn.core.keys import namespace_digest
 from kdn.placement.topology import Topology
 
@@ -108,9 +109,10 @@ def test_fetch_over_http_returns_exactly_the_published_bytes_from_every_edge(net
     prompt = t["toks"] + _make_tokens(40, seed=7)          # knowledge + a question
     ray_f = t["client"].fetch(prompt)
     for edge, url in t["urls"].items():
-        with EdgeHTTPClient(url) as h:
-            f = h.fetch_tokens(prompt, "default", FP)
-        assert f.edge == edge and f.tokens == N_TOKENS and len(f.chunks) == 4
+        edges = HTTPEdges([url])
+        f = Reader(edges, "default", FP).fetch(prompt)             # the one reader, over HTTP
+        edges.close()
+        assert f.edge == url and f.tokens == N_TOKENS and len(f.chunks) == 4
         assert f.kb.name == "handbook" and f.keys == t["keys"]
         got = np.concatenate(f.kv_parts(), axis=3)
         assert got.dtype == np.float32 and np.array_equal(got, t["kv"])
@@ -165,7 +167,7 @@ def test_kbs_lists_the_namespace_manifests_with_hex_keys(net):
     assert list(man.keys) == t["keys"] and [d.name for d in man.documents] == ["part1", "part2"]
     assert h.kbs("nobody", FP) == []
     with pytest.raises(ManifestError, match="no knowledge base 'missing'"):
-        h.fetch_tokens(t["toks"], "default", FP, kb="missing")
+        Reader(HTTPEdges([url]), "default", FP).fetch(t["toks"], kb="missing")
 
 
 # --- metrics ------------------------------------------------------------------------------

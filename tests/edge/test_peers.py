@@ -6,7 +6,6 @@ import logging
 
 import pytest
 
-from kdn.core.names import ORIGIN_NODE
 from kdn.edge.peers import Peers
 from kdn.core.errors import AccessDenied
 from kdn.core.rpc import Unreachable
@@ -31,8 +30,8 @@ def _peers(outcome):
 
 def test_an_unreachable_node_answers_none_and_is_counted_by_kind():
     p = _peers(Unreachable("gone"))
-    assert asyncio.run(p.ask("far-0", "peer_get", [])) is None
-    assert asyncio.run(p.ask(ORIGIN_NODE, "membership")) is None
+    assert asyncio.run(p.edge("far-0").peer_get([])) is None
+    assert asyncio.run(p.origin().membership()) is None
     assert p.counters == {"peer_failures": 1, "origin_failures": 1}
     assert [c[3] for c in p.actors.calls] == [5.0, 20.0], "peers answer sooner than the origin"
 
@@ -42,7 +41,7 @@ def test_an_unreachable_node_answers_none_and_is_counted_by_kind():
 def test_anything_else_raises(error):
     p = _peers(error)
     with pytest.raises(type(error)) as e:
-        asyncio.run(p.ask(ORIGIN_NODE, "membership"))
+        asyncio.run(p.origin().membership())
     assert e.value is error and p.counters == {}
 
 

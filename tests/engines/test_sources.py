@@ -101,7 +101,7 @@ def test_a_kb_published_a_moment_ago_is_found_at_once(net, kb):
 def test_http_fails_over_past_a_dead_url_and_says_so_when_none_answers(net, kb):
     toks, _ = kb
     src = HTTPSource(["http://127.0.0.1:9"] + _urls(net, "eu-west"), Tenant("acme"), FP)
-    assert src.match(toks + [1]).tokens == 644 and src.counters["failovers"] >= 1
+    assert src.match(toks + [1]).tokens == 644 and src.edges.counters["failovers"] >= 1
     with pytest.raises(NetworkError, match="no edge answered"):
         HTTPSource(["http://127.0.0.1:9"], Tenant("acme"), FP).match(toks)
 
@@ -131,7 +131,7 @@ def test_http_surfaces_an_edge_that_answers_with_a_fault_instead_of_failing_over
         src = HTTPSource([f"http://127.0.0.1:{server.server_port}"] + _urls(net, "eu-west"), Tenant("acme"), FP)
         with pytest.raises(RemoteError, match="500 a bug"):
             src.match(toks + [1])
-        assert src.counters["failovers"] == 0
+        assert src.edges.counters["failovers"] == 0
     finally:
         server.shutdown()
         server.server_close()

@@ -197,7 +197,7 @@ def test_an_object_failing_its_checksum_is_reported_not_loaded(adapters):
     ns = a.objects.namespace("default", MODEL)
     bad = pack(object_key(ns, host_key(k)), ns, np.arange(4096, dtype=np.uint8))
     bad.kv[5] ^= 0xFF                                            # the bytes no longer match
-    a.objects.view.origin("put_objects", [bad])
+    a.objects.view.origin().put_objects([bad])
     assert lookup(a, [k]) == [True]
     out = memobj(1024, fill=1.0)
     assert load(a, [k], [out]) == [False]
@@ -229,7 +229,7 @@ def test_the_origins_collect_keeps_stored_objects(adapters, net):
     got = Operator(a.objects.view, "default").collect()
     assert got["objects_kept"] >= 2 and got["objects_expired"] == 0
     ns = a.objects.namespace("default", MODEL)
-    served = a.objects.view.origin("get_chunks", [object_key(ns, host_key(k)) for k in keys])
+    served = a.objects.view.origin().get_chunks([object_key(ns, host_key(k)) for k in keys])
     assert [c.kv[:-8].tobytes() for c in served] == [bytes(o.byte_array) for o in objs]
 
 

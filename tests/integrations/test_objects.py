@@ -12,6 +12,8 @@ from kdn.core.chunk import Chunk, Encoded, _frame_prefix, decode, encode, read_h
 from kdn.core.errors import (BadConfig, BadHeader, BadLength, BadRequest, ChecksumMismatch, NoLiveEdge,
                              UnknownCodec)
 from kdn.core.keys import MAX_FETCH_KEYS
+from kdn.core.interfaces import EdgeAPI
+from kdn.core.rpc import Stub
 from kdn.core.transfer import fetch_deadline_s
 from kdn.integrations.objects import (READ_BATCH_BYTES, READ_BATCH_KEYS, TRAILER, Objects, Tenancy,
                                  check_params, object_key, object_namespace, pack, read_batch,
@@ -138,6 +140,9 @@ class SimulatedEdges:
     def __init__(self, held, per_key_s=0.0024, stuck=(), edges=("eu-west-0", "us-east-0")):
         self.held, self.per_key_s, self.stuck, self.edges = held, per_key_s, set(stuck), edges
         self.asked = []                  # (keys, deadline) of every fetch
+
+    def nearest(self, timeout, resolve_refs=False):
+        return Stub(EdgeAPI, lambda m, a, k: self.edge(m, *a, timeout=timeout, **k), "the nearest edge")
 
     def edge(self, method, keys, ns, *args, timeout, **kw):
         assert method == "fetch" and len(keys) <= MAX_FETCH_KEYS

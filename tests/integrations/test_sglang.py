@@ -184,7 +184,7 @@ def test_a_corrupt_page_is_reported_missing(net):
     kdn_key = object_key(store.ns, f"{key}_{store.suffix}_0".encode())
     bad = pack(kdn_key, store.ns, np.zeros(1024, np.uint8))
     bad.kv[3] ^= 0xFF
-    store.objects.view.origin("put_objects", [bad])
+    store.objects.view.origin().put_objects([bad])
     assert store.batch_get_v1([key], torch.tensor([1])) == [False]
 
 

@@ -8,7 +8,8 @@ from kdn.core.auth import Tokens, ensure_admin_token
 from kdn.client import Client
 from kdn.launch.cluster import start_network, stop_network
 from kdn.core.errors import AccessDenied, KDNError
-from kdn.client.http import EdgeHTTPClient
+from kdn.client.http import EdgeHTTPClient, HTTPEdges
+from kdn.client.reader import Reader
 from kdn.placement.topology import Topology
 
 FP = "synthetic-model"
@@ -77,15 +78,13 @@ def test_a_tenant_with_a_read_token_needs_it_on_ray_and_http(net, synth):
     f = ok.fetch(toks)
     assert f.tokens == 600 and np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
     url = ray.get(net.edge("eu-west-0").ping.remote())["http"]
-    with EdgeHTTPClient(url) as hc:                       # no token: 401
-        with pytest.raises(AccessDenied, match="401"):
-            hc.fetch_tokens(toks, "acme", FP)
-    with EdgeHTTPClient(url, token="not-the-token-0123456789") as hc:   # a wrong one: 403
-        with pytest.raises(AccessDenied, match="403"):
-            hc.fetch_tokens(toks, "acme", FP)
+    with pytest.raises(AccessDenied, match="401"):           # no token
+        Reader(HTTPEdges([url]), "acme", FP).fetch(toks)
+    with pytest.raises(AccessDenied, match="403"):           # a wrong one
+        Reader(HTTPEdges([url], token="not-the-token-0123456789"), "acme", FP).fetch(toks)
+    got = Reader(HTTPEdges([url], token=ACME), "acme", FP, token=ACME).fetch(toks)
+    assert got.tokens == 600 and all(np.array_equal(a.kv, b.kv) for a, b in zip(got.chunks, f.chunks))
     with EdgeHTTPClient(url, token=ACME) as hc:
-        got = hc.fetch_tokens(toks, "acme", FP)
-        assert got.tokens == 600 and all(np.array_equal(a.kv, b.kv) for a, b in zip(got.chunks, f.chunks))
         assert hc.health()["ok"]
 
 

@@ -137,7 +137,7 @@ def test_a_collect_racing_lmcache_loads_leaves_no_copy_and_new_bytes_load_everyw
                 rounds.append(keys)
                 old = [h.memobj(FLOATS, seed=1000 * r + i) for i in range(N)]
                 assert h.store(east, keys, old) == N * FLOATS * 4
-                view.origin("pushes_settled")
+                view.origin().pushes_settled()
                 now["keys"] = keys
                 time.sleep(1.0)                          # loads in every region, copies made
                 got = Operator(view, "default").collect(object_ttl_s=0)
@@ -155,7 +155,7 @@ def test_a_collect_racing_lmcache_loads_leaves_no_copy_and_new_bytes_load_everyw
         keys = [k for ks in rounds for k in ks]
         new = [h.memobj(FLOATS, seed=50_000 + i) for i in range(len(keys))]   # other bytes
         assert h.store(west, keys, new) == len(keys) * FLOATS * 4
-        view.origin("pushes_settled")
+        view.origin().pushes_settled()
         for r, a in adapters.items():
             outs = [h.memobj(FLOATS, fill=0.0) for _ in keys]
             assert h.load(a, keys, outs) == [True] * len(keys), r

@@ -86,7 +86,7 @@ def test_origin_killed_mid_publish_never_shows_the_version_and_a_retry_completes
         from kdn.core.manifest import Manifest
         m = Manifest.build("new", cl.tenant, cl.fingerprint, [("d", toks)])
         chunks = split_kv(m, kv)
-        cl.view.origin("put_chunks", chunks[:6])
+        cl.view.origin().put_chunks(chunks[:6])
         pid = ray.get(net.origin.ping.remote())["pid"]
         os.kill(pid, signal.SIGKILL)
         deadline = time.time() + 60

@@ -70,7 +70,7 @@ def test_the_origin_restarts_on_another_node_over_the_same_bucket(ray_cluster, s
         deadline = time.time() + 120
         while True:                                       # Ray restarts it on the other node
             try:
-                pid = cl.view.origin("ping", timeout=10)["pid"]
+                pid = cl.view.origin(10).ping()["pid"]
                 if pid != first:
                     break
             except KDNError:
@@ -79,16 +79,16 @@ def test_the_origin_restarts_on_another_node_over_the_same_bucket(ray_cluster, s
             time.sleep(1.0)
         assert _node_of(pid, [n for n in nodes if n is not victim]) is not victim
 
-        st = cl.view.origin("stats")
+        st = cl.view.origin().stats()
         assert st["store"]["backend"] == url + "/store" and st["store"]["versions"] == 3
         assert st["overrides"] == {"default/faq": {"replicas": 1}}       # kept in the bucket
-        assert [m[0] for m in cl.view.origin("membership")["members"]] == ["eu-west-0", "us-east-0"]
-        after = {(m["name"], m["version"]): m for m in cl.view.origin("manifests")}
+        assert [m[0] for m in cl.view.origin().membership()["members"]] == ["eu-west-0", "us-east-0"]
+        after = {(m["name"], m["version"]): m for m in cl.view.origin().manifests()}
         assert sorted(after) == sorted(before)
         for (name, version), m in before.items():        # every version intact, served by the origin
             toks, kv = kbs[name] if (name, version) != ("handbook", 2) else (toks2, kv2)
             want = split_kv(m, kv)
-            got = cl.view.origin("get_chunks", list(m.keys))
+            got = cl.view.origin().get_chunks(list(m.keys))
             assert all(g is not None and g.decode().equal(w) for g, w in zip(got, want))
         f = Client(network=net.name, region="eu-west", fingerprint=FP).fetch(toks2)
         assert f.tokens == 1300 and np.array_equal(_kv(f), kv2)

@@ -9,7 +9,7 @@ import collections
 
 import pytest
 
-from kdn.core.rpc import Unreachable
+from kdn.core.rpc import Actors, Unreachable
 
 
 class Edge:
@@ -105,6 +105,8 @@ class Edges:
 
     def forget(self, node):
         self.forgotten.append(node)
+
+    label, stub, edge, origin = Actors.label, Actors.stub, Actors.edge, Actors.origin
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import pytest
 from kdn.core.chunk import Chunk
 from kdn.core.errors import (AccessDenied, BadRequest, ManifestError, StoreError, VersionNotFound)
 from kdn.core.manifest import Manifest
-from kdn.core.names import ORIGIN_NODE
 from kdn.origin.node import OriginNode
 from kdn.placement.ring import Edge, Ring
 from kdn.placement.topology import Topology
@@ -604,21 +603,21 @@ def test_the_origin_over_ray(ray_cluster, tmp_path, network_name):
     actors = Actors(network_name, token=ADMIN)
     try:
         # Every method takes token=: membership too (an edge's refresh once died on it silently).
-        assert actors.call_sync(ORIGIN_NODE, "membership", timeout=60)["version"] == 0
+        assert actors.origin(60, "sync").membership()["version"] == 0
         assert ray.get(origin.membership.remote(token="anything"), timeout=30)["version"] == 0
         assert ray.get(origin.stats.remote(token=None), timeout=30)["role"] == "origin"
         with pytest.raises(BadRequest, match="region 'mars'"):     # arrives as itself, not a RayTaskError
-            actors.call_sync(ORIGIN_NODE, "set_members", [("x", "mars", 1.0)], timeout=30)
-        assert actors.call_sync(ORIGIN_NODE, "set_members", MEMBERS, timeout=30)["version"] == 1
+            actors.origin(30, "sync").set_members([("x", "mars", 1.0)])
+        assert actors.origin(30, "sync").set_members(MEMBERS)["version"] == 1
         with pytest.raises(AccessDenied):
-            Actors(network_name).call_sync(None, "set_members", MEMBERS, timeout=30)
+            Actors(network_name).origin(30, "sync").set_members(MEMBERS)
 
         m = kb()
         cs = chunks_of(m)
-        assert actors.call_sync(ORIGIN_NODE, "stored", list(m.keys), timeout=30) == [None] * 16
-        assert actors.call_sync(ORIGIN_NODE, "put_chunks", cs, timeout=30) == \
+        assert actors.origin(30, "sync").stored(list(m.keys)) == [None] * 16
+        assert actors.origin(30, "sync").put_chunks(cs) == \
             {"received": 16, "written": 16, "sums": [c.digest() for c in cs]}
-        receipt = actors.call_sync(ORIGIN_NODE, "commit", m.to_dict(), timeout=30)
+        receipt = actors.origin(30, "sync").commit(m.to_dict())
         assert receipt["version"] == 1 and sum(receipt["pushed"].values()) == 32
         reports = {n: ray.get(h.report.remote(), timeout=30) for n, h in stand_ins.items()}
         owners = dict(zip(m.keys, Ring([Edge(*x) for x in MEMBERS]).owners_batch(list(m.keys), 2)))
@@ -628,8 +627,8 @@ def test_the_origin_over_ray(ray_cluster, tmp_path, network_name):
 
         ray.kill(stand_ins.pop("eu-west-0"), no_restart=True)      # an edge dies
         m2 = kb(name="faq")
-        actors.call_sync(ORIGIN_NODE, "put_chunks", chunks_of(m2), timeout=30)
-        receipt = actors.call_sync(ORIGIN_NODE, "commit", m2.to_dict(), timeout=60)
+        actors.origin(30, "sync").put_chunks(chunks_of(m2))
+        receipt = actors.origin(60, "sync").commit(m2.to_dict())
         assert receipt["version"] == 1 and receipt["pushed"]["eu-west-0"] == 0
         deadline = time.time() + 30             # marked down, then the ring without it saved
         while not ((st := ray.get(origin.stats.remote(token=ADMIN), timeout=10))["membership_version"] == 2

@@ -105,7 +105,7 @@ def test_a_dead_edge_is_skipped_and_counted(parts):
     placement, pushed = asyncio.run(go())
     assert pushed[dead] == 0 and placement[dead] > 0
     assert pusher.counters["edge_call_failures"] == 1
-    assert asyncio.run(pusher.broadcast("set_ttl", [m.keys[0]], 5.0))[0] is None
+    assert asyncio.run(pusher.every_edge().set_ttl([m.keys[0]], 5.0))[0] is None
 
 
 def test_outgoing_sends_stored_frames_as_they_are_and_never_a_corrupt_one(tmp_path):

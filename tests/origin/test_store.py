@@ -173,7 +173,7 @@ def test_delete_version_retires_without_reusing_the_number_and_collect(tmp_path)
 
 
 def copy_of(m: Manifest, salt: int, version=None, meta=None) -> Manifest:
-    """An emphasized copy of m, as kdn.engines.emphasized stores one: its own tokens under a
+    """An emphasized copy of m, as kdn.engines.emphasis_variants stores one: its own tokens under a
     fingerprint derived from m's, its meta naming the version it edits."""
     meta = {"emphasis": {"a": salt + 2}, "of": {"kb": m.name, "version": m.version if version is None else version},
             "exact": False} if meta is None else meta

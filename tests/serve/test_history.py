@@ -156,20 +156,19 @@ def test_no_tenant_and_no_salt_reads_another_ones_history(net, model):
     # beta's token naming acme's conversation is refused by the home edge itself
     found = acme.history.find(second and acme.begin(None, second, 12, salt="alice").prompt, 0, "alice")
     with pytest.raises(AccessDenied):
-        beta.client.view.edge_at(found.edge, "conversation_lookup", found.keys, found.ns, "acme",
-                                 model.fingerprint, found.scope, token=BETA)
+        beta.client.view.at(found.edge).conversation_lookup(found.keys, found.ns, "acme", model.fingerprint, found.scope, token=BETA)
 
 
 def test_an_idle_ttl_empties_the_home_edge(net, model):
     c = chat(net, model)
     _, kept, second = two_turns(c, salt="short-lived")
     view = c.client.view
-    view.edge_at(kept["edge"], "set_conversation_policy", "acme", ttl_s=1.0, token=ADMIN)
+    view.at(kept["edge"]).set_conversation_policy("acme", ttl_s=1.0, token=ADMIN)
     time.sleep(2.5)                                                  # past the TTL; the edge sweeps each second
-    held = view.edge_at(kept["edge"], "conversations_of", "acme", token=ADMIN)
+    held = view.at(kept["edge"]).conversations_of("acme", token=ADMIN)
     assert held["conversations"] == [] and held["policy"]["ttl_s"] == 1.0
     assert chat(net, model).begin(None, second, 12, salt="short-lived").cached == 0
-    view.edge_at(kept["edge"], "set_conversation_policy", "acme", ttl_s=1800.0, token=ADMIN)
+    view.at(kept["edge"]).set_conversation_policy("acme", ttl_s=1800.0, token=ADMIN)
 
 
 
@@ -194,8 +193,8 @@ def test_a_pinned_tenants_conversation_outlives_its_home_edges_copy(net, model):
         assert kept2["chunks"] >= 1 and kept2["edge"] == kept1["edge"], (kept2, c.history.counters, t2.history)
         whole = kept1["chunks"] + kept2["chunks"]
         assert sum(ops.pinned_conversations()["chunks"].values()) == whole   # the start went too
-        ops.view.edge_at(kept1["edge"], "drop_conversations", "beta", token=ADMIN)   # the edge's copy only
-        assert ops.view.edge_at(kept1["edge"], "conversations_of", "beta", token=ADMIN)["conversations"] == []
+        ops.view.at(kept1["edge"]).drop_conversations("beta", token=ADMIN)   # the edge's copy only
+        assert ops.view.at(kept1["edge"]).conversations_of("beta", token=ADMIN)["conversations"] == []
         third = second + [{"role": "assistant", "content": text2}, {"role": "user", "content": "Which is next?"}]
         t3 = c.begin(None, third, 12, salt="agent-7")
         assert t3.history.get("fetched") and t3.cached == whole * 256, (t3.history, c.history.counters)

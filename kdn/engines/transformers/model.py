@@ -211,7 +211,7 @@ class Model(Prompts, CacheAdapter):
         """
         ids = self.check_tokens(tokens, "prompt tokens")
         check_int(max_new_tokens, "max_new_tokens", 1, error=ModelError)
-        # an emphasized cache (kdn.engines.emphasis) holds `extra` entries beyond its tokens:
+        # an emphasized cache (kdn.engines.kv_edit) holds `extra` entries beyond its tokens:
         # the tokens after it then take explicit positions, those of the unedited sequence
         extra = getattr(cache, "kdn_extra", 0)
         have = self.cache_tokens(cache)
@@ -248,9 +248,9 @@ class Model(Prompts, CacheAdapter):
 
     def _last_logits(self, ids, cache, position: int, extra: int):
         """Logits after the last of ids run after `cache` (at `position`): the engine's own path,
-        or explicit positions over an emphasized cache (kdn.engines.emphasis.forward)."""
+        or explicit positions over an emphasized cache (kdn.engines.kv_edit.forward)."""
         if extra:
-            from kdn.engines.emphasis import forward
+            from kdn.engines.kv_edit import forward
             return forward(self, ids, cache, position, extra)
         with torch.inference_mode():
             return self._forward(torch.tensor([list(ids)], dtype=torch.long), cache).logits[0, -1]

@@ -1,4 +1,4 @@
-"""kdn/engines/emphasis.py: duplicating a token's KV k times adds exactly log k to its attention logit
+"""kdn/engines/kv_edit.py: duplicating a token's KV k times adds exactly log k to its attention logit
 on the real model, the question keeps the positions of the unedited prompt, a weight of 1 is
 the KB's own KV bit for bit, and bad weights are refused naming the document."""
 import math
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdn.engines import emphasis as E
+from kdn.engines import kv_edit as E
 from kdn.core.emphasis import check_weights, parse_weights
 from kdn.serve.chat import stream
 from kdn.core.errors import BadRequest

@@ -3,7 +3,7 @@
 One network for the module on the session's 3-region Ray cluster, with HTTP on every edge and
 replicas=3, so every edge owns every chunk of the one published KB: a fetch of it changes
 nothing an edge stores (no pull-through, no hot copy), and any change after fuzzing is a bug.
-The seeded driver (kdn.bench.fuzzer.Fuzzer) sends every kind of case over raw sockets; hypothesis
+The seeded driver (kdn.testing.fuzzer.Fuzzer) sends every kind of case over raw sockets; hypothesis
 adds arbitrary msgpack bodies; a table pins the exact status and message of the sharpest
 cases; slowloris connections must not stall anyone else. The tenant has a read token, so
 wrong and absent tokens must be refused (403), never answered.
@@ -27,7 +27,7 @@ from kdn.client import Client
 from kdn.launch.cluster import start_network, stop_network
 from kdn.core.keys import MAX_FETCH_KEYS
 from kdn.edge.http import MAX_BODY_BYTES
-from kdn.bench.fuzzer import KINDS, Case, Fuzzer, _request
+from kdn.testing.fuzzer import KINDS, Case, Fuzzer, _request
 from kdn.placement.topology import Topology
 
 REGIONS = ("us-east", "eu-west", "ap-south")

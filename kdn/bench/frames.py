@@ -1,4 +1,4 @@
-"""`kdn bench codec`: chunk frame encode/decode speed against a plain memory copy.
+"""`kdn bench frames`: chunk frame encode/decode speed against a plain memory copy.
 
 One chunk of random bf16 KV (64 MiB by default: 64 layers x 2 x 8 heads x 256 tokens x 128)
 is encoded and decoded repeatedly, and the same bytes are copied with np.copyto into a
@@ -24,7 +24,7 @@ DECODE_TARGET = 0.8
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="kdn bench codec", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="kdn bench frames", description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=64, help="chunk size in MiB (1 MiB per layer)")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -67,7 +67,7 @@ def main(argv=None):
           f"{dec_ratio:.2f}x memcpy (target >= {DECODE_TARGET}: "
           f"{'met' if dec_ratio >= DECODE_TARGET else 'MISSED'})")
     if args.json:
-        emit_json({"bench": "codec", "chunk_bytes": n, "frame_bytes": len(frame),
+        emit_json({"bench": "frames", "chunk_bytes": n, "frame_bytes": len(frame),
                    "encode_gbps": gbps["encode"], "encode_parts_gbps": gbps["encode"],
                    "encode_into_gbps": gbps["encode_into"],
                    "encode_bytes_gbps": gbps["encode_bytes"], "decode_gbps": gbps["decode"],

@@ -1,6 +1,6 @@
 """Emphasized KV in the network: kept apart from the KB's exact KV, served only to who asks.
 
-An edit (kdn.engines.emphasis: a KB version, its document weights) names a namespace of its own,
+An edit (kdn.engines.kv_edit: a KB version, its document weights) names a namespace of its own,
 (tenant, "<model fingerprint>~emphasis-<salt>"), the salt an xxh3-128 of (method, KB,
 version, weights): every key of edited KV is chained from that namespace, so a reader of
 the KB (who computes keys under the model's fingerprint) can neither name nor list it, two
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kdn.engines import emphasis as E
+from kdn.engines import kv_edit as E
 from kdn.core.emphasis import check_weights, emphasis_fingerprint
 from kdn.core.errors import BadRequest, ManifestError
 from kdn.client.reader import Reader
