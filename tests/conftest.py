@@ -47,7 +47,7 @@ REGIONS = ("us-east", "eu-west", "ap-south")
 LONGEST_FIRST = ("test_readme.py", "serve/test_serve.py", "engines/vllm/test_connector.py",
                  "serve/test_history.py", "serve/test_vllm.py", "integrations/test_lmcache.py",
                  "engines/transformers/test_model.py", "engines/transformers/test_blend.py",
-                 "engines/transformers/test_worker.py", "engines/test_emphasized.py",
+                 "engines/transformers/test_worker.py", "engines/test_emphasis_variants.py",
                  "multinode/test_faults.py", "multinode/test_network.py",
                  "multinode/test_origin_bucket.py", "multinode/test_drop_races.py", "cli/test_cli.py")
 

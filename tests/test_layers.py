@@ -4,6 +4,7 @@ nodes never load torch, and the wheel holds every package folder.
 The layers and what each may import are tools/code_health.py's LAYERS table (docs/architecture.md
 draws it); these tests hold the tree to it.
 """
+import ast
 import importlib.util
 import shutil
 import subprocess
@@ -124,3 +125,11 @@ def test_the_wheel_holds_every_package_folder(tmp_path):
     assert {"kdn/edge/node.py", "kdn/origin/node.py", "kdn/placement/ring.py"} <= expected
     assert expected <= names, sorted(expected - names)
     assert any(n.startswith("kdn/data/") and n.endswith(".md") for n in names)
+
+
+def test_the_suites_longest_modules_named_first_exist():
+    """tests/conftest.py starts the minutes-long modules first: a module renamed away would
+    silently start last and leave one worker running it alone."""
+    text = (ROOT / "tests" / "conftest.py").read_text()
+    names = ast.literal_eval(text[text.index("LONGEST_FIRST = ") + len("LONGEST_FIRST = "):].split("\n\n")[0])
+    assert len(names) > 10 and [p for p in names if not (ROOT / "tests" / p).exists()] == []

@@ -1,5 +1,6 @@
-"""What the benchmarks share besides their output (kdn.bench): the regions they build, free
-ports, and a real redis-server started and stopped for them.
+"""What the benchmarks share besides their output format (kdn.bench): the regions they build,
+free ports, a real redis-server started and stopped for them, and the time-to-first-token
+table of the two TTFT benches.
 
 Every benchmark that needs a network builds it with kdn.launch.cluster (LocalCluster,
 start_network) and tears it down with its `teardown`; this module holds the rest that used
@@ -55,3 +56,20 @@ def stop_process(proc, timeout_s: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def ttft_table(rows, limit: str, extra: dict) -> None:
+    """The time-to-first-token table of `kdn bench ttft` and `kdn bench vllm`: the columns
+    they share (knowledge, KV, full and KDN TTFT, speedup and its limit (the row's key
+    `limit`), fetch, same first token) around `extra`, {column: row -> text}."""
+    from kdn.bench import table
+    table([{"knowledge": r["knowledge_tokens"], "KV MiB": f"{r['kv_bytes'] / 2**20:.0f}",
+            "full ms": f"{r['full_ttft_s'] * 1000:.0f}", "KDN ms": f"{r['kdn_ttft_s'] * 1000:.0f}",
+            "speedup": f"{r['speedup']:.1f}x", "limit": f"{r[limit]:.1f}x",
+            "fetch ms": f"{r['fetch_s'] * 1000:.1f}", **{c: f(r) for c, f in extra.items()},
+            "same 1st token": "yes" if r["first_token_identical"] else "NO"} for r in rows])
+
+
+def row_at(rows, knowledge_tokens: int) -> "dict | None":
+    """The row measured at a length (a goal's), if the run measured it."""
+    return next((r for r in rows if r["knowledge_tokens"] == knowledge_tokens), None)

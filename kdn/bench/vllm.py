@@ -28,6 +28,7 @@ import time
 import uuid
 
 from kdn.bench import emit_json, median, table
+from kdn.bench.harness import row_at, ttft_table
 from kdn.engines.vllm.load import COPY_THREADS
 from kdn.core.errors import BadRequest
 
@@ -246,16 +247,12 @@ def report_ttft(rows, reps: int) -> "dict | None":
     """Print the TTFT table and the goal's verdict; the row at the target length."""
     print(f"time to first token in vLLM (CPU), {rows[0]['question_tokens']}-token question, "
           f"median of {reps}; KV published by vLLM itself")
-    table([{
-        "knowledge": r["knowledge_tokens"], "KV MiB": f"{r['kv_bytes'] / 2**20:.0f}",
-        "full ms": f"{r['full_ttft_s'] * 1000:.0f}", "KDN ms": f"{r['kdn_ttft_s'] * 1000:.0f}",
-        "hit ms": f"{r['hit_ttft_s'] * 1000:.0f}", "speedup": f"{r['speedup']:.1f}x",
-        "limit": f"{r['limit_speedup']:.1f}x", "KDN/hit": f"{r['kdn_over_hit']:.2f}",
-        "fetch ms": f"{r['fetch_s'] * 1000:.0f}", "load GB/s": f"{r['load_gbps']:.2f}",
-        "memcpy GB/s": f"{r['memcpy_gbps']:.2f}",
-        "same 1st token": "yes" if r["first_token_identical"] else "NO",
-    } for r in rows])
-    at = next((r for r in rows if r["knowledge_tokens"] == TARGET_LENGTH), None)
+    ttft_table(rows, "limit_speedup", {
+        "hit ms": lambda r: f"{r['hit_ttft_s'] * 1000:.0f}",
+        "KDN/hit": lambda r: f"{r['kdn_over_hit']:.2f}",
+        "load GB/s": lambda r: f"{r['load_gbps']:.2f}",
+        "memcpy GB/s": lambda r: f"{r['memcpy_gbps']:.2f}"})
+    at = row_at(rows, TARGET_LENGTH)
     if at:
         verdict = "met" if at["kdn_over_hit"] <= TARGET_RATIO else "NOT met"
         print(f"goal KDN within {TARGET_RATIO}x of vLLM's own prefix-cache hit at {TARGET_LENGTH} "

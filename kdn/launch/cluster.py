@@ -176,11 +176,14 @@ def start_edge(network: str, edge, topology, detached: bool = False, capacity_by
     """Start one edge actor on a node of its region; returns the handle."""
     import ray
     from kdn.core.transfer import check_store_codec
+    from kdn.edge.events import check_kv_events
+    from kdn.edge.options import check_edge_options
     check_store_codec(edge_options.get("store_codec", "raw"), "edge")
-    edge_options = {**edge_options, **topology.disk(edge.name)}   # the file's disk tier wins
+    from_file = check_edge_options(topology.edge_options(edge.name),
+                                   f"{topology.source}: edge {edge.name!r}")
     if edge_options.get("kv_events") is not None:               # checked here, not in the actor
-        from kdn.edge.events import check_kv_events
-        edge_options["kv_events"] = check_kv_events(edge_options["kv_events"])
+        edge_options = {**edge_options, "kv_events": check_kv_events(edge_options["kv_events"])}
+    edge_options = {**edge_options, **from_file}                # the file's settings win
     cls = ray.remote(_edge_class())
     opts = dict(name=edge_actor_name(network, edge.name), namespace=NAMESPACE, num_cpus=0,
                 max_restarts=-1, max_task_retries=0, max_concurrency=1000,
@@ -243,6 +246,9 @@ def start_network(topology, root, network: str = "kdn", detached: bool = False,
     check_node_name(network, "network name")                                # before anything starts
     check_store_codec((origin_options or {}).get("store_codec", "raw"), "origin")
     check_store_codec((edge_options or {}).get("store_codec", "raw"), "edge")
+    from kdn.edge.options import check_edge_options
+    for e in topology.edges:                                  # every edge's, before anything starts
+        check_edge_options(topology.edge_options(e.name), f"{topology.source}: edge {e.name!r}")
     from kdn.origin.objects import is_bucket
     root = str(root) if is_bucket(str(root)) else str(Path(root).absolute())
     ocls = ray.remote(_origin_class())

@@ -7,7 +7,8 @@ at c times its share when the request mix is skewed. The topology (`topology.Top
 knows regions, links and edge capacities, and ranks sources by the time a transfer would
 take. The replication policy (`replication.ReplicationPolicy`) turns the demand each
 region shows into hot copies there, within a byte budget and with operator overrides.
-`sim` replays a multi-region trace against placement policies. Pure Python and numpy:
+`sim` replays a multi-region trace against placement policies (reported by `kdn bench
+placement`). Pure Python and numpy:
 no Ray, no torch, nothing from kdn but its vocabulary (kdn.core: errors and checks).
 """
 from kdn.placement.replication import Decision, Override, ReplicationPolicy

@@ -27,11 +27,12 @@ Links are symmetric. Users write it as TOML:
     latency_ms = 40.0
     bandwidth_gbps = 1.0
 
-An edge may also name a disk tier beneath its memory (kdn/edge/disk.py): `disk_bytes` (an
-integer > 0) and optionally `disk_dir` (a directory on the edge's node; the edge keeps
-its records in disk_dir/<edge name>), e.g.
-`{ name = "use-1", capacity_bytes = 8_000_000_000, disk_bytes = 500_000_000_000 }`.
-It may publish KV events (kdn/edge/events.py): `kv_events = "tcp://127.0.0.1:5557"`, or a table
+An edge's table may carry settings of the edge's own beside its capacity, which the topology
+keeps as written and the launcher checks (kdn/edge/options.py) before starting anything: a
+disk tier beneath its memory (kdn/edge/disk.py), `disk_bytes` (an integer > 0) and optionally
+`disk_dir` (a directory on the edge's node; the edge keeps its records in disk_dir/<edge name>),
+e.g. `{ name = "use-1", capacity_bytes = 8_000_000_000, disk_bytes = 500_000_000_000 }`; KV
+events (kdn/edge/events.py): `kv_events = "tcp://127.0.0.1:5557"`, or a table
 `{ endpoint = "tcp://127.0.0.1:5557", block_size = 16, topic = "use-1" }`.
 
 Every problem is a TopologyError naming the file and the entry (`topo.toml: links[0]:
@@ -70,9 +71,9 @@ def _name(src, where, v):
 
 
 # --- reading a topology's dict: one function per table ---------------------------------
-def _region(src, rname, r, edges: list, seen: dict, disks: dict) -> tuple:
+def _region(src, rname, r, edges: list, seen: dict, options: dict) -> tuple:
     """regions.<rname>: its (latency_ms, bandwidth_gbps); its edges appended to edges (seen:
-    edge name -> where it was defined; disks: edge name -> its disk settings)."""
+    edge name -> where it was defined; options: edge name -> its other keys, as written)."""
     where = f"regions.{rname}"
     _name(src, where, rname)
     if not isinstance(r, dict):
@@ -92,9 +93,6 @@ def _region(src, rname, r, edges: list, seen: dict, disks: dict) -> tuple:
         ew = f"{where}.edges[{i}]"
         if not isinstance(e, dict):
             raise TopologyError(f"{src}: {ew}: must be a table {{name, capacity_bytes}}, got {e!r:.80}")
-        extra = set(e) - {"name", "capacity_bytes", "disk_bytes", "disk_dir", "kv_events"}
-        if extra:
-            raise TopologyError(f"{src}: {ew}: unknown key(s) {sorted(extra)}")
         if "name" not in e:
             raise TopologyError(f"{src}: {ew}.name is missing")
         name = _name(src, f"{ew}.name", e["name"])
@@ -105,31 +103,10 @@ def _region(src, rname, r, edges: list, seen: dict, disks: dict) -> tuple:
             raise TopologyError(f"{src}: {ew}.capacity_bytes is missing for edge {name!r}")
         cap = check_int(e["capacity_bytes"], f"{src}: {ew}.capacity_bytes", 1, error=TopologyError)
         edges.append((name, rname, cap))
-        disk = _edge_disk(src, ew, name, e)
-        if disk:
-            disks[name] = disk
+        rest = {k: v for k, v in e.items() if k not in ("name", "capacity_bytes")}
+        if rest:
+            options[name] = rest      # the edge's own settings: kdn/edge/options.py checks them
     return within
-
-
-def _edge_disk(src, ew, name, e: dict) -> dict:
-    """An edge's optional settings beside its capacity: disk_bytes, disk_dir, kv_events."""
-    disk = {}
-    if "disk_bytes" in e:
-        disk["disk_bytes"] = check_int(e["disk_bytes"], f"{src}: {ew}.disk_bytes", 1, error=TopologyError)
-    if "disk_dir" in e:
-        dd = e["disk_dir"]
-        if "disk_bytes" not in e:
-            raise TopologyError(f"{src}: {ew}.disk_dir without disk_bytes for edge {name!r}")
-        if not isinstance(dd, str) or not dd or "\0" in dd:
-            raise TopologyError(f"{src}: {ew}.disk_dir: must be a directory path, got {dd!r:.80}")
-        disk["disk_dir"] = dd
-    if "kv_events" in e:      # checked by the edge (kdn.edge.events.check_kv_events)
-        kv = e["kv_events"]
-        if not isinstance(kv, (str, dict)):
-            raise TopologyError(f"{src}: {ew}.kv_events: must be an endpoint "
-                                f"(tcp://127.0.0.1:PORT) or a table, got {kv!r:.80}")
-        disk["kv_events"] = kv
-    return disk
 
 
 def _links(src, ls, regions: dict) -> dict:
@@ -170,10 +147,11 @@ class Topology:
 
     def __init__(self, regions: dict[str, tuple[float, float]], links: dict[tuple[str, str], tuple[float, float]],
                  edges: list[tuple[str, str, int]], origin_region: str, source: str = "<topology>",
-                 disks: dict | None = None):
+                 options: dict | None = None):
         """regions: name -> (latency_ms, bandwidth_gbps) within it; links: (a, b) -> the same
         between a and b (either order given once); edges: (name, region, capacity_bytes);
-        disks: edge name -> {"disk_bytes": int, "disk_dir": str (optional)}."""
+        options: edge name -> its other settings in the file, as written (the edge's own:
+        kdn/edge/options.py checks them, placement does not read them)."""
         self.source = source
         self._regions = dict(regions)
         self._links: dict[tuple[str, str], tuple[float, float]] = {}
@@ -187,7 +165,7 @@ class Topology:
         self.ranked = 0          # rank_sources() calls
         for name, region, cap in edges:
             self.add_edge(name, region, cap)
-        self.disks = {n: dict(v) for n, v in (disks or {}).items()}
+        self.options = {n: dict(v) for n, v in (options or {}).items()}
         self._check()
 
     def _check(self):
@@ -244,13 +222,13 @@ class Topology:
         regs = d.get("regions")
         if not isinstance(regs, dict) or not regs:
             raise TopologyError(f"{src}: regions: must be a non-empty table of regions, got {regs!r:.80}")
-        regions, edges, seen, disks = {}, [], {}, {}
+        regions, edges, seen, options = {}, [], {}, {}
         for rname, r in regs.items():
-            regions[rname] = _region(src, rname, r, edges, seen, disks)
+            regions[rname] = _region(src, rname, r, edges, seen, options)
         links = _links(src, d.get("links", []), regions)
         if origin not in regions:
             raise TopologyError(f"{src}: origin_region: unknown region {origin!r} (regions: {sorted(regions)})")
-        return cls(regions, links, edges, origin, source=src, disks=disks)
+        return cls(regions, links, edges, origin, source=src, options=options)
 
     def to_dict(self) -> dict:
         """The TOML-shaped dict from_dict() reads back (round-trips)."""
@@ -258,7 +236,7 @@ class Topology:
         for r in sorted(self._regions):
             lat, bw = self._regions[r]
             regions[r] = {"latency_ms": lat, "bandwidth_gbps": bw,
-                          "edges": [{"name": n, "capacity_bytes": c, **self.disks.get(n, {})}
+                          "edges": [{"name": n, "capacity_bytes": c, **self.options.get(n, {})}
                                     for n, (reg, c) in sorted(self._edges.items()) if reg == r]}
         names = sorted(self._regions)
         links = [{"between": [a, b], "latency_ms": self._links[(a, b)][0],
@@ -321,13 +299,13 @@ class Topology:
         if name not in self._edges:
             raise TopologyError(f"{self.source}: unknown edge {name!r}")
         del self._edges[name]
-        self.disks.pop(name, None)
+        self.options.pop(name, None)
 
-    def disk(self, edge_name: str) -> dict:
-        """The edge's options from the file: its disk tier (disk_bytes, disk_dir) and its KV
-        events (kv_events); {} when it names none."""
+    def edge_options(self, edge_name: str) -> dict:
+        """The edge's settings in the file beside its capacity (its disk tier, its KV events:
+        the edge's, kdn/edge/options.py), as written; {} when it names none."""
         self.region_of(edge_name)
-        return dict(self.disks.get(edge_name, {}))
+        return dict(self.options.get(edge_name, {}))
 
     # --- queries ---------------------------------------------------------------------
     @property

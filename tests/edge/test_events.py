@@ -451,14 +451,16 @@ def test_a_killed_edge_starts_over_and_announces_what_it_holds(net):
 
 def test_the_topology_file_names_an_edges_kv_events_and_round_trips(tmp_path):
     from kdn.core.errors import TopologyError
+    from kdn.edge.options import check_edge_options
     from kdn.placement.topology import Topology
     t = Topology.default_local(["here"], capacity_bytes=1 << 20).to_dict()
     t["regions"]["here"]["edges"][0]["kv_events"] = {"endpoint": "tcp://127.0.0.1:5601", "block_size": 32}
     topo = Topology.from_dict(t)
     name = topo.edges[0].name
-    assert topo.disk(name)["kv_events"] == {"endpoint": "tcp://127.0.0.1:5601", "block_size": 32}
+    assert topo.edge_options(name)["kv_events"] == {"endpoint": "tcp://127.0.0.1:5601", "block_size": 32}
     (tmp_path / "t.toml").write_text(topo.to_toml())
-    assert Topology.from_toml(tmp_path / "t.toml").disk(name) == topo.disk(name)
+    assert Topology.from_toml(tmp_path / "t.toml").edge_options(name) == topo.edge_options(name)
     t["regions"]["here"]["edges"][0]["kv_events"] = 5601
+    bad = Topology.from_dict(t)             # placement keeps it as written; the edge refuses it
     with pytest.raises(TopologyError, match="kv_events: must be an endpoint"):
-        Topology.from_dict(t)
+        check_edge_options(bad.edge_options(name), "t.toml: edge")

@@ -2,7 +2,7 @@
 import json
 
 from kdn.cli import main as kdn_main
-from kdn.placement import sim
+from kdn.bench import placement
 
 POLICIES = {"a_origin", "b_ring", "c_ring_lru", "d_ring_hot", "e_oracle", "f_budget_oracle"}
 
@@ -36,15 +36,15 @@ def test_quick_run_reports_every_policy_and_writes_a_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_module_entry_point_ring_only(capsys):
-    assert sim.main(["--ring", "--quick", "--json"]) == 0
+def test_the_bench_ring_only(capsys):
+    assert placement.main(["--ring", "--quick", "--json"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(res) == {"ring"} and res["ring"]["method"] == "rendezvous"
     assert {v["vnodes"] for v in res["ring"]["vnode_ring"]} == {100, 1000}
 
 
 def test_edge_disks_add_policy_g_that_serves_more_in_region(capsys):
-    assert sim.main(["--sim", "--quick", "--json", "--plot", "", "--disk-capacity-factor", "4"]) == 0
+    assert placement.main(["--sim", "--quick", "--json", "--plot", "", "--disk-capacity-factor", "4"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["sim"]
     pol = res["policies"]
     assert set(pol) == POLICIES | {"g_ring_hot_disk"}

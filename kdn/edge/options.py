@@ -1,0 +1,42 @@
+"""An edge's settings from the topology file, checked: its disk tier and its KV events.
+
+The topology (kdn/placement/topology.py) carries each edge's settings beside its capacity as
+they are written and knows nothing of what they mean; they are the edge's: `disk_bytes` and
+`disk_dir` (the disk tier beneath memory, kdn/edge/disk.py), `kv_events` (KV events,
+kdn/edge/events.py). The launcher (kdn/launch/cluster.py) checks every edge's here before it
+starts anything, so a typo or a bad value is one TopologyError naming the file and the edge.
+"""
+from kdn.core.checks import check_int
+from kdn.core.errors import BadRequest, TopologyError
+from kdn.edge.events import check_kv_events
+
+OPTIONS = ("disk_bytes", "disk_dir", "kv_events")
+
+
+def check_edge_options(options: dict, where: str) -> dict:
+    """options checked and normalised (kv_events as check_kv_events makes it); `where` names
+    the file and the edge in every error."""
+    extra = set(options) - set(OPTIONS)
+    if extra:
+        raise TopologyError(f"{where}: unknown key(s) {sorted(extra)} (an edge takes name, "
+                            f"capacity_bytes, {', '.join(OPTIONS)})")
+    out = {}
+    if "disk_bytes" in options:
+        out["disk_bytes"] = check_int(options["disk_bytes"], f"{where}: disk_bytes", 1, error=TopologyError)
+    if "disk_dir" in options:
+        dd = options["disk_dir"]
+        if "disk_bytes" not in options:
+            raise TopologyError(f"{where}: disk_dir without disk_bytes")
+        if not isinstance(dd, str) or not dd or "\0" in dd:
+            raise TopologyError(f"{where}: disk_dir: must be a directory path, got {dd!r:.80}")
+        out["disk_dir"] = dd
+    if "kv_events" in options:
+        kv = options["kv_events"]
+        if not isinstance(kv, (str, dict)):
+            raise TopologyError(f"{where}: kv_events: must be an endpoint (tcp://127.0.0.1:PORT) "
+                                f"or a table, got {kv!r:.80}")
+        try:
+            out["kv_events"] = check_kv_events(kv)
+        except BadRequest as e:
+            raise TopologyError(f"{where}: {e}") from None
+    return out
