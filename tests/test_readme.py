@@ -161,6 +161,7 @@ def _errors_on_a_running_network(kdn, tmp_path):
     rc, out, err = kdn("publish", "founding", *docs)       # the README's KB, again
     assert rc == 0, err
     assert "default/founding v1 unchanged" in out and "prefilled 0 tokens" in out and "sent 0 chunks" in out
+    assert "fetched 0.0 MiB" in out, "an unchanged KB is found held by key: no KV read back"
     rc, out, err = kdn("query", "no-such-kb", "Anything?", "--max-new-tokens", "4")
     lines = _error_lines(err)
     assert rc == 2 and len(lines) == 1 and "'no-such-kb'" in lines[0], err

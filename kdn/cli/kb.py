@@ -52,6 +52,8 @@ def _publish(args, rest):
     size = f" ({r['bytes'] / 2**20:.1f} MiB of KV)" if "bytes" in r else ""
     took = f" in {r['prefill_s']:.1f} s" if "prefill_s" in r else ""
     sent = f"; sent {r['sent_chunks']} chunks" if "sent_chunks" in r else ""
+    if "fetched_bytes" in r:       # KV read back to continue from (an unchanged KB: none)
+        sent += f", fetched {r['fetched_bytes'] / 2**20:.1f} MiB"
     print(f"{r['tenant']}/{r['kb']} v{r['version']} {state}: {r['tokens']} tokens in {r['chunks']} chunks"
           f"{size}; prefilled {r['prefilled_tokens']} tokens{took} with {engine.name}, reused "
           f"{r['reused_tokens']} from the network{sent}")

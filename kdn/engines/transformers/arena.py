@@ -10,6 +10,10 @@ it) is garbage, through `weakref.finalize`, so a buffer is never rewritten while
 can still read it: concurrent rebuilds each get their own buffer. The arena keeps at most
 `max_bytes` of idle buffers; a request it cannot serve from them gets fresh memory
 (counted), never an error.
+
+A conversation grows every turn, so each turn's cache wanted a buffer a little larger than
+the last one's and never found an idle one to reuse: fresh buffers above 64 MiB are
+therefore sized in powers of two, so one serves a growing conversation for several turns.
 """
 import collections
 import threading
@@ -21,6 +25,14 @@ from kdn.core.checks import check_int
 
 DEFAULT_MAX_BYTES = 2 << 30     # idle buffers kept for reuse (a 4k-token SmolLM2 KV is 180 MiB)
 ROUND_BYTES = 16 << 20          # buffers are sized in these steps, so near sizes share one
+DOUBLING_BYTES = 64 << 20       # ... and above this, in powers of two (growing caches share one)
+
+
+def size_class(nbytes: int) -> int:
+    """The bytes of a fresh buffer for nbytes: ROUND_BYTES steps, powers of two above
+    DOUBLING_BYTES."""
+    size = -(-nbytes // ROUND_BYTES) * ROUND_BYTES
+    return size if size <= DOUBLING_BYTES else 1 << (size - 1).bit_length()
 
 
 class Arena:
@@ -49,21 +61,27 @@ class Arena:
         nbytes *= torch.empty((), dtype=dtype).element_size()
         buf = self._reuse(nbytes)
         if buf is None:
-            size = -(-nbytes // ROUND_BYTES) * ROUND_BYTES
-            buf = torch.empty(size, dtype=torch.uint8)
-            buf.zero_()             # fault every page in now, once, not on a reader's copy
-            self.counters["allocated"] += 1
-            self.counters["allocated_bytes"] += size
+            buf = self._fresh(size_class(nbytes))
         else:
             self.counters["reused"] += 1
         self.counters["lent_bytes"] += nbytes
         weakref.finalize(owner, self._give_back, buf)
         return buf[:nbytes].view(dtype).view(tuple(int(n) for n in shape))
 
+    def _fresh(self, size: int) -> torch.Tensor:
+        buf = torch.empty(size, dtype=torch.uint8)
+        buf.zero_()                 # fault every page in now, once, not on a reader's copy
+        self.counters["allocated"] += 1
+        self.counters["allocated_bytes"] += size
+        return buf
+
     def _reuse(self, nbytes: int):
-        """The smallest idle buffer that holds nbytes, taken out of the idle list."""
+        """The smallest idle buffer that holds nbytes and is at most twice its size class,
+        taken out of the idle list (a small cache never holds a whole-context buffer: a
+        replica keeps caches by the bytes they hold)."""
+        most = 2 * size_class(nbytes)
         with self._lock:
-            fits = [i for i, b in enumerate(self._idle) if b.numel() >= nbytes]
+            fits = [i for i, b in enumerate(self._idle) if nbytes <= b.numel() <= most]
             if not fits:
                 return None
             return self._idle.pop(min(fits, key=lambda i: self._idle[i].numel()))

@@ -87,3 +87,20 @@ def test_the_smallest_fitting_buffer_is_lent_and_sizes_round_up():
 def test_max_bytes_must_be_a_size(bad):
     with pytest.raises(BadRequest, match="max_bytes"):
         Arena(max_bytes=bad)
+
+
+def test_growing_caches_share_a_power_of_two_buffer_and_small_ones_never_take_a_big_one():
+    from kdn.engines.transformers.arena import DOUBLING_BYTES, size_class
+    assert size_class(1) == ROUND_BYTES and size_class(DOUBLING_BYTES) == DOUBLING_BYTES
+    assert size_class(DOUBLING_BYTES + 1) == 2 * DOUBLING_BYTES
+    assert size_class(200 << 20) == size_class(250 << 20) == 256 << 20    # turn after turn, one class
+    arena = Arena()
+    first = Owner()
+    arena.take((200 << 20,), torch.uint8, owner=first)
+    del first
+    gc.collect()
+    arena.take((250 << 20,), torch.uint8, owner=Owner())                  # the next turn, a bit longer
+    assert arena.counters["allocated"] == 1 and arena.counters["reused"] == 1
+    gc.collect()
+    arena.take((1 << 20,), torch.uint8, owner=Owner())                    # a small cache: its own
+    assert arena.counters["allocated"] == 2
