@@ -49,7 +49,8 @@ LONGEST_FIRST = ("test_readme.py", "serve/test_serve.py", "engines/vllm/test_con
                  "engines/transformers/test_model.py", "engines/transformers/test_blend.py",
                  "engines/transformers/test_worker.py", "engines/test_emphasis_variants.py",
                  "multinode/test_faults.py", "multinode/test_network.py",
-                 "multinode/test_origin_bucket.py", "multinode/test_drop_races.py", "cli/test_cli.py")
+                 "multinode/test_origin_bucket.py", "multinode/test_drop_races.py", "multinode/test_hosts.py",
+                 "cli/test_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -39,6 +39,7 @@ evicted, and every worker's and edge's RSS before and after.
 """
 import argparse
 import random
+import resource
 import tempfile
 import time
 import uuid
@@ -116,6 +117,8 @@ class Worker:
         t0 = time.perf_counter()
         chat = self.history if mode in ("cached", "replica", "moved") else self.plain
         before = {k: chat.counters[k] for k in ("fetch_s", "rebuild_s")}
+        fresh0 = self.model.arena.counters["allocated_bytes"]
+        faults0 = resource.getrusage(resource.RUSAGE_SELF)
         if mode == "limit":
             turn = self._from_engine(conversation, messages)
         else:
@@ -123,6 +126,11 @@ class Worker:
                               salt=f"{mode}/{conversation}", hints=hints, conversation=conversation)
         begin_s = time.perf_counter() - t0      # the prompt, its lookups, fetches and rebuild
         spent = {k: chat.counters[k] - v for k, v in before.items()}
+        faults1 = resource.getrusage(resource.RUSAGE_SELF)
+        # the memory behind the rebuild: fresh buffers the arena faulted in, page faults
+        spent.update(fresh_bytes=self.model.arena.counters["allocated_bytes"] - fresh0,
+                     minor_faults=faults1.ru_minflt - faults0.ru_minflt,
+                     major_faults=faults1.ru_majflt - faults0.ru_majflt)
         fetched = (turn.history.get("chunks", 0) * 256 + turn.history.get("tail", 0)) * self.model.kv_bytes_per_token
         steps, ttft = [], None
         for s in chat.stream(turn.prompt, turn.cache, turn.cached, max_tokens):
@@ -327,7 +335,12 @@ def summarize(results: dict, conversations: int, turns: int, baseline: int, kb_t
                          # where the time before the prefill went (p50s): all of it, the fetches
                          # (KB and history), the cache's rebuild from them
                          **{f"{k}_p50_s": p([g.get(k, 0.0) for g in got], 50)
-                            for k in ("begin_s", "fetch_s", "rebuild_s")}})
+                            for k in ("begin_s", "fetch_s", "rebuild_s")},
+                         # the memory behind the rebuilds: page faults (p50), fresh buffers (sum)
+                         **{f"{k}_p50": p([g.get(k, 0) for g in got], 50) for k in ("minor_faults", "major_faults")},
+                         "fresh_bytes": sum(g.get("fresh_bytes", 0) for g in got),
+                         **{f"{k}_each": [g.get(k) for g in got]
+                            for k in ("rebuild_s", "fresh_bytes", "minor_faults")}})
     same = {}
     for mode in KDN_MODES:                     # vLLM's own kernels answer differently: not compared
         pairs = [(a["tokens"], b["tokens"]) for ca, cb in zip(results.get("off", [])[:baseline],

@@ -124,10 +124,10 @@ class Resp:
 SOCKET_SERVER = """
 import socket, sys
 import numpy as np
-n, reps, piece = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+n, reps, piece, host = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 src = memoryview(np.ones(n, np.uint8))
 s = socket.socket()
-s.bind(("127.0.0.1", 0))
+s.bind((host, 0))
 s.listen(1)
 print(s.getsockname()[1], flush=True)
 c, _ = s.accept()
@@ -140,21 +140,23 @@ c.close()
 """
 
 
-def bare_socket(nbytes: int, reps: int, piece: int, verify: bool = False) -> list:
-    """Seconds per nbytes sent by another process over one loopback TCP connection from a
+def bare_socket(nbytes: int, reps: int, piece: int, verify: bool = False, host: str = "127.0.0.1",
+                prefix=()) -> list:
+    """Seconds per nbytes sent by another process over one TCP connection (loopback, or to
+    `host` where the server runs under `prefix`: another host's namespace) from a
     buffer in its memory (`piece` bytes per send), received by recv_into into one reused
     buffer here, RECV_STEP bytes at a time: what a socket does with no protocol, no checksum
     and no allocation (the HTTP path's ceiling). verify: each piece is also hashed (xxh3_64)
     as soon as it is in, as a reader that trusts nothing does with each frame: the ceiling
     of any verified read over one connection, on the reader's one core."""
-    proc = subprocess.Popen([sys.executable, "-c", SOCKET_SERVER, str(nbytes), str(reps + 1), str(piece)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*prefix, sys.executable, "-c", SOCKET_SERVER, str(nbytes), str(reps + 1),
+                             str(piece), host], stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline())
         buf = np.ones(nbytes, np.uint8)                  # touched: no page faults in the timing
         mv = memoryview(buf)
         times = []
-        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        with socket.create_connection((host, port), timeout=60) as sock:
             for _ in range(reps + 1):
                 t0 = time.perf_counter()
                 sock.sendall(b"x")
@@ -201,6 +203,24 @@ def _ray_worker(network, tokens, digests, reps):
         times.append(time.perf_counter() - t0)
         sources |= set(f.sources)
     return {"times": times, "ok": ok, "nbytes": f.nbytes, "sources": sorted(sources), "pid": os.getpid()}
+
+
+def _ray_cold_worker(network, token_sets, digests, region, token):
+    """In a Ray worker: time Client.fetch of each KB once (token_sets: one per KB, the first
+    a warm-up), so every fetch pulls objects this node has never held (Ray keeps a pulled
+    copy: fetching one KB again would read it from this node's own store)."""
+    from kdn.client import Client
+    cl = Client(network=network, region=region, tenant=TENANT, fingerprint=FINGERPRINT, token=token)
+    times, ok, sources, nbytes = [], True, set(), 0
+    for toks in token_sets:
+        t0 = time.perf_counter()
+        f = cl.fetch(toks)
+        times.append(time.perf_counter() - t0)
+        ok = ok and [xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")) for c in f.chunks] == digests
+        sources |= set(f.sources)
+        nbytes = f.nbytes
+        del f
+    return {"times": times[1:], "ok": ok, "nbytes": nbytes, "sources": sorted(sources)}
 
 
 # --- anchors ---------------------------------------------------------------------------------
@@ -256,10 +276,19 @@ def main(argv=None):
                     help="the folder of peer harnesses (LMCache, Mooncake; default $KDN_ANCHORS_DIR)")
     ap.add_argument("--run-anchors", action="store_true",
                     help="run LMCache/Mooncake anchors from the venvs under $ANCHORS (slow)")
+    ap.add_argument("--hosts", action="store_true",
+                    help="between two hosts of their own (network namespaces on a bridge, root "
+                         "needed): the reader here, the edge on the other host; bare socket, HTTP "
+                         "and Ray between the same two addresses")
+    ap.add_argument("--cap", default=None, metavar="RATE",
+                    help="with --hosts: cap the other host's link with tc (e.g. 2gbit, 800mbit)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     if args.reps < 5 or args.chunks < 1 or args.chunk_mib < 1:
         ap.error("--reps must be >= 5, --chunks and --chunk-mib >= 1")
+    if args.cap is not None and not args.hosts:
+        ap.error("--cap needs --hosts")
+    cap_bps = link_rate(args.cap) if args.cap else None
 
     layers = (args.chunk_mib << 20) // (2 * HEADS * TOKENS * HEAD_DIM * 2)
     n_tokens = args.chunks * TOKENS
@@ -271,6 +300,8 @@ def main(argv=None):
           f"({TOKENS} tokens x {layers} layers x {HEADS} heads x {HEAD_DIM} head_dim, float16) "
           f"= {total / 2**20:.0f} MiB; median of {args.reps} reps", flush=True)
 
+    if args.hosts:
+        return across_hosts(args, kv, tokens, cap_bps)
     from kdn.launch.cluster import LocalCluster, start_network, teardown
     from kdn.client.join import init_ray
     from kdn.client import Client
@@ -339,7 +370,7 @@ def main(argv=None):
         del f
         record("http", "Reader over HTTPEdges", times,
                f"one recv buffer, every frame verified; sources {','.join(sorted(sources))}")
-        h.close()
+        h.view.close()
         piece = total // args.chunks
         record("socket", "recv_into", bare_socket(total, args.reps, piece),
                "bare TCP from another process's memory: the HTTP path's ceiling")
@@ -432,6 +463,123 @@ def main(argv=None):
               "512 MiB, read direction):")
         table([{"peer": k, "GB/s": v} for k, v in recorded.items()])
         out["anchors_recorded"] = recorded
+    if args.json:
+        emit_json(out)
+    return 0
+
+
+# --- between hosts ---------------------------------------------------------------------------
+HOST_REGIONS = ("near", "far")      # near: this process's host (the bridge); far: a namespace
+
+
+def link_rate(rate: str) -> float:
+    """tc's rate ("2gbit", "800mbit", "100kbit") in bytes per second; ValueError otherwise."""
+    import re
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(k|m|g)bit", str(rate).strip().lower())
+    if not m:
+        raise ValueError(f"--cap takes a rate like 2gbit or 800mbit, got {rate!r}")
+    return float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] / 8
+
+
+def across_hosts(args, kv, tokens, cap_bps) -> int:
+    """The same KB read across a link between two hosts (kdn.testing.netns): the edge on the
+    far host, the readers here. Rows: the bare socket from the far host (the link's ceiling
+    for one connection), the same hashed, KDN's HTTP frames from the far edge, and Ray's
+    pull of the far edge's answer into a worker on this host."""
+    import secrets
+    from kdn.testing.netns import HostCluster, available
+    why = available()
+    if why:
+        print(f"--hosts: {why}", file=sys.stderr)
+        return 2
+    from kdn.launch.cluster import start_network, stop_network
+    from kdn.client import Client
+    from kdn.client.http import HTTPEdges
+    from kdn.client.reader import Reader
+    from kdn.placement.topology import Topology
+    import ray
+    total = kv.nbytes
+    admin, read = secrets.token_hex(16), secrets.token_hex(16)
+    tmp = tempfile.mkdtemp(prefix="kdn-bench-transport-")
+    cluster = HostCluster(HOST_REGIONS, cpus=1, object_store_bytes=max(512 << 20, (args.reps + 4) * total))
+    net, rows, res = None, [], {}
+    try:
+        far = cluster.hosts
+        if args.cap:
+            far.cap("far", args.cap)
+        # one edge, on the far host: it owns every chunk, so every byte read here crosses the link
+        near, far_region = HOST_REGIONS
+        topo = Topology({r: (0.2, 10.0) for r in HOST_REGIONS}, {(near, far_region): (1.0, 1.0)},
+                        [("far-0", far_region, max(1 << 30, (args.reps + 3) * total))], near, source="bench transport --hosts")
+        net = start_network(topo, Path(tmp) / "origin", network=f"bench-hosts-{uuid.uuid4().hex[:6]}",
+                            http=True, replicas=1, auth={"admin": admin, "readers": {TENANT: read}},
+                            edge_options={"http_host": "node"})
+        url = ray.get(net.edges["far-0"].ping.remote())["http"]
+        pub = Client(network=net.name, region="far", tenant=TENANT, fingerprint=FINGERPRINT, admin_token=admin)
+        pub.publish("transport", [("blob", tokens)], kv)
+        # Ray's rows read a KB of their own per rep (the same bytes under other keys): cold pulls
+        rng = np.random.default_rng(1)
+        token_sets = [rng.integers(0, 49152, len(tokens)).tolist() for _ in range(args.reps + 1)]
+        for i, toks in enumerate(token_sets):
+            pub.publish(f"transport-{i}", [("blob", toks)], kv)
+        h = Reader(HTTPEdges([url], token=read, allow_remote=True, timeout_s=120), TENANT, FINGERPRINT,
+                   token=read)
+        f = h.fetch(tokens)                          # the far edge pulls what the ring put elsewhere
+        digests = [xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")) for c in f.chunks]
+        want = [xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(kv[:, :, :, s:s + TOKENS])).cast("B"))
+                for s in range(0, kv.shape[3], TOKENS)]
+        if digests != want:
+            raise RuntimeError("HTTP fetch across the link returned other bytes than published")
+
+        def record(name, client, times, note):
+            med = median(times)
+            res[name] = gbps(total, med)
+            rows.append({"transport": name, "client": client, "GB/s": res[name], "median_ms": med * 1e3,
+                         "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3, "note": note})
+
+        piece = total // args.chunks
+        prefix = far.command("far", [])
+        record("socket", "recv_into", bare_socket(total, args.reps, piece, host=far.address("far"), prefix=prefix),
+               "bare TCP from the far host: one connection's ceiling on this link")
+        record("socket+xxh3", "recv_into + xxh3",
+               bare_socket(total, args.reps, piece, verify=True, host=far.address("far"), prefix=prefix),
+               "the same, each piece hashed as it arrives")
+        times, sources = [], set()
+        for _ in range(args.reps + 1):
+            del f
+            t0 = time.perf_counter()
+            f = h.fetch(tokens)
+            times.append(time.perf_counter() - t0)
+            sources |= set(f.sources)
+        del f
+        h.view.close()
+        record("http", "Reader over HTTPEdges", times[1:],
+               f"the far edge's frames, every one verified; sources {','.join(sorted(sources))}")
+        worker = ray.remote(num_cpus=0)(_ray_cold_worker).options(label_selector={"region": "near"})
+        got = ray.get(worker.remote(net.name, token_sets, digests, "far", read), timeout=600)
+        if not got["ok"] or got["nbytes"] != total:
+            raise RuntimeError(f"Ray fetch across the link returned other bytes ({got['nbytes']} B)")
+        record("ray", "Client.fetch (worker here)", got["times"],
+               f"the far edge's answer pulled by Ray across the link, a KB never pulled before each rep; "
+               f"sources {','.join(got['sources'])}")
+    finally:
+        if net is not None:
+            stop_network(net)
+        cluster.shutdown()
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"between hosts {cluster.hosts.head} (here) and {cluster.address_of('far')} (far edge)"
+          + (f", the far link capped at {args.cap} ({cap_bps / 1e9:.3f} GB/s)" if cap_bps else ", no cap"))
+    table(rows, ["transport", "client", "GB/s", "median_ms", "min_ms", "max_ms", "note"])
+    out = {"bench": "transport", "hosts": True, "cap": args.cap, "cap_gbps": cap_bps / 1e9 if cap_bps else None,
+           "bytes": total, "chunks": args.chunks, "reps": args.reps,
+           **{f"{k.replace('+', '_')}_gbps": v for k, v in res.items()},
+           "http_over_socket": res["http"] / res["socket"], "ray_over_socket": res["ray"] / res["socket"],
+           "http_over_ray": res["http"] / res["ray"]}
+    if cap_bps:
+        out.update(http_over_cap=res["http"] * 1e9 / cap_bps, ray_over_cap=res["ray"] * 1e9 / cap_bps,
+                   socket_over_cap=res["socket"] * 1e9 / cap_bps)
+    print("; ".join(f"{k} {v:.2f}x" for k, v in out.items() if k.endswith(("_over_socket", "_over_ray", "_over_cap"))))
     if args.json:
         emit_json(out)
     return 0

@@ -24,12 +24,14 @@ def ensure_ray_token() -> None:
     ensure_token_if_auth_enabled(None, create_token_if_missing=True)
 
 
-def init_ray(address: str, namespace: str = NAMESPACE) -> None:
-    """Connect this process to Ray at `address` ("local" starts a private one-node instance)."""
+def init_ray(address: str, namespace: str = NAMESPACE, node_ip: str = LOOPBACK) -> None:
+    """Connect this process to Ray at `address` ("local" starts a private one-node instance),
+    as a driver on the node at node_ip (loopback, unless the cluster's nodes have addresses of
+    their own: kdn.testing.netns)."""
     import ray
     if ray.is_initialized():
         return
-    ray.init(address=address, namespace=namespace, include_dashboard=False, _node_ip_address=LOOPBACK,
+    ray.init(address=address, namespace=namespace, include_dashboard=False, _node_ip_address=node_ip,
              log_to_driver=False, configure_logging=True, logging_level="WARNING")
 
 

@@ -63,6 +63,9 @@ PIN_LOOKUP_TIMEOUT_S = 1.0    # a lookup's pull from the origin (a worker waits 
 ADMIN_KEYS = MAX_KEYS_PER_CALL   # keys one operator or origin call may name (a KB's keys)
 
 
+NODE_HOST = "node"      # http_host: bind the address of the edge's Ray node
+
+
 class EdgeNode:
     def __init__(self, network: str, name: str, region: str, capacity_bytes: int, topology: dict,
                  policy: str = "s3fifo", hot_fraction: float = 0.25, replicas: int = 2,
@@ -249,9 +252,24 @@ class EdgeNode:
         return None if self.http is None else self.http.url
 
     async def start_http(self, port: int = 0, host: str = "127.0.0.1", token=None) -> str:
-        """Serve this edge over HTTP too (kdn/edge/http.py); returns the base URL."""
+        """Serve this edge over HTTP too (kdn/edge/http.py); returns the base URL.
+
+        host "node": the address of this edge's Ray node (a host of its own). Off loopback the
+        listener is guarded or refused: it needs the network's admin token and read tokens
+        (tenants left open with "*" are the operator's choice), else BadRequest naming them."""
         self.tokens.check_admin(token, "start_http")
         from kdn.edge.http import EdgeHTTP
+        from kdn.core.env import is_loopback
+        if host == NODE_HOST:
+            import ray
+            host = ray.util.get_node_ip_address()
+        if not is_loopback(host) and (self.tokens.admin is None or not (self.tokens.readers or self.tokens.open)):
+            missing = " and ".join(w for w, gone in (("an admin token", self.tokens.admin is None),
+                                                     ("read tokens", not (self.tokens.readers or self.tokens.open)))
+                                   if gone)
+            raise BadRequest(f"edge {self.name} will not serve HTTP on {host}, off loopback, without "
+                             f"{missing}: anyone who reaches the address would read or control it "
+                             "(kdn.core.auth; `kdn up` makes an admin token, KDN_READ_TOKENS names readers)")
         async with self._http_lock:            # concurrent pings start one server
             if self.http is None:
                 http = EdgeHTTP(self, host=host, port=port, idle_s=self.http_idle_s)

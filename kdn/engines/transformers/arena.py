@@ -14,6 +14,15 @@ can still read it: concurrent rebuilds each get their own buffer. The arena keep
 A conversation grows every turn, so each turn's cache wanted a buffer a little larger than
 the last one's and never found an idle one to reuse: fresh buffers above 64 MiB are
 therefore sized in powers of two, so one serves a growing conversation for several turns.
+
+Fresh memory is still slow where it is needed most: measured in `kdn bench agent` (replica
+mode, a loaded 2-core machine), a fresh 512 MiB buffer took 1.0-1.5 s to fault in, against
+0.02 s for a rebuild into a reused one, and every conversation crossing into a new class paid
+it on its time to first token. So the arena keeps one buffer of each class it has just lent
+in reserve (`refill`, on by default): when a loan leaves no idle buffer of its class, a
+background thread faults one in while the request computes, within `max_bytes` of idle
+memory, and the next request of that class finds it ready (`prefaulted` counts them;
+`allocated` counts only the fresh buffers a request waited for).
 """
 import collections
 import threading
@@ -38,9 +47,11 @@ def size_class(nbytes: int) -> int:
 class Arena:
     """Buffers lent out for the life of an owner object and reused after it."""
 
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, refill: bool = True):
         self.max_bytes = check_int(max_bytes, "arena max_bytes", 0)
+        self.refill = bool(refill)
         self._idle = []             # flat uint8 tensors, touched, not lent
+        self._making = {}           # size class -> the thread faulting one in
         self._lock = threading.Lock()
         self.counters = collections.Counter()
 
@@ -66,14 +77,42 @@ class Arena:
             self.counters["reused"] += 1
         self.counters["lent_bytes"] += nbytes
         weakref.finalize(owner, self._give_back, buf)
+        if self.refill:
+            self._keep_one(size_class(nbytes))
         return buf[:nbytes].view(dtype).view(tuple(int(n) for n in shape))
 
-    def _fresh(self, size: int) -> torch.Tensor:
+    def _fresh(self, size: int, counter: str = "allocated") -> torch.Tensor:
         buf = torch.empty(size, dtype=torch.uint8)
         buf.zero_()                 # fault every page in now, once, not on a reader's copy
-        self.counters["allocated"] += 1
-        self.counters["allocated_bytes"] += size
+        self.counters[counter] += 1
+        self.counters[f"{counter}_bytes"] += size
         return buf
+
+    def _keep_one(self, size: int) -> None:
+        """Start faulting in an idle buffer of class `size` in the background, unless one is
+        idle or on its way, or it would take idle memory over max_bytes."""
+        with self._lock:
+            if size in self._making or any(size <= b.numel() <= 2 * size for b in self._idle) \
+                    or sum(b.numel() for b in self._idle) + sum(self._making) + size > self.max_bytes:
+                return
+            t = threading.Thread(target=self._prefault, args=(size,), daemon=True, name="kdn-arena-refill")
+            self._making[size] = t
+        t.start()
+
+    def _prefault(self, size: int) -> None:
+        try:
+            buf = self._fresh(size, "prefaulted")
+        finally:
+            with self._lock:
+                self._making.pop(size, None)
+        self._give_back(buf)
+
+    def settle(self, timeout: float = None) -> None:
+        """Wait for the buffers being faulted in (tests and benchmarks that count buffers)."""
+        with self._lock:
+            threads = list(self._making.values())
+        for t in threads:
+            t.join(timeout)
 
     def _reuse(self, nbytes: int):
         """The smallest idle buffer that holds nbytes and is at most twice its size class,

@@ -15,7 +15,7 @@ class Owner:
 
 
 def test_a_buffer_is_reused_once_its_owner_is_gone():
-    arena = Arena()
+    arena = Arena(refill=False)
     a = Owner()
     buf = arena.take((4, 1000), torch.float32, owner=a)
     assert buf.shape == (4, 1000) and buf.dtype == torch.float32 and buf.is_contiguous()
@@ -28,7 +28,7 @@ def test_a_buffer_is_reused_once_its_owner_is_gone():
 
 
 def test_a_live_owner_keeps_its_buffer_to_itself():
-    arena = Arena()
+    arena = Arena(refill=False)
     owners = [Owner(), Owner()]
     bufs = [arena.take((1 << 20,), torch.float32, owner=o) for o in owners]
     for i, b in enumerate(bufs):
@@ -41,7 +41,7 @@ def test_a_live_owner_keeps_its_buffer_to_itself():
 
 
 def test_rebuilds_on_threads_never_share_a_buffer():
-    arena = Arena()
+    arena = Arena(refill=False)
     seen, errors = [], []
 
     def rebuild(i):
@@ -61,7 +61,7 @@ def test_rebuilds_on_threads_never_share_a_buffer():
 
 
 def test_idle_memory_stays_within_max_bytes():
-    arena = Arena(max_bytes=2 * ROUND_BYTES)
+    arena = Arena(max_bytes=2 * ROUND_BYTES, refill=False)
     owners = [Owner() for _ in range(4)]
     for o in owners:
         arena.take((ROUND_BYTES // 4,), torch.float32, owner=o)      # one ROUND_BYTES buffer each
@@ -73,7 +73,7 @@ def test_idle_memory_stays_within_max_bytes():
 
 
 def test_the_smallest_fitting_buffer_is_lent_and_sizes_round_up():
-    arena = Arena()
+    arena = Arena(refill=False)
     small, big = Owner(), Owner()
     arena.take((ROUND_BYTES + 1,), torch.uint8, owner=big)           # 2 x ROUND_BYTES
     arena.take((10,), torch.uint8, owner=small)                      # 1 x ROUND_BYTES
@@ -94,7 +94,7 @@ def test_growing_caches_share_a_power_of_two_buffer_and_small_ones_never_take_a_
     assert size_class(1) == ROUND_BYTES and size_class(DOUBLING_BYTES) == DOUBLING_BYTES
     assert size_class(DOUBLING_BYTES + 1) == 2 * DOUBLING_BYTES
     assert size_class(200 << 20) == size_class(250 << 20) == 256 << 20    # turn after turn, one class
-    arena = Arena()
+    arena = Arena(refill=False)
     first = Owner()
     arena.take((200 << 20,), torch.uint8, owner=first)
     del first
@@ -104,3 +104,25 @@ def test_growing_caches_share_a_power_of_two_buffer_and_small_ones_never_take_a_
     gc.collect()
     arena.take((1 << 20,), torch.uint8, owner=Owner())                    # a small cache: its own
     assert arena.counters["allocated"] == 2
+
+
+def test_a_loan_that_leaves_no_idle_buffer_of_its_class_has_one_faulted_in_behind_it():
+    arena = Arena()                                                       # refill: the default
+    owners = [Owner(), Owner()]
+    first = arena.take((3 * ROUND_BYTES,), torch.uint8, owner=owners[0])   # nothing idle: fresh
+    arena.settle()
+    assert arena.counters["allocated"] == 1 and arena.counters["prefaulted"] == 1
+    assert arena.stats()["idle_bytes"] == 3 * ROUND_BYTES               # the reserve, ready
+    second = arena.take((3 * ROUND_BYTES,), torch.uint8, owner=owners[1])     # the next one waits for nothing
+    assert arena.counters["reused"] == 1 and arena.counters["allocated"] == 1
+    assert second.data_ptr() != first.data_ptr()
+    arena.settle()
+    assert arena.counters["prefaulted"] == 2                              # and the reserve is made again
+    assert arena.counters["prefaulted_bytes"] == 6 * ROUND_BYTES
+
+
+def test_the_reserve_stays_within_max_bytes():
+    arena = Arena(max_bytes=2 * ROUND_BYTES)
+    arena.take((3 * ROUND_BYTES,), torch.uint8, owner=Owner())            # a 4-round class: over the bound
+    arena.settle()
+    assert arena.counters["prefaulted"] == 0 and arena.stats()["idle_bytes"] <= 2 * ROUND_BYTES

@@ -1,0 +1,310 @@
+"""Hosts with their own addresses on one machine: Linux network namespaces on a bridge.
+
+Each host is a network namespace (`kdn-<tag>-<i>`) with its own address on a private /24
+that this module creates and removes: a bridge in the root namespace holds the first address
+(the "head" host, where a test's driver runs), and each namespace reaches it through a veth
+pair. A host's link can be capped with `tc` (token bucket, `tbf`, on both ends of its veth,
+so traffic in and out of the host is held to the rate); latency cannot be added (the kernel
+here has no `netem`), so every link's round trip is the veth's own, tens of microseconds.
+
+Nothing leaves the machine: the subnet is private, namespaces have no route but the bridge,
+and `Hosts.down()` (also at interpreter exit) deletes every namespace, veth and the bridge.
+Root is needed; `available()` says why not where it is not.
+
+    with Hosts(["use", "euw"]) as hosts:
+        hosts.cap("euw", "2gbit")
+        proc = hosts.popen("euw", [sys.executable, "-c", "..."])
+"""
+import atexit
+import ipaddress
+import os
+import shutil
+import subprocess
+import uuid
+
+from kdn.core.errors import KDNError
+
+
+class HostsError(KDNError):
+    """A namespace, veth, bridge or tc command failed (the command and its stderr are named)."""
+
+
+SUBNET = "10.213.0.0/24"
+MULTI_NODE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"   # Ray's switch for nodes on several addresses
+
+
+def available() -> "str | None":
+    """None when namespaces can be made here; else why not, in a sentence."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (this process is not root)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"network namespaces need the `{tool}` command (iproute2), not found on PATH"
+    probe = f"kdn-probe-{uuid.uuid4().hex[:6]}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode:
+        return f"`ip netns add` failed: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _sh(*argv, check: bool = True) -> str:
+    r = subprocess.run(list(argv), capture_output=True, text=True)
+    if check and r.returncode:
+        raise HostsError(f"`{' '.join(argv)}` failed ({r.returncode}): {r.stderr.strip()}")
+    return r.stdout
+
+
+class Hosts:
+    """Namespaced hosts on a bridge: `address(name)`, `popen(name, argv)`, `cap(name, rate)`."""
+
+    def __init__(self, names, subnet: str = SUBNET):
+        names = list(names)
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"Hosts needs distinct host names, got {names!r}")
+        net = ipaddress.ip_network(subnet)
+        if len(names) + 2 > net.num_addresses - 1:
+            raise ValueError(f"{subnet} has no room for {len(names)} hosts")
+        self.names = names
+        self.prefixlen = net.prefixlen
+        self.tag = uuid.uuid4().hex[:5]
+        addrs = list(net.hosts())
+        self.head = str(addrs[0])                          # the bridge: the root namespace
+        self.addresses = {n: str(addrs[i + 1]) for i, n in enumerate(names)}
+        self.namespaces = {n: f"kdn-{self.tag}-{i}" for i, n in enumerate(names)}
+        self._veth = {n: f"kv{self.tag}{i}" for i, n in enumerate(names)}   # root side; <= 15 chars
+        self.bridge = f"kb{self.tag}"
+        self.caps = {}
+        self._up = False
+
+    def __enter__(self):
+        self.up()
+        return self
+
+    def __exit__(self, *exc):
+        self.down()
+
+    def address(self, name: str) -> str:
+        return self.addresses[name]
+
+    def up(self) -> "Hosts":
+        """Create the bridge, the namespaces and their links (removed again on failure)."""
+        why = available()
+        if why:
+            raise HostsError(why)
+        atexit.register(self.down)
+        self._up = True
+        try:
+            _sh("ip", "link", "add", self.bridge, "type", "bridge")
+            _sh("ip", "addr", "add", f"{self.head}/{self.prefixlen}", "dev", self.bridge)
+            _sh("ip", "link", "set", self.bridge, "up")
+            for n in self.names:
+                ns, veth = self.namespaces[n], self._veth[n]
+                _sh("ip", "netns", "add", ns)
+                _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+                _sh("ip", "link", "set", veth, "master", self.bridge)
+                _sh("ip", "link", "set", veth, "up")
+                _sh("ip", "netns", "exec", ns, "ip", "addr", "add",
+                    f"{self.addresses[n]}/{self.prefixlen}", "dev", "eth0")
+                _sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+                _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+                _sh("ip", "netns", "exec", ns, "ip", "route", "add", "default", "via", self.head)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def cap(self, name: str, rate: str, burst: str = "4mb") -> None:
+        """Hold host `name`'s link to `rate` (tc's units: "2gbit", "500mbit") both ways: a
+        token bucket on the veth's root end (traffic into the host) and on its eth0 (out)."""
+        ns = self.namespaces[name]
+        for prefix, dev in (((), self._veth[name]), (("ip", "netns", "exec", ns), "eth0")):
+            _sh(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+                "rate", rate, "burst", burst, "latency", "50ms")
+        self.caps[name] = rate
+
+    def uncap(self, name: str) -> None:
+        ns = self.namespaces[name]
+        for prefix, dev in (((), self._veth[name]), (("ip", "netns", "exec", ns), "eth0")):
+            _sh(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+        self.caps.pop(name, None)
+
+    def cut(self, name: str, down: bool = True) -> None:
+        """Cut host `name` off the network (its link down), or reconnect it (down=False)."""
+        _sh("ip", "link", "set", self._veth[name], "down" if down else "up")
+
+    def command(self, name: str, argv) -> list:
+        """argv run inside host `name`'s namespace."""
+        return ["ip", "netns", "exec", self.namespaces[name], *argv]
+
+    def popen(self, name: str, argv, **kw) -> subprocess.Popen:
+        return subprocess.Popen(self.command(name, argv), **kw)
+
+    def run(self, name: str, argv, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(name, argv), **kw)
+
+    def down(self) -> None:
+        """Remove every namespace (processes still inside lose their network), veth and the bridge."""
+        if not self._up:
+            return
+        self._up = False
+        for n in self.names:
+            _sh("ip", "netns", "pids", self.namespaces[n], check=False)
+            _sh("ip", "link", "del", self._veth[n], check=False)
+            _sh("ip", "netns", "del", self.namespaces[n], check=False)
+        _sh("ip", "link", "del", self.bridge, check=False)
+
+
+def _free_port(host: str) -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class HostCluster:
+    """A real Ray cluster whose regions are hosts with their own addresses: the first region's
+    node is the head, on the bridge's address in this namespace (a driver must run on a node
+    of its cluster: this process joins through it); every other region's node runs in its own
+    namespace (`Hosts`), started with `ray start --block` there. Each node is labelled
+    `region=<name>`, as LocalCluster's are, so `start_network` places edges the same way.
+
+    `kill(region)` ends a region's node as a crashed host would; `hosts` caps and cuts links.
+    """
+
+    def __init__(self, regions, cpus: int = 1, object_store_bytes: int = 512 << 20,
+                 start_timeout_s: float = 90.0):
+        import sys
+        from pathlib import Path
+        from kdn.client.join import ensure_ray_token
+        from kdn.core.env import prepare_ray_env
+        self.regions = list(regions)
+        if len(self.regions) < 2:
+            raise ValueError("a host cluster needs at least two regions (the head's and one more)")
+        prepare_ray_env()
+        ensure_ray_token()
+        self.hosts = Hosts(self.regions[1:]).up()
+        self._ray = str(Path(sys.executable).parent / "ray")
+        self._procs = {}
+        # KDN keeps Ray to one address (kdn.core.env): these nodes have addresses of their own
+        self._env = {**os.environ, MULTI_NODE: "1"}
+        self._was = None
+        import tempfile
+        self.logs = Path(tempfile.mkdtemp(prefix="kdn-hosts-"))    # each node's `ray start` output
+        common = ["--block", f"--num-cpus={cpus}", f"--object-store-memory={object_store_bytes}",
+                  "--disable-usage-stats"]
+        try:
+            port = _free_port(self.hosts.head)
+            self.address = f"{self.hosts.head}:{port}"
+            self._procs[self.regions[0]] = subprocess.Popen(
+                [self._ray, "start", "--head", f"--port={port}", f"--node-ip-address={self.hosts.head}",
+                 f"--labels=region={self.regions[0]}", "--include-dashboard=false", *common],
+                stdout=self._log(self.regions[0]), stderr=subprocess.STDOUT, start_new_session=True, env=self._env)
+            self._await_gcs(start_timeout_s)
+            for r in self.regions[1:]:
+                self._procs[r] = self.hosts.popen(
+                    r, [self._ray, "start", f"--address={self.address}",
+                        f"--node-ip-address={self.hosts.address(r)}", f"--labels=region={r}", *common],
+                    stdout=self._log(r), stderr=subprocess.STDOUT, start_new_session=True, env=self._env)
+            self._await_nodes(len(self.regions), start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def address_of(self, region: str) -> str:
+        return self.hosts.head if region == self.regions[0] else self.hosts.address(region)
+
+    def _await_gcs(self, timeout_s: float) -> None:
+        import socket
+        import time
+        host, port = self.address.rsplit(":", 1)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with socket.create_connection((host, int(port)), timeout=1.0):
+                    return
+            except OSError:
+                if self._procs[self.regions[0]].poll() is not None or time.monotonic() > deadline:
+                    raise HostsError(f"the Ray head on {self.address} did not start")
+                time.sleep(0.2)
+
+    def _await_nodes(self, n: int, timeout_s: float) -> None:
+        """Until n nodes are alive, checked by `ray.nodes()` from this process (joined here)."""
+        import time
+        import ray
+        from kdn.client.join import init_ray
+        self._multi_node(True)
+        init_ray(self.address, node_ip=self.hosts.head)
+        deadline = time.monotonic() + timeout_s
+        while sum(1 for x in ray.nodes() if x["Alive"]) < n:
+            dead = [r for r, p in self._procs.items() if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                tails = "; ".join(f"{r}: ...{self._tail(r)}" for r in dead)
+                raise HostsError(f"Ray nodes of {dead or 'some regions'} did not join {self.address} "
+                                 f"within {timeout_s:.0f} s {tails}")
+            time.sleep(0.5)
+
+    def _log(self, region: str):
+        return open(self.logs / f"{region}.log", "wb")
+
+    def _tail(self, region: str, n: int = 600) -> str:
+        try:
+            return (self.logs / f"{region}.log").read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def _multi_node(self, on: bool) -> None:
+        """Let this process drive a cluster of several addresses (on), or put back what it had."""
+        from ray._private import ray_constants
+        if on:
+            self._was = (os.environ.get(MULTI_NODE), ray_constants.ENABLE_RAY_CLUSTER)
+            os.environ[MULTI_NODE] = "1"
+            ray_constants.ENABLE_RAY_CLUSTER = True
+        elif self._was is not None:
+            env, const = self._was
+            if env is None:
+                os.environ.pop(MULTI_NODE, None)
+            else:
+                os.environ[MULTI_NODE] = env
+            ray_constants.ENABLE_RAY_CLUSTER = const
+            self._was = None
+
+    def kill(self, region: str) -> None:
+        """End region's node and everything it runs, as a crashed host (SIGKILL to each process
+        in its namespace)."""
+        import signal
+        if region == self.regions[0]:
+            raise ValueError("the head's node carries this process's driver: kill another region")
+        ns = self.hosts.namespaces[region]
+        for pid in _sh("ip", "netns", "pids", ns, check=False).split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._procs.pop(region).wait(timeout=30)
+
+    def shutdown(self) -> None:
+        import signal
+        try:
+            import ray
+            if ray.is_initialized():
+                ray.shutdown()
+        finally:
+            for r in [r for r in self._procs if r != self.regions[0]]:
+                self.kill(r)
+            self._multi_node(False)
+            head = self._procs.pop(self.regions[0], None)
+            if head is not None:                      # it and every process it started
+                import psutil
+                try:
+                    procs = psutil.Process(head.pid).children(recursive=True)
+                except psutil.NoSuchProcess:
+                    procs = []
+                os.killpg(head.pid, signal.SIGKILL)
+                for p in procs:
+                    try:
+                        p.kill()
+                    except psutil.NoSuchProcess:
+                        pass
+                head.wait(timeout=30)
+            self.hosts.down()

@@ -1,0 +1,144 @@
+"""Regions on hosts with their own addresses (kdn.testing.netns): every region but the head's
+runs its Ray node in its own Linux network namespace on a bridge this module creates, edges bind
+their host's address, and KV crosses real (virtual) links. Skipped, with the reason, where
+namespaces cannot be made (not root, no iproute2).
+
+This module's driver leaves the session's loopback cluster for the host cluster and joins it
+again afterwards (a process is one Ray cluster's driver at a time).
+"""
+import time
+import uuid
+
+import numpy as np
+import pytest
+import ray
+
+from kdn.testing import netns
+
+why = netns.available()
+pytestmark = pytest.mark.skipif(why is not None, reason=f"namespaced hosts: {why}")
+
+REGIONS = ("us-east", "eu-west", "ap-south")
+FP = "synthetic-model"
+ADMIN = "admin-token-hosts-0123456789"
+ACME = "acme-read-token-0123456789"
+AUTH = {"admin": ADMIN, "readers": {"acme": ACME}}
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    from kdn.client.join import init_ray
+    before = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    if before:
+        ray.shutdown()
+    cluster = netns.HostCluster(REGIONS, cpus=1, object_store_bytes=256 << 20)
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+        if before:
+            init_ray(before)
+
+
+def _start(cluster, tmp_path, name=None, **kw):
+    from kdn.launch.cluster import start_network
+    from kdn.placement.topology import Topology
+    topo = Topology.default_local(list(REGIONS), edges_per_region=1, capacity_bytes=128 << 20)
+    return start_network(topo, tmp_path / "origin", network=name or f"h{uuid.uuid4().hex[:8]}",
+                         http=True, auth=AUTH, edge_options={"http_host": "node"}, **kw)
+
+
+def _urls(net):
+    return {name: ray.get(h.ping.remote(), timeout=30)["http"] for name, h in net.edges.items()}
+
+
+@ray.remote(num_cpus=0)
+def _worker_fetch(network, prompt, expected):
+    """A worker on some region's host: its client takes the region from its node's label."""
+    from kdn.client import Client
+    cl = Client(network=network, tenant="acme", fingerprint=FP, token=ACME)
+    f = cl.fetch(prompt)
+    got = np.concatenate(f.kv_parts(), axis=3)
+    return {"region": cl.region, "node_ip": ray.util.get_node_ip_address(), "edge": f.edge,
+            "tokens": f.tokens, "equal": bool(np.array_equal(got, expected))}
+
+
+def test_each_region_is_a_host_of_its_own_and_every_worker_reads_its_own_regions_edge(hosts, tmp_path, synth):
+    from kdn.client import Client
+    net = _start(hosts, tmp_path)
+    try:
+        urls = _urls(net)
+        for region in REGIONS:               # each edge listens on its host's address, not loopback
+            assert urls[f"{region}-0"].startswith(f"http://{hosts.address_of(region)}:")
+        toks, kv = synth.tokens(800, seed=11), synth.kv(800, seed=11)
+        Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP,
+               admin_token=ADMIN).publish("hosted", [("d", toks)], kv)
+        refs = [_worker_fetch.options(label_selector={"region": r}).remote(net.name, toks + [1, 2], kv)
+                for r in REGIONS]
+        for r, got in zip(REGIONS, ray.get(refs, timeout=120)):
+            assert got["node_ip"] == hosts.address_of(r)
+            assert got["region"] == r and got["edge"] == f"{r}-0"
+            assert got["tokens"] == 800 and got["equal"]
+    finally:
+        from kdn.launch.cluster import stop_network
+        stop_network(net)
+
+
+def test_an_edge_refuses_to_listen_off_loopback_without_tokens(hosts, tmp_path):
+    from kdn.core.errors import KDNError
+    from kdn.launch.cluster import start_network
+    from kdn.placement.topology import Topology
+    topo = Topology.default_local(list(REGIONS), edges_per_region=1, capacity_bytes=64 << 20)
+    with pytest.raises(KDNError, match="off loopback, without .*read tokens"):
+        start_network(topo, tmp_path / "o", network=f"h{uuid.uuid4().hex[:8]}", http=True,
+                      auth={"admin": ADMIN}, edge_options={"http_host": "node"})
+
+
+def test_a_reader_over_http_fails_over_once_when_a_host_is_cut_off_and_reads_no_wrong_byte(hosts, tmp_path, synth):
+    from kdn.client import Client
+    from kdn.client.http import HTTPEdges
+    from kdn.client.reader import Reader
+    net = _start(hosts, tmp_path)
+    try:
+        urls = _urls(net)
+        toks, kv = synth.tokens(600, seed=12), synth.kv(600, seed=12)
+        Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP,
+               admin_token=ADMIN).publish("cut", [("d", toks)], kv)
+        edges = HTTPEdges([urls["eu-west-0"], urls["ap-south-0"]], token=ACME, allow_remote=True, timeout_s=3.0)
+        reader = Reader(edges, "acme", FP, token=ACME)
+        first = reader.fetch(toks)
+        assert first.tokens == 600 and first.edge == urls["eu-west-0"]
+        assert np.array_equal(np.concatenate(first.kv_parts(), axis=3), kv)
+        hosts.hosts.cut("eu-west")                   # its link down: packets vanish, no reset
+        try:
+            t0 = time.monotonic()
+            got = reader.fetch(toks)
+            took = time.monotonic() - t0
+        finally:
+            hosts.hosts.cut("eu-west", down=False)
+        assert got.tokens == 600 and got.edge == urls["ap-south-0"]
+        assert np.array_equal(np.concatenate(got.kv_parts(), axis=3), kv)
+        assert edges.counters["failovers"] == 1 and took < 30
+    finally:
+        from kdn.launch.cluster import stop_network
+        stop_network(net)
+
+
+def test_a_killed_host_costs_its_readers_one_failover(hosts, tmp_path, synth):
+    """Last in the module: the host's node is gone for good."""
+    from kdn.client import Client
+    from kdn.client.http import HTTPEdges
+    from kdn.client.reader import Reader
+    net = _start(hosts, tmp_path)
+    urls = _urls(net)
+    toks, kv = synth.tokens(700, seed=13), synth.kv(700, seed=13)
+    Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP,
+           admin_token=ADMIN).publish("killed", [("d", toks)], kv)
+    edges = HTTPEdges([urls["ap-south-0"], urls["us-east-0"]], token=ACME, allow_remote=True, timeout_s=5.0)
+    reader = Reader(edges, "acme", FP, token=ACME)
+    assert reader.fetch(toks).edge == urls["ap-south-0"]
+    hosts.kill("ap-south")
+    got = reader.fetch(toks)
+    assert got.tokens == 700 and got.edge == urls["us-east-0"]
+    assert np.array_equal(np.concatenate(got.kv_parts(), axis=3), kv)
+    assert edges.counters["failovers"] == 1

@@ -1,0 +1,66 @@
+"""Namespaced hosts (kdn.testing.netns) without Ray: each host has its own address and reaches
+the head through the bridge, a cap puts a token bucket on both ends of its link, a cut link
+carries nothing, and down() leaves no namespace, veth or bridge behind."""
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from kdn.bench.transport import link_rate
+from kdn.testing import netns
+
+why = netns.available()
+
+CONNECT = ("import socket, sys\n"
+           "s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2)\n"
+           "s.sendall(sys.argv[3].encode()); s.close()")
+
+
+def _serve(host):
+    s = socket.socket()
+    s.bind((host, 0))
+    s.listen(4)
+    s.settimeout(5)
+    return s, s.getsockname()[1]
+
+
+@pytest.mark.skipif(why is not None, reason=f"namespaced hosts: {why}")
+def test_hosts_have_their_own_addresses_caps_and_cuts_and_leave_nothing_behind():
+    hosts = netns.Hosts(["a", "b"]).up()
+    try:
+        assert hosts.address("a") != hosts.address("b") != hosts.head
+        srv, port = _serve(hosts.head)
+        for name in ("a", "b"):
+            r = hosts.run(name, [sys.executable, "-c", CONNECT, hosts.head, str(port), name],
+                          capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0, r.stderr
+            conn, (peer, _) = srv.accept()
+            assert peer == hosts.address(name) and conn.recv(16) == name.encode()   # seen from its own address
+            conn.close()
+        hosts.cap("a", "800mbit")
+        shown = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
+        inside = hosts.run("a", ["tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True).stdout
+        assert "tbf" in shown and "800Mbit" in inside
+        hosts.cut("b")
+        r = hosts.run("b", [sys.executable, "-c", CONNECT, hosts.head, str(port), "b"],
+                      capture_output=True, text=True, timeout=30)
+        assert r.returncode != 0 and "timed out" in r.stderr
+        srv.close()
+    finally:
+        hosts.down()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+    assert not any(ns in listed for ns in hosts.namespaces.values()) and hosts.bridge not in links
+
+
+def test_a_link_rate_is_read_in_tcs_units_and_anything_else_is_refused():
+    assert link_rate("2gbit") == 250e6 and link_rate("800mbit") == 100e6 and link_rate("1.5Gbit") == 187.5e6
+    for bad in ("2gb", "fast", "", "-1gbit"):
+        with pytest.raises(ValueError, match="--cap takes a rate"):
+            link_rate(bad)
+
+
+def test_hosts_need_distinct_names():
+    with pytest.raises(ValueError, match="distinct host names"):
+        netns.Hosts(["a", "a"])
