@@ -1,7 +1,8 @@
 """LMCache's own L2 bench (`lmcache bench l2`) on KDN beside LMCache's fs and resp adapters.
 
-One run, one table: KDN read from the edge on the reader's node (`kdn-local`, then again once
-every push has landed: `kdn-local (warm)`), KDN read
+One run, one table: KDN read from the edge on the reader's node (`kdn-local`, stores answered
+by that edge, then again once every push has landed: `kdn-local (warm)`; `kdn-ack-origin`, the
+same with stores answered once durable at the origin), KDN read
 from another region's edge on another Ray node (`kdn-remote`), LMCache's `fs` adapter over a
 temp directory (the page cache) and its `resp` adapter over a `redis-server` started here on
 127.0.0.1. Each row is one `lmcache bench l2 ... --no-skip-verify --format json` process
@@ -102,13 +103,13 @@ def main(argv=None):
     ap.add_argument("--data-size-kb", type=int, default=8192, help="KiB per object (default 8192)")
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds (default 5)")
     ap.add_argument("--only", nargs="*", default=None,
-                    help="run only these rows (kdn-local kdn-remote fs resp)")
+                    help="run only these rows (kdn-local kdn-ack-origin kdn-remote fs resp)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per lmcache bench process")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time a KDN load's parts in this process (fetch, first touch, verified copy)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
-    want = args.only or ["kdn-local", "kdn-remote", "fs", "resp"]
+    want = args.only or ["kdn-local", "kdn-ack-origin", "kdn-remote", "fs", "resp"]
     run_bytes = (args.rounds + 1) * args.num_keys * args.data_size_kb * 1024   # + a warmup round
 
     from kdn.client.join import init_ray
@@ -134,15 +135,18 @@ def main(argv=None):
         for which in want:
             out = os.path.join(work, f"{which}.json")
             if which.startswith("kdn"):
-                region = READER if which == "kdn-local" else REMOTE
+                region = REMOTE if which == "kdn-remote" else READER
                 adapter = {"type": "plugin", "module_path": "kdn.integrations.lmcache",
                            "class_name": "KDNL2Adapter",
                            "adapter_params": {"network": net.name, "region": region,
                                               "address": cluster.address,
                                               "tenant": which}}      # each row stores anew
-                note = ("edge on the reader's node" if which == "kdn-local" else
-                        f"{REMOTE}'s edge, another node; modelled WAN floor "
-                        f"{round_bytes / wan_s / 1e9:.2f} GB/s, {wan_s * 1e3:.0f} ms a round")
+                if which == "kdn-ack-origin":
+                    adapter["adapter_params"]["ack"] = "origin"
+                note = {"kdn-local": "edge on the reader's node; stores answered there (ack edge)",
+                        "kdn-ack-origin": "the same, stores answered once durable at the origin (ack origin)"
+                        }.get(which, f"{REMOTE}'s edge, another node; modelled WAN floor "
+                                     f"{round_bytes / wan_s / 1e9:.2f} GB/s, {wan_s * 1e3:.0f} ms a round")
             elif which == "fs":
                 adapter = {"type": "fs", "base_path": os.path.join(work, "fs")}
                 os.makedirs(adapter["base_path"])
@@ -161,9 +165,9 @@ def main(argv=None):
             if which == "kdn-remote":
                 rows.append(ray_ceiling(args))
             if which == "kdn-local":
-                # a store is answered once the origin holds it durably; the reader's edge gets
-                # it in the background, so the run above may load some objects before their push
-                # lands (pulled from the origin, on another node). Once every push has landed,
+                # a store is answered by the region's edge, the origin gets it after and pushes
+                # it to the ring owners, so the run above may load some objects from wherever
+                # they were then. Once every push has landed,
                 # the same run again (the same keys and bytes: every store is deduplicated)
                 # loads from the warm edge.
                 settle_pushes(net)

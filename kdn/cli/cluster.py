@@ -70,6 +70,9 @@ def status_rows(st: dict) -> list:
                              + (f" + {gib(cv['disk_bytes'])} disk" if cv.get("disk_bytes") else ""),
                              "conv tenants": len(cv["tenant_bytes"]), "conv hits": cv.get("conv_hits", 0),
                              "conv expired": cv.get("conv_expired", 0)})
+        if e.get("stores", {}).get("store_acked_edge"):   # stores acknowledged here: what is not durable yet
+            w = e["stores"]
+            rows[-1].update({"not durable": f"{w['backlog_objects']} / {gib(w['backlog_bytes'])}"})
         if e.get("disk"):      # an edge with a disk tier: its bytes, items, hits, write-backs
             d = e["disk"]
             rows[-1].update({"disk chunks": d["items"], "disk": gib(d["bytes"]),

@@ -61,6 +61,10 @@ class EdgeAPI(EdgeReads, Protocol):
                          drops=None) -> int:
         """Keep chunks the origin pushes (main) or warms (hot); how many were kept."""
 
+    async def put_objects(self, chunks) -> dict:
+        """Keep another cache layer's objects here, durable at the origin after (write-behind):
+        {"received", "kept", "pending"}."""
+
     async def pin_keys(self, keys) -> int:
         """Pin chunks held here; how many."""
 

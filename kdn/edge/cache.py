@@ -161,6 +161,10 @@ class ChunkCache:
             self._pinned.add(key)
             self._pinned_bytes += size
 
+    def is_pinned(self, key) -> bool:
+        with self._lock:
+            return key in self._pinned
+
     def unpin(self, key) -> None:
         """Make key's chunk evictable again (it re-enters the policy as newly inserted)."""
         with self._lock:

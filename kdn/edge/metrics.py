@@ -85,6 +85,11 @@ class EdgeCollector:
                            samples=[(("disk", "full"), c["disk_full_dropped"]),
                                     (("disk", "busy"), c["disk_write_back_dropped_busy"])])
         yield from self._conversations(c)
+        st = e.stores.stats()
+        yield _gauge("kdn_edge_store_backlog_bytes", "Objects' bytes acknowledged here and not yet "
+                     "durable at the origin (kdn/edge/stores.py).", value=st["backlog_bytes"])
+        yield _gauge("kdn_edge_store_backlog_objects", "Objects acknowledged here and not yet durable "
+                     "at the origin.", value=st["backlog_objects"])
         yield _counter("kdn_edge_tier_ops_total", "Tier operations, by tier and kind.",
                        labels=("tier", "op"), samples=[((t, op), tiers[t][op])
                                                        for t in tiers for op in TIER_OPS])

@@ -41,8 +41,10 @@ from kdn.edge.membership import Membership
 from kdn.edge.peers import PEER_TIMEOUT_S, Peers
 from kdn.edge.pull import Pull
 from kdn.edge.reads import MAX_REPLY_BYTES, Reads, check_keys
+from kdn.edge.stores import BACKLOG_BYTES, WriteBehind
 from kdn.edge.tiers import ROLES, Held, Tiers
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, StoreError
+from kdn.core.checks import check_int
 from kdn.core.conversation import CONVERSATION_SHARE, conversation_namespace, home_of, retention_ttl
 from kdn.core.keys import MAX_FETCH_KEYS, MAX_KEYS_PER_CALL, check_key
 from kdn.core.manifest import check_ttl
@@ -74,7 +76,7 @@ class EdgeNode:
                  membership_refresh_s: float = MEMBERSHIP_REFRESH_S,
                  max_reply_bytes: int = MAX_REPLY_BYTES, http_idle_s: float = None,
                  disk_bytes: int = None, disk_dir: str = None, kv_events=None,
-                 conversation_bytes: int = None):
+                 conversation_bytes: int = None, store_backlog_bytes: int = BACKLOG_BYTES):
         import ray
         self.network, self.name, self.region = network, name, region
         # this node's id, to tell readers beside the edge (None outside Ray: a test's edge)
@@ -107,6 +109,9 @@ class EdgeNode:
                          self.catalog, self.demand)
         self.reads = Reads(name, region, self.members, self.tiers, self.pull, self.peers,
                            self.catalog, self.demand, max_reply_bytes)
+        # other cache layers' stores acknowledged here, durable at the origin after
+        self.stores = WriteBehind(self.tiers, self.forms, self.peers,
+                                  check_int(store_backlog_bytes, "store_backlog_bytes", 0))
         self.counters = collections.Counter()
         self.started = time.time()
         self._bg = None
@@ -330,6 +335,15 @@ class EdgeNode:
         self.counters["received_" + role] += n
         return n
 
+    async def put_objects(self, chunks, token=None) -> dict:
+        """Keep another cache layer's opaque objects (kdn.integrations.objects) here and answer
+        before they are durable; the origin gets them in the background (kdn/edge/stores.py).
+        {"received", "kept", "pending"}: pending, how many were answered before they are
+        durable (the rest waited for the origin: a full backlog, or memory that would not
+        hold them pinned)."""
+        self.tokens.check_admin(token, "put_objects")
+        return await self.stores.put(chunks)
+
     async def pin_keys(self, keys, token=None) -> int:
         """Pin chunks this edge holds (an operator pinned their KB to this region)."""
         self.tokens.check_admin(token, "pin_keys")
@@ -352,6 +366,7 @@ class EdgeNode:
             at = self.tiers.tombs.drop_position(drops)
             if self.replay.behind(drops):
                 self._catch_up()
+        self.stores.forget(keys)           # a delete wins over a store not yet durable
         return await self.tiers.drop(keys, at=at)
 
     # --- manifests (broadcast by the origin, so reads survive an origin outage) -----------
@@ -688,7 +703,7 @@ class EdgeNode:
         """Every component's counters in one (their names do not overlap)."""
         out = collections.Counter(self.counters)
         for part in (self.members, self.tiers, self.forms, self.pull, self.pull.loads,
-                     self.reads, self.catalog, self.peers, self.replay):
+                     self.reads, self.catalog, self.peers, self.replay, self.stores):
             out.update(part.counters)
         out.update(self.conversations.snapshot())     # (updated from worker threads)
         out.update(self.tiers.tombs.counters)         # drops_refused_stale (kdn/edge/tombstones.py)
@@ -709,7 +724,7 @@ class EdgeNode:
                 "uptime_s": time.time() - self.started, "http": self.http_address(),
                 "demand": self.demand.stats(), "loads": self.pull.loads.stats(),
                 "catalog": self.catalog.stats(), "background_failure": self.background_failure,
-                "conversations": self.conversations.stats(),
+                "conversations": self.conversations.stats(), "stores": self.stores.stats(),
                 "kv_events": None if self.events is None else self.events.options,
                 "drops": t["drops"],          # where this edge is in the origin's drop log
                 "limits": {"max_fetch_keys": MAX_FETCH_KEYS,

@@ -42,7 +42,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from kdn.integrations.objects import Objects, Tenancy, check_params, object_key, read_tokens_of
+from kdn.integrations.objects import ACKS, Objects, Tenancy, check_params, object_key, read_tokens_of
 from kdn.core.checks import check_int
 from kdn.core.errors import AccessDenied, BadConfig, NetworkError
 
@@ -63,6 +63,7 @@ PARAMS = {               # adapter_params: name -> (type, default)
     "capacity_bytes": (int, 0),            # > 0: LMCache's eviction deletes beyond it (0: none)
     "address": ((str, type(None)), None),  # Ray's address (default: `kdn up`'s, else auto)
     "prefault": (bool, True),              # map the object store's pages ahead of loads (kdn.integrations.prefault)
+    "ack": (str, "edge"),                  # a store answered by the edge ("edge") or once durable ("origin")
 }
 
 
@@ -70,8 +71,11 @@ class KDNL2AdapterConfig(L2AdapterConfigBase):
     """adapter_params, checked: a bad one is a BadConfig (a ValueError) naming the field."""
 
     def __init__(self, network="kdn", region=None, tenant="default", tenants=None, token=None,
-                 read_token=None, read_tokens=None, capacity_bytes=0, address=None, prefault=True):
-        self.network, self.region, self.tenant = network, region, tenant
+                 read_token=None, read_tokens=None, capacity_bytes=0, address=None, prefault=True,
+                 ack="edge"):
+        if ack not in ACKS:
+            raise BadConfig(f"adapter_params: field 'ack' must be one of {', '.join(ACKS)}, got {ack!r:.40}")
+        self.network, self.region, self.tenant, self.ack = network, region, tenant, ack
         self.prefault = prefault
         self.tenancy = Tenancy(tenant, tenants, "adapter_params")
         self.token, self.address = token, address
@@ -106,7 +110,7 @@ class KDNL2Adapter(L2AdapterInterface):
         self.objects = objects or Objects.connect(config.network, config.region, LAYER,
                                                   admin_token=config.token, address=config.address,
                                                   read_tokens=config.read_tokens,
-                                                  prefault=config.prefault)
+                                                  prefault=config.prefault, ack=config.ack)
         self._refusals = set()                     # refusal messages logged (each once)
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()

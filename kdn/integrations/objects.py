@@ -12,9 +12,12 @@ xxh3_128(namespace ‖ host key bytes), the namespace being namespace_digest(ten
 "<layer>/<model>"). A host's per-user salt picks the tenant (`Tenancy`): a salt never
 reads around its tenant, and two salts never share a namespace.
 
-Paths: a store publishes the objects to the origin (`put_objects`: it answers once they are
-durable there, one fsync batch a call, and pushes them to their ring owners in the
-background); a lookup asks the nearest live edge, which answers for itself and asks the
+Paths: a store goes, by the host's `ack` setting, to the nearest live edge (`ack = "edge"`,
+the default, as LMCache's own adapters answer once their backend holds the bytes: the edge
+keeps them in memory and answers, and makes them durable at the origin after, with a bounded
+backlog: kdn/edge/stores.py) or to the origin (`ack = "origin"`: `put_objects` answers once
+they are durable there, one fsync batch a call); either way the origin pushes them to their
+ring owners in the background; a lookup asks the nearest live edge, which answers for itself and asks the
 origin for the rest (`holds`); a load fetches from the nearest live edge (kdn.client.reader:
 failover, pull-through), which serves what it lacks from the ring owners and the origin, so
 a load right after a store finds the object even before its push arrives. Loads and lookups
@@ -52,6 +55,8 @@ from kdn.core.transfer import fetch_deadline_s
 TRAILER = 8                      # xxh3_64 of the object, after its bytes
 PUT_BATCH_BYTES = 256 << 20         # one put_objects call carries at most this much
 BATCH_OBJECTS = 1024
+ACK_EDGE, ACK_ORIGIN = "edge", "origin"   # where a store is acknowledged (the hosts' `ack`)
+ACKS = (ACK_EDGE, ACK_ORIGIN)
 STORE_TIMEOUT_S = 30.0           # a store batch (retried while the origin restarts)
 # A load or lookup asks in batches of at most these, each under its own deadline (that of its
 # keys and bytes: kdn.core.transfer.fetch_deadline_s): a hung edge costs one batch's deadline
@@ -199,9 +204,11 @@ class Objects:
     """
 
     def __init__(self, view, layer: str, admin_token: str = None, read_tokens: dict = None,
-                 prefault: bool = False):
+                 prefault: bool = False, ack: str = ACK_EDGE):
         from kdn.client.reader import Reader
-        self.view, self.layer, self.token = view, layer, admin_token
+        if ack not in ACKS:
+            raise BadConfig(f"ack must be one of {', '.join(ACKS)}, got {ack!r:.40}")
+        self.view, self.layer, self.token, self.ack = view, layer, admin_token, ack
         self.read_tokens = dict(read_tokens or {})
         # the object store's pages mapped ahead of the loads (kdn.integrations.prefault)
         self.prefaulter = None
@@ -215,7 +222,8 @@ class Objects:
 
     @classmethod
     def connect(cls, network: str, region: str, layer: str, admin_token: str = None,
-                address: str = None, read_tokens: dict = None, prefault: bool = True) -> "Objects":
+                address: str = None, read_tokens: dict = None, prefault: bool = True,
+                ack: str = None) -> "Objects":
         """Join Ray (at address, else where `kdn up` recorded, else 'auto') and view network;
         prefault: keep this process's page tables over the object store filled (a host
         layer's process, whose loads are on the engine's time)."""
@@ -227,7 +235,7 @@ class Objects:
                 address = read_state(require_alive=True)["address"]
             init_ray(address or "auto")
         return cls(NetworkView(network, region=region, admin_token=admin_token), layer, admin_token,
-                   read_tokens, prefault)
+                   read_tokens, prefault, ack or ACK_EDGE)
 
     def stats(self) -> dict:
         out = {"layer": self.layer, "region": self.view.region, "counters": dict(self.counters)}
@@ -263,7 +271,10 @@ class Objects:
 
     def _put(self, chunks) -> int:
         try:
-            got = self.view.origin(STORE_TIMEOUT_S).put_objects(chunks, token=self.token)
+            if self.ack == ACK_EDGE:
+                got = self._put_at_edge(chunks)
+            else:
+                got = self.view.origin(STORE_TIMEOUT_S).put_objects(chunks, token=self.token)
         except AccessDenied as e:
             self.counters["store_refused"] += 1
             raise AccessDenied(f"KDN {self.layer}: the origin refused a store ({e}): stores need the "
@@ -273,6 +284,18 @@ class Objects:
         n = sum(c.nbytes - TRAILER for c in chunks)
         self.counters["stored_bytes"] += n
         return n
+
+    def _put_at_edge(self, chunks) -> dict:
+        """Store at the nearest live edge (acknowledged in its memory, durable at the origin
+        after: kdn/edge/stores.py); at the origin when no edge answers."""
+        try:
+            got, _, _ = self.view.nearest(STORE_TIMEOUT_S).put_objects(chunks, token=self.token)
+        except NoLiveEdge:
+            self.counters["stored_at_origin_no_edge"] += 1
+            return self.view.origin(STORE_TIMEOUT_S).put_objects(chunks, token=self.token)
+        self.counters["acked_at_edge"] += got["pending"]
+        self.counters["acked_at_origin"] += got["received"] - got["pending"]
+        return {"received": got["received"], "written": got["received"]}
 
     # --- lookup --------------------------------------------------------------------------
     def lookup(self, ns: bytes, keys: list) -> list:

@@ -36,7 +36,7 @@ import logging
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from kdn.integrations.objects import REQUIRED, Objects, as_bytes, check_params, object_key, read_tokens_of
+from kdn.integrations.objects import ACKS, REQUIRED, Objects, as_bytes, check_params, object_key, read_tokens_of
 from kdn.core.errors import AccessDenied, BadConfig, BadKey, NetworkError
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ PARAMS = {                       # the extra config: SGLang's fields, then KDN's
     "read_token": ((str, type(None)), None),       # the tenant's read token: lookups and loads
     "address": ((str, type(None)), None),          # Ray's address (default: `kdn up`'s, else auto)
     "prefault": (bool, True),                      # map the object store's pages ahead of loads
+    "ack": (str, "edge"),                          # a store answered by the edge, or once durable ("origin")
 }
 
 
@@ -95,6 +96,9 @@ class KDNHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config, kwargs=None, objects: Objects = None):
         extra = getattr(storage_config, "extra_config", None)
         cfg = check_params(extra if extra is not None else {}, PARAMS, "KDN HiCache extra config")
+        if cfg["ack"] not in ACKS:
+            raise BadConfig(f"KDN HiCache extra config: field 'ack' must be one of {', '.join(ACKS)}, "
+                            f"got {cfg['ack']!r:.40}")
         model = cfg["model"] or getattr(storage_config, "model_name", None)
         if not model:
             raise BadConfig("KDN HiCache extra config: field 'model' is required when SGLang "
@@ -109,7 +113,8 @@ class KDNHiCacheStorage(HiCacheStorage):
         read_tokens = read_tokens_of(cfg["tenant"], cfg["read_token"], None, "KDN HiCache extra config")
         self.objects = objects or Objects.connect(cfg["network"], cfg["region"], LAYER,
                                                   admin_token=cfg["token"], address=cfg["address"],
-                                                  read_tokens=read_tokens, prefault=cfg["prefault"])
+                                                  read_tokens=read_tokens, prefault=cfg["prefault"],
+                                                  ack=cfg["ack"])
         self._refusals = set()                     # refusal messages logged (each once)
         self.ns = self.objects.namespace(cfg["tenant"], model)
         self.mem_pool_host = None

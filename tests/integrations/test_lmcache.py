@@ -161,7 +161,8 @@ def adapters(net):
 
 
 def test_stored_in_one_region_is_loaded_from_another_regions_edge(adapters):
-    east, south = adapters("us-east"), adapters("ap-south")
+    """Acknowledged once durable at the origin (ack origin): at once visible everywhere."""
+    east, south = adapters("us-east", ack="origin"), adapters("ap-south")
     keys = [key(i) for i in range(4)]
     objs = [memobj(1 << 18, seed=i) for i in range(4)]           # 1 MiB each
     assert store(east, keys, objs) == 4 << 20          # L2StoreResult: bytes sent, -1 failed
@@ -173,6 +174,32 @@ def test_stored_in_one_region_is_loaded_from_another_regions_edge(adapters):
     served = {k for k in south.objects.counters if k.startswith("from_edge:")}
     assert served == {"from_edge:ap-south-0"}, south.objects.counters    # its own region's edge
     south.submit_unlock(keys)
+
+
+def test_a_store_acknowledged_at_the_edge_is_served_there_at_once_and_everywhere_once_durable(adapters, net):
+    """The default (ack edge): the region's edge answers the store and serves it at once; the
+    origin holds it after, then another region's edge serves it too."""
+    from kdn.core.rpc import Actors
+    east, south = adapters("us-east"), adapters("ap-south")
+    keys = [key(700 + i) for i in range(3)]
+    objs = [memobj(1 << 16, seed=700 + i) for i in range(3)]
+    assert store(east, keys, objs) == 3 << 18
+    assert east.objects.counters["acked_at_edge"] == 3
+    outs = [memobj(1 << 16, fill=0.0) for _ in keys]
+    assert load(east, keys, outs) == [True] * 3                    # from us-east's edge, at once
+    assert all(bytes(o.byte_array) == bytes(w.byte_array) for o, w in zip(outs, objs))
+    edge = Actors(net.name, ADMIN).edge("us-east-0", 30, "sync")
+    deadline = time.monotonic() + WAIT_S
+    while edge.stats()["stores"]["backlog_objects"]:
+        assert time.monotonic() < deadline, edge.stats()["stores"]
+        time.sleep(0.05)
+    ns = east.objects.namespace("default", MODEL)
+    held = east.objects.view.origin().get_chunks([object_key(ns, host_key(k)) for k in keys])
+    assert [c.kv[:-8].tobytes() for c in held] == [bytes(o.byte_array) for o in objs]    # durable
+    outs = [memobj(1 << 16, fill=0.0) for _ in keys]
+    assert load(south, keys, outs) == [True] * 3
+    assert all(bytes(o.byte_array) == bytes(w.byte_array) for o, w in zip(outs, objs))
+    east.submit_unlock(keys)
 
 
 def test_two_cache_salts_cannot_see_each_others_keys(adapters):
@@ -222,7 +249,7 @@ def test_usage_delete_and_distinct_event_fds(adapters):
 def test_the_origins_collect_keeps_stored_objects(adapters, net):
     """collect removes what no KB names, but objects are live until deleted or past a TTL."""
     from kdn.client.operator import Operator
-    a = adapters("ap-south")
+    a = adapters("ap-south", ack="origin")
     keys = [key(600 + i) for i in range(2)]
     objs = [memobj(1 << 16, seed=600 + i) for i in range(2)]
     assert store(a, keys, objs) >= 0
@@ -261,7 +288,7 @@ def test_reads_carry_the_read_token_writes_the_admin_token_and_a_wrong_one_is_na
                                         ({"read_tokens": {"t": 5}}, "read_tokens"),
                                         ({"read_token": ""}, "read_token"),
                                         ({"capacity_bytes": -1}, "capacity_bytes"),
-                                        ({"prefault": "yes"}, "prefault")])
+                                        ({"prefault": "yes"}, "prefault"), ({"ack": "later"}, "ack")])
 def test_bad_adapter_params_name_the_field(bad, field):
     with pytest.raises(BadConfig, match=f"'{field}'"):
         KDNL2AdapterConfig.from_dict(bad)
@@ -322,8 +349,9 @@ def test_a_load_of_the_documented_maximum_loads_every_key(adapters, net):
 
 def test_an_edge_killed_during_a_load_never_yields_wrong_bytes(net, adapters):
     """Last in the module: it kills eu-west's edge. The load either fails over to the next
-    edge or reports keys not loaded; whatever it reports loaded is the stored bytes."""
-    a = adapters("eu-west")
+    edge or reports keys not loaded; whatever it reports loaded is the stored bytes. (Stored
+    durable first: an edge that dies with stores it acknowledged loses them, README.)"""
+    a = adapters("eu-west", ack="origin")
     keys = [key(400 + i) for i in range(6)]
     objs = [memobj(2 << 20, seed=400 + i) for i in range(6)]     # 8 MiB each
     assert store(a, keys, objs) >= 0

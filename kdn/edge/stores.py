@@ -1,0 +1,186 @@
+"""Stores acknowledged at the edge: another cache layer's objects kept here at once, made
+durable at the origin after (write-behind).
+
+LMCache and SGLang store objects (kdn.integrations.objects) either through the origin, which
+answers once they are durable, or, with `ack = "edge"`, through their region's nearest edge:
+it verifies the objects, keeps them in its hot tier, pinned, answers, and sends them to the
+origin's `put_objects` in the background (the origin's one fsync batch a call, then its push
+to the ring owners). Once the origin has them they are unpinned: an ordinary hot copy.
+
+What the edge has acknowledged and the origin does not hold yet is the backlog, bounded by
+`backlog_bytes`: a store that would pass the bound is not acknowledged early; it waits until
+the origin holds it (an origin-acknowledged store: `durable` in the answer), so memory stays
+bounded and a slow origin slows its writers instead of losing their bytes. An origin that
+does not answer is tried again (FORWARD_RETRY_S apart); nothing in the backlog is dropped.
+The risk, said in the README: an edge that dies with a backlog loses those objects (the host
+recomputes them on its next miss: never a wrong byte), and until they are durable only this
+edge serves them (another region's load misses them).
+
+Counters (objects): store_acked_edge, store_acked_origin, store_forwarded,
+store_forward_retries, store_forgotten (deleted before sent), store_deleted_again (deleted
+while on their way); the backlog's objects and bytes in stats() (`kdn status`, /metrics).
+"""
+import asyncio
+import collections
+import logging
+
+from kdn.core.chunk import Chunk
+from kdn.core.errors import BadRequest, NetworkError
+
+log = logging.getLogger("kdn.edge")
+
+BACKLOG_BYTES = 1 << 30       # acknowledged here, not yet durable at the origin
+FORWARD_BATCH_BYTES = 64 << 20
+FORWARD_RETRY_S = 1.0
+MAX_OBJECTS_PER_CALL = 4096
+
+
+class WriteBehind:
+    """One edge's objects acknowledged before they are durable, and their way to the origin."""
+
+    def __init__(self, tiers, forms, peers, backlog_bytes: int = BACKLOG_BYTES):
+        self.tiers, self.forms, self.peers = tiers, forms, peers
+        self.backlog_bytes = int(backlog_bytes)
+        self._queue = collections.deque()      # chunks not yet at the origin, oldest first
+        self._pending = 0                       # their bytes
+        self._pinned = set()                   # keys pinned here until durable
+        self._queued = collections.Counter()   # key -> its copies in the queue
+        self._flight = {}                      # key -> ns of the batch on its way to the origin
+        self._flight_ids = set()               # its chunks (a key may wait again behind it)
+        self._redelete = collections.defaultdict(set)   # ns -> keys deleted while in flight
+        self._wake = None
+        self._task = None
+        self.counters = collections.Counter()
+
+    async def put(self, chunks) -> dict:
+        """Keep opaque chunks here and acknowledge them (durable at the origin later); what
+        this edge cannot hold pinned in memory, or what would take the backlog past its bound,
+        is acknowledged once the origin holds it. {"received", "kept", "pending": how many
+        were acknowledged before they are durable}; NetworkError when the origin had to take
+        some and did not answer (those are not stored; the rest stay on their way)."""
+        if not isinstance(chunks, (list, tuple)) or len(chunks) > MAX_OBJECTS_PER_CALL:
+            raise BadRequest(f"put_objects takes a list of at most {MAX_OBJECTS_PER_CALL} chunks, got "
+                             f"{len(chunks) if isinstance(chunks, (list, tuple)) else type(chunks).__name__}")
+        bad = next((i for i, c in enumerate(chunks) if not (isinstance(c, Chunk) and c.opaque)), None)
+        if bad is not None:
+            raise BadRequest(f"put_objects: item {bad} is not an opaque Chunk")
+        n = sum(c.nbytes for c in chunks)
+        early = self._pending + n <= self.backlog_bytes
+        kept, pinned = await self._keep(chunks, pin=early)
+        ahead = [c for c in chunks if c.key in pinned]
+        if ahead:
+            self._queue.extend(ahead)
+            self._queued.update(c.key for c in ahead)
+            self._pending += sum(c.nbytes for c in ahead)
+            self.counters["store_acked_edge"] += len(ahead)
+            self._start()
+            self._wake.set()
+        now = [c for c in chunks if c.key not in pinned]
+        if now:
+            if await self.peers.origin().put_objects(now) is None:
+                raise NetworkError(f"{len(now)} of {len(chunks)} objects could not be acknowledged at the "
+                                   "edge (its backlog of stores not yet durable is full, or its memory "
+                                   "would not hold them) and the origin did not answer: those are not stored durably")
+            self.counters["store_acked_origin"] += len(now)
+        return {"received": len(chunks), "kept": kept, "pending": len(ahead)}
+
+    async def _keep(self, chunks, pin: bool) -> tuple:
+        """Keep verified copies in the hot tier, pinned while not durable when pin: (how many
+        were kept, the keys pinned here for the first time)."""
+        stored = await self.forms.to_store(list(chunks))
+        born, hot, n, pinned = self.tiers.tombs.birth(), self.tiers.tier("hot"), 0, set()
+        for c, held in zip(chunks, stored):
+            if held is None:                 # failed verification: not kept (the origin
+                continue                     # verifies and refuses it too)
+            held.born = born
+            was = hot.is_pinned(c.key)
+            if self.tiers.put("hot", c.key, held, pin=pin):
+                n += 1
+                if pin and not was and hot.is_pinned(c.key):     # a pin that did not fit: not early
+                    self._pinned.add(c.key)
+                    pinned.add(c.key)
+        return n, pinned
+
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._wake = self._wake or asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._forward())
+
+    async def _forward(self) -> None:
+        """Send the backlog to the origin, oldest first, a batch a call; retry what it does
+        not answer; unpin what it holds."""
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch, size = [], 0
+            for c in self._queue:
+                if batch and size + c.nbytes > FORWARD_BATCH_BYTES:
+                    break
+                batch.append(c)
+                size += c.nbytes
+            self._flight = {c.key: c.ns for c in batch}
+            self._flight_ids = {id(c) for c in batch}
+            try:
+                got = await self.peers.origin().put_objects(batch)
+            finally:
+                self._flight, self._flight_ids = {}, set()
+            if got is None:                      # unreachable (counted by Peers): try again
+                self.counters["store_forward_retries"] += 1
+                await asyncio.sleep(FORWARD_RETRY_S)
+                continue
+            await self._delete_again()
+            hot = self.tiers.tier("hot")
+            for c in batch:
+                self._queue.popleft()
+                self._pending -= c.nbytes
+                self._queued[c.key] -= 1
+                if self._queued[c.key] <= 0:
+                    del self._queued[c.key]
+                if c.key in self._pinned and c.key not in self._queued:
+                    self._pinned.discard(c.key)
+                    if c.key in hot:         # not dropped meanwhile
+                        hot.unpin(c.key)
+            self.counters["store_forwarded"] += len(batch)
+
+    def forget(self, keys) -> None:
+        """Keys deleted (the origin's drop): what of them waits here is not sent; what is on
+        its way is deleted again once it lands (it would stand at the origin after the delete)."""
+        keys = set(keys)
+        if not keys or not (self._queued.keys() & keys or self._flight.keys() & keys):
+            return
+        for k in keys & self._flight.keys():
+            self._redelete[self._flight[k]].add(k)
+        kept = collections.deque()
+        for c in self._queue:
+            if c.key in keys and id(c) not in self._flight_ids:
+                self._pending -= c.nbytes
+                self._queued[c.key] -= 1
+                if self._queued[c.key] <= 0:
+                    del self._queued[c.key]
+                self._pinned.discard(c.key)
+                self.counters["store_forgotten"] += 1
+            else:
+                kept.append(c)
+        self._queue = kept
+
+    async def _delete_again(self) -> None:
+        while self._redelete:
+            ns, keys = self._redelete.popitem()
+            while await self.peers.origin().delete_objects(sorted(keys), ns) is None:
+                self.counters["store_forward_retries"] += 1         # unreachable: again, until it answers
+                await asyncio.sleep(FORWARD_RETRY_S)
+            self.counters["store_deleted_again"] += len(keys)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until the backlog is durable at the origin (tests, shutdown); whether it is."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._queue and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._queue
+
+    def stats(self) -> dict:
+        return {"backlog_objects": len(self._queue), "backlog_bytes": self._pending,
+                "backlog_limit_bytes": self.backlog_bytes, **self.counters}

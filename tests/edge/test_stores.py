@@ -1,0 +1,148 @@
+"""Stores acknowledged at the edge (kdn/edge/stores.py): kept here and answered at once, then
+made durable at the origin; an origin that does not answer is tried again and nothing waiting
+is lost; past the backlog's bound a store waits for the origin; a delete wins over a store
+not yet durable, queued or on its way. The origin here answers from `edge.answers` (the
+write-behind against a real origin, through LMCache, is tests/integrations/test_lmcache.py)."""
+import asyncio
+
+import numpy as np
+import pytest
+
+from kdn.core.errors import BadRequest, NetworkError
+from kdn.edge import stores
+from kdn.edge.tiers import Held
+from kdn.integrations.objects import object_key, pack
+
+
+@pytest.fixture
+def edge(kit, monkeypatch):
+    monkeypatch.setattr(stores, "FORWARD_RETRY_S", 0.01)
+    # held in this process even where this process joined Ray for other tests
+    monkeypatch.setattr(Held, "kept", classmethod(lambda cls, obj: cls.here(obj)))
+    e = kit.local_edge([])
+    e.answers, e.asked = {}, []
+
+    async def ask(node, method, *args, timeout=None, **kw):
+        e.asked.append((node, method, list(args[0]) if args else []))
+        answer = e.answers.get((node, method))
+        if asyncio.iscoroutinefunction(answer):
+            return await answer(*args)
+        return answer(*args) if callable(answer) else answer
+
+    e.peers.ask = ask
+    return e
+
+
+def objects(kit, n, seed=0, size=4096):
+    rng = np.random.default_rng(seed)
+    return [pack(object_key(kit.NS, f"obj-{seed}-{i}".encode()), kit.NS,
+                 rng.integers(0, 255, size, dtype=np.uint8)) for i in range(n)]
+
+
+def origin_took(e):
+    return [c.key for node, m, args in e.asked if node is None and m == "put_objects" for c in args]
+
+
+async def settle(e, timeout_s=5.0):
+    assert await e.stores.drain(timeout_s), e.stores.stats()
+
+
+def test_a_store_is_answered_at_the_edge_then_made_durable_and_unpinned(kit, edge):
+    objs = objects(kit, 3)
+    edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0}
+
+    async def main():
+        got = await edge.put_objects(objs)
+        hot = edge.tiers.tier("hot")
+        held_at_once = [hot.is_pinned(c.key) for c in objs]
+        await settle(edge)
+        return got, held_at_once, [hot.is_pinned(c.key) for c in objs], [edge.tiers.peek(c.key) for c in objs]
+    got, pinned_before, pinned_after, held = asyncio.run(main())
+    assert got == {"received": 3, "kept": 3, "pending": 3}
+    assert pinned_before == [True] * 3 and pinned_after == [False] * 3
+    assert [h.obj.kv.tobytes() for h in held] == [c.kv.tobytes() for c in objs]      # the bytes, served here
+    assert origin_took(edge) == [c.key for c in objs]
+    st = edge.stores.stats()
+    assert st["backlog_objects"] == 0 and st["backlog_bytes"] == 0 and st["store_acked_edge"] == 3 and st["store_forwarded"] == 3
+
+
+def test_an_origin_that_does_not_answer_is_tried_again_and_nothing_waiting_is_lost(kit, edge):
+    objs = objects(kit, 2, seed=1)
+    edge.answers[(None, "put_objects")] = None          # unreachable
+
+    async def main():
+        await edge.put_objects(objs)
+        await asyncio.sleep(0.1)
+        waiting = edge.stores.stats()
+        edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs)}
+        await settle(edge)
+        return waiting
+    waiting = asyncio.run(main())
+    assert waiting["backlog_objects"] == 2 and waiting["backlog_bytes"] == sum(c.nbytes for c in objs)
+    assert waiting["store_forward_retries"] >= 2
+    assert origin_took(edge)[-2:] == [c.key for c in objs]
+
+
+def test_past_the_backlogs_bound_a_store_waits_for_the_origin(kit, edge):
+    first, second = objects(kit, 1, seed=2, size=6000), objects(kit, 1, seed=3, size=6000)
+    edge.stores.backlog_bytes = 8000                    # room for one
+    edge.answers[(None, "put_objects")] = None
+
+    async def main():
+        a = await edge.put_objects(first)               # acknowledged here (origin down)
+        with pytest.raises(NetworkError, match="backlog of stores not yet durable is full.* the origin did not answer"):
+            await edge.put_objects(second)
+        refused_kept = edge.tiers.tier("hot").is_pinned(second[0].key)
+        edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs)}
+        b = await edge.put_objects(second)
+        await settle(edge)
+        return a, refused_kept, b
+    a, refused_kept, b = asyncio.run(main())
+    assert a["pending"] == 1 and b == {"received": 1, "kept": 1, "pending": 0}
+    assert refused_kept is False, "a store refused is not held as if it were on its way"
+    assert edge.stores.stats()["store_acked_origin"] == 1
+
+
+def test_a_delete_wins_over_a_store_waiting_or_on_its_way(kit, edge):
+    waiting, flying = objects(kit, 1, seed=4), objects(kit, 1, seed=5)
+    release = asyncio.Event
+
+    async def main():
+        gate = release()
+
+        async def slow(cs):
+            await gate.wait()
+            return {"received": len(cs)}
+        edge.answers[(None, "put_objects")] = slow
+        edge.answers[(None, "delete_objects")] = lambda keys, ns: {"deleted": len(keys)}
+        await edge.put_objects(flying)                   # the forward takes it at once, and waits
+        await asyncio.sleep(0.05)
+        await edge.put_objects(waiting)                  # queued behind it
+        n = await edge.drop([flying[0].key, waiting[0].key])   # the origin's delete reaches the edge
+        gate.set()
+        await settle(edge)
+        return n
+    n = asyncio.run(main())
+    assert n == 2
+    assert origin_took(edge) == [flying[0].key], "the waiting store is never sent"
+    again = [(m, args) for node, m, args in edge.asked if m == "delete_objects"]
+    assert again == [("delete_objects", [flying[0].key])], "what was on its way is deleted again"
+    assert edge.tiers.peek(flying[0].key) is None and edge.tiers.peek(waiting[0].key) is None
+    assert edge.stores.stats()["store_forgotten"] == 1 and edge.stores.stats()["store_deleted_again"] == 1
+
+
+def test_a_store_of_anything_but_opaque_objects_is_refused_and_nothing_is_kept(kit, edge):
+    kv = kit.make_chunks(1)
+    with pytest.raises(BadRequest, match="item 1 is not an opaque Chunk"):
+        asyncio.run(edge.put_objects(objects(kit, 1, seed=6) + kv))
+    assert edge.stores.stats()["backlog_objects"] == 0 and edge.tiers.peek(kv[0].key) is None
+
+
+def test_what_memory_cannot_hold_pinned_waits_for_the_origin(kit, edge):
+    objs = objects(kit, 2, seed=7, size=12 << 20)       # 24 MiB: over the 16 MiB hot tier
+    edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs)}
+    got = asyncio.run(edge.put_objects(objs))
+    assert got["received"] == 2 and got["pending"] < 2
+    assert edge.stores.stats()["store_acked_origin"] == 2 - got["pending"]
+    sent_now = origin_took(edge)
+    assert len(sent_now) >= 2 - got["pending"]
