@@ -188,6 +188,18 @@ def hash_only(kv: np.ndarray, reps: int, piece: int) -> list:
     return times[1:]
 
 
+def timed_fetches(reader, tokens, reps: int) -> tuple:
+    """(seconds of each of reps fetches of tokens by reader, the sources they named)."""
+    times, sources = [], set()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f = reader.fetch(tokens)
+        times.append(time.perf_counter() - t0)
+        sources |= set(f.sources)
+        del f
+    return times, sources
+
+
 # --- the Ray side ----------------------------------------------------------------------------
 def _ray_worker(network, tokens, digests, reps):
     """In a Ray worker on the edge's node: time Client.fetch of the whole KB, reps times."""
@@ -360,14 +372,8 @@ def main(argv=None):
         f = h.fetch(tokens)
         if [xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")) for c in f.chunks] != digests:
             raise RuntimeError("HTTP fetch returned other bytes than published")
-        times, sources = [], set(f.sources)
-        for _ in range(args.reps):
-            del f
-            t0 = time.perf_counter()
-            f = h.fetch(tokens)
-            times.append(time.perf_counter() - t0)
-            sources |= set(f.sources)
         del f
+        times, sources = timed_fetches(h, tokens, args.reps)
         record("http", "Reader over HTTPEdges", times,
                f"one recv buffer, every frame verified; sources {','.join(sorted(sources))}")
         h.view.close()
@@ -544,16 +550,10 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
         record("socket+xxh3", "recv_into + xxh3",
                bare_socket(total, args.reps, piece, verify=True, host=far.address("far"), prefix=prefix),
                "the same, each piece hashed as it arrives")
-        times, sources = [], set()
-        for _ in range(args.reps + 1):
-            del f
-            t0 = time.perf_counter()
-            f = h.fetch(tokens)
-            times.append(time.perf_counter() - t0)
-            sources |= set(f.sources)
         del f
+        times, sources = timed_fetches(h, tokens, args.reps)
         h.view.close()
-        record("http", "Reader over HTTPEdges", times[1:],
+        record("http", "Reader over HTTPEdges", times,
                f"the far edge's frames, every one verified; sources {','.join(sorted(sources))}")
         worker = ray.remote(num_cpus=0)(_ray_cold_worker).options(label_selector={"region": "near"})
         got = ray.get(worker.remote(net.name, token_sets, digests, "far", read), timeout=600)

@@ -678,3 +678,13 @@ def as_chunk(obj) -> Chunk:
     return obj.decode()
 
 
+def check_objects(chunks, most: int, call: str) -> None:
+    """BadRequest unless chunks is a list (or tuple) of at most `most` opaque Chunks (another
+    cache layer's objects: kdn.integrations.objects), naming `call` and the first that is not."""
+    from kdn.core.errors import BadRequest
+    if not isinstance(chunks, (list, tuple)) or len(chunks) > most:
+        raise BadRequest(f"{call} takes a list of at most {most} chunks, got "
+                         f"{len(chunks) if isinstance(chunks, (list, tuple)) else type(chunks).__name__}")
+    bad = next((i for i, c in enumerate(chunks) if not (isinstance(c, Chunk) and c.opaque)), None)
+    if bad is not None:
+        raise BadRequest(f"{call}: item {bad} is not an opaque Chunk")

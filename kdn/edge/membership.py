@@ -12,6 +12,9 @@ from kdn.placement.ring import Edge, Ring
 from kdn.placement.topology import Topology
 
 
+RANK_BYTES = 1 << 20      # the transfer sources are ranked by: about a chunk
+
+
 class Membership:
     def __init__(self, topology: dict, replicas: int):
         self.topology = Topology.from_dict(topology)
@@ -48,10 +51,17 @@ class Membership:
     def owner_regions(self, key) -> list:
         return [self.ring.region_of(o) for o in self.owners([key])[0]]
 
-    def sources(self, keys, me: str, region: str) -> dict:
-        """key -> the other owners of key, nearest to region first."""
-        out = {}
+    def sources(self, keys, me: str, region: str, links=None) -> dict:
+        """key -> the other owners of key, nearest to region first: by the time a chunk
+        (RANK_BYTES) takes from each, measured where `links` (kdn/edge/links.py) has
+        measured the owner, the topology's declared link otherwise."""
+        out, timed = {}, {}
         for k, owners in zip(keys, self.owners(keys)):
-            cands = [(o, self.ring.region_of(o)) for o in owners if o != me]
-            out[k] = self.topology.rank_sources(region, cands, 1 << 20) if cands else []
+            cands = [o for o in owners if o != me]
+            for o in cands:
+                if o not in timed:
+                    t = None if links is None else links.transfer_s(o, RANK_BYTES)
+                    timed[o] = t if t is not None else self.topology.transfer_time(
+                        self.ring.region_of(o), region, RANK_BYTES)
+            out[k] = [o for _, _, o in sorted((timed[o], i, o) for i, o in enumerate(cands))]
         return out

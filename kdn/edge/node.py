@@ -725,6 +725,7 @@ class EdgeNode:
                 "demand": self.demand.stats(), "loads": self.pull.loads.stats(),
                 "catalog": self.catalog.stats(), "background_failure": self.background_failure,
                 "conversations": self.conversations.stats(), "stores": self.stores.stats(),
+                "links": self.peers.links.stats(),
                 "kv_events": None if self.events is None else self.events.options,
                 "drops": t["drops"],          # where this edge is in the origin's drop log
                 "limits": {"max_fetch_keys": MAX_FETCH_KEYS,

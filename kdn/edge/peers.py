@@ -11,12 +11,19 @@ a failure there is counted (after_reply_errors) and logged, never lost.
 import asyncio
 import collections
 import logging
+import time
 
 from kdn.core.interfaces import EdgeAPI, OriginAPI
+from kdn.edge.links import Links
 from kdn.core.names import ORIGIN_NODE
 from kdn.core.rpc import Actors, Stub, Unreachable
 
 log = logging.getLogger("kdn.edge")
+
+def link_name(node) -> str:
+    """A node's name in `links`: an edge's own, "origin" for the origin."""
+    return "origin" if node is ORIGIN_NODE else str(node)
+
 
 PEER_TIMEOUT_S = 5.0      # a peer that does not answer in time is skipped (next owner, then origin)
 ORIGIN_TIMEOUT_S = 20.0
@@ -29,6 +36,7 @@ class Peers:
         self.actors = Actors(network, admin_token)
         self.name = edge                # whose calls these are (for the log)
         self.counters = collections.Counter()
+        self.links = Links()       # what this edge measured of its links to each node
         self._tasks = set()        # work sent after a reply, referenced till done
 
     def origin(self, timeout: float = ORIGIN_TIMEOUT_S) -> OriginAPI:
@@ -43,12 +51,16 @@ class Peers:
 
     async def ask(self, node, method, *args, timeout: float, **kw):
         """node's answer to method, None when node is unreachable: the transport under the
-        stubs (callers call origin() and edge(); a test stands in for the network here)."""
+        stubs (callers call origin() and edge(); a test stands in for the network here).
+        Each answered call's time is noted in `links` (its round trip, kdn/edge/links.py)."""
+        t0 = time.perf_counter()
         try:
-            return await self.actors.call(node, method, *args, timeout=timeout, **kw)
+            got = await self.actors.call(node, method, *args, timeout=timeout, **kw)
         except Unreachable:
             self.counters["origin_failures" if node is ORIGIN_NODE else "peer_failures"] += 1
             return None
+        self.links.call(link_name(node), time.perf_counter() - t0)
+        return got
 
     def later(self, coro, what: str) -> None:
         """Run coro after the current reply; count and log it if it fails."""

@@ -23,6 +23,7 @@ neither served nor kept, nor sent to an owner as a repair without its birth.
 """
 import asyncio
 import collections
+import time
 
 from kdn.edge.peers import PEER_READ_S
 from kdn.edge.singleflight import Group
@@ -72,7 +73,7 @@ class Pull:
         """({key: (Held, source)}, {owner: [keys it should have had]}): round r asks each
         key's r-th nearest owner, all owners of a round at once. drops: the drop-log state
         this edge applied; an owner that applied less answers nothing (kdn/edge/node.py)."""
-        ranked = self.membership.sources(keys, self.name, self.region)
+        ranked = self.membership.sources(keys, self.name, self.region, self.peers.links)
         result, lacking = {}, collections.defaultdict(list)
         pending, rnd = list(keys), 0
         while pending and any(len(ranked[k]) > rnd for k in pending):
@@ -87,7 +88,7 @@ class Pull:
                     continue
                 for k, w in zip(ks, got):
                     if w is not None and w[1] == k:
-                        result[k] = (Held.from_wire(w), peer_source(e))
+                        result[k] = (Held.from_wire(w, e, self.peers.links), peer_source(e))
                     else:
                         lacking[e].append(k)
             pending = [k for k in pending if k not in result]
@@ -97,8 +98,11 @@ class Pull:
     async def _from_origin(self, keys) -> dict:
         """key -> (the origin's verified copy (Chunk or Encoded), a Held of it in this node's
         store)."""
+        t0 = time.perf_counter()
         got = await self.peers.origin().get_chunks(keys) or [None] * len(keys)
         pairs = [(k, c) for k, c in zip(keys, got) if c is not None and c.key == k]
+        if pairs:                  # the answer carries the bytes: the call's time moved them
+            self.peers.links.transfer("origin", sum(c.nbytes for _, c in pairs), time.perf_counter() - t0)
 
         def verified():       # hashing (decoding, for a frame) and ray.put's copy: off the loop
             return {k: (c, Held.kept(c)) for k, c in pairs if self.forms.intact(c)}

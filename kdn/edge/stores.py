@@ -24,8 +24,8 @@ import asyncio
 import collections
 import logging
 
-from kdn.core.chunk import Chunk
-from kdn.core.errors import BadRequest, NetworkError
+from kdn.core.chunk import check_objects
+from kdn.core.errors import NetworkError
 
 log = logging.getLogger("kdn.edge")
 
@@ -58,12 +58,7 @@ class WriteBehind:
         is acknowledged once the origin holds it. {"received", "kept", "pending": how many
         were acknowledged before they are durable}; NetworkError when the origin had to take
         some and did not answer (those are not stored; the rest stay on their way)."""
-        if not isinstance(chunks, (list, tuple)) or len(chunks) > MAX_OBJECTS_PER_CALL:
-            raise BadRequest(f"put_objects takes a list of at most {MAX_OBJECTS_PER_CALL} chunks, got "
-                             f"{len(chunks) if isinstance(chunks, (list, tuple)) else type(chunks).__name__}")
-        bad = next((i for i, c in enumerate(chunks) if not (isinstance(c, Chunk) and c.opaque)), None)
-        if bad is not None:
-            raise BadRequest(f"put_objects: item {bad} is not an opaque Chunk")
+        check_objects(chunks, MAX_OBJECTS_PER_CALL, "put_objects")
         n = sum(c.nbytes for c in chunks)
         early = self._pending + n <= self.backlog_bytes
         kept, pinned = await self._keep(chunks, pin=early)

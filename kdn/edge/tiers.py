@@ -39,7 +39,7 @@ class Held:
     own is False for a peer's object (it vanishes with the peer). born: for a copy on its way
     in, the drop-log position its bytes are at least as new as (kdn/edge/tombstones.py; None:
     made here, never older than a drop)."""
-    __slots__ = ("ref", "key", "ns", "nbytes", "raw", "codec", "dtype", "own", "obj", "born")
+    __slots__ = ("ref", "key", "ns", "nbytes", "raw", "codec", "dtype", "own", "obj", "born", "src", "links")
 
     def __init__(self, ref, key: bytes, ns: bytes, nbytes: int, raw: int, codec: str = "raw",
                  dtype: str = "float32", own: bool = True):
@@ -47,6 +47,7 @@ class Held:
         self.codec, self.dtype, self.own = codec, dtype, own
         self.obj = None        # the object itself, once this process has read it (HTTP)
         self.born = None
+        self.src = self.links = None   # a peer's object: the peer, and where its transfer is noted
 
     @classmethod
     def of(cls, obj) -> "Held":
@@ -73,7 +74,10 @@ class Held:
         by its first check serves every later one. A peer's object too: its Held lives for
         one load (shared by every reader that joined it, and the copy kept of it)."""
         if self.obj is None:
+            t0 = time.perf_counter()
             self.obj = await self.ref
+            if self.links is not None:         # a peer's bytes crossed the link: measured
+                self.links.transfer(self.src, self.nbytes, time.perf_counter() - t0)
         return self.obj
 
     def wire(self) -> tuple:
@@ -81,8 +85,12 @@ class Held:
         return (self.ref, self.key, self.ns, self.nbytes, self.raw, self.codec, self.dtype)
 
     @classmethod
-    def from_wire(cls, w) -> "Held":
-        return cls(*w, own=False)
+    def from_wire(cls, w, src: str = None, links=None) -> "Held":
+        """A peer's object as peer_get described it; src: the peer, links: where the time its
+        bytes take to arrive is noted (kdn/edge/links.py)."""
+        held = cls(*w, own=False)
+        held.src, held.links = src, links
+        return held
 
 
 WRITE_BACK_QUEUE_BYTES = 1 << 30      # victims waiting for the disk, at most

@@ -29,7 +29,7 @@ import time
 
 from kdn.core.auth import Tokens
 from kdn.core.checks import check_int, check_number
-from kdn.core.chunk import Chunk, Encoded
+from kdn.core.chunk import Chunk, Encoded, check_objects
 from kdn.core.emphasis import OVERRIDE_META, check_copy, copy_of, is_emphasized, own_manifests
 from kdn.core.errors import BadRequest, KDNError, ManifestError, StoreError, VersionNotFound
 from kdn.core.keys import MAX_KEYS_PER_CALL, MAX_TOKENS_PER_KB, check_key, namespace_digest
@@ -296,12 +296,7 @@ class OriginNode:
         (`_push_objects`); until an owner has one, an edge's pull-through reads it here.
         {"received", "written", "pushing": objects whose push was queued}."""
         self.tokens.check_admin(token, "put_objects")
-        if not isinstance(chunks, (list, tuple)) or len(chunks) > MAX_CHUNKS_PER_CALL:
-            raise BadRequest(f"put_objects takes a list of at most {MAX_CHUNKS_PER_CALL} chunks, got "
-                             f"{len(chunks) if isinstance(chunks, (list, tuple)) else type(chunks).__name__}")
-        bad = next((i for i, c in enumerate(chunks) if not (isinstance(c, Chunk) and c.opaque)), None)
-        if bad is not None:
-            raise BadRequest(f"put_objects: item {bad} is not an opaque Chunk")
+        check_objects(chunks, MAX_CHUNKS_PER_CALL, "put_objects")
         if sum(c.nbytes for c in chunks) > MAX_BYTES_PER_CALL:
             raise BadRequest(f"put_objects carries more than {MAX_BYTES_PER_CALL} bytes: split it")
         results = await asyncio.to_thread(self.store.put_objects, chunks)

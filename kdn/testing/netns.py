@@ -29,7 +29,8 @@ class HostsError(KDNError):
     """A namespace, veth, bridge or tc command failed (the command and its stderr are named)."""
 
 
-SUBNET = "10.213.0.0/24"
+SUBNETS = "10.213.0.0/16"      # each Hosts takes a /24 of it that no interface here uses
+LOCK = "/tmp/kdn-netns.lock"   # held while a /24 is chosen and its bridge made (several processes)
 MULTI_NODE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"   # Ray's switch for nodes on several addresses
 
 
@@ -48,6 +49,21 @@ def available() -> "str | None":
     return None
 
 
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A /24 of SUBNETS that no address or route on this machine falls in."""
+    used = set()
+    for line in _sh("ip", "-4", "-o", "addr", "show").splitlines() + _sh("ip", "-4", "route", "show").splitlines():
+        for word in line.split():
+            try:
+                used.add(ipaddress.ip_network(word, strict=False).network_address.packed[:3])
+            except ValueError:
+                pass
+    for net in ipaddress.ip_network(SUBNETS).subnets(new_prefix=24):
+        if net.network_address.packed[:3] not in used:
+            return net
+    raise HostsError(f"every /24 of {SUBNETS} is in use on this machine")
+
+
 def _sh(*argv, check: bool = True) -> str:
     r = subprocess.run(list(argv), capture_output=True, text=True)
     if check and r.returncode:
@@ -58,19 +74,16 @@ def _sh(*argv, check: bool = True) -> str:
 class Hosts:
     """Namespaced hosts on a bridge: `address(name)`, `popen(name, argv)`, `cap(name, rate)`."""
 
-    def __init__(self, names, subnet: str = SUBNET):
+    def __init__(self, names):
         names = list(names)
         if not names or len(set(names)) != len(names):
             raise ValueError(f"Hosts needs distinct host names, got {names!r}")
-        net = ipaddress.ip_network(subnet)
-        if len(names) + 2 > net.num_addresses - 1:
-            raise ValueError(f"{subnet} has no room for {len(names)} hosts")
+        if len(names) > 250:
+            raise ValueError(f"a /24 has no room for {len(names)} hosts")
         self.names = names
-        self.prefixlen = net.prefixlen
+        self.prefixlen = 24
         self.tag = uuid.uuid4().hex[:5]
-        addrs = list(net.hosts())
-        self.head = str(addrs[0])                          # the bridge: the root namespace
-        self.addresses = {n: str(addrs[i + 1]) for i, n in enumerate(names)}
+        self.head, self.addresses = None, {}                # chosen by up(): a /24 nobody uses
         self.namespaces = {n: f"kdn-{self.tag}-{i}" for i, n in enumerate(names)}
         self._veth = {n: f"kv{self.tag}{i}" for i, n in enumerate(names)}   # root side; <= 15 chars
         self.bridge = f"kb{self.tag}"
@@ -89,14 +102,21 @@ class Hosts:
 
     def up(self) -> "Hosts":
         """Create the bridge, the namespaces and their links (removed again on failure)."""
+        import fcntl
         why = available()
         if why:
             raise HostsError(why)
         atexit.register(self.down)
         self._up = True
         try:
-            _sh("ip", "link", "add", self.bridge, "type", "bridge")
-            _sh("ip", "addr", "add", f"{self.head}/{self.prefixlen}", "dev", self.bridge)
+            with open(LOCK, "w") as lock:            # two test processes never take one /24
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                net = _free_subnet()
+                addrs = list(net.hosts())
+                self.head = str(addrs[0])                     # the bridge: the root namespace
+                self.addresses = {n: str(addrs[i + 1]) for i, n in enumerate(self.names)}
+                _sh("ip", "link", "add", self.bridge, "type", "bridge")
+                _sh("ip", "addr", "add", f"{self.head}/{self.prefixlen}", "dev", self.bridge)
             _sh("ip", "link", "set", self.bridge, "up")
             for n in self.names:
                 ns, veth = self.namespaces[n], self._veth[n]
@@ -294,6 +314,7 @@ class HostCluster:
                 self.kill(r)
             self._multi_node(False)
             head = self._procs.pop(self.regions[0], None)
+            import shutil
             if head is not None:                      # it and every process it started
                 import psutil
                 try:
@@ -308,3 +329,4 @@ class HostCluster:
                         pass
                 head.wait(timeout=30)
             self.hosts.down()
+            shutil.rmtree(self.logs, ignore_errors=True)

@@ -138,7 +138,9 @@ def test_tensor_values_round_trip(net):
 
 
 def test_pages_stored_in_one_region_are_read_from_another_regions_edge(net):
-    east, south = backend(net, region="us-east"), backend(net, region="ap-south")
+    """Stored durable first (ack origin): another region reads them at once. (With the default,
+    ack edge, it reads them once the origin holds them: tests/integrations/test_lmcache.py.)"""
+    east, south = backend(net, region="us-east", ack="origin"), backend(net, region="ap-south")
     pool, buffer = create_mock_host_kv_cache(1 << 20, entries_per_page=2, page_elements=8192)
     east.register_mem_pool_host(pool)
     south.register_mem_pool_host(pool)
@@ -213,7 +215,8 @@ def test_reads_need_the_read_token_and_stores_the_admin_token(net, caplog):
 
 
 @pytest.mark.parametrize("extra, field", [({"netwrk": "x"}, "netwrk"), ({"region": 3}, "region"),
-                                          ({"tenant": None}, "tenant"), ({"read_token": ""}, "read_token")])
+                                          ({"tenant": None}, "tenant"), ({"read_token": ""}, "read_token"),
+                                          ({"ack": "later"}, "ack")])
 def test_bad_extra_config_names_the_field(net, extra, field):
     cfg = make_config(net)
     cfg.extra_config.update(extra)
@@ -306,9 +309,10 @@ def test_batches_must_be_lists_with_a_value_per_key():
 
 
 def test_an_edge_killed_during_a_load_never_yields_wrong_pages(net):
-    """Last in the module: it kills eu-west's edge."""
+    """Last in the module: it kills eu-west's edge. (Stored durable first: an edge that dies
+    with stores it acknowledged loses them, README.)"""
     import threading
-    store = backend(net)
+    store = backend(net, ack="origin")
     pool, buffer = create_mock_host_kv_cache(24 << 20, entries_per_page=2, page_elements=1 << 20)
     store.register_mem_pool_host(pool)                    # 8 MiB a page (2 entries of 4 MiB)
     keys = [uuid.uuid4().hex for _ in range(6)]

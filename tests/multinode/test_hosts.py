@@ -31,12 +31,14 @@ def hosts():
     before = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
     if before:
         ray.shutdown()
-    cluster = netns.HostCluster(REGIONS, cpus=1, object_store_bytes=256 << 20)
+    cluster = None
     try:
+        cluster = netns.HostCluster(REGIONS, cpus=1, object_store_bytes=256 << 20)
         yield cluster
     finally:
-        cluster.shutdown()
-        if before:
+        if cluster is not None:
+            cluster.shutdown()
+        if before:                   # the session's cluster again, for this worker's next modules
             init_ray(before)
 
 
@@ -46,6 +48,20 @@ def _start(cluster, tmp_path, name=None, **kw):
     topo = Topology.default_local(list(REGIONS), edges_per_region=1, capacity_bytes=128 << 20)
     return start_network(topo, tmp_path / "origin", network=name or f"h{uuid.uuid4().hex[:8]}",
                          http=True, auth=AUTH, edge_options={"http_host": "node"}, **kw)
+
+
+def _publish(net, name, toks, kv):
+    from kdn.client import Client
+    Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP,
+           admin_token=ADMIN).publish(name, [("d", toks)], kv)
+
+
+def _http_reader(urls, timeout_s):
+    """A reader over HTTP from this host (the head's), to the edges at urls in that order."""
+    from kdn.client.http import HTTPEdges
+    from kdn.client.reader import Reader
+    edges = HTTPEdges(urls, token=ACME, allow_remote=True, timeout_s=timeout_s)
+    return edges, Reader(edges, "acme", FP, token=ACME)
 
 
 def _urls(net):
@@ -64,15 +80,13 @@ def _worker_fetch(network, prompt, expected):
 
 
 def test_each_region_is_a_host_of_its_own_and_every_worker_reads_its_own_regions_edge(hosts, tmp_path, synth):
-    from kdn.client import Client
     net = _start(hosts, tmp_path)
     try:
         urls = _urls(net)
         for region in REGIONS:               # each edge listens on its host's address, not loopback
             assert urls[f"{region}-0"].startswith(f"http://{hosts.address_of(region)}:")
         toks, kv = synth.tokens(800, seed=11), synth.kv(800, seed=11)
-        Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP,
-               admin_token=ADMIN).publish("hosted", [("d", toks)], kv)
+        _publish(net, "hosted", toks, kv)
         refs = [_worker_fetch.options(label_selector={"region": r}).remote(net.name, toks + [1, 2], kv)
                 for r in REGIONS]
         for r, got in zip(REGIONS, ray.get(refs, timeout=120)):
@@ -95,17 +109,12 @@ def test_an_edge_refuses_to_listen_off_loopback_without_tokens(hosts, tmp_path):
 
 
 def test_a_reader_over_http_fails_over_once_when_a_host_is_cut_off_and_reads_no_wrong_byte(hosts, tmp_path, synth):
-    from kdn.client import Client
-    from kdn.client.http import HTTPEdges
-    from kdn.client.reader import Reader
     net = _start(hosts, tmp_path)
     try:
         urls = _urls(net)
         toks, kv = synth.tokens(600, seed=12), synth.kv(600, seed=12)
-        Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP,
-               admin_token=ADMIN).publish("cut", [("d", toks)], kv)
-        edges = HTTPEdges([urls["eu-west-0"], urls["ap-south-0"]], token=ACME, allow_remote=True, timeout_s=3.0)
-        reader = Reader(edges, "acme", FP, token=ACME)
+        _publish(net, "cut", toks, kv)
+        edges, reader = _http_reader([urls["eu-west-0"], urls["ap-south-0"]], 3.0)
         first = reader.fetch(toks)
         assert first.tokens == 600 and first.edge == urls["eu-west-0"]
         assert np.array_equal(np.concatenate(first.kv_parts(), axis=3), kv)
@@ -126,16 +135,11 @@ def test_a_reader_over_http_fails_over_once_when_a_host_is_cut_off_and_reads_no_
 
 def test_a_killed_host_costs_its_readers_one_failover(hosts, tmp_path, synth):
     """Last in the module: the host's node is gone for good."""
-    from kdn.client import Client
-    from kdn.client.http import HTTPEdges
-    from kdn.client.reader import Reader
     net = _start(hosts, tmp_path)
     urls = _urls(net)
     toks, kv = synth.tokens(700, seed=13), synth.kv(700, seed=13)
-    Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP,
-           admin_token=ADMIN).publish("killed", [("d", toks)], kv)
-    edges = HTTPEdges([urls["ap-south-0"], urls["us-east-0"]], token=ACME, allow_remote=True, timeout_s=5.0)
-    reader = Reader(edges, "acme", FP, token=ACME)
+    _publish(net, "killed", toks, kv)
+    edges, reader = _http_reader([urls["ap-south-0"], urls["us-east-0"]], 5.0)
     assert reader.fetch(toks).edge == urls["ap-south-0"]
     hosts.kill("ap-south")
     got = reader.fetch(toks)
