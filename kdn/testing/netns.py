@@ -221,12 +221,16 @@ class HostCluster:
                  f"--labels=region={self.regions[0]}", "--include-dashboard=false", *common],
                 stdout=self._log(self.regions[0]), stderr=subprocess.STDOUT, start_new_session=True, env=self._env)
             self._await_gcs(start_timeout_s)
-            for r in self.regions[1:]:
+            self._await_nodes(1, start_timeout_s)
+            # one at a time: nodes of one machine share the session's folder, and two starting
+            # at once can race for one socket name there (a raylet died of "bind: Address
+            # already in use" on a busy machine)
+            for i, r in enumerate(self.regions[1:], start=2):
                 self._procs[r] = self.hosts.popen(
                     r, [self._ray, "start", f"--address={self.address}",
                         f"--node-ip-address={self.hosts.address(r)}", f"--labels=region={r}", *common],
                     stdout=self._log(r), stderr=subprocess.STDOUT, start_new_session=True, env=self._env)
-            self._await_nodes(len(self.regions), start_timeout_s)
+                self._await_nodes(i, start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -253,8 +257,9 @@ class HostCluster:
         import time
         import ray
         from kdn.client.join import init_ray
-        self._multi_node(True)
-        init_ray(self.address, node_ip=self.hosts.head)
+        if not ray.is_initialized():
+            self._multi_node(True)
+            init_ray(self.address, node_ip=self.hosts.head)
         deadline = time.monotonic() + timeout_s
         while sum(1 for x in ray.nodes() if x["Alive"]) < n:
             dead = [r for r, p in self._procs.items() if p.poll() is not None]
