@@ -20,6 +20,7 @@ import ipaddress
 import os
 import shutil
 import subprocess
+import tempfile
 import uuid
 
 from kdn.core.errors import KDNError
@@ -30,7 +31,8 @@ class HostsError(KDNError):
 
 
 SUBNETS = "10.213.0.0/16"      # each Hosts takes a /24 of it that no interface here uses
-LOCK = "/tmp/kdn-netns.lock"   # held while a /24 is chosen and its bridge made (several processes)
+# held while a /24 is chosen and its bridge made (several processes at once)
+LOCK = os.path.join(tempfile.gettempdir(), "kdn-netns.lock")
 MULTI_NODE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"   # Ray's switch for nodes on several addresses
 
 
@@ -209,7 +211,6 @@ class HostCluster:
         # KDN keeps Ray to one address (kdn.core.env): these nodes have addresses of their own
         self._env = {**os.environ, MULTI_NODE: "1"}
         self._was = None
-        import tempfile
         self.logs = Path(tempfile.mkdtemp(prefix="kdn-hosts-"))    # each node's `ray start` output
         common = ["--block", f"--num-cpus={cpus}", f"--object-store-memory={object_store_bytes}",
                   "--disable-usage-stats"]
