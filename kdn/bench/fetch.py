@@ -14,6 +14,10 @@ measures, in one run and interleaved rep by rep so machine noise hits both sides
   ranks far-0 first, so the chunks cross from the far node's object store (the far edge gets
   fresh objects before every rep, untimed, so no copy from an earlier rep is reused) — against the same
   trivial actor placed on the far node;
+- with --hosts, each region is a host of its own (kdn/testing/netns.py: the far node in a
+  network namespace on a bridge, its own address, a tc cap with --cap), and the bare TCP
+  socket from the far host to this one is measured after, the link's ceiling for one
+  connection;
 - one-chunk latency: Client.fetch of the first 256 tokens from near-0, p50/p99 over many
   calls, next to ray.get of one chunk array from the near trivial actor; and the same for a
   one-layer chunk (a second, tiny KB), which shows the fixed cost of a call when few bytes move.
@@ -204,8 +208,14 @@ def run(args, log) -> dict:
     root = tempfile.mkdtemp(prefix="kdn-bench-fetch-")
     try:
         t0 = time.perf_counter()
-        cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=args.object_store_mib << 20)
-        init_ray(cluster.address)
+        if args.hosts:       # each region a host of its own: the far one in a network namespace
+            from kdn.testing.netns import HostCluster
+            cluster = HostCluster(REGIONS, cpus=2, object_store_bytes=args.object_store_mib << 20)
+            if args.cap:
+                cluster.hosts.cap("far", args.cap)
+        else:
+            cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=args.object_store_mib << 20)
+            init_ray(cluster.address)
         topo = Topology.default_local(list(REGIONS))        # edges near-0, far-0; origin in near
         name = f"bench-fetch-{uuid.uuid4().hex[:6]}"
         net = start_network(topo, root, network=name)
@@ -246,8 +256,15 @@ def run(args, log) -> dict:
         small = ray.get(worker.latency.remote(args.calls, small=True))
         fetches = after.get("fetches", 0) - mid.get("fetches", 0)
         edge_us = (after.get("fetch_us", 0) - mid.get("fetch_us", 0)) / max(1, fetches)
+        socket_s = None
+        if args.hosts:      # the link's ceiling for one connection: bare TCP from the far host
+            from kdn.bench.transport import bare_socket
+            socket_s = bare_socket(total, args.reps, arrays[0].nbytes, host=cluster.address_of("far"),
+                                   prefix=cluster.hosts.command("far", []))
         return dict(total=total, n_chunks=len(arrays), n_tokens=len(tokens), held=held,
-                    check=check, tp=tp, lat=lat, small=small, edge_us_mean=edge_us)
+                    check=check, tp=tp, lat=lat, small=small, edge_us_mean=edge_us,
+                    socket_s=socket_s, hosts=None if not args.hosts else
+                    {r: cluster.address_of(r) for r in REGIONS})
     finally:
         for a in actors:
             try:
@@ -279,7 +296,16 @@ def summarize(r: dict, args) -> dict:
         "edge_handler_mean_ms": r["edge_us_mean"] / 1e3,
         "held": r["held"],
         "rep_ms": {k: [round(x * 1e3, 2) for x in v] for k, v in sec.items()},
+        "hosts": r["hosts"], "cap": args.cap,
     }
+    if r["socket_s"]:
+        out["socket_gbps"] = r["total"] / 1e9 / median(r["socket_s"])
+        out["cross_node_over_socket"] = out["cross_node_gbps"] / out["socket_gbps"]
+        out["cross_node_plain_over_socket"] = out["cross_node_plain_gbps"] / out["socket_gbps"]
+    if args.cap:
+        from kdn.bench.transport import link_rate
+        out["cap_gbps"] = link_rate(args.cap) / 1e9
+        out["cross_node_over_cap"] = out["cross_node_gbps"] / out["cap_gbps"]
     out["targets_met"] = {"same_node_ratio": out["same_node_ratio"] >= TARGET_RATIO,
                           "cross_node_ratio": out["cross_node_ratio"] >= TARGET_RATIO,
                           "one_chunk_p50_ms": out["one_chunk_p50_ms"] <= TARGET_P50_MS}
@@ -296,10 +322,28 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=7, help="whole-prefix transfers per path (>= 5)")
     ap.add_argument("--calls", type=int, default=200, help="one-chunk fetches for the latency")
     ap.add_argument("--object-store-mib", type=int, default=1024, help="per Ray node")
+    ap.add_argument("--hosts", action="store_true",
+                    help="each region a host of its own (network namespaces on a bridge, root "
+                         "needed), with the bare-socket ceiling between the same two hosts")
+    ap.add_argument("--cap", default=None, metavar="RATE",
+                    help="with --hosts: cap the far host's link with tc (e.g. 2gbit, 800mbit)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     if args.reps < 5:
         ap.error(f"--reps must be >= 5 (a median of fewer is noise), got {args.reps}")
+    if args.cap is not None and not args.hosts:
+        ap.error("--cap needs --hosts")
+    if args.cap is not None:
+        from kdn.bench.transport import link_rate
+        try:
+            link_rate(args.cap)
+        except ValueError as e:
+            ap.error(str(e))
+    if args.hosts:
+        from kdn.testing.netns import available
+        why = available()
+        if why:
+            ap.error(f"--hosts: {why}")
 
     def log(msg):
         print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
@@ -326,6 +370,12 @@ def main(argv=None):
          "plain p50 ms": s["small_chunk_plain_p50_ms"], "plain p99 ms": s["small_chunk_plain_p99_ms"],
          "target": "(overhead floor)", "met": ""},
     ])
+    if "socket_gbps" in s:
+        print(f"between hosts {s['hosts']['near']} (the worker) and {s['hosts']['far']} (far-0)"
+              + (f", the far link capped at {args.cap}" if args.cap else "") +
+              f": bare TCP socket {s['socket_gbps']:.3f} GB/s; cross-node fetch "
+              f"{s['cross_node_over_socket']:.2f}x of it, plain ray.get {s['cross_node_plain_over_socket']:.2f}x"
+              + (f"; fetch {s['cross_node_over_cap']:.2f}x the cap" if args.cap else ""))
     print(f"model-chunk fetch breakdown: keys_for p50 {s['keys_for_p50_ms']:.3f} ms in the client, "
           f"EdgeNode.fetch {s['edge_handler_mean_ms']:.3f} ms mean in the edge; the rest is Ray "
           f"(call, serialization into the object store, get)")

@@ -21,6 +21,10 @@ memory enough for the whole run. Nothing enforces the topology's WAN on loopback
 table gives the modelled floor of a cross-region load (bytes / link bandwidth + one-way
 latency, kdn.placement.topology.default_local) beside the measured row.
 
+`--hosts` puts each region on a host of its own (kdn/testing/netns.py: every region but the
+reader's in a network namespace with its own address, `--cap RATE` a tc cap on kdn-remote's
+link) and adds the bare TCP socket from kdn-remote's host to the reader's: the link's ceiling.
+
 `--breakdown` adds where a KDN load's time goes, measured in this process on the same
 network (kdn.integrations.objects, no LMCache in between): per round of --num-keys objects never
 read before, the fetch call (the reader's edge answers with object references), the first
@@ -107,9 +111,24 @@ def main(argv=None):
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per lmcache bench process")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time a KDN load's parts in this process (fetch, first touch, verified copy)")
+    ap.add_argument("--hosts", action="store_true",
+                    help="each region a host of its own (network namespaces on a bridge, root "
+                         "needed), with the bare-socket ceiling between the reader's host and "
+                         f"{REMOTE}'s")
+    ap.add_argument("--cap", default=None, metavar="RATE",
+                    help=f"with --hosts: cap {REMOTE}'s link with tc (e.g. 2gbit, 800mbit)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     want = args.only or ["kdn-local", "kdn-ack-origin", "kdn-remote", "fs", "resp"]
+    if args.cap is not None and not args.hosts:
+        ap.error("--cap needs --hosts")
+    if args.hosts:
+        from kdn.testing.netns import available
+        why = available()
+        if why:
+            ap.error(f"--hosts: {why}")
+        if not any(n.startswith("kdn") for n in want):
+            ap.error("--hosts measures KDN between hosts: keep a kdn row in --only")
     run_bytes = (args.rounds + 1) * args.num_keys * args.data_size_kb * 1024   # + a warmup round
 
     from kdn.client.join import init_ray
@@ -121,9 +140,15 @@ def main(argv=None):
         # every edge holds the whole run (replicas = 3; an edge's main tier is 75% of its
         # capacity)
         topo = Topology.default_local(list(REGIONS), capacity_bytes=int(1.6 * run_bytes))
-        if any(n.startswith("kdn") for n in want):
+        if args.hosts:           # every region but the reader's in a network namespace
+            from kdn.testing.netns import HostCluster
+            cluster = HostCluster(REGIONS, cpus=2, object_store_bytes=object_store_bytes(int(1.6 * run_bytes)))
+            if args.cap:
+                cluster.hosts.cap(REMOTE, args.cap)
+        elif any(n.startswith("kdn") for n in want):
             cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=object_store_bytes(int(1.6 * run_bytes)))
             init_ray(cluster.address)
+        if cluster is not None:
             name = f"l2{uuid.uuid4().hex[:6]}"
             net = start_network(topo, os.path.join(work, name), network=name, replicas=len(REGIONS))
         round_bytes = args.num_keys * args.data_size_kb * 1024
@@ -177,13 +202,28 @@ def main(argv=None):
                 rows.append(again)
             stop_process(redis)
             redis = None
+        if args.hosts:              # the link's ceiling for one connection, between the same hosts
+            from kdn.bench.transport import bare_socket
+            times = bare_socket(round_bytes, args.rounds, args.data_size_kb * 1024,
+                                host=cluster.address_of(REMOTE), prefix=cluster.hosts.command(REMOTE, []))
+            rows.append({"adapter": "socket", "load GB/s": statistics.mean(round_bytes / t for t in times) / 1e9,
+                         "load p50 ms": round(statistics.median(times) * 1e3, 2), "store GB/s": None,
+                         "verified": "no checksum",
+                         "note": f"bare TCP from {REMOTE}'s host ({cluster.address_of(REMOTE)}) to the "
+                                 f"reader's ({cluster.address_of(READER)}), one round a send: the link's ceiling"
+                                 + (f"; capped at {args.cap}" if args.cap else "")})
     finally:
         stop_process(redis)
         teardown(net, cluster, work)
     print(f"lmcache bench l2: {args.num_keys} keys x {args.data_size_kb} KiB a round, "
           f"{args.rounds} rounds (+1 warmup), --no-skip-verify")
     table(rows, ["adapter", "load GB/s", "load p50 ms", "load p99 ms", "store GB/s", "verified", "note"])
-    out = {"bench": "l2", "rows": rows}
+    out = {"bench": "l2", "rows": rows, "hosts": args.hosts, "cap": args.cap}
+    by = {r["adapter"]: r.get("load GB/s") for r in rows}
+    if by.get("socket") and by.get("kdn-remote"):
+        out["kdn_remote_over_socket"] = by["kdn-remote"] / by["socket"]
+        print(f"kdn-remote {out['kdn_remote_over_socket']:.2f}x the bare socket between the same hosts"
+              + (f"; ray-ceiling {by['ray-ceiling'] / by['socket']:.2f}x" if by.get("ray-ceiling") else ""))
     if args.breakdown:
         print(f"\nwhere a KDN load of {args.num_keys} x {args.data_size_kb} KiB goes (this process, the "
               f"reader's edge; medians of {args.rounds} rounds of objects this process never read):")

@@ -487,11 +487,45 @@ def link_rate(rate: str) -> float:
     return float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] / 8
 
 
+# edges on the near host pulling from the far edge: (name, topology options, row)
+PEER_EDGES = (("near-http", {}, "peer-http"),                       # the default: auto, 2 streams
+              ("near-http1", {"peer_streams": 1}, "peer-http-1stream"),
+              ("near-ray", {"data_plane": "ray"}, "peer-ray"))
+
+
+def peer_pulls(net, edge: str, kbs, ns, digests, token, admin) -> tuple:
+    """(seconds of each pull but the first (a warm-up), GB/s of the edge's HTTP pulls by its
+    own timing, None over Ray): edge fetches each KB of kbs (keys it never held, held by the far edge) and this
+    process, on the same host, takes the objects; the bytes must be the published ones."""
+    import ray
+    from kdn.core.rpc import resolve_refs
+    h = net.edges[edge]
+    before = ray.get(h.stats.remote(token=admin))["data_plane"]
+    times = []
+    for keys in kbs:
+        t0 = time.perf_counter()
+        got = ray.get(h.fetch.remote(keys, ns, region="near", token=token), timeout=300)
+        objs = resolve_refs(got["refs"], timeout=300)
+        times.append(time.perf_counter() - t0)
+        if [xxhash.xxh3_64_intdigest(memoryview(o.kv).cast("B")) for o in objs] != digests \
+                or set(got["sources"]) != {"peer:far-0"}:
+            st = ray.get(h.stats.remote(token=admin))
+            raise RuntimeError(f"edge {edge} returned other bytes or sources ({set(got['sources'])}) "
+                               f"than the far edge's: its data plane {st['data_plane']}, "
+                               f"ring {st['ring_version']} of {st['members']} members")
+        del got, objs
+    after = ray.get(h.stats.remote(token=admin))["data_plane"]
+    moved = after.get("peer_http_bytes", 0) - before.get("peer_http_bytes", 0)
+    us = after.get("peer_http_us", 0) - before.get("peer_http_us", 0)
+    return times[1:], (moved / us / 1e3 if us else None)
+
+
 def across_hosts(args, kv, tokens, cap_bps) -> int:
     """The same KB read across a link between two hosts (kdn.testing.netns): the edge on the
     far host, the readers here. Rows: the bare socket from the far host (the link's ceiling
-    for one connection), the same hashed, KDN's HTTP frames from the far edge, and Ray's
-    pull of the far edge's answer into a worker on this host."""
+    for one connection), the same hashed, KDN's HTTP frames from the far edge, Ray's pull of
+    the far edge's answer into a worker on this host, and an edge here pulling from the far
+    edge (peer pulls) on each data plane (kdn/edge/dataplane.py)."""
     import secrets
     from kdn.testing.netns import HostCluster, available
     why = available()
@@ -507,7 +541,9 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
     total = kv.nbytes
     admin, read = secrets.token_hex(16), secrets.token_hex(16)
     tmp = tempfile.mkdtemp(prefix="kdn-bench-transport-")
-    cluster = HostCluster(HOST_REGIONS, cpus=1, object_store_bytes=max(512 << 20, (args.reps + 4) * total))
+    # the far edge holds every KB published (a KB per rep for each reader), all in its main tier
+    far_bytes = int(((len(PEER_EDGES) + 1) * (args.reps + 1) + 2) * total / 0.7)
+    cluster = HostCluster(HOST_REGIONS, cpus=1, object_store_bytes=far_bytes + 4 * total)
     net, rows, res = None, [], {}
     try:
         far = cluster.hosts
@@ -515,19 +551,36 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
             far.cap("far", args.cap)
         # one edge, on the far host: it owns every chunk, so every byte read here crosses the link
         near, far_region = HOST_REGIONS
-        topo = Topology({r: (0.2, 10.0) for r in HOST_REGIONS}, {(near, far_region): (1.0, 1.0)},
-                        [("far-0", far_region, max(1 << 30, (args.reps + 3) * total))], near, source="bench transport --hosts")
+        # ... and edges on this host that pull from it (peer pulls), one per data plane; out of
+        # the ring (below), so they own nothing and keep nothing: every pull crosses the link
+        topo = Topology({r: (0.2, 10.0) for r in HOST_REGIONS}, {(near, far_region): (1.0, 10.0)},
+                        [("far-0", far_region, far_bytes)]
+                        + [(name, near, 1 << 30) for name, _, _ in PEER_EDGES], near,
+                        source="bench transport --hosts", options={n: o for n, o, _ in PEER_EDGES if o})
         net = start_network(topo, Path(tmp) / "origin", network=f"bench-hosts-{uuid.uuid4().hex[:6]}",
                             http=True, replicas=1, auth={"admin": admin, "readers": {TENANT: read}},
                             edge_options={"http_host": "node"})
         url = ray.get(net.edges["far-0"].ping.remote())["http"]
         pub = Client(network=net.name, region="far", tenant=TENANT, fingerprint=FINGERPRINT, admin_token=admin)
+        for name, _, _ in PEER_EDGES:
+            pub.remove_edge(name, kill=False)
+        ring = ray.get(net.origin.membership.remote(token=admin))
+        for name, _, _ in PEER_EDGES:        # told at once (else at their next refresh)
+            ray.get(net.edges[name].set_membership.remote(ring, token=admin))
         pub.publish("transport", [("blob", tokens)], kv)
         # Ray's rows read a KB of their own per rep (the same bytes under other keys): cold pulls
         rng = np.random.default_rng(1)
         token_sets = [rng.integers(0, 49152, len(tokens)).tolist() for _ in range(args.reps + 1)]
         for i, toks in enumerate(token_sets):
             pub.publish(f"transport-{i}", [("blob", toks)], kv)
+        peer_kbs = {}                        # edge -> the keys of its own KBs, one per rep
+        for name, _, _ in PEER_EDGES:
+            peer_kbs[name] = []
+            for i in range(args.reps + 1):
+                kb = f"peer-{name}-{i}"
+                pub.publish(kb, [("blob", rng.integers(0, 49152, len(tokens)).tolist())], kv)
+                peer_kbs[name].append(pub.manifest(kb).keys)
+        ray.get(net.origin.pushes_settled.remote(token=admin), timeout=600)   # the far edge holds all
         h = Reader(HTTPEdges([url], token=read, allow_remote=True, timeout_s=120), TENANT, FINGERPRINT,
                    token=read)
         f = h.fetch(tokens)                          # the far edge pulls what the ring put elsewhere
@@ -562,6 +615,17 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
         record("ray", "Client.fetch (worker here)", got["times"],
                f"the far edge's answer pulled by Ray across the link, a KB never pulled before each rep; "
                f"sources {','.join(got['sources'])}")
+        for name, _, row in PEER_EDGES:
+            times, measured = peer_pulls(net, name, peer_kbs[name], pub.ns, digests, read, admin)
+            record(row, f"edge {name} pulls from far-0", times,
+                   "an edge here pulls a KB it never held from the far edge; a Ray reader here "
+                   "takes the objects")
+            if measured is not None:     # the data plane alone: request to the last frame verified
+                res[row + "-pull"] = measured
+                rows.append({"transport": row + "-pull", "client": f"edge {name}'s own timing",
+                             "GB/s": measured, "median_ms": total / measured / 1e6, "min_ms": None,
+                             "max_ms": None, "note": "the same pulls, as the edge timed them: "
+                                                     "request sent to last frame verified, all reps"})
     finally:
         if net is not None:
             stop_network(net)
@@ -575,10 +639,15 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
            "bytes": total, "chunks": args.chunks, "reps": args.reps,
            **{f"{k.replace('+', '_')}_gbps": v for k, v in res.items()},
            "http_over_socket": res["http"] / res["socket"], "ray_over_socket": res["ray"] / res["socket"],
-           "http_over_ray": res["http"] / res["ray"]}
+           "http_over_ray": res["http"] / res["ray"],
+           **{f"{row.replace('-', '_')}_over_socket": res[row] / res["socket"]
+              for row in res if row.startswith("peer")},
+           "peer_http_over_peer_ray": res["peer-http"] / res["peer-ray"]}
     if cap_bps:
         out.update(http_over_cap=res["http"] * 1e9 / cap_bps, ray_over_cap=res["ray"] * 1e9 / cap_bps,
-                   socket_over_cap=res["socket"] * 1e9 / cap_bps)
+                   socket_over_cap=res["socket"] * 1e9 / cap_bps,
+                   **{f"{row.replace('-', '_')}_over_cap": res[row] * 1e9 / cap_bps
+                      for row in res if row.startswith("peer")})
     print("; ".join(f"{k} {v:.2f}x" for k, v in out.items() if k.endswith(("_over_socket", "_over_ray", "_over_cap"))))
     if args.json:
         emit_json(out)

@@ -35,10 +35,10 @@ from urllib.parse import urlencode, urlsplit
 import msgpack
 import numpy as np
 
-from kdn.core.chunk import codecs, decode, frame_size, header_bytes, read_header
+from kdn.core.chunk import Encoded, codecs, decode, frame_size, header_bytes, read_header
 from kdn.core.codecs import LOSSY
 from kdn.core.wire import unpack_sources
-from kdn.core.errors import AccessDenied, BadRequest, KDNError, NoLiveEdge, RemoteError
+from kdn.core.errors import AccessDenied, BadRequest, FrameError, KDNError, NoLiveEdge, RemoteError
 from kdn.core.rpc import Unreachable
 from kdn.core.keys import KEY_BYTES
 from kdn.core.env import is_loopback
@@ -222,7 +222,7 @@ class EdgeHTTPClient:
                              "application/msgpack")
         if resp.status != 200:
             self._refuse(resp, "POST", "/v1/fetch")
-        buf, (chunks, used, exact, sizes) = self._receive(resp, keys, ns)
+        buf, (chunks, used, exact, sizes) = self._receive(resp, lambda mv: _Frames(self.url, mv, keys, ns))
         try:
             sources = unpack_sources(resp.getheader("X-KDN-Sources"), len(keys))
         except BadRequest as e:
@@ -234,9 +234,44 @@ class EdgeHTTPClient:
         return _Page(chunks, sources, used, exact, sizes, resp.getheader("X-KDN-Edge"),
                      resp.getheader("X-KDN-More") == "1")
 
-    def _receive(self, resp, keys, ns) -> tuple:
-        """(buffer, (chunks, codecs, exact, sizes)): the whole body of resp received into one buffer
-        (its exact Content-Length), each frame verified as soon as its last byte is in.
+    def peer_get(self, keys, region: str = None, drops=None, keep=None) -> tuple:
+        """(objects, wire bytes): what this edge holds of keys, asked by another edge with the
+        network's admin token (this client's token); never cascades.
+
+        Per key, the verified object (a Chunk for a raw frame, else an Encoded: views of the
+        receive buffer) or None where the edge lacks it or its frame arrived corrupt; all None
+        when the edge applied less of the origin's drop log than `drops` (the asker's state).
+        region: the asker's, for the form each chunk crosses the link in. keep(obj), when
+        given, runs on each object as soon as its frame is verified, while the rest of the
+        body arrives, and what it returns stands in the list for the object.
+        """
+        keys = [bytes(k) for k in keys]
+        if any(len(k) != KEY_BYTES for k in keys):
+            raise BadRequest(f"every key must be {KEY_BYTES} bytes")
+        body = {"keys": keys}
+        if region is not None:
+            body["region"] = region
+        if drops is not None:
+            body["drops"] = drops
+        t0 = time.perf_counter()
+        resp = self._request("POST", "/v1/peer", msgpack.packb(body, use_bin_type=True),
+                             "application/msgpack")
+        self.counters["peer_wait_us"] += int((time.perf_counter() - t0) * 1e6)   # the peer's work
+        if resp.status != 200:
+            self._refuse(resp, "POST", "/v1/peer")
+        if resp.getheader("X-KDN-Behind") == "1":
+            resp.read()
+            self.counters["peer_behind"] += 1
+            return [None] * len(keys), 0
+        buf, (objs, corrupt) = self._receive(resp, lambda mv: _PeerFrames(self.url, mv, keys, keep))
+        self.counters["bytes"] += buf.nbytes
+        self.counters["peer_corrupt"] += corrupt
+        return objs, buf.nbytes
+
+    def _receive(self, resp, frames_of) -> tuple:
+        """(buffer, what the frames parser made): the whole body of resp received into one
+        buffer (its exact Content-Length), each frame verified as soon as its last byte is in;
+        frames_of(read-only view of the buffer) makes the parser (_Frames, _PeerFrames).
 
         The body is read RECV_STEP bytes at a time straight into the buffer (readinto: the
         socket's recv_into writes there); between reads, the frames completed so far are
@@ -254,7 +289,7 @@ class EdgeHTTPClient:
                                f"{self.max_response_bytes}")
         buf = self._receive_buffer(n)
         view = memoryview(buf)
-        frames = _Frames(self.url, view.toreadonly(), keys, ns)   # chunks are read-only views
+        frames = frames_of(view.toreadonly())     # chunks are read-only views
         got = 0
         try:
             while got < n:
@@ -405,16 +440,20 @@ class _Frames:
                                    f"after the {len(self.mv)}-byte body")
             if end > got:
                 return
-            chunk = decode(self.mv[self.off:end])        # verifies the payload checksum too
-            i = len(self.chunks)
-            if i >= len(self.keys) or chunk.key != self.keys[i] or chunk.ns != self.ns:
-                raise RemoteError(f"edge {self.url} sent frame {i} for key {chunk.key.hex()}, "
-                                   f"not the key asked for")
-            self.chunks.append(chunk)
-            self.used.append(header["codec"])
-            self.exact.append(header["codec"] not in LOSSY or header["nbytes"] == header["raw"])
-            self.sizes.append(end - self.off)
+            self.frame(self.mv[self.off:end], header)
             self.off, self.header = end, None
+
+    def frame(self, mv, header) -> None:
+        """One whole frame, its header read: decoded (its payload checksum verified too)."""
+        chunk = decode(mv)
+        i = len(self.chunks)
+        if i >= len(self.keys) or chunk.key != self.keys[i] or chunk.ns != self.ns:
+            raise RemoteError(f"edge {self.url} sent frame {i} for key {chunk.key.hex()}, "
+                               f"not the key asked for")
+        self.chunks.append(chunk)
+        self.used.append(header["codec"])
+        self.exact.append(header["codec"] not in LOSSY or header["nbytes"] == header["raw"])
+        self.sizes.append(len(mv))
 
     def done(self) -> tuple:
         """(chunks, codecs, exact flags, frame sizes) once the whole body is in."""
@@ -422,3 +461,39 @@ class _Frames:
             raise RemoteError(f"edge {self.url}: the body ends inside frame {len(self.chunks)} "
                                f"(byte {self.off} of {len(self.mv)})")
         return self.chunks, self.used, self.exact, self.sizes
+
+
+class _PeerFrames(_Frames):
+    """The frames of a peer answer (POST /v1/peer): one per key the edge holds, in the order
+    asked, of any namespace (the asker checks each chunk's against its reader's). A raw frame
+    becomes a Chunk, any other an Encoded kept in its codec (the asking edge stores or
+    forwards it as sent), each verified; a corrupt one stands as None (fetched elsewhere)."""
+
+    def __init__(self, url: str, mv: memoryview, keys, keep=None):
+        super().__init__(url, mv, keys, None)
+        self.index = {k: i for i, k in enumerate(keys)}
+        self.out, self.keep, self.next, self.corrupt = [None] * len(keys), keep, 0, 0
+
+    def frame(self, mv, header) -> None:
+        i = self.index.get(header["key"], -1)
+        if i < self.next:
+            raise RemoteError(f"edge {self.url} sent a frame for key {header['key'].hex()}, "
+                               f"not asked for or out of order")
+        self.next = i + 1
+        try:
+            if header["codec"] == "raw":
+                obj = decode(mv)
+            else:
+                obj = Encoded.from_frame(mv)
+                obj.check_frame()
+        except FrameError:
+            self.corrupt += 1
+            return
+        self.out[i] = obj if self.keep is None else self.keep(obj)
+
+    def done(self) -> tuple:
+        """(objects per key, corrupt frames) once the whole body is in."""
+        if self.off != len(self.mv):
+            raise RemoteError(f"edge {self.url}: the body ends inside a frame "
+                               f"(byte {self.off} of {len(self.mv)})")
+        return self.out, self.corrupt

@@ -24,15 +24,32 @@ def ensure_ray_token() -> None:
     ensure_token_if_auth_enabled(None, create_token_if_missing=True)
 
 
-def init_ray(address: str, namespace: str = NAMESPACE, node_ip: str = LOOPBACK) -> None:
+def init_ray(address: str, namespace: str = NAMESPACE, node_ip: str = None) -> None:
     """Connect this process to Ray at `address` ("local" starts a private one-node instance),
-    as a driver on the node at node_ip (loopback, unless the cluster's nodes have addresses of
-    their own: kdn.testing.netns)."""
+    as a driver on the node at node_ip: by default the head's own address when it is one of
+    this machine's (a head on an address of its own: kdn.testing.netns), else loopback."""
     import ray
     if ray.is_initialized():
         return
+    node_ip = node_ip or driver_ip(address)
     ray.init(address=address, namespace=namespace, include_dashboard=False, _node_ip_address=node_ip,
              log_to_driver=False, configure_logging=True, logging_level="WARNING")
+
+
+def driver_ip(address: str) -> str:
+    """The node address a driver of the cluster at `address` runs on: the head's host when it
+    is an address of this machine other than loopback (this process is on the head's node),
+    loopback otherwise."""
+    from kdn.core.env import is_loopback
+    host = str(address).rpartition(":")[0].strip("[]")
+    if not host or is_loopback(host):
+        return LOOPBACK
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))            # binds only to an address this machine has
+    except (OSError, ValueError):
+        return LOOPBACK
+    return host
 
 
 def state_path() -> Path:

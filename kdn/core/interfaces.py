@@ -80,6 +80,10 @@ class EdgeAPI(EdgeReads, Protocol):
     async def drop_manifest(self, ns, name, version) -> None:
         """Forget a retired version's broadcast copy."""
 
+    async def data_address(self) -> dict:
+        """{"url", "node", "ip"}: where peers pull this edge's chunks over HTTP frames (None:
+        they do not), its Ray node and that node's address."""
+
     async def peer_get(self, keys, region: str = None, drops=None) -> list:
         """What this edge holds of keys (None elsewhere), in the form for the asker's region."""
 

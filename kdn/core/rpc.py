@@ -85,6 +85,19 @@ class Stub:
         return f"<{self._api.__name__} of {self._label}>"
 
 
+def resolve_refs(refs, timeout: float) -> list:
+    """refs as objects: an edge's reply lists, per chunk, an object reference (zero-copy
+    beside the edge) or the object itself, carried in the reply (a copy the edge received
+    over HTTP and did not put in its node's store: kdn/edge/dataplane.py). One ray.get for
+    all the references."""
+    import ray
+    at = [i for i, r in enumerate(refs) if isinstance(r, ray.ObjectRef)]
+    out = list(refs)
+    for i, obj in zip(at, ray.get([refs[i] for i in at], timeout=timeout) if at else ()):
+        out[i] = obj
+    return out
+
+
 class Actors:
     """Handles of one network's named actors, by node: an edge's name, or ORIGIN_NODE.
 
@@ -198,10 +211,11 @@ class Actors:
             raise self._failed(node, method, e) from None
 
     def get_sync(self, node, refs, timeout: float):
-        """ray.get of object refs node handed out, failing over like a call."""
+        """The object of a reference node handed out, or the objects of a reply's list of
+        them (resolve_refs), failing over like a call."""
         import ray
         try:
-            return ray.get(refs, timeout=timeout)
+            return resolve_refs(refs, timeout) if isinstance(refs, list) else ray.get(refs, timeout=timeout)
         except failover_errors() as e:
             raise self._failed(node, "a transfer", e) from None
 

@@ -20,6 +20,12 @@ link to the request's region; kdn/edge/forms.py chooses, as for Ray); X-KDN-Code
 codecs used. Encoding is CPU work: it runs in threads, ENCODERS at a time, so concurrent
 requests cannot make the edge hold more than a few replies' worth of encoded frames.
 
+Other edges pull over POST /v1/peer (kdn/edge/dataplane.py: the data plane between nodes):
+with the network's admin token only, it answers peer_get as frames, one per key this edge
+holds in the order asked (never pulling through), each in the form chosen for the link to
+the asker's region, or X-KDN-Behind: 1 with no frames when the asker applied more of the
+origin's drop log than this edge.
+
 Input is untrusted: bodies over max_body_bytes are refused before they are read (413), so
 are requests over max_keys keys (413); a repeated key, bad gzip, a transfer coding other than
 chunked, anything malformed is a 400; every error is JSON {"error", "message"}; only a fault
@@ -49,6 +55,8 @@ from kdn.core.wire import FRAMES_TYPE, MAX_SOURCE_RUNS, METRICS_TYPE, pack_sourc
 from kdn.core.env import is_loopback
 from kdn.core.errors import AccessDenied, BadRequest, BadTokens
 from kdn.core.keys import KEY_BYTES, MAX_FETCH_KEYS, namespace_digest
+from kdn.edge.reads import check_keys
+from kdn.edge.tiers import resolve_all
 
 log = logging.getLogger("kdn.edge.http")
 
@@ -58,7 +66,8 @@ IDLE_S = 15.0                   # a connection without a complete request for th
 BIND_RETRY_S = 10.0             # a restarted edge waits this long for its old port to be free
 ENCODERS = 2                    # fetch answers encoded at once (each holds its frames in memory)
 FRAME_OVERHEAD = 256            # a frame's bytes beyond its payload, about (its header)
-ENDPOINTS = ("GET /health", "GET /v1/kbs", "POST /v1/lookup", "POST /v1/fetch", "GET /metrics")
+ENDPOINTS = ("GET /health", "GET /v1/kbs", "POST /v1/lookup", "POST /v1/fetch", "POST /v1/peer",
+             "GET /metrics")
 
 
 class RequestError(Exception):
@@ -123,6 +132,7 @@ class EdgeHTTP:
         self.app.router.add_get("/v1/kbs", self._kbs)
         self.app.router.add_post("/v1/lookup", self._lookup)
         self.app.router.add_post("/v1/fetch", self._fetch)
+        self.app.router.add_post("/v1/peer", self._peer)
         self.app.router.add_get("/metrics", self._metrics)
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -263,6 +273,9 @@ class EdgeHTTP:
             shown = f"{len(ns)} bytes" if isinstance(ns, bytes) else type(ns).__name__
             raise RequestError(400, "bad_request", f"field 'ns' must be {KEY_BYTES} bytes "
                                                    f"(msgpack bin), got {shown}")
+        return ns, self._key_list(body)
+
+    def _key_list(self, body) -> list:
         keys = body.get("keys")
         if not isinstance(keys, list):
             raise RequestError(400, "bad_request", f"field 'keys' must be a list of {KEY_BYTES}-byte "
@@ -275,7 +288,7 @@ class EdgeHTTP:
                 shown = f"{len(k)} bytes" if isinstance(k, bytes) else type(k).__name__
                 raise RequestError(400, "bad_key", f"keys[{i}] must be {KEY_BYTES} bytes "
                                                    f"(msgpack bin), got {shown}")
-        return ns, keys
+        return keys
 
     def _region(self, body):
         region = body.get("region")
@@ -352,6 +365,52 @@ class EdgeHTTP:
         self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
         return resp
 
+    async def _peer(self, request):
+        """Another edge's pull (the data plane, kdn/edge/dataplane.py): peer_get's answer as
+        frames, one per key held, in the order asked, each in the form peer_get chose for the
+        link to the asker's region; X-KDN-Behind: 1 (and no frames) when this edge applied
+        less of the drop log than the asker. Only with the network's admin token."""
+        self.edge.tokens.check_admin(_bearer(request), "POST /v1/peer")
+        body = await self._body(request, {"keys", "region", "drops"})
+        keys, region = check_keys(self._key_list(body)), self._region(body)
+        held = await self.edge.peer_held(keys, region, body.get("drops"), token=_bearer(request))
+        parts = [] if held is None else await self._peer_frames([h for h in held if h is not None])
+        total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        resp = web.StreamResponse(status=200, headers={
+            "X-KDN-Edge": self.edge.name, "X-KDN-Behind": str(int(held is None)),
+            "X-KDN-Ring": str(self.edge.members.version)})
+        resp.content_type = FRAMES_TYPE
+        resp.content_length = total
+        await resp.prepare(request)
+        self.counters["peer_bytes_sent"] += total
+        for p in parts:
+            if len(p):
+                await resp.write(p)
+        await resp.write_eof()
+        return resp
+
+    async def _peer_frames(self, helds) -> list:
+        """The frame parts of helds, each in its own form; a copy failing its checks is left
+        out (counted): the asker gets it elsewhere."""
+        forms = self.edge.forms
+        objs = await resolve_all(helds)
+        want = [o.codec for o in objs]
+
+        def frame_all():
+            parts, i = [], 0
+            while i < len(objs):
+                got, bad = forms.frames(objs[i:], want[i:])
+                parts += [p for frame in got for p in frame]
+                if bad is None:
+                    break
+                self.counters["peer_corrupt_skipped"] += 1
+                i += bad + 1
+            return parts
+        if forms.nothing_to_compute(objs, want):
+            return frame_all()
+        async with self._encoders:
+            return await asyncio.to_thread(frame_all)
+
     async def _frames(self, helds, sources, region, asked) -> tuple:
         """The `shape` of an HTTP fetch (kdn/edge/reads.py): [(frame parts, codec)] per chunk.
 
@@ -359,7 +418,7 @@ class EdgeHTTP:
         MAX_SOURCE_RUNS runs (the reader asks again); a stored frame that fails its checks
         ends it as corrupt."""
         forms = self.edge.forms
-        objs = list(await asyncio.gather(*(h.resolve() for h in helds)))
+        objs = await resolve_all(helds)
         want = forms.frame_codecs(objs, region, asked)
         n = self._fitting(objs, sources)
         if forms.nothing_to_compute(objs[:n], want[:n]):   # views, known hashes: on the loop

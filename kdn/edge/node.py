@@ -34,6 +34,7 @@ from kdn.core.chunk import Chunk, Encoded
 from kdn.core.codecs import LOSSLESS
 from kdn.edge.catalog import Catalog
 from kdn.edge.conversations import Conversations, held_object
+from kdn.edge.dataplane import STREAMS as PEER_STREAMS, PeerPulls
 from kdn.edge.disk import DiskTier
 from kdn.edge.drops import Replay
 from kdn.edge.forms import Forms, corrupted
@@ -42,7 +43,7 @@ from kdn.edge.peers import PEER_TIMEOUT_S, Peers
 from kdn.edge.pull import Pull
 from kdn.edge.reads import MAX_REPLY_BYTES, Reads, check_keys
 from kdn.edge.stores import BACKLOG_BYTES, WriteBehind
-from kdn.edge.tiers import ROLES, Held, Tiers
+from kdn.edge.tiers import ROLES, Held, Tiers, resolve_all
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, StoreError
 from kdn.core.checks import check_int
 from kdn.core.conversation import CONVERSATION_SHARE, conversation_namespace, home_of, retention_ttl
@@ -76,7 +77,8 @@ class EdgeNode:
                  membership_refresh_s: float = MEMBERSHIP_REFRESH_S,
                  max_reply_bytes: int = MAX_REPLY_BYTES, http_idle_s: float = None,
                  disk_bytes: int = None, disk_dir: str = None, kv_events=None,
-                 conversation_bytes: int = None, store_backlog_bytes: int = BACKLOG_BYTES):
+                 conversation_bytes: int = None, store_backlog_bytes: int = BACKLOG_BYTES,
+                 data_plane: str = "auto", peer_streams: int = PEER_STREAMS):
         import ray
         self.network, self.name, self.region = network, name, region
         # this node's id, to tell readers beside the edge (None outside Ray: a test's edge)
@@ -105,8 +107,12 @@ class EdgeNode:
         self._policies_wanted = None   # the origin's latest conversation policies, not applied yet
         self._policy_task = None
         self.forms = Forms(store_codec, self.catalog.sum_of, lambda: self.members.topology, region)
+        # peer pulls over HTTP frames between nodes, Ray beside this one (kdn/edge/dataplane.py)
+        self.pulls = PeerPulls(self.peers, self.node_id, data_plane,
+                               ray.util.get_node_ip_address() if ray.is_initialized() else None,
+                               check_int(peer_streams, "peer_streams", 1, 16))
         self.pull = Pull(name, region, self.members, self.tiers, self.forms, self.peers,
-                         self.catalog, self.demand)
+                         self.catalog, self.demand, self.pulls)
         self.reads = Reads(name, region, self.members, self.tiers, self.pull, self.peers,
                            self.catalog, self.demand, max_reply_bytes)
         # other cache layers' stores acknowledged here, durable at the origin after
@@ -256,6 +262,14 @@ class EdgeNode:
         """This edge's HTTP base URL (None when it serves none)."""
         return None if self.http is None else self.http.url
 
+    async def data_address(self, token=None) -> dict:
+        """Where a peer pulls this edge's chunks from (kdn/edge/dataplane.py): {"url": its HTTP
+        base URL or None, "node": its Ray node id, "ip": its node's address}."""
+        self.tokens.check_admin(token, "data_address")
+        import ray
+        return {"url": self.http_address(), "node": self.node_id,
+                "ip": ray.util.get_node_ip_address() if ray.is_initialized() else None}
+
     async def start_http(self, port: int = 0, host: str = "127.0.0.1", token=None) -> str:
         """Serve this edge over HTTP too (kdn/edge/http.py); returns the base URL.
 
@@ -387,8 +401,9 @@ class EdgeNode:
                     node: str = None, accept=None, tenant: str = None, fingerprint: str = None) -> dict:
         """The longest prefix of `keys` that the network holds, with where each chunk came from.
 
-        Returns object references ("refs"; ray.get them: zero-copy on this node), each to a
-        Chunk or an Encoded frame ("codecs" names each one's codec, "wire" its size in bytes),
+        Returns object references ("refs"; kdn.core.rpc.resolve_refs: zero-copy on this node;
+        a copy this edge received from a peer over HTTP and did not keep is the object itself,
+        carried in the reply), each to a Chunk or an Encoded frame ("codecs" names each one's codec, "wire" its size in bytes),
         or with resolve=True the objects themselves as stored ("chunks"). node (the reader's
         Ray node id) and accept (codecs it takes besides raw; default the lossless ones) choose
         each chunk's form for the link (kdn/edge/forms.py); without node, chunks go as stored.
@@ -402,7 +417,7 @@ class EdgeNode:
 
         async def shape(helds, sources):
             if resolve:
-                return list(await asyncio.gather(*(h.resolve() for h in helds))), len(helds), False
+                return await resolve_all(helds), len(helds), False
             if node is None:
                 return helds, len(helds), False
             out, n = await self.forms.link_forms(helds, region or self.region, same_node, accept)
@@ -414,7 +429,9 @@ class EdgeNode:
         if resolve:
             reply["chunks"] = got["out"]
             return reply
-        reply.update(refs=[h.ref for h in got["out"]], codecs=[h.codec for h in got["out"]],
+        # (a copy received over HTTP and not kept has no reference: it rides in the reply)
+        reply.update(refs=[h.ref if h.ref is not None else h.obj for h in got["out"]],
+                     codecs=[h.codec for h in got["out"]],
                      wire=[h.nbytes for h in got["out"]])      # bytes of each object sent
         self.counters["wire_bytes"] += sum(reply["wire"])
         self.counters.update("sent_" + c for c in reply["codecs"])
@@ -437,12 +454,20 @@ class EdgeNode:
         drops: the drop-log state the asker applied; an edge that applied less answers
         nothing (its copies may predate a drop the asker applied) and catches up.
         """
-        self.tokens.check_admin(token, "peer_get")
         keys = check_keys(keys)
+        out = await self.peer_held(keys, region, drops, token=token)
+        return [None] * len(keys) if out is None else [None if h is None else h.wire() for h in out]
+
+    async def peer_held(self, keys, region: str = None, drops=None, token=None):
+        """peer_get's answer for either transport (Ray, or HTTP frames: kdn/edge/http.py): per
+        key (checked by the caller) the Held to send in its form for the link to region, or
+        None; None for all when this edge applied less of the drop log than drops (it catches
+        up). Only with the admin token."""
+        self.tokens.check_admin(token, "peer_get")
         if self.tiers.tombs.behind(drops):
             self.counters["peer_get_behind"] += 1
             self._catch_up()
-            return [None] * len(keys)
+            return None
         out = [self.tiers.get(k) for k in keys]
         on_disk = [i for i, h in enumerate(out) if h is None and self.tiers.on_disk(keys[i])]
         for i, h in zip(on_disk, await self.reads.read_disk([keys[i] for i in on_disk], None)):
@@ -454,7 +479,7 @@ class EdgeNode:
                                                    budget_s=PEER_TIMEOUT_S / 3)
             forms = iter(forms[:n] + [None] * (len(held) - n))     # a corrupt copy: not sent
             out = [None if h is None else next(forms) for h in out]
-        return [None if h is None else h.wire() for h in out]
+        return out
 
     # --- corruption ---------------------------------------------------------------------
     async def drop_corrupt(self, keys, ns: bytes, token=None) -> int:
@@ -703,7 +728,7 @@ class EdgeNode:
         """Every component's counters in one (their names do not overlap)."""
         out = collections.Counter(self.counters)
         for part in (self.members, self.tiers, self.forms, self.pull, self.pull.loads,
-                     self.reads, self.catalog, self.peers, self.replay, self.stores):
+                     self.reads, self.catalog, self.peers, self.replay, self.stores, self.pulls):
             out.update(part.counters)
         out.update(self.conversations.snapshot())     # (updated from worker threads)
         out.update(self.tiers.tombs.counters)         # drops_refused_stale (kdn/edge/tombstones.py)
@@ -725,7 +750,7 @@ class EdgeNode:
                 "demand": self.demand.stats(), "loads": self.pull.loads.stats(),
                 "catalog": self.catalog.stats(), "background_failure": self.background_failure,
                 "conversations": self.conversations.stats(), "stores": self.stores.stats(),
-                "links": self.peers.links.stats(),
+                "links": self.peers.links.stats(), "data_plane": self.pulls.stats(),
                 "kv_events": None if self.events is None else self.events.options,
                 "drops": t["drops"],          # where this edge is in the origin's drop log
                 "limits": {"max_fetch_keys": MAX_FETCH_KEYS,

@@ -3,14 +3,16 @@
 The topology (kdn/placement/topology.py) carries each edge's settings beside its capacity as
 they are written and knows nothing of what they mean; they are the edge's: `disk_bytes` and
 `disk_dir` (the disk tier beneath memory, kdn/edge/disk.py), `kv_events` (KV events,
-kdn/edge/events.py). The launcher (kdn/launch/cluster.py) checks every edge's here before it
+kdn/edge/events.py), `data_plane` and `peer_streams` (how it pulls from peers,
+kdn/edge/dataplane.py). The launcher (kdn/launch/cluster.py) checks every edge's here before it
 starts anything, so a typo or a bad value is one TopologyError naming the file and the edge.
 """
 from kdn.core.checks import check_int
 from kdn.core.errors import BadRequest, TopologyError
+from kdn.edge.dataplane import MODES
 from kdn.edge.events import check_kv_events
 
-OPTIONS = ("disk_bytes", "disk_dir", "kv_events")
+OPTIONS = ("disk_bytes", "disk_dir", "kv_events", "data_plane", "peer_streams")
 
 
 def check_edge_options(options: dict, where: str) -> dict:
@@ -39,4 +41,12 @@ def check_edge_options(options: dict, where: str) -> dict:
             out["kv_events"] = check_kv_events(kv)
         except BadRequest as e:
             raise TopologyError(f"{where}: {e}") from None
+    if "data_plane" in options:
+        if options["data_plane"] not in MODES:
+            raise TopologyError(f"{where}: data_plane: must be one of {', '.join(MODES)}, "
+                                f"got {options['data_plane']!r:.80}")
+        out["data_plane"] = options["data_plane"]
+    if "peer_streams" in options:
+        out["peer_streams"] = check_int(options["peer_streams"], f"{where}: peer_streams", 1, 16,
+                                        error=TopologyError)
     return out

@@ -6,9 +6,13 @@ one load (singleflight). A chunk the origin sends is verified against its manife
 before anyone sees it; an owner found lacking a chunk is sent the origin's copy after the
 reply is on its way (read repair).
 
+Owners are asked through the data plane (kdn/edge/dataplane.py): HTTP frames from an owner
+on another node, received into this node's store; Ray from one beside it.
+
 What comes from elsewhere is kept when this edge owns it (it restarted empty: it refills
-itself on the way through) or its region reads it hot (a hot copy). A peer's object belongs
-to the peer and vanishes with it, so a kept copy is put into this node's store as our own,
+itself on the way through) or its region reads it hot (a hot copy). A peer's object that
+came over Ray belongs to the peer and vanishes with it, so a kept copy is put into this
+node's store as our own,
 in this edge's store form; a copy that must be encoded to be kept is encoded in the
 background, after the reply, one encode per key at a time.
 
@@ -25,6 +29,7 @@ import asyncio
 import collections
 import time
 
+from kdn.edge.dataplane import PeerPulls
 from kdn.edge.peers import PEER_READ_S
 from kdn.edge.singleflight import Group
 from kdn.edge.tiers import Held
@@ -32,11 +37,19 @@ from kdn.core.names import ORIGIN, peer_source
 from kdn.core.rpc import failover_errors
 
 
+def _received(held) -> bool:
+    """Whether held is a peer's copy received over HTTP (kdn/edge/dataplane.py): in this
+    process only, put into the node's store if kept."""
+    return held.ref is None and held.src is not None
+
+
 class Pull:
-    def __init__(self, name: str, region: str, membership, tiers, forms, peers, catalog, demand):
+    def __init__(self, name: str, region: str, membership, tiers, forms, peers, catalog, demand,
+                 pulls=None):
         self.name, self.region = name, region
         self.membership, self.tiers, self.forms = membership, tiers, forms
         self.peers, self.catalog, self.demand = peers, catalog, demand
+        self.pulls = pulls or PeerPulls(peers, None, "ray")   # how owners' chunks come over
         self.loads = Group()
         self.counters = collections.Counter()
         self._keeping = set()      # keys being encoded to be kept
@@ -81,14 +94,14 @@ class Pull:
             for k in pending:
                 if len(ranked[k]) > rnd:
                     groups[ranked[k][rnd]].append(k)
-            replies = await asyncio.gather(*(self.peers.edge(e).peer_get(ks, region=self.region, drops=drops)
+            replies = await asyncio.gather(*(self.pulls.get(e, ks, self.region, drops)
                                              for e, ks in groups.items()))
             for (e, ks), got in zip(groups.items(), replies):
                 if got is None:          # unreachable: its keys go to the next owner
                     continue
-                for k, w in zip(ks, got):
-                    if w is not None and w[1] == k:
-                        result[k] = (Held.from_wire(w, e, self.peers.links), peer_source(e))
+                for k, held in zip(ks, got):
+                    if held is not None:
+                        result[k] = (held, peer_source(e))
                     else:
                         lacking[e].append(k)
             pending = [k for k in pending if k not in result]
@@ -130,7 +143,7 @@ class Pull:
                 role, counter = "hot", "hot_promoted"
             else:
                 continue
-            if self.forms.store_codec != "raw" or held.codec != "raw":
+            if self.forms.store_codec != "raw" or held.codec != "raw" or _received(held):
                 if key not in self._keeping and key not in self.tiers.tier(role):
                     self._keeping.add(key)                      # one encode per key at a time
                     later.append((key, held, role, counter))    # not on the reader's time
@@ -155,8 +168,14 @@ class Pull:
         """held as this node's own object in this edge's store form (a peer's object vanishes
         with the peer), born when held was; None when it cannot be read in time or fails
         verification."""
-        if held.own and held.codec == self.forms.store_codec:
+        if held.own and held.codec == self.forms.store_codec and not _received(held):
             return held
+        if _received(held):           # received over HTTP: put into this node's store, born as held
+            kept = await asyncio.to_thread(Held.kept, held.obj)
+            kept.born = held.born
+            if held.codec == self.forms.store_codec:
+                return kept
+            held = kept
         try:
             obj = await asyncio.wait_for(held.resolve(), PEER_READ_S)
         except failover_errors():      # the peer went away: nothing to keep

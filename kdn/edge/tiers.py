@@ -47,7 +47,8 @@ class Held:
         self.codec, self.dtype, self.own = codec, dtype, own
         self.obj = None        # the object itself, once this process has read it (HTTP)
         self.born = None
-        self.src = self.links = None   # a peer's object: the peer, and where its transfer is noted
+        self.src = self.links = None   # a peer's object (over Ray) or copy (over HTTP): the peer;
+                                       # links: where a Ray object's transfer is noted
 
     @classmethod
     def of(cls, obj) -> "Held":
@@ -64,7 +65,9 @@ class Held:
 
     @classmethod
     def here(cls, obj) -> "Held":
-        """obj held by this process (an edge outside Ray, as in unit tests): no reference."""
+        """obj held by this process, with no reference: an edge outside Ray (unit tests), or
+        a copy received from a peer over HTTP (kdn/edge/dataplane.py), put into the node's
+        store only if it is kept."""
         held = cls(None, obj.key, obj.ns, obj.nbytes, obj.raw, obj.codec, obj.dtype)
         held.obj = obj
         return held
@@ -91,6 +94,19 @@ class Held:
         held = cls(*w, own=False)
         held.src, held.links = src, links
         return held
+
+
+async def resolve_all(helds) -> list:
+    """Each Held's object (Held.resolve), this node's own objects read with one ray.get in a
+    worker thread: awaiting each reference on the event loop costs ~1 ms apiece, longer than
+    framing a 2 MiB chunk. A peer's objects are awaited one by one (each one's arrival is
+    timed for the link it crossed)."""
+    batch = [h for h in helds if h.obj is None and h.ref is not None and h.links is None]
+    if len(batch) > 1:
+        import ray
+        for h, obj in zip(batch, await asyncio.to_thread(ray.get, [h.ref for h in batch])):
+            h.obj = obj
+    return list(await asyncio.gather(*(h.resolve() for h in helds)))
 
 
 WRITE_BACK_QUEUE_BYTES = 1 << 30      # victims waiting for the disk, at most

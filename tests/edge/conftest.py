@@ -53,9 +53,12 @@ def held(obj, own: bool = True) -> Held:
 
 
 def local_edge(chunks=(), role="main", **options):
-    """An EdgeNode outside Ray holding chunks (network "t", edge here-0 in region here)."""
+    """An EdgeNode outside Ray holding chunks (network "t", edge here-0 in region here). Its
+    peers answer over the stand-in transport (Ray's calls), so it pulls with data_plane "ray"
+    unless told otherwise (tests/edge/test_dataplane.py)."""
     from kdn.edge.node import EdgeNode
     options.setdefault("topology", topology())
+    options.setdefault("data_plane", "ray")
     edge = EdgeNode("t", "here-0", "here", options.pop("capacity_bytes", 64 << 20), **options)
     for c in chunks:
         edge.tiers.put(role, c.key, held(c))

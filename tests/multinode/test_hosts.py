@@ -93,6 +93,11 @@ def test_each_region_is_a_host_of_its_own_and_every_worker_reads_its_own_regions
             assert got["node_ip"] == hosts.address_of(r)
             assert got["region"] == r and got["edge"] == f"{r}-0"
             assert got["tokens"] == 800 and got["equal"]
+        # what an edge lacked came from its peers on the other hosts over HTTP frames, not Ray
+        planes = [ray.get(h.stats.remote(token=ADMIN), timeout=30)["data_plane"] for h in net.edges.values()]
+        assert sum(p.get("peer_http_chunks", 0) for p in planes) > 0
+        assert sum(p.get("peer_ray_pulls", 0) for p in planes) == 0
+        assert all(p["mode"] == "auto" for p in planes)
     finally:
         from kdn.launch.cluster import stop_network
         stop_network(net)
@@ -128,6 +133,42 @@ def test_a_reader_over_http_fails_over_once_when_a_host_is_cut_off_and_reads_no_
         assert got.tokens == 600 and got.edge == urls["ap-south-0"]
         assert np.array_equal(np.concatenate(got.kv_parts(), axis=3), kv)
         assert edges.counters["failovers"] == 1 and took < 30
+    finally:
+        from kdn.launch.cluster import stop_network
+        stop_network(net)
+
+
+def test_an_owner_behind_a_capped_link_is_chosen_less_once_measured(hosts, tmp_path, synth):
+    """us-east's edge pulls the keys eu-west-0 and ap-south-0 both own (neither its own). The
+    topology declares eu-west nearer (55 ms against 80); eu-west's link is capped to 40 Mbit/s.
+    The first KB comes from eu-west, as declared; its pull is measured, and every later KB
+    comes from ap-south (measured too, then): the capped owner is chosen less."""
+    from kdn.client import Client
+    net = _start(hosts, tmp_path)
+    try:
+        pub = Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP, admin_token=ADMIN)
+        kbs = []
+        for i in range(4):        # 1 MiB chunks: a pull of a few outlasts the cap's burst
+            toks, kv = synth.tokens(3072, seed=40 + i), synth.kv(3072, layers=4, heads=4, head_dim=32, seed=40 + i)
+            pub.publish(f"capped-{i}", [("d", toks)], kv)
+            kbs.append((toks, kv))
+        ray.get(net.origin.pushes_settled.remote(token=ADMIN), timeout=120)
+        hosts.hosts.cap("eu-west", "40mbit", burst="64kb")
+        reader = Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP, token=ACME)
+        pulled = []
+        try:
+            for toks, kv in kbs:
+                f = reader.fetch(toks)
+                assert f.edge == "us-east-0" and f.tokens == 3072
+                assert np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
+                pulled.append([s for s in f.sources if s.startswith("peer:")])
+        finally:
+            hosts.hosts.uncap("eu-west")
+        assert pulled[0] and set(pulled[0]) == {"peer:eu-west-0"}        # declared nearer
+        later = [s for p in pulled[1:] for s in p]
+        assert later and set(later) == {"peer:ap-south-0"}               # measured faster
+        links = ray.get(net.edges["us-east-0"].stats.remote(token=ADMIN), timeout=30)["links"]
+        assert links["eu-west-0"]["gbps"] < 0.01 < links["ap-south-0"]["gbps"]
     finally:
         from kdn.launch.cluster import stop_network
         stop_network(net)

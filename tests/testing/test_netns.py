@@ -64,3 +64,17 @@ def test_a_link_rate_is_read_in_tcs_units_and_anything_else_is_refused():
 def test_hosts_need_distinct_names():
     with pytest.raises(ValueError, match="distinct host names"):
         netns.Hosts(["a", "a"])
+
+
+@pytest.mark.skipif(why is not None, reason=f"namespaced hosts: {why}")
+def test_a_driver_joins_a_head_on_an_address_of_this_machine_there_and_any_other_on_loopback():
+    """kdn.client.join.init_ray's default node address: a process joining a cluster whose
+    head listens on one of this machine's addresses (HostCluster's bridge) runs on that node;
+    a head on loopback, or elsewhere, keeps the driver on loopback."""
+    from kdn.client.join import driver_ip
+    assert driver_ip("local") == "127.0.0.1"
+    assert driver_ip("127.0.0.1:6379") == "127.0.0.1"
+    assert driver_ip("203.0.113.9:6379") == "127.0.0.1"      # TEST-NET-3: nobody's here
+    with netns.Hosts(["a"]) as hosts:
+        assert driver_ip(f"{hosts.head}:6379") == hosts.head
+        assert driver_ip(f"{hosts.address('a')}:6379") == "127.0.0.1"   # the namespace's, not ours

@@ -1,0 +1,158 @@
+"""How an edge pulls chunks from a peer: KDN's HTTP frames over TCP, Ray where that pays.
+
+Ray moves an object between nodes at about half of what one TCP connection carries between
+the same hosts (`kdn bench transport --hosts`: 0.46x), so bulk KV between edges goes over
+the peer's own HTTP server instead (POST /v1/peer, kdn/edge/http.py, with the network's
+admin token): the frames are received straight into one buffer, each verified as soon as
+its last byte is in, and put into this node's object store (ray.put) while the rest
+arrives. Ray stays the control plane (membership, placement, who holds what) and carries
+what sits beside the edge: an object on this edge's own node is read zero-copy from the
+shared store, which no socket beats.
+
+mode (the edge's `data_plane` option):
+- "auto" (default): HTTP frames from a peer on another Ray node that serves HTTP; Ray else.
+- "http": HTTP frames whenever the peer serves HTTP, on this node too (tests, benches).
+- "ray": always Ray.
+
+A peer's address (its HTTP URL and Ray node) is asked once over Ray (data_address) and
+kept; a peer without HTTP is asked again after ADDRESS_RETRY_S. A peer that listens on
+loopback is pulled over HTTP only from its own host (its node's address is this edge's):
+on another host that address is nobody's, so Ray carries its bytes. A batch wider than one
+connection carries is split over `streams` parallel connections (contiguous slices of the
+keys, each on its own keep-alive connection, received in a worker thread: the socket reads
+release the GIL). A peer that does not answer (refused, reset, cut off, silent for
+PEER_TIMEOUT_S) is unreachable, as on Ray: its address is forgotten, and the caller moves to
+the next owner. A corrupt frame costs only its key (fetched elsewhere). Each pull's bytes
+over its wall time are noted in the edge's measured links (kdn/edge/links.py).
+"""
+import asyncio
+import collections
+import time
+from urllib.parse import urlsplit
+
+from kdn.core.env import is_loopback
+from kdn.core.errors import BadRequest
+from kdn.core.rpc import Unreachable
+from kdn.edge.peers import PEER_TIMEOUT_S
+from kdn.edge.tiers import Held
+
+MODES = ("auto", "http", "ray")
+STREAMS = 2                  # parallel connections one pull to one peer may use
+STREAM_MIN_KEYS = 4          # a pull of fewer keys takes one connection
+ADDRESS_RETRY_S = 30.0       # a peer that served no HTTP is asked again after this
+IDLE_CONNECTIONS = 4         # keep-alive connections kept per peer
+
+
+def check_data_plane(mode) -> str:
+    if mode not in MODES:
+        raise BadRequest(f"data_plane must be one of {', '.join(MODES)}, got {mode!r:.80}")
+    return mode
+
+
+def _received(obj, peer: str) -> Held:
+    """obj, received from peer, as a Held in this process (no reference yet: kdn/edge/pull.py)."""
+    held = Held.here(obj)
+    held.src = peer
+    return held
+
+
+class PeerPulls:
+    """peer_get over the data plane: `get(peer, keys, region, drops)` answers per key a Held
+    in this node's store (HTTP) or the peer's (Ray), or None; None when the peer is
+    unreachable."""
+
+    def __init__(self, peers, node_id, mode: str = "auto", node_ip: str = None, streams: int = STREAMS):
+        self.peers, self.node_id, self.node_ip = peers, node_id, node_ip
+        self.mode, self.streams = check_data_plane(mode), max(1, int(streams))
+        self.counters = collections.Counter()
+        self._addresses = {}         # peer -> (url or None, node, when asked)
+        self._idle = collections.defaultdict(list)    # url -> idle EdgeHTTPClients
+
+    async def get(self, peer: str, keys, region: str, drops):
+        url = await self._url(peer)
+        if url is None:
+            got = await self.peers.edge(peer).peer_get(keys, region=region, drops=drops)
+            if got is None:
+                return None
+            self.counters["peer_ray_pulls"] += 1
+            return [None if w is None or w[1] != k else Held.from_wire(w, peer, self.peers.links)
+                    for k, w in zip(keys, got)]
+        return await self._http(peer, url, keys, region, drops)
+
+    async def _url(self, peer: str):
+        """The peer's URL when this pull goes over HTTP, else None (Ray)."""
+        if self.mode == "ray" or (self.mode == "auto" and self.node_id is None):
+            return None                     # (no node id: an edge outside Ray, in a unit test)
+        known = self._addresses.get(peer)
+        if known is None or (known[0] is None and time.monotonic() - known[2] > ADDRESS_RETRY_S):
+            got = await self.peers.edge(peer).data_address()
+            if got is None:                 # unreachable now: Ray's call says so in turn
+                return None
+            url = got.get("url")
+            if url is not None and is_loopback(urlsplit(url).hostname or "") and got.get("ip") != self.node_ip:
+                url = None        # its loopback is not ours: a peer on another host bound 127.0.0.1
+            known = self._addresses[peer] = (url, got.get("node"), time.monotonic())
+        url, node, _ = known
+        if url is None or (self.mode == "auto" and node == self.node_id):
+            return None
+        return url
+
+    async def _http(self, peer: str, url: str, keys, region: str, drops):
+        n = self.streams if len(keys) >= STREAM_MIN_KEYS else 1
+        step = -(-len(keys) // n)
+        parts = [keys[i:i + step] for i in range(0, len(keys), step)]
+        t0 = time.perf_counter()
+        replies = await asyncio.gather(*(asyncio.to_thread(self._pull, peer, url, part, region, drops)
+                                         for part in parts), return_exceptions=True)
+        seconds = time.perf_counter() - t0
+        failed = [r for r in replies if isinstance(r, BaseException)]
+        if failed:
+            self._addresses.pop(peer, None)
+            unreachable = [r for r in failed if isinstance(r, Unreachable)]
+            if len(unreachable) < len(failed):      # not a lost peer: a bug or a refusal
+                raise next(r for r in failed if not isinstance(r, Unreachable))
+            self.counters["peer_http_failures"] += 1
+            self.peers.counters["peer_failures"] += 1
+            return None
+        out = [h for objs, _ in replies for h in objs]
+        nbytes = sum(b for _, b in replies)
+        self.peers.links.transfer(peer, nbytes, seconds)
+        self.counters["peer_http_pulls"] += 1
+        self.counters["peer_http_streams"] += len(parts)
+        self.counters["peer_http_chunks"] += sum(h is not None for h in out)
+        self.counters["peer_http_bytes"] += nbytes
+        self.counters["peer_http_us"] += int(seconds * 1e6)
+        return out
+
+    def _pull(self, peer: str, url: str, keys, region: str, drops) -> tuple:
+        """(Held per key or None, bytes received) over one connection (a worker thread)."""
+        from kdn.client.http import EdgeHTTPClient
+        idle = self._idle[url]
+        try:
+            client = idle.pop()                 # (threads share the list: pop is atomic)
+        except IndexError:
+            client = EdgeHTTPClient(url, timeout_s=PEER_TIMEOUT_S, allow_remote=True,
+                                    token=self.peers.actors.token)
+        try:
+            got, nbytes = client.peer_get(keys, region=region, drops=drops)
+        except BaseException:
+            client.close()
+            raise
+        self.counters["peer_http_wait_us"] += client.counters.pop("peer_wait_us", 0)
+        if len(idle) < IDLE_CONNECTIONS:
+            idle.append(client)
+        else:
+            client.close()
+        # held here, in this process: a Ray reader gets them in the reply, a kept copy is put
+        # into this node's store after the reply (kdn/edge/pull.py own_copy)
+        return [None if o is None else _received(o, peer) for o in got], nbytes
+
+    def close(self) -> None:
+        for clients in self._idle.values():
+            for c in clients:
+                c.close()
+        self._idle.clear()
+
+    def stats(self) -> dict:
+        return {"mode": self.mode, "streams": self.streams,
+                "http_peers": sorted(p for p, (u, _, _) in self._addresses.items() if u), **self.counters}

@@ -1,0 +1,168 @@
+"""Peer pulls over KDN's HTTP frames (kdn/edge/dataplane.py, POST /v1/peer): the bytes a peer
+holds arrive verified and byte-equal, only with the admin token, never past a drop the asker
+applied, and a corrupt frame costs only its key.
+
+A network on the session's loopback cluster: one edge per region, each region a Ray node of
+its own, so "auto" pulls between edges go over HTTP frames; with data_plane "ray" the same
+reads go through Ray. The frame parser is also tested alone, on bodies built here.
+"""
+import numpy as np
+import pytest
+import ray
+
+from kdn.client import Client
+from kdn.client.http import EdgeHTTPClient, _PeerFrames
+from kdn.core.chunk import Chunk, Encoded, encode
+from kdn.core.errors import AccessDenied, BadRequest, RemoteError
+
+ADMIN = "admin-token-dataplane-0123456789"
+READ = "acme-read-token-dataplane-0123"
+AUTH = {"admin": ADMIN, "readers": {"acme": READ}}
+FP = "synthetic-dataplane"
+
+
+def _stats(net):
+    return {e: ray.get(h.stats.remote(), timeout=30) for e, h in net.edges.items()}
+
+
+def _read_everywhere(net, toks, kv):
+    """Each region's reader fetches the KB; its bytes must be the published ones."""
+    sources = set()
+    for region in ("us-east", "eu-west", "ap-south"):
+        f = Client(network=net.name, region=region, tenant="acme", fingerprint=FP, token=READ).fetch(toks)
+        assert f.tokens == len(toks)
+        assert np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
+        sources.update(f.sources)
+    return sources
+
+
+@pytest.mark.parametrize("plane", ["auto", "ray"])
+def test_peer_pulls_between_nodes_go_over_http_frames_and_bring_the_published_bytes(small_network, synth, plane):
+    net = small_network(auth=AUTH, http=True, replicas=1, edge_options={"data_plane": plane})
+    toks, kv = synth.tokens(1500, seed=31), synth.kv(1500, seed=31)
+    Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP,
+           admin_token=ADMIN).publish("kb", [("d", toks)], kv)
+    sources = _read_everywhere(net, toks, kv)
+    assert any(s.startswith("peer:") for s in sources)       # some chunk crossed between edges
+    planes = [s["data_plane"] for s in _stats(net).values()]
+    http_chunks = sum(p.get("peer_http_chunks", 0) for p in planes)
+    ray_pulls = sum(p.get("peer_ray_pulls", 0) for p in planes)
+    if plane == "auto":         # every edge on a node of its own: every peer pull over HTTP
+        assert http_chunks > 0 and ray_pulls == 0
+        assert sum(p.get("peer_http_bytes", 0) for p in planes) > 0
+    else:
+        assert http_chunks == 0 and ray_pulls > 0
+
+
+def test_the_peer_endpoint_answers_only_the_admin_and_never_past_a_drop_the_asker_applied(small_network, synth):
+    net = small_network(auth=AUTH, http=True, replicas=1)
+    toks, kv = synth.tokens(1024, seed=32), synth.kv(1024, seed=32)
+    pub = Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP, admin_token=ADMIN)
+    pub.publish("kb", [("d", toks)], kv)
+    keys = pub.manifest("kb").keys
+    url = ray.get(net.edges["eu-west-0"].ping.remote(), timeout=30)["http"]
+    held = ray.get(net.edges["eu-west-0"].have.remote(keys, token=ADMIN), timeout=30)
+    assert any(held) and not all(held)           # replicas=1: eu-west-0 owns some keys only
+
+    with pytest.raises(AccessDenied, match="401"):
+        EdgeHTTPClient(url).peer_get(keys)
+    with pytest.raises(AccessDenied, match="403"):
+        EdgeHTTPClient(url, token=READ).peer_get(keys)     # a tenant's token is not the admin's
+    with EdgeHTTPClient(url, token=ADMIN) as c:
+        with pytest.raises(BadRequest, match="repeats key"):
+            c.peer_get([keys[0], keys[0]])
+        with pytest.raises(BadRequest, match="drops must be"):
+            c.peer_get(keys, drops={"log": 7})
+        objs, nbytes = c.peer_get(keys)
+        assert [o is not None for o in objs] == held
+        for i, o in enumerate(objs):
+            if o is not None:
+                assert isinstance(o, Chunk) and o.key == keys[i] and o.ns == pub.ns
+                assert np.array_equal(o.kv, kv[:, :, :, 256 * i:256 * (i + 1)])
+        assert nbytes >= sum(o.nbytes for o in objs if o is not None)
+        # an asker that applied a drop log this edge never saw: nothing, not old bytes
+        objs, nbytes = c.peer_get(keys, drops={"log": "another-log", "head": 3})
+        assert objs == [None] * len(keys) and nbytes == 0
+
+
+def _frame_body(chunks, codecs):
+    return b"".join(encode(c, codec) for c, codec in zip(chunks, codecs))
+
+
+def test_a_corrupt_frame_costs_only_its_key_and_a_frame_out_of_order_is_refused(synth):
+    kv = synth.kv(768, seed=33)
+    keys = [bytes([i]) * 16 for i in range(4)]
+    chunks = [Chunk(k, b"n" * 16, np.ascontiguousarray(kv[:, :, :, 256 * i:256 * (i + 1)]), "float32")
+              for i, k in enumerate(keys[:3])]
+    body = bytearray(_frame_body(chunks, ["raw", "zstd", "raw"]))
+    body[len(encode(chunks[0])) - 5] ^= 0xFF             # the first frame's payload, corrupted
+    kept = []
+    frames = _PeerFrames("http://x:1", memoryview(bytes(body)), keys, keep=lambda o: kept.append(o) or o)
+    frames.take(len(body))
+    objs, corrupt = frames.done()
+    assert corrupt == 1 and objs[0] is None and objs[3] is None      # key 3: the edge lacked it
+    assert isinstance(objs[1], Encoded) and objs[1].codec == "zstd"   # kept as sent, verified
+    assert np.array_equal(objs[1].decode().kv, chunks[1].kv)
+    assert np.array_equal(objs[2].kv, chunks[2].kv) and kept == [objs[1], objs[2]]
+
+    backwards = _frame_body([chunks[1], chunks[0]], ["raw", "raw"])
+    with pytest.raises(RemoteError, match="out of order"):
+        _PeerFrames("http://x:1", memoryview(backwards), keys).take(len(backwards))
+    stranger = _frame_body([Chunk(b"z" * 16, b"n" * 16, chunks[0].kv, "float32")], ["raw"])
+    with pytest.raises(RemoteError, match="not asked for"):
+        _PeerFrames("http://x:1", memoryview(stranger), keys).take(len(stranger))
+
+
+def test_a_bad_data_plane_is_refused_by_name():
+    from kdn.core.errors import TopologyError
+    from kdn.edge.dataplane import check_data_plane
+    from kdn.edge.options import check_edge_options
+    with pytest.raises(BadRequest, match="data_plane must be one of auto, http, ray"):
+        check_data_plane("tcp")
+    with pytest.raises(TopologyError, match="edge e: data_plane: must be one of"):
+        check_edge_options({"data_plane": "udp"}, "edge e")
+    with pytest.raises(TopologyError, match="peer_streams"):
+        check_edge_options({"peer_streams": 0}, "edge e")
+
+
+def test_a_copy_received_over_http_goes_into_the_nodes_store_only_when_kept(ray_cluster, kit):
+    """A pulled copy lives in the edge's process (a Ray reader gets it in the reply); the copy
+    the edge keeps is put into its node's object store, born where the pulled one was."""
+    import asyncio
+    from kdn.core.rpc import resolve_refs
+    from kdn.edge.tiers import Held
+    a, = kit.make_chunks(1)
+    edge = kit.local_edge()
+    got = Held.here(a)
+    got.born, got.src = 3, "far-0"          # as kdn/edge/dataplane.py receives it
+    assert got.ref is None
+    kept = asyncio.run(edge.pull.own_copy(got))
+    assert isinstance(kept.ref, ray.ObjectRef) and kept.born == 3 and kept.own
+    assert np.array_equal(ray.get(kept.ref).kv, a.kv)
+    # a reply's list mixes references and objects carried in it: each resolves to its chunk
+    objs = resolve_refs([kept.ref, a], timeout=30)
+    assert [o.key for o in objs] == [a.key, a.key] and np.array_equal(objs[0].kv, objs[1].kv)
+
+
+def test_a_peer_on_loopback_is_pulled_over_http_only_from_its_own_host():
+    """A peer's URL on 127.0.0.1 names this host's loopback everywhere else: a peer on another
+    host that bound it is pulled over Ray, never over a connection to whatever listens here."""
+    import asyncio
+    import types
+    from kdn.edge.dataplane import PeerPulls
+
+    def peers(answer):
+        async def data_address():
+            return answer
+        return types.SimpleNamespace(edge=lambda name: types.SimpleNamespace(data_address=data_address))
+
+    here = {"url": "http://127.0.0.1:8001", "node": "n2", "ip": "10.0.0.1"}
+    elsewhere = dict(here, ip="10.0.0.2")
+    bound = {"url": "http://10.0.0.2:8001", "node": "n2", "ip": "10.0.0.2"}
+    mine = dict(bound, node="n1")
+    got = {name: asyncio.run(PeerPulls(peers(a), "n1", "auto", "10.0.0.1")._url("p"))
+           for name, a in (("here", here), ("elsewhere", elsewhere), ("bound", bound), ("mine", mine))}
+    assert got == {"here": "http://127.0.0.1:8001", "elsewhere": None,
+                   "bound": "http://10.0.0.2:8001", "mine": None}    # mine: same node, Ray
+    assert asyncio.run(PeerPulls(peers(mine), "n1", "http", "10.0.0.1")._url("p")) == "http://10.0.0.2:8001"
+    assert asyncio.run(PeerPulls(peers(bound), "n1", "ray", "10.0.0.1")._url("p")) is None
