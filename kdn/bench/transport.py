@@ -488,36 +488,43 @@ def link_rate(rate: str) -> float:
 
 
 # edges on the near host pulling from the far edge: (name, topology options, row)
-PEER_EDGES = (("near-http", {}, "peer-http"),                       # the default: auto, 2 streams
+PEER_EDGES = (("near-http", {}, "peer-http"),     # the default: auto, 2 streams, into the process
               ("near-http1", {"peer_streams": 1}, "peer-http-1stream"),
+              ("near-store", {"pull_into": "store"}, "peer-http-store"),
               ("near-ray", {"data_plane": "ray"}, "peer-ray"))
 
 
-def peer_pulls(net, edge: str, kbs, ns, digests, token, admin) -> tuple:
-    """(seconds of each pull but the first (a warm-up), GB/s of the edge's HTTP pulls by its
-    own timing, None over Ray): edge fetches each KB of kbs (keys it never held, held by the far edge) and this
-    process, on the same host, takes the objects; the bytes must be the published ones."""
+def peer_pulls(net, kbs: dict, ns, digests, token, admin) -> dict:
+    """edge -> (seconds of each pull but the first (a warm-up), GB/s of its HTTP pulls by its
+    own timing, None over Ray). kbs: edge -> the keys of its KBs, one per rep (keys it never
+    held, held by the far edge). Rep by rep, each edge in turn fetches its KB and this process,
+    on the same host, takes the objects (so the machine's noise and warm-up hit every data
+    plane alike); the bytes must be the published ones."""
     import ray
     from kdn.core.rpc import resolve_refs
-    h = net.edges[edge]
-    before = ray.get(h.stats.remote(token=admin))["data_plane"]
-    times = []
-    for keys in kbs:
-        t0 = time.perf_counter()
-        got = ray.get(h.fetch.remote(keys, ns, region="near", token=token), timeout=300)
-        objs = resolve_refs(got["refs"], timeout=300)
-        times.append(time.perf_counter() - t0)
-        if [xxhash.xxh3_64_intdigest(memoryview(o.kv).cast("B")) for o in objs] != digests \
-                or set(got["sources"]) != {"peer:far-0"}:
-            st = ray.get(h.stats.remote(token=admin))
-            raise RuntimeError(f"edge {edge} returned other bytes or sources ({set(got['sources'])}) "
-                               f"than the far edge's: its data plane {st['data_plane']}, "
-                               f"ring {st['ring_version']} of {st['members']} members")
-        del got, objs
-    after = ray.get(h.stats.remote(token=admin))["data_plane"]
-    moved = after.get("peer_http_bytes", 0) - before.get("peer_http_bytes", 0)
-    us = after.get("peer_http_us", 0) - before.get("peer_http_us", 0)
-    return times[1:], (moved / us / 1e3 if us else None)
+    before = {e: ray.get(net.edges[e].stats.remote(token=admin))["data_plane"] for e in kbs}
+    times = {e: [] for e in kbs}
+    for rep in range(len(next(iter(kbs.values())))):
+        for edge, reps in kbs.items():
+            h = net.edges[edge]
+            t0 = time.perf_counter()
+            got = ray.get(h.fetch.remote(reps[rep], ns, region="near", token=token), timeout=300)
+            objs = resolve_refs(got["refs"], timeout=300)
+            times[edge].append(time.perf_counter() - t0)
+            if [xxhash.xxh3_64_intdigest(memoryview(o.kv).cast("B")) for o in objs] != digests \
+                    or set(got["sources"]) != {"peer:far-0"}:
+                st = ray.get(h.stats.remote(token=admin))
+                raise RuntimeError(f"edge {edge} returned other bytes or sources ({set(got['sources'])}) "
+                                   f"than the far edge's: its data plane {st['data_plane']}, "
+                                   f"ring {st['ring_version']} of {st['members']} members")
+            del got, objs
+    out = {}
+    for edge in kbs:
+        after = ray.get(net.edges[edge].stats.remote(token=admin))["data_plane"]
+        moved = after.get("peer_http_bytes", 0) - before[edge].get("peer_http_bytes", 0)
+        us = after.get("peer_http_us", 0) - before[edge].get("peer_http_us", 0)
+        out[edge] = (times[edge][1:], moved / us / 1e3 if us else None)
+    return out
 
 
 def across_hosts(args, kv, tokens, cap_bps) -> int:
@@ -615,8 +622,9 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
         record("ray", "Client.fetch (worker here)", got["times"],
                f"the far edge's answer pulled by Ray across the link, a KB never pulled before each rep; "
                f"sources {','.join(got['sources'])}")
+        pulled = peer_pulls(net, peer_kbs, pub.ns, digests, read, admin)
         for name, _, row in PEER_EDGES:
-            times, measured = peer_pulls(net, name, peer_kbs[name], pub.ns, digests, read, admin)
+            times, measured = pulled[name]
             record(row, f"edge {name} pulls from far-0", times,
                    "an edge here pulls a KB it never held from the far edge; a Ray reader here "
                    "takes the objects")

@@ -287,6 +287,8 @@ class EdgeHTTPClient:
             self.close()
             raise RemoteError(f"edge {self.url} answers {n} bytes, over max_response_bytes "
                                f"{self.max_response_bytes}")
+        if n == 0:
+            resp.read()        # an empty body: read, so the connection takes the next request
         buf = self._receive_buffer(n)
         view = memoryview(buf)
         frames = frames_of(view.toreadonly())     # chunks are read-only views

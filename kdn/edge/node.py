@@ -78,7 +78,7 @@ class EdgeNode:
                  max_reply_bytes: int = MAX_REPLY_BYTES, http_idle_s: float = None,
                  disk_bytes: int = None, disk_dir: str = None, kv_events=None,
                  conversation_bytes: int = None, store_backlog_bytes: int = BACKLOG_BYTES,
-                 data_plane: str = "auto", peer_streams: int = PEER_STREAMS):
+                 data_plane: str = "auto", peer_streams: int = PEER_STREAMS, pull_into: str = "process"):
         import ray
         self.network, self.name, self.region = network, name, region
         # this node's id, to tell readers beside the edge (None outside Ray: a test's edge)
@@ -110,7 +110,7 @@ class EdgeNode:
         # peer pulls over HTTP frames between nodes, Ray beside this one (kdn/edge/dataplane.py)
         self.pulls = PeerPulls(self.peers, self.node_id, data_plane,
                                ray.util.get_node_ip_address() if ray.is_initialized() else None,
-                               check_int(peer_streams, "peer_streams", 1, 16))
+                               check_int(peer_streams, "peer_streams", 1, 16), pull_into)
         self.pull = Pull(name, region, self.members, self.tiers, self.forms, self.peers,
                          self.catalog, self.demand, self.pulls)
         self.reads = Reads(name, region, self.members, self.tiers, self.pull, self.peers,

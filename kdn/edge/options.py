@@ -3,16 +3,16 @@
 The topology (kdn/placement/topology.py) carries each edge's settings beside its capacity as
 they are written and knows nothing of what they mean; they are the edge's: `disk_bytes` and
 `disk_dir` (the disk tier beneath memory, kdn/edge/disk.py), `kv_events` (KV events,
-kdn/edge/events.py), `data_plane` and `peer_streams` (how it pulls from peers,
+kdn/edge/events.py), `data_plane`, `peer_streams` and `pull_into` (how it pulls from peers,
 kdn/edge/dataplane.py). The launcher (kdn/launch/cluster.py) checks every edge's here before it
 starts anything, so a typo or a bad value is one TopologyError naming the file and the edge.
 """
 from kdn.core.checks import check_int
 from kdn.core.errors import BadRequest, TopologyError
-from kdn.edge.dataplane import MODES
+from kdn.edge.dataplane import INTO, MODES
 from kdn.edge.events import check_kv_events
 
-OPTIONS = ("disk_bytes", "disk_dir", "kv_events", "data_plane", "peer_streams")
+OPTIONS = ("disk_bytes", "disk_dir", "kv_events", "data_plane", "peer_streams", "pull_into")
 
 
 def check_edge_options(options: dict, where: str) -> dict:
@@ -46,6 +46,11 @@ def check_edge_options(options: dict, where: str) -> dict:
             raise TopologyError(f"{where}: data_plane: must be one of {', '.join(MODES)}, "
                                 f"got {options['data_plane']!r:.80}")
         out["data_plane"] = options["data_plane"]
+    if "pull_into" in options:
+        if options["pull_into"] not in INTO:
+            raise TopologyError(f"{where}: pull_into: must be one of {', '.join(INTO)}, "
+                                f"got {options['pull_into']!r:.80}")
+        out["pull_into"] = options["pull_into"]
     if "peer_streams" in options:
         out["peer_streams"] = check_int(options["peer_streams"], f"{where}: peer_streams", 1, 16,
                                         error=TopologyError)

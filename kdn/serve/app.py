@@ -23,7 +23,10 @@ nearest to it by the topology's latencies. The caller's address says nothing abo
 region here (every node of an embedded cluster is 127.0.0.1), so no guess is made from it.
 A chat request for a KB on /v1 may then be answered in another region, when that region's
 expected time to first token beats the caller's by more than the round trip between them
-(kdn.serve.regions; decided once, in the ingress, never again for that request); the answer's
+(kdn.serve.regions; decided once, in the ingress, never again for that request). The round
+trips between regions and the origin's link to each are what the edges measured of their own
+links (kdn/edge/links.py, gathered every LINKS_PERIOD_S: measured_links), the topology's
+declared figures only where nothing was measured yet. The answer's
 X-KDN-Region and X-KDN-Route headers say where it went and why. GET /metrics is the whole
 service's routing counters in Prometheus text (kdn.serve.metrics: every ingress replica's).
 The proxy binds 127.0.0.1 (`kdn serve --port`, default 8000): nothing listens off loopback.
@@ -68,6 +71,8 @@ ROUTER = "router"
 REGION_HEADER = "x-kdn-region"
 DECISION_BUDGET_S = 0.0005  # the region decision stops weighing farther regions past this
 WARM_TIMEOUT_S = 5.0        # the ingress's first call to a region, which makes its router exist
+LINKS_PERIOD_S = 10.0       # the region decision's links refreshed from the edges' measurements
+LINKS_TIMEOUT_S = 2.0       # an edge asked for its measured links, at most
 STORE_WAIT_S = 2.0          # a request waits this long at most for the last answer's KV to be stored
 
 
@@ -267,7 +272,9 @@ class Ingress:
         self.base_model = base_model
         # links: "rtt_s" {home: {region: round trip s}}, "origin" {region: (latency s, bytes/s)}
         self.links = links or {"rtt_s": {}, "origin": {}}
+        self.declared = self.links        # the topology's: what stands where nothing is measured
         self.network = network
+        self._links_at = 0.0
         self.home = node_region()
         self.in_flight = collections.Counter()  # region -> this replica's requests there now
         self.affinity = Affinity()              # conversation -> the region that answered it
@@ -405,11 +412,30 @@ class Ingress:
                 await asyncio.to_thread(metrics.publish, self.network, self._replica_id(), self.snapshot())
                 if len(warmed) < len(self.workers):
                     warmed |= await self._warm(set(self.workers) - warmed)
+                if time.monotonic() - self._links_at > LINKS_PERIOD_S:
+                    self._links_at = time.monotonic()
+                    await self._measure_links()
             except (RayError, ConnectionError, TimeoutError) as e:
                 self.counters["publish_failures"] += 1
                 log.warning("kdn serve: publishing the ingress's counters failed (%s: %s); retrying",
                             type(e).__name__, e)
             await asyncio.sleep(metrics.PUBLISH_PERIOD_S)
+
+    async def _measure_links(self) -> None:
+        """The links the region decision uses, from what the network's edges measured of
+        their own (measured_links); an edge that does not answer is left out this period."""
+        from kdn.core.rpc import Actors
+        actors = Actors(self.network, self.tokens.admin)
+        m = await actors.origin(LINKS_TIMEOUT_S, "try").membership()
+        if m is None:
+            self.counters["links_unmeasured"] += 1
+            return
+        members = [(name, region) for name, region, _ in m["members"]]
+        got = await asyncio.gather(*(actors.edge(name, LINKS_TIMEOUT_S, "try").stats() for name, _ in members))
+        edges = {name: {"region": region, "links": st.get("links")}
+                 for (name, region), st in zip(members, got) if st is not None}
+        self.links = measured_links(self.declared, edges)
+        self.counters["links_measured"] += 1
 
     async def _warm(self, regions) -> set:
         """The regions whose request router now exists in this process: a call through a
@@ -574,6 +600,42 @@ def links_of(topology, regions) -> dict:
     o = topology.origin_region
     return {"rtt_s": {src: {r: 2 * topology.latency_ms(src, r) / 1000 for r in regions} for src in topology.regions},
             "origin": {r: (topology.latency_ms(o, r) / 1000, topology.bandwidth_gbps(o, r) * 1e9) for r in regions}}
+
+
+def measured_links(declared: dict, edges: dict) -> dict:
+    """links_of's answer with what the edges measured of their own links (kdn/edge/links.py)
+    standing in for the topology's declared figures wherever there is a measurement.
+
+    edges: edge name -> {"region", "links": {node: {"round_trip_ms", "gbps"}}} (their stats).
+    rtt_s[a][b] (a != b): the least round trip any edge of region a measured to an edge of b;
+    origin[r]: half the least round trip an edge of r measured to the origin, and the best
+    throughput one of them measured from it. What nobody measured keeps its declared value."""
+    region_of = {name: e["region"] for name, e in edges.items()}
+    rtt = {}                                      # (a, b) -> least round trip, s
+    origin = {}                                   # r -> [least round trip s, best bytes/s]
+    for name, e in edges.items():
+        a = e["region"]
+        for node, m in (e.get("links") or {}).items():
+            ms, gbps = m.get("round_trip_ms"), m.get("gbps")
+            if node == "origin":
+                o = origin.setdefault(a, [None, None])
+                if ms is not None:
+                    o[0] = ms / 1e3 if o[0] is None else min(o[0], ms / 1e3)
+                if gbps:
+                    o[1] = gbps * 1e9 if o[1] is None else max(o[1], gbps * 1e9)
+            elif ms is not None and node in region_of and region_of[node] != a:
+                b = region_of[node]
+                rtt[(a, b)] = min(rtt.get((a, b), ms / 1e3), ms / 1e3)
+    out = {"rtt_s": {src: dict(row) for src, row in declared["rtt_s"].items()},
+           "origin": dict(declared["origin"])}
+    for (a, b), s in rtt.items():
+        if a in out["rtt_s"] and b in out["rtt_s"][a]:
+            out["rtt_s"][a][b] = s
+    for r, (rt, bw) in origin.items():
+        if r in out["origin"]:
+            lat, dbw = out["origin"][r]
+            out["origin"][r] = (lat if rt is None else rt / 2, dbw if bw is None else bw)
+    return out
 
 
 def check_autoscaling(min_replicas: int = 1, max_replicas: int = 1, target_ongoing_requests: float = 1.0) -> dict:

@@ -36,9 +36,10 @@ def _read_everywhere(net, toks, kv):
     return sources
 
 
-@pytest.mark.parametrize("plane", ["auto", "ray"])
-def test_peer_pulls_between_nodes_go_over_http_frames_and_bring_the_published_bytes(small_network, synth, plane):
-    net = small_network(auth=AUTH, http=True, replicas=1, edge_options={"data_plane": plane})
+@pytest.mark.parametrize("plane,into", [("auto", "store"), ("auto", "process"), ("ray", "store")])
+def test_peer_pulls_between_nodes_go_over_http_frames_and_bring_the_published_bytes(small_network, synth, plane, into):
+    net = small_network(auth=AUTH, http=True, replicas=1,
+                        edge_options={"data_plane": plane, "pull_into": into})
     toks, kv = synth.tokens(1500, seed=31), synth.kv(1500, seed=31)
     Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP,
            admin_token=ADMIN).publish("kb", [("d", toks)], kv)
@@ -83,6 +84,12 @@ def test_the_peer_endpoint_answers_only_the_admin_and_never_past_a_drop_the_aske
         # an asker that applied a drop log this edge never saw: nothing, not old bytes
         objs, nbytes = c.peer_get(keys, drops={"log": "another-log", "head": 3})
         assert objs == [None] * len(keys) and nbytes == 0
+        # answers with no frame at all (keys it lacks) leave the connection ready for the next
+        lacking = [k for k, h in zip(keys, held) if not h]
+        for _ in range(2):
+            assert c.peer_get(lacking) == ([None] * len(lacking), 0)
+        objs, _ = c.peer_get(keys)
+        assert [o is not None for o in objs] == held and c.counters["reconnects"] == 0
 
 
 def _frame_body(chunks, codecs):
@@ -123,6 +130,10 @@ def test_a_bad_data_plane_is_refused_by_name():
         check_edge_options({"data_plane": "udp"}, "edge e")
     with pytest.raises(TopologyError, match="peer_streams"):
         check_edge_options({"peer_streams": 0}, "edge e")
+    with pytest.raises(TopologyError, match="edge e: pull_into: must be one of process, store"):
+        check_edge_options({"pull_into": "disk"}, "edge e")
+    assert check_edge_options({"pull_into": "process", "data_plane": "http", "peer_streams": 4}, "e") == \
+        {"pull_into": "process", "data_plane": "http", "peer_streams": 4}
 
 
 def test_a_copy_received_over_http_goes_into_the_nodes_store_only_when_kept(ray_cluster, kit):

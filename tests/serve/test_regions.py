@@ -70,3 +70,25 @@ def test_the_tier_of_a_fetch_is_the_farthest_source_of_its_chunks():
     assert tier_of({"local": 2, "peer": 1}) == "peer"
     assert tier_of({"local": 1, "peer": 1, "origin": 1}) == "origin"
     assert View(1.5, 0.25, "edge_memory").ttft_s == 1.75 and UNAVAILABLE.ttft_s == math.inf
+
+
+def test_the_links_routing_uses_are_the_edges_measurements_where_there_are_any():
+    """kdn.serve.app.measured_links: the least round trip any edge of a region measured to an
+    edge of another, the origin's link as its edges measured it; declared figures elsewhere."""
+    from kdn.serve.app import measured_links
+    declared = {"rtt_s": {"us-east": {"us-east": 0.0004, "eu-west": 0.110, "ap-south": 0.160},
+                          "eu-west": {"us-east": 0.110, "eu-west": 0.0004, "ap-south": 0.130}},
+                "origin": {"us-east": (0.0002, 10e9), "eu-west": (0.055, 1e9), "ap-south": (0.080, 1e9)}}
+    edges = {"us-east-0": {"region": "us-east", "links": {
+                 "eu-west-0": {"round_trip_ms": 3.0, "gbps": 0.5},
+                 "origin": {"round_trip_ms": 0.2, "gbps": None}}},
+             "us-east-1": {"region": "us-east", "links": {"eu-west-0": {"round_trip_ms": 2.0, "gbps": None}}},
+             "eu-west-0": {"region": "eu-west", "links": {
+                 "origin": {"round_trip_ms": 4.0, "gbps": 0.25},
+                 "gone-9": {"round_trip_ms": 0.1, "gbps": 9.0}}},      # not a member: ignored
+             "ap-south-0": {"region": "ap-south", "links": None}}
+    got = measured_links(declared, edges)
+    assert got["rtt_s"]["us-east"] == {"us-east": 0.0004, "eu-west": 0.002, "ap-south": 0.160}
+    assert got["rtt_s"]["eu-west"] == declared["rtt_s"]["eu-west"]        # eu-west measured no edge
+    assert got["origin"] == {"us-east": (0.0001, 10e9), "eu-west": (0.002, 0.25e9), "ap-south": (0.080, 1e9)}
+    assert declared["rtt_s"]["us-east"]["eu-west"] == 0.110                # the declared are kept

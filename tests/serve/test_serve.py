@@ -200,8 +200,12 @@ def test_a_kbs_second_request_is_routed_to_the_engine_that_holds_it(service, mod
     assert after.get("engine_hits", 0) - before.get("engine_hits", 0) >= 1
     assert worker.record_routing_stats.remote().result()["kbs"] == ["default/rights"]
     routers = ray_serve.get_deployment_handle(ROUTER, app_name=app_name(service["network"]))
-    seen = [routers.stats.remote().result()["routing"] for _ in range(3 * ROUTERS)]
+    full = [routers.stats.remote().result() for _ in range(3 * ROUTERS)]
+    seen = [f["routing"] for f in full]
     assert any(s.get("engine_hit", 0) >= 1 for s in seen), seen
+    # every router took the edges' measured links for its region decisions (measured_links)
+    assert all(f["counters"].get("links_measured", 0) >= 1 and f["publish_failure"] is None
+               for f in full), full
     # Each decision is timed and exported (how long they take is `kdn bench route`'s figure, not
     # a timed assertion: this machine's load decides it).
     assert all(s.get("decisions", 0) >= s.get("engine_hit", 0) for s in seen), seen
