@@ -75,6 +75,10 @@ def status_rows(st: dict) -> list:
                 f"{n} {'-' if l['round_trip_ms'] is None else format(l['round_trip_ms'], '.1f') + ' ms'}"
                 f"{'' if l['gbps'] is None else format(l['gbps'], ' .2f')}"
                 for n, l in sorted(e["links"].items()))
+        dp = e.get("data_plane") or {}
+        if dp.get("peer_http_pulls") or dp.get("peer_ray_pulls"):   # how its peer pulls moved
+            rows[-1]["peer pulls (http / ray)"] = (f"{dp.get('peer_http_pulls', 0)} ({gib(dp.get('peer_http_bytes', 0))})"
+                                                   f" / {dp.get('peer_ray_pulls', 0)}")
         if e.get("stores", {}).get("store_acked_edge"):   # stores acknowledged here: what is not durable yet
             w = e["stores"]
             rows[-1].update({"not durable": f"{w['backlog_objects']} / {gib(w['backlog_bytes'])}"})

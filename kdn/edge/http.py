@@ -391,10 +391,11 @@ class EdgeHTTP:
 
     async def _peer_frames(self, helds) -> list:
         """The frame parts of helds, each in its own form; a copy failing its checks is left
-        out (counted): the asker gets it elsewhere."""
+        out and dropped here (counted: peer_corrupt_skipped): the asker gets it elsewhere."""
         forms = self.edge.forms
         objs = await resolve_all(helds)
         want = [o.codec for o in objs]
+        corrupt = []
 
         def frame_all():
             parts, i = [], 0
@@ -403,13 +404,18 @@ class EdgeHTTP:
                 parts += [p for frame in got for p in frame]
                 if bad is None:
                     break
-                self.counters["peer_corrupt_skipped"] += 1
+                corrupt.append(objs[i + bad].key)
                 i += bad + 1
             return parts
         if forms.nothing_to_compute(objs, want):
-            return frame_all()
-        async with self._encoders:
-            return await asyncio.to_thread(frame_all)
+            parts = frame_all()
+        else:
+            async with self._encoders:
+                parts = await asyncio.to_thread(frame_all)
+        if corrupt:
+            self.edge.counters["peer_corrupt_skipped"] += len(corrupt)
+            await self.edge.tiers.drop(corrupt)
+        return parts
 
     async def _frames(self, helds, sources, region, asked) -> tuple:
         """The `shape` of an HTTP fetch (kdn/edge/reads.py): [(frame parts, codec)] per chunk.

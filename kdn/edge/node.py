@@ -477,7 +477,10 @@ class EdgeNode:
             held = [h for h in out if h is not None]
             forms, n = await self.forms.link_forms(held, region, False, LOSSLESS,
                                                    budget_s=PEER_TIMEOUT_S / 3)
-            forms = iter(forms[:n] + [None] * (len(held) - n))     # a corrupt copy: not sent
+            if n < len(held):            # a copy found corrupt: not sent, and dropped here
+                self.counters["peer_corrupt_skipped"] += 1
+                await self.tiers.drop([held[n].key])
+            forms = iter(forms[:n] + [None] * (len(held) - n))
             out = [None if h is None else next(forms) for h in out]
         return out
 

@@ -137,7 +137,10 @@ def test_status_shows_an_edges_disk_tier_beside_memory():
     assert row["main"] == "2 / 3.0 MiB" and row["hot"] == "2 / 3.0 MiB" and row["main hits"] == 0
     assert row["disk hits"] == 3 and row["write-backs"] == 9 and row["dropped (full)"] == 1
     row, = status_rows({"edges": [dict(edge, disk=None)]})
-    assert "disk" not in row
+    assert "disk" not in row and "peer pulls (http / ray)" not in row     # none yet: no column
+    plane = {"mode": "auto", "peer_http_pulls": 5, "peer_http_bytes": 3 << 30, "peer_ray_pulls": 1}
+    row, = status_rows({"edges": [dict(edge, data_plane=plane)]})
+    assert row["peer pulls (http / ray)"] == "5 (3.00 GiB) / 1"
 
 
 # --- a codebase: this repository's kdn/placement/ folder, with the real model --------------------

@@ -6,6 +6,8 @@ A network on the session's loopback cluster: one edge per region, each region a 
 its own, so "auto" pulls between edges go over HTTP frames; with data_plane "ray" the same
 reads go through Ray. The frame parser is also tested alone, on bodies built here.
 """
+import time
+
 import numpy as np
 import pytest
 import ray
@@ -90,6 +92,33 @@ def test_the_peer_endpoint_answers_only_the_admin_and_never_past_a_drop_the_aske
             assert c.peer_get(lacking) == ([None] * len(lacking), 0)
         objs, _ = c.peer_get(keys)
         assert [o is not None for o in objs] == held and c.counters["reconnects"] == 0
+
+
+def test_an_owner_leaves_a_corrupt_copy_out_of_its_answer_and_the_reader_gets_the_published_bytes(small_network, synth):
+    """A copy that fails its checks never leaves its edge: the owner's peer answer leaves it
+    out and the owner drops it; the puller takes that chunk from the origin and sends the
+    owner the origin's copy (read repair)."""
+    net = small_network(auth=AUTH, http=True, replicas=1, edge_options={"fault_injection": True})
+    toks, kv = synth.tokens(1024, seed=34), synth.kv(1024, seed=34)
+    pub = Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP, admin_token=ADMIN)
+    pub.publish("kb", [("d", toks)], kv)
+    keys = pub.manifest("kb").keys
+    owner = next(e for e in ("eu-west-0", "ap-south-0")
+                 if any(ray.get(net.edges[e].have.remote(keys, token=ADMIN), timeout=30)))
+    k = keys[ray.get(net.edges[owner].have.remote(keys, token=ADMIN), timeout=30).index(True)]
+    assert ray.get(net.edges[owner].inject_corruption.remote(k, token=ADMIN), timeout=30)
+    f = Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP, token=READ).fetch(toks)
+    assert f.tokens == 1024 and np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
+    assert "origin" in f.sources
+    st = ray.get(net.edges[owner].stats.remote(token=ADMIN), timeout=30)
+    # the owner's copy now is the origin's (read repair, after the reply): the published bytes
+    i = keys.index(k)
+    with EdgeHTTPClient(st["http"], token=ADMIN) as c:
+        deadline = time.monotonic() + 10
+        while (got := c.peer_get([k])[0][0]) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert got is not None and np.array_equal(got.kv, kv[:, :, :, 256 * i:256 * (i + 1)])
+    assert st["counters"]["peer_corrupt_skipped"] == 1 and st["counters"]["corrupt_detected"] >= 1
 
 
 def _frame_body(chunks, codecs):
