@@ -7,7 +7,8 @@ before anyone sees it; an owner found lacking a chunk is sent the origin's copy 
 reply is on its way (read repair).
 
 Owners are asked through the data plane (kdn/edge/dataplane.py): HTTP frames from an owner
-on another node, received into this node's store; Ray from one beside it.
+on another node, the copy held in this edge's process (or its node's store: pull_into) and
+put into the store only if kept; Ray from one beside it.
 
 What comes from elsewhere is kept when this edge owns it (it restarted empty: it refills
 itself on the way through) or its region reads it hot (a hot copy). A peer's object that
