@@ -66,7 +66,7 @@ def check_data_plane(mode) -> str:
     return mode
 
 
-def _received(obj, peer: str) -> Held:
+def _held_here(obj, peer: str) -> Held:
     """obj, received from peer, as a Held in this process (no reference yet: kdn/edge/pull.py)."""
     held = Held.here(obj)
     held.src = peer
@@ -172,13 +172,7 @@ class PeerPulls:
             return got, nbytes
         # "process": held here, a Ray reader gets them in the reply, a kept copy is put into
         # this node's store after the reply (kdn/edge/pull.py own_copy)
-        return [None if o is None else _received(o, peer) for o in got], nbytes
-
-    def close(self) -> None:
-        for clients in self._idle.values():
-            for c in clients:
-                c.close()
-        self._idle.clear()
+        return [None if o is None else _held_here(o, peer) for o in got], nbytes
 
     def stats(self) -> dict:
         return {"mode": self.mode, "streams": self.streams,

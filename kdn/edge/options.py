@@ -2,17 +2,20 @@
 
 The topology (kdn/placement/topology.py) carries each edge's settings beside its capacity as
 they are written and knows nothing of what they mean; they are the edge's: `disk_bytes` and
-`disk_dir` (the disk tier beneath memory, kdn/edge/disk.py), `kv_events` (KV events,
+`disk_dir` (the disk tier beneath memory, kdn/edge/disk.py), `http_host` (the address its
+HTTP server binds: "node" for its Ray node's, so peers on other hosts reach it), `kv_events` (KV events,
 kdn/edge/events.py), `data_plane`, `peer_streams` and `pull_into` (how it pulls from peers,
 kdn/edge/dataplane.py). The launcher (kdn/launch/cluster.py) checks every edge's here before it
 starts anything, so a typo or a bad value is one TopologyError naming the file and the edge.
 """
+import ipaddress
+
 from kdn.core.checks import check_int
 from kdn.core.errors import BadRequest, TopologyError
 from kdn.edge.dataplane import INTO, MODES
 from kdn.edge.events import check_kv_events
 
-OPTIONS = ("disk_bytes", "disk_dir", "kv_events", "data_plane", "peer_streams", "pull_into")
+OPTIONS = ("disk_bytes", "disk_dir", "kv_events", "data_plane", "peer_streams", "pull_into", "http_host")
 
 
 def check_edge_options(options: dict, where: str) -> dict:
@@ -46,6 +49,16 @@ def check_edge_options(options: dict, where: str) -> dict:
             raise TopologyError(f"{where}: data_plane: must be one of {', '.join(MODES)}, "
                                 f"got {options['data_plane']!r:.80}")
         out["data_plane"] = options["data_plane"]
+    if "http_host" in options:
+        host = options["http_host"]
+        try:
+            ok = host == "node" or bool(ipaddress.ip_address(host))
+        except ValueError:
+            ok = False
+        if not isinstance(host, str) or not ok:
+            raise TopologyError(f"{where}: http_host: must be \"node\" (its Ray node's address) or "
+                                f"an IP address, got {host!r:.80}")
+        out["http_host"] = host
     if "pull_into" in options:
         if options["pull_into"] not in INTO:
             raise TopologyError(f"{where}: pull_into: must be one of {', '.join(INTO)}, "

@@ -159,6 +159,10 @@ def test_a_bad_data_plane_is_refused_by_name():
         check_edge_options({"data_plane": "udp"}, "edge e")
     with pytest.raises(TopologyError, match="peer_streams"):
         check_edge_options({"peer_streams": 0}, "edge e")
+    with pytest.raises(TopologyError, match="edge e: http_host: must be"):
+        check_edge_options({"http_host": "my-host"}, "edge e")
+    assert check_edge_options({"http_host": "node"}, "e") == {"http_host": "node"}
+    assert check_edge_options({"http_host": "10.0.0.7"}, "e") == {"http_host": "10.0.0.7"}
     with pytest.raises(TopologyError, match="edge e: pull_into: must be one of process, store"):
         check_edge_options({"pull_into": "disk"}, "edge e")
     assert check_edge_options({"pull_into": "process", "data_plane": "http", "peer_streams": 4}, "e") == \
