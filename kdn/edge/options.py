@@ -44,11 +44,12 @@ def check_edge_options(options: dict, where: str) -> dict:
             out["kv_events"] = check_kv_events(kv)
         except BadRequest as e:
             raise TopologyError(f"{where}: {e}") from None
-    if "data_plane" in options:
-        if options["data_plane"] not in MODES:
-            raise TopologyError(f"{where}: data_plane: must be one of {', '.join(MODES)}, "
-                                f"got {options['data_plane']!r:.80}")
-        out["data_plane"] = options["data_plane"]
+    for name, choices in (("data_plane", MODES), ("pull_into", INTO)):
+        if name in options:
+            if options[name] not in choices:
+                raise TopologyError(f"{where}: {name}: must be one of {', '.join(choices)}, "
+                                    f"got {options[name]!r:.80}")
+            out[name] = options[name]
     if "http_host" in options:
         host = options["http_host"]
         try:
@@ -59,11 +60,6 @@ def check_edge_options(options: dict, where: str) -> dict:
             raise TopologyError(f"{where}: http_host: must be \"node\" (its Ray node's address) or "
                                 f"an IP address, got {host!r:.80}")
         out["http_host"] = host
-    if "pull_into" in options:
-        if options["pull_into"] not in INTO:
-            raise TopologyError(f"{where}: pull_into: must be one of {', '.join(INTO)}, "
-                                f"got {options['pull_into']!r:.80}")
-        out["pull_into"] = options["pull_into"]
     if "peer_streams" in options:
         out["peer_streams"] = check_int(options["peer_streams"], f"{where}: peer_streams", 1, 16,
                                         error=TopologyError)
