@@ -17,7 +17,10 @@ measures, in one run and interleaved rep by rep so machine noise hits both sides
 - with --hosts, each region is a host of its own (kdn/testing/netns.py: the far node in a
   network namespace on a bridge, its own address, a tc cap with --cap), and the bare TCP
   socket from the far host to this one is measured after, the link's ceiling for one
-  connection;
+  connection. The edges then serve HTTP on their host's address (with tokens), so the
+  cross-node fetch takes the reader's default data plane, far-0's HTTP frames
+  (kdn.client.dataplane), and a third path reads the same over Ray (data_plane "ray"),
+  interleaved with the others;
 - one-chunk latency: Client.fetch of the first 256 tokens from near-0, p50/p99 over many
   calls, next to ray.get of one chunk array from the near trivial actor; and the same for a
   one-layer chunk (a second, tiny KB), which shows the fixed cost of a call when few bytes move.
@@ -72,12 +75,18 @@ class PlainHolder:
 class FetchWorker:
     """Runs every measurement from one process on the near node."""
 
-    def __init__(self, network: str, tokens: list, small_tokens: list, plain: dict):
+    def __init__(self, network: str, tokens: list, small_tokens: list, plain: dict, hosts: bool = False,
+                 admin: str = None):
         from kdn.client import Client
         self.tokens, self.small_tokens = tokens, small_tokens
         self.plain = plain                     # region -> PlainHolder handle
-        self.near = Client(network=network, fingerprint=FINGERPRINT)
-        self.far = Client(network=network, region="far", fingerprint=FINGERPRINT)
+        self.admin = admin                     # the network's admin token (--hosts), or None: open
+        self.near = Client(network=network, fingerprint=FINGERPRINT, admin_token=admin)
+        self.far = Client(network=network, region="far", fingerprint=FINGERPRINT, admin_token=admin)
+        # between hosts, far reads far-0's HTTP frames (the reader's default data plane:
+        # kdn.client.dataplane); far_ray reads it over Ray, as every read did before
+        self.far_ray = Client(network=network, region="far", fingerprint=FINGERPRINT, admin_token=admin,
+                              data_plane="ray") if hosts else None
 
     def where(self):
         from kdn.client.view import node_region
@@ -107,23 +116,26 @@ class FetchWorker:
             "cross_node_fetch": lambda: self.far.fetch(self.tokens).nbytes,
             "cross_node_plain": lambda: sum(a.nbytes for a in ray.get(self.plain["far"].all.remote())),
         }
+        if self.far_ray is not None:
+            paths["cross_node_fetch_ray"] = lambda: self.far_ray.fetch(self.tokens).nbytes
         times = {k: [] for k in paths}
         nbytes = {}
         far_edge = ray.get_actor(f"{self.far.network}:edge:far-0", namespace="kdn")
         keys = list(self.far.manifest(KB).keys)
         for rep in range(reps + 1):
             for name, fn in paths.items():
-                if name == "cross_node_fetch":
+                if name.startswith("cross_node_fetch"):
                     # Fresh objects on the far node each rep (untimed): otherwise Ray serves the
                     # copy the previous rep left on this node, and nothing crosses nodes.
-                    ray.get(far_edge.drop.remote(keys))
+                    ray.get(far_edge.drop.remote(keys, token=self.admin))
                     self.far.warm(KB, "far")
                 t0 = time.perf_counter()
                 nbytes[name] = fn()
                 dt = time.perf_counter() - t0
                 if rep:                      # rep 0 is the warmup
                     times[name].append(dt)
-        return {"seconds": times, "nbytes": nbytes}
+        return {"seconds": times, "nbytes": nbytes,
+                "over_http": self.far.stats()["data_plane"].get("http_fetches", 0)}
 
     def latency(self, calls: int, small: bool = False) -> dict:
         """Milliseconds per one-chunk fetch from the same-node edge, and per plain one-chunk get.
@@ -170,20 +182,20 @@ def chunk_arrays(kv, chunk_tokens=CHUNK_TOKENS):
     return [np.ascontiguousarray(kv[:, :, :, s:min(s + chunk_tokens, n)]) for s in range(0, n, chunk_tokens)]
 
 
-def ensure_everywhere(client, net, kb, keys, log) -> dict:
+def ensure_everywhere(client, net, kb, keys, log, admin=None) -> dict:
     """Make both edges hold every chunk of kb (warm it into a region whose edge lacks some)."""
     import ray
     held = {}
     for region in REGIONS:
         edge = net.edge(f"{region}-0")
-        have = ray.get(edge.have.remote(keys))
+        have = ray.get(edge.have.remote(keys, token=admin))
         if not all(have):
             log(f"  {region}-0 holds {sum(have)}/{len(keys)} chunks: warming {kb} into {region}")
             client.warm(kb, region)
-            have = ray.get(edge.have.remote(keys))
+            have = ray.get(edge.have.remote(keys, token=admin))
         if not all(have):
             raise NetworkError(f"edge {region}-0 still lacks {have.count(False)} of {len(keys)} chunks")
-        st = ray.get(edge.stats.remote())
+        st = ray.get(edge.stats.remote(token=admin))
         held[region] = {"main": st["main"]["items"], "hot": st["hot_copies"]}
     return held
 
@@ -218,15 +230,22 @@ def run(args, log) -> dict:
             init_ray(cluster.address)
         topo = Topology.default_local(list(REGIONS))        # edges near-0, far-0; origin in near
         name = f"bench-fetch-{uuid.uuid4().hex[:6]}"
-        net = start_network(topo, root, network=name)
+        admin = None
+        if args.hosts:      # edges serve HTTP on their host's address: that needs tokens
+            import secrets
+            admin = secrets.token_urlsafe(24)
+            net = start_network(topo, root, network=name, http=True, edge_options={"http_host": "node"},
+                                auth={"admin": admin, "readers": {"default": "*"}})
+        else:
+            net = start_network(topo, root, network=name)
         log(f"cluster + network up in {time.perf_counter() - t0:.1f} s")
-        client = Client(network=name, region="near", fingerprint=FINGERPRINT)
+        client = Client(network=name, region="near", fingerprint=FINGERPRINT, admin_token=admin)
         t0 = time.perf_counter()
         receipt = client.publish(KB, [("synthetic", tokens)], kv)
         client.publish(KB + "-small", [("synthetic-small", small_tokens)], small_kv)
         keys = list(client.manifest(KB).keys)
-        held = ensure_everywhere(client, net, KB, keys, log)
-        ensure_everywhere(client, net, KB + "-small", list(client.manifest(KB + "-small").keys), log)
+        held = ensure_everywhere(client, net, KB, keys, log, admin)
+        ensure_everywhere(client, net, KB + "-small", list(client.manifest(KB + "-small").keys), log, admin)
         log(f"published {receipt['chunks']} chunks in {time.perf_counter() - t0:.1f} s; "
             f"placement {receipt['placement']}")
 
@@ -237,7 +256,7 @@ def run(args, log) -> dict:
         actors += list(plain.values())
         where = ray.get([plain[r].node.remote() for r in REGIONS])
         worker = ray.remote(FetchWorker).options(num_cpus=1, label_selector={"region": "near"}) \
-            .remote(name, tokens, small_tokens, plain)
+            .remote(name, tokens, small_tokens, plain, bool(args.hosts), admin)
         actors.append(worker)
         placed = ray.get(worker.where.remote())
         if placed["node_region"] != "near" or where != list(REGIONS):
@@ -250,9 +269,9 @@ def run(args, log) -> dict:
 
         edge = net.edge("near-0")
         tp = ray.get(worker.throughput.remote(args.reps))
-        mid = ray.get(edge.stats.remote())["counters"]
+        mid = ray.get(edge.stats.remote(token=admin))["counters"]
         lat = ray.get(worker.latency.remote(args.calls))
-        after = ray.get(edge.stats.remote())["counters"]
+        after = ray.get(edge.stats.remote(token=admin))["counters"]
         small = ray.get(worker.latency.remote(args.calls, small=True))
         fetches = after.get("fetches", 0) - mid.get("fetches", 0)
         edge_us = (after.get("fetch_us", 0) - mid.get("fetch_us", 0)) / max(1, fetches)
@@ -298,14 +317,19 @@ def summarize(r: dict, args) -> dict:
         "rep_ms": {k: [round(x * 1e3, 2) for x in v] for k, v in sec.items()},
         "hosts": r["hosts"], "cap": args.cap,
     }
+    if "cross_node_fetch_ray" in gbps:
+        out["cross_node_ray_gbps"] = gbps["cross_node_fetch_ray"]
+        out["cross_node_fetches_over_http"] = r["tp"]["over_http"]
     if r["socket_s"]:
         out["socket_gbps"] = r["total"] / 1e9 / median(r["socket_s"])
         out["cross_node_over_socket"] = out["cross_node_gbps"] / out["socket_gbps"]
+        out["cross_node_ray_over_socket"] = out["cross_node_ray_gbps"] / out["socket_gbps"]
         out["cross_node_plain_over_socket"] = out["cross_node_plain_gbps"] / out["socket_gbps"]
     if args.cap:
         from kdn.bench.transport import link_rate
         out["cap_gbps"] = link_rate(args.cap) / 1e9
         out["cross_node_over_cap"] = out["cross_node_gbps"] / out["cap_gbps"]
+        out["cross_node_ray_over_cap"] = out["cross_node_ray_gbps"] / out["cap_gbps"]
     out["targets_met"] = {"same_node_ratio": out["same_node_ratio"] >= TARGET_RATIO,
                           "cross_node_ratio": out["cross_node_ratio"] >= TARGET_RATIO,
                           "one_chunk_p50_ms": out["one_chunk_p50_ms"] <= TARGET_P50_MS}
@@ -350,14 +374,19 @@ def main(argv=None):
 
     s = summarize(run(args, log), args)
     mib = s["bytes"] / 2**20
-    table([
+    rows = [
         {"path": "same node (near-0)", "MiB": mib, "fetch GB/s": s["same_node_gbps"],
          "plain ray.get GB/s": s["same_node_plain_gbps"], "ratio": s["same_node_ratio"],
          "target": f">= {TARGET_RATIO}", "met": s["targets_met"]["same_node_ratio"]},
-        {"path": "cross node (far-0)", "MiB": mib, "fetch GB/s": s["cross_node_gbps"],
+        {"path": "cross node (far-0)" + (", HTTP frames (default)" if args.hosts else ""), "MiB": mib,
+         "fetch GB/s": s["cross_node_gbps"],
          "plain ray.get GB/s": s["cross_node_plain_gbps"], "ratio": s["cross_node_ratio"],
-         "target": f">= {TARGET_RATIO}", "met": s["targets_met"]["cross_node_ratio"]},
-    ])
+         "target": f">= {TARGET_RATIO}", "met": s["targets_met"]["cross_node_ratio"]}]
+    if "cross_node_ray_gbps" in s:
+        rows.append({"path": "cross node (far-0), over Ray", "MiB": mib, "fetch GB/s": s["cross_node_ray_gbps"],
+                     "plain ray.get GB/s": s["cross_node_plain_gbps"],
+                     "ratio": s["cross_node_ray_gbps"] / s["cross_node_plain_gbps"], "target": "", "met": ""})
+    table(rows)
     print()
     table([
         {"one chunk, same node": f"model chunk {s['chunk_bytes'] / 2**20:.2f} MiB", "calls": s["calls"],
@@ -374,8 +403,11 @@ def main(argv=None):
         print(f"between hosts {s['hosts']['near']} (the worker) and {s['hosts']['far']} (far-0)"
               + (f", the far link capped at {args.cap}" if args.cap else "") +
               f": bare TCP socket {s['socket_gbps']:.3f} GB/s; cross-node fetch "
-              f"{s['cross_node_over_socket']:.2f}x of it, plain ray.get {s['cross_node_plain_over_socket']:.2f}x"
-              + (f"; fetch {s['cross_node_over_cap']:.2f}x the cap" if args.cap else ""))
+              f"{s['cross_node_over_socket']:.2f}x of it ({s['cross_node_fetches_over_http']} fetches over "
+              f"HTTP frames), over Ray {s['cross_node_ray_over_socket']:.2f}x, plain ray.get "
+              f"{s['cross_node_plain_over_socket']:.2f}x"
+              + (f"; fetch {s['cross_node_over_cap']:.2f}x the cap, over Ray "
+                 f"{s['cross_node_ray_over_cap']:.2f}x" if args.cap else ""))
     print(f"model-chunk fetch breakdown: keys_for p50 {s['keys_for_p50_ms']:.3f} ms in the client, "
           f"EdgeNode.fetch {s['edge_handler_mean_ms']:.3f} ms mean in the edge; the rest is Ray "
           f"(call, serialization into the object store, get)")

@@ -24,6 +24,10 @@ latency, kdn.placement.topology.default_local) beside the measured row.
 `--hosts` puts each region on a host of its own (kdn/testing/netns.py: every region but the
 reader's in a network namespace with its own address, `--cap RATE` a tc cap on kdn-remote's
 link) and adds the bare TCP socket from kdn-remote's host to the reader's: the link's ceiling.
+Its edges serve HTTP on their host's address (with the admin token, each row's tenant left
+open to readers), so kdn-remote loads over the remote edge's HTTP frames, the adapter's
+default data plane (kdn.client.dataplane), and `kdn-remote-ray` is the same over Ray
+(`"data_plane": "ray"`).
 
 `--breakdown` adds where a KDN load's time goes, measured in this process on the same
 network (kdn.integrations.objects, no LMCache in between): per round of --num-keys objects never
@@ -120,6 +124,8 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     want = args.only or ["kdn-local", "kdn-ack-origin", "kdn-remote", "fs", "resp"]
+    if args.hosts and "kdn-remote" in want and "kdn-remote-ray" not in want:
+        want.insert(want.index("kdn-remote") + 1, "kdn-remote-ray")
     if args.cap is not None and not args.hosts:
         ap.error("--cap needs --hosts")
     if args.hosts:
@@ -148,9 +154,18 @@ def main(argv=None):
         elif any(n.startswith("kdn") for n in want):
             cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=object_store_bytes(int(1.6 * run_bytes)))
             init_ray(cluster.address)
+        admin = None
         if cluster is not None:
             name = f"l2{uuid.uuid4().hex[:6]}"
-            net = start_network(topo, os.path.join(work, name), network=name, replicas=len(REGIONS))
+            if args.hosts:       # edges serve HTTP on their host's address: that needs tokens
+                from kdn.core.auth import OPEN, ensure_admin_token
+                from kdn.core.env import kdn_home
+                admin = ensure_admin_token(kdn_home())
+                net = start_network(topo, os.path.join(work, name), network=name, replicas=len(REGIONS),
+                                    http=True, edge_options={"http_host": "node"},
+                                    auth={"admin": admin, "readers": {w: OPEN for w in want}})
+            else:
+                net = start_network(topo, os.path.join(work, name), network=name, replicas=len(REGIONS))
         round_bytes = args.num_keys * args.data_size_kb * 1024
         wan_s = round_bytes / (topo.bandwidth_gbps(READER, REMOTE) * 1e9) + topo.latency_ms(READER, REMOTE) / 1e3
         if args.breakdown:       # first, on the empty network (its objects are deleted after)
@@ -160,16 +175,19 @@ def main(argv=None):
         for which in want:
             out = os.path.join(work, f"{which}.json")
             if which.startswith("kdn"):
-                region = REMOTE if which == "kdn-remote" else READER
+                region = REMOTE if which.startswith("kdn-remote") else READER
                 adapter = {"type": "plugin", "module_path": "kdn.integrations.lmcache",
                            "class_name": "KDNL2Adapter",
                            "adapter_params": {"network": net.name, "region": region,
-                                              "address": cluster.address,
+                                              "address": cluster.address, "token": admin,
                                               "tenant": which}}      # each row stores anew
                 if which == "kdn-ack-origin":
                     adapter["adapter_params"]["ack"] = "origin"
+                if which == "kdn-remote-ray":
+                    adapter["adapter_params"]["data_plane"] = "ray"
                 note = {"kdn-local": "edge on the reader's node; stores answered there (ack edge)",
-                        "kdn-ack-origin": "the same, stores answered once durable at the origin (ack origin)"
+                        "kdn-ack-origin": "the same, stores answered once durable at the origin (ack origin)",
+                        "kdn-remote-ray": f"{REMOTE}'s edge over Ray (data_plane ray), not its HTTP frames",
                         }.get(which, f"{REMOTE}'s edge, another node; modelled WAN floor "
                                      f"{round_bytes / wan_s / 1e9:.2f} GB/s, {wan_s * 1e3:.0f} ms a round")
             elif which == "fs":
@@ -222,7 +240,10 @@ def main(argv=None):
     by = {r["adapter"]: r.get("load GB/s") for r in rows}
     if by.get("socket") and by.get("kdn-remote"):
         out["kdn_remote_over_socket"] = by["kdn-remote"] / by["socket"]
+        if by.get("kdn-remote-ray"):
+            out["kdn_remote_ray_over_socket"] = by["kdn-remote-ray"] / by["socket"]
         print(f"kdn-remote {out['kdn_remote_over_socket']:.2f}x the bare socket between the same hosts"
+              + (f"; over Ray {out['kdn_remote_ray_over_socket']:.2f}x" if by.get("kdn-remote-ray") else "")
               + (f"; ray-ceiling {by['ray-ceiling'] / by['socket']:.2f}x" if by.get("ray-ceiling") else ""))
     if args.breakdown:
         print(f"\nwhere a KDN load of {args.num_keys} x {args.data_size_kb} KiB goes (this process, the "

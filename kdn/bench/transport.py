@@ -140,6 +140,45 @@ c.close()
 """
 
 
+class SocketLink:
+    """A bare TCP link (see bare_socket), its server and connection kept open: each one() is
+    one timed transfer of nbytes, so a bench can interleave it with other paths rep by rep."""
+
+    def __init__(self, nbytes: int, piece: int, verify: bool = False, host: str = "127.0.0.1",
+                 prefix=(), transfers: int = 1000):
+        self.nbytes, self.piece, self.verify = nbytes, piece, verify
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-c", SOCKET_SERVER, str(nbytes),
+                                      str(transfers), str(piece), host], stdout=subprocess.PIPE, text=True)
+        try:
+            port = int(self.proc.stdout.readline())
+            self.buf = np.ones(nbytes, np.uint8)             # touched: no page faults in the timing
+            self.sock = socket.create_connection((host, port), timeout=60)
+        except BaseException:     # the server process must not outlive a failed start
+            stop_process(self.proc)
+            raise
+
+    def one(self) -> float:
+        """Seconds for one transfer, received RECV_STEP bytes at a time (as the HTTP client)."""
+        mv, nbytes, piece = memoryview(self.buf), self.nbytes, self.piece
+        t0 = time.perf_counter()
+        self.sock.sendall(b"x")
+        got = hashed = 0
+        while got < nbytes:
+            r = self.sock.recv_into(mv[got:min(nbytes, got + RECV_STEP)])
+            if not r:
+                raise RuntimeError(f"the socket server hung up after {got} of {nbytes} bytes")
+            got += r
+            while self.verify and (got - hashed >= piece or (got == nbytes and hashed < got)):
+                end = min(hashed + piece, got)
+                xxhash.xxh3_64_intdigest(mv[hashed:end])
+                hashed = end
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.sock.close()
+        stop_process(self.proc)
+
+
 def bare_socket(nbytes: int, reps: int, piece: int, verify: bool = False, host: str = "127.0.0.1",
                 prefix=()) -> list:
     """Seconds per nbytes sent by another process over one TCP connection (loopback, or to
@@ -149,31 +188,11 @@ def bare_socket(nbytes: int, reps: int, piece: int, verify: bool = False, host: 
     and no allocation (the HTTP path's ceiling). verify: each piece is also hashed (xxh3_64)
     as soon as it is in, as a reader that trusts nothing does with each frame: the ceiling
     of any verified read over one connection, on the reader's one core."""
-    proc = subprocess.Popen([*prefix, sys.executable, "-c", SOCKET_SERVER, str(nbytes), str(reps + 1),
-                             str(piece), host], stdout=subprocess.PIPE, text=True)
+    link = SocketLink(nbytes, piece, verify, host, prefix, reps + 1)
     try:
-        port = int(proc.stdout.readline())
-        buf = np.ones(nbytes, np.uint8)                  # touched: no page faults in the timing
-        mv = memoryview(buf)
-        times = []
-        with socket.create_connection((host, port), timeout=60) as sock:
-            for _ in range(reps + 1):
-                t0 = time.perf_counter()
-                sock.sendall(b"x")
-                got = hashed = 0
-                while got < nbytes:       # in the HTTP client's steps (faster here than all at once)
-                    r = sock.recv_into(mv[got:min(nbytes, got + RECV_STEP)])
-                    if not r:
-                        raise RuntimeError(f"the socket server hung up after {got} of {nbytes} bytes")
-                    got += r
-                    while verify and (got - hashed >= piece or (got == nbytes and hashed < got)):
-                        end = min(hashed + piece, got)
-                        xxhash.xxh3_64_intdigest(mv[hashed:end])
-                        hashed = end
-                times.append(time.perf_counter() - t0)
-        return times[1:]
+        return [link.one() for _ in range(reps + 1)][1:]
     finally:
-        stop_process(proc)
+        link.close()
 
 
 def hash_only(kv: np.ndarray, reps: int, piece: int) -> list:
@@ -217,12 +236,14 @@ def _ray_worker(network, tokens, digests, reps):
     return {"times": times, "ok": ok, "nbytes": f.nbytes, "sources": sorted(sources), "pid": os.getpid()}
 
 
-def _ray_cold_worker(network, token_sets, digests, region, token):
+def _ray_cold_worker(network, token_sets, digests, region, token, data_plane="ray"):
     """In a Ray worker: time Client.fetch of each KB once (token_sets: one per KB, the first
     a warm-up), so every fetch pulls objects this node has never held (Ray keeps a pulled
-    copy: fetching one KB again would read it from this node's own store)."""
+    copy: fetching one KB again would read it from this node's own store). data_plane: the
+    reader's (kdn.client.dataplane; "auto" reads another node's edge over its HTTP frames)."""
     from kdn.client import Client
-    cl = Client(network=network, region=region, tenant=TENANT, fingerprint=FINGERPRINT, token=token)
+    cl = Client(network=network, region=region, tenant=TENANT, fingerprint=FINGERPRINT, token=token,
+                data_plane=data_plane)
     times, ok, sources, nbytes = [], True, set(), 0
     for toks in token_sets:
         t0 = time.perf_counter()
@@ -494,17 +515,22 @@ PEER_EDGES = (("near-http", {}, "peer-http"),     # the default: auto, 2 streams
               ("near-ray", {"data_plane": "ray"}, "peer-ray"))
 
 
-def peer_pulls(net, kbs: dict, ns, digests, token, admin) -> dict:
+def peer_pulls(net, kbs: dict, ns, digests, token, admin, link: SocketLink = None) -> dict:
     """edge -> (seconds of each pull but the first (a warm-up), GB/s of its HTTP pulls by its
-    own timing, None over Ray). kbs: edge -> the keys of its KBs, one per rep (keys it never
+    own timing and the share of that time spent before the first byte (the far edge's work),
+    both None over Ray). kbs: edge -> the keys of its KBs, one per rep (keys it never
     held, held by the far edge). Rep by rep, each edge in turn fetches its KB and this process,
     on the same host, takes the objects (so the machine's noise and warm-up hit every data
-    plane alike); the bytes must be the published ones."""
+    plane alike); the bytes must be the published ones. With link, each rep also times one
+    bare-socket transfer first: out["socket"], the link's ceiling measured beside the pulls."""
     import ray
     from kdn.core.rpc import resolve_refs
     before = {e: ray.get(net.edges[e].stats.remote(token=admin))["data_plane"] for e in kbs}
     times = {e: [] for e in kbs}
+    sockets = []
     for rep in range(len(next(iter(kbs.values())))):
+        if link is not None:         # the link's ceiling in the same rep (its first a warm-up)
+            sockets.append(link.one())
         for edge, reps in kbs.items():
             h = net.edges[edge]
             t0 = time.perf_counter()
@@ -523,7 +549,13 @@ def peer_pulls(net, kbs: dict, ns, digests, token, admin) -> dict:
         after = ray.get(net.edges[edge].stats.remote(token=admin))["data_plane"]
         moved = after.get("peer_http_bytes", 0) - before[edge].get("peer_http_bytes", 0)
         us = after.get("peer_http_us", 0) - before[edge].get("peer_http_us", 0)
-        out[edge] = (times[edge][1:], moved / us / 1e3 if us else None)
+        wait = after.get("peer_http_wait_us", 0) - before[edge].get("peer_http_wait_us", 0)
+        streams = after.get("peer_http_streams", 0) - before[edge].get("peer_http_streams", 0)
+        pulls = after.get("peer_http_pulls", 0) - before[edge].get("peer_http_pulls", 0)
+        # wait is summed over each pull's connections (one thread each): per pull, their mean
+        share = wait * pulls / streams / us if us and streams else None
+        out[edge] = (times[edge][1:], moved / us / 1e3 if us else None, share)
+    out["socket"] = sockets[1:]
     return out
 
 
@@ -531,8 +563,11 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
     """The same KB read across a link between two hosts (kdn.testing.netns): the edge on the
     far host, the readers here. Rows: the bare socket from the far host (the link's ceiling
     for one connection), the same hashed, KDN's HTTP frames from the far edge, Ray's pull of
-    the far edge's answer into a worker on this host, and an edge here pulling from the far
-    edge (peer pulls) on each data plane (kdn/edge/dataplane.py)."""
+    the far edge's answer into a worker on this host, the same worker's Client on its default
+    data plane (kdn.client.dataplane: the far edge's HTTP frames), and an edge here pulling
+    from the far edge (peer pulls) on each data plane (kdn/edge/dataplane.py), interleaved
+    rep by rep with one bare-socket transfer each (socket-beside: the peer pulls' ratios are
+    to it, so a noisy minute hits both alike)."""
     import secrets
     from kdn.testing.netns import HostCluster, available
     why = available()
@@ -622,9 +657,21 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
         record("ray", "Client.fetch (worker here)", got["times"],
                f"the far edge's answer pulled by Ray across the link, a KB never pulled before each rep; "
                f"sources {','.join(got['sources'])}")
-        pulled = peer_pulls(net, peer_kbs, pub.ns, digests, read, admin)
+        got = ray.get(worker.remote(net.name, token_sets, digests, "far", read, "auto"), timeout=600)
+        if not got["ok"] or got["nbytes"] != total:
+            raise RuntimeError(f"the default fetch across the link returned other bytes ({got['nbytes']} B)")
+        record("client", "Client.fetch (worker here)", got["times"],
+               "the same KBs, the reader's default data plane: the far edge's HTTP frames "
+               "(kdn.client.dataplane)")
+        link = SocketLink(total, piece, host=far.address("far"), prefix=prefix)
+        try:
+            pulled = peer_pulls(net, peer_kbs, pub.ns, digests, read, admin, link)
+        finally:
+            link.close()
+        record("socket-beside", "recv_into", pulled["socket"],
+               "bare TCP again, one transfer before each rep of the peer pulls below: their ceiling")
         for name, _, row in PEER_EDGES:
-            times, measured = pulled[name]
+            times, measured, waited = pulled[name]
             record(row, f"edge {name} pulls from far-0", times,
                    "an edge here pulls a KB it never held from the far edge; a Ray reader here "
                    "takes the objects")
@@ -633,7 +680,8 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
                 rows.append({"transport": row + "-pull", "client": f"edge {name}'s own timing",
                              "GB/s": measured, "median_ms": total / measured / 1e6, "min_ms": None,
                              "max_ms": None, "note": "the same pulls, as the edge timed them: "
-                                                     "request sent to last frame verified, all reps"})
+                                                     "request sent to last frame verified, all reps; "
+                                                     f"{waited:.0%} of it before the first byte"})
     finally:
         if net is not None:
             stop_network(net)
@@ -648,11 +696,14 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
            **{f"{k.replace('+', '_')}_gbps": v for k, v in res.items()},
            "http_over_socket": res["http"] / res["socket"], "ray_over_socket": res["ray"] / res["socket"],
            "http_over_ray": res["http"] / res["ray"],
-           **{f"{row.replace('-', '_')}_over_socket": res[row] / res["socket"]
+           "client_over_socket": res["client"] / res["socket"], "client_over_ray": res["client"] / res["ray"],
+           # peer pulls against the socket timed beside them, rep by rep
+           **{f"{row.replace('-', '_')}_over_socket": res[row] / res["socket-beside"]
               for row in res if row.startswith("peer")},
            "peer_http_over_peer_ray": res["peer-http"] / res["peer-ray"]}
     if cap_bps:
         out.update(http_over_cap=res["http"] * 1e9 / cap_bps, ray_over_cap=res["ray"] * 1e9 / cap_bps,
+                   client_over_cap=res["client"] * 1e9 / cap_bps,
                    socket_over_cap=res["socket"] * 1e9 / cap_bps,
                    **{f"{row.replace('-', '_')}_over_cap": res[row] * 1e9 / cap_bps
                       for row in res if row.startswith("peer")})

@@ -48,8 +48,8 @@ class Client:
 
     def __init__(self, network: str = "kdn", region: str = None, tenant: str = "default",
                  fingerprint: str = None, chunk_tokens: int = CHUNK_TOKENS,
-                 token: str = None, admin_token: str = None, accept=None):
-        self.view = NetworkView(network, region=region, admin_token=admin_token)
+                 token: str = None, admin_token: str = None, accept=None, data_plane: str = "auto"):
+        self.view = NetworkView(network, region=region, admin_token=admin_token, data_plane=data_plane)
         self.network, self.tenant, self.fingerprint = network, tenant, fingerprint
         self.chunk_tokens = chunk_tokens
         self.token = token or admin_token
@@ -89,11 +89,12 @@ class Client:
         return self.view.ranked_edges()
 
     def stats(self) -> dict:
-        """This process's counters: reads (fetches, chunks, corrupt_chunks) and publishing."""
+        """This process's counters: reads (fetches, chunks, corrupt_chunks) and publishing;
+        data_plane: the reads that went over edges' HTTP frames (kdn.client.dataplane)."""
         reads = self._reader.counters if self._reader else {}
         published = self._publisher.counters if self._publisher else {}
         return {"network": self.network, "region": self.region,
-                "counters": {**reads, **published}}
+                "counters": {**reads, **published}, "data_plane": self.view.plane.stats()}
 
     # --- reads (kdn.client.reader) ----------------------------------------------------------------
     def manifests(self, refresh: bool = False) -> list:

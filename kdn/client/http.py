@@ -97,6 +97,13 @@ class EdgeHTTPClient:
             self._conn.close()
             self._conn = None
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """The longest wait on the socket from now on (connect, each read), this connection's
+        and the next's."""
+        self.timeout_s = float(timeout_s)
+        if self._conn is not None and self._conn.sock is not None:
+            self._conn.sock.settimeout(self.timeout_s)
+
     def __enter__(self):
         return self
 
@@ -149,7 +156,7 @@ class EdgeHTTPClient:
             raise RemoteError(f"edge {self.url} answered {path} with invalid JSON: {e}") from None
 
     @staticmethod
-    def _keys_body(keys, ns, region=None, codec=None) -> bytes:
+    def _keys_body(keys, ns, region=None, codec=None, claim=None) -> bytes:
         ks = [bytes(k) for k in keys]
         if not isinstance(ns, (bytes, bytearray)) or len(ns) != KEY_BYTES \
                 or any(len(k) != KEY_BYTES for k in ks):
@@ -161,6 +168,8 @@ class EdgeHTTPClient:
             if codec != "auto" and codec not in codecs():
                 raise BadRequest(f"codec {codec!r} is not 'auto' or one of {', '.join(codecs())}")
             body["codec"] = codec
+        if claim is not None:               # (tenant, fingerprint): a namespace no manifest names
+            body["tenant"], body["fingerprint"] = claim
         return msgpack.packb(body, use_bin_type=True)
 
     # --- endpoints ----------------------------------------------------------------------
@@ -216,9 +225,11 @@ class EdgeHTTPClient:
                        exact=all(e for p in pages for e in p.exact),
                        wire_bytes=sum(p.wire_bytes for p in pages), codecs=dict(used))
 
-    def fetch_page(self, keys, ns, region, codec) -> "_Page":
-        """One fetch answer: its verified chunks and what its headers say."""
-        resp = self._request("POST", "/v1/fetch", self._keys_body(keys, ns, region, codec),
+    def fetch_page(self, keys, ns, region, codec, claim=None) -> "_Page":
+        """One fetch answer: its verified chunks and what its headers say. claim: the
+        (tenant, fingerprint) ns digests, for objects no manifest names
+        (kdn.integrations.objects): the edge checks the token against that tenant."""
+        resp = self._request("POST", "/v1/fetch", self._keys_body(keys, ns, region, codec, claim),
                              "application/msgpack")
         if resp.status != 200:
             self._refuse(resp, "POST", "/v1/fetch")
@@ -405,17 +416,21 @@ class HTTPEdges:
 
     def _fetch(self, client, keys, ns, region=None, resolve=False, node=None, accept=None,
                tenant=None, fingerprint=None) -> dict:
-        if tenant is not None or fingerprint is not None:
-            raise BadRequest("objects no manifest names (kdn.integrations.objects) are read over "
-                             "Ray, not HTTP")
-        p = client.fetch_page(keys, ns, region, self.codec)
-        return {"chunks": p.chunks, "sources": p.sources, "codecs": p.codecs, "wire": p.sizes,
-                "exact": p.exact, "more": p.more, "edge": p.edge, "ring": 0}
+        return fetch_reply(client, keys, ns, region, self.codec, tenant, fingerprint)
 
     @staticmethod
     def _drop_corrupt(client, keys, ns) -> int:
         return 0                    # an edge's HTTP server takes no reports: it serves only
                                     # copies whose stored frame checks (kdn/edge/http.py)
+
+
+def fetch_reply(client, keys, ns, region, codec, tenant=None, fingerprint=None) -> dict:
+    """One HTTP fetch answer as the Ray transport's fetch reply (resolved): what a Reader
+    takes from either transport. tenant and fingerprint name a namespace no manifest names."""
+    claim = None if tenant is None and fingerprint is None else (tenant, fingerprint)
+    p = client.fetch_page(keys, ns, region, codec, claim)
+    return {"chunks": p.chunks, "sources": p.sources, "codecs": p.codecs, "wire": p.sizes,
+            "exact": p.exact, "more": p.more, "edge": p.edge, "ring": 0}
 
 
 class _Frames:

@@ -12,6 +12,8 @@ remote raised on purpose as itself, anything else as the bug it is.
 import functools
 import time
 
+from kdn.client.dataplane import ReaderPlane
+from kdn.core.codecs import LOSSLESS
 from kdn.core.errors import BadRequest, NetworkError, NoLiveEdge
 from kdn.core.names import NAMESPACE, ORIGIN_NODE, edge_actor_name
 from kdn.placement.ring import Edge, Ring
@@ -47,7 +49,8 @@ class NetworkView:
     edge call carries the token its caller names (a tenant's read token for reads).
     """
 
-    def __init__(self, network: str, region: str = None, admin_token: str = None):
+    def __init__(self, network: str, region: str = None, admin_token: str = None,
+                 data_plane: str = "auto"):
         self.network = network
         self.admin_token = admin_token
         self.actors = Actors(network)
@@ -55,6 +58,9 @@ class NetworkView:
         self.membership = self.topology = self.ring = None
         self.refresh()
         self.node_id = node_id()
+        import ray
+        self.plane = ReaderPlane(data_plane, self.node_id, ray.util.get_node_ip_address(),
+                                 self._data_address)
         self.region = region or node_region() or self.topology.origin_region
         if self.region not in self.topology.regions:
             raise BadRequest(f"region {self.region!r} is not in the network's topology "
@@ -141,6 +147,10 @@ class NetworkView:
         for edge in self.ranked_edges():
             t0 = time.monotonic()
             try:
+                if method == "fetch" and resolve_refs:
+                    reply = self._fetch_over_http(edge, timeout, *args, **kw)
+                    if reply is not None:
+                        return reply, edge, failed
                 reply = self.actors.call_sync(edge, method, *args, timeout=timeout, **dict(kw))
                 if resolve_refs:
                     left = max(0.5, timeout - (time.monotonic() - t0))
@@ -152,6 +162,27 @@ class NetworkView:
                 self._suspect[edge] = time.monotonic() + SUSPECT_S
         raise NoLiveEdge(f"no edge of network {self.network!r} answered {method} "
                          f"(tried {', '.join(failed) or 'none'})")
+
+    def _fetch_over_http(self, edge, timeout, keys, ns, region=None, resolve=False, token=None,
+                         node=None, accept=None, tenant=None, fingerprint=None):
+        """edge's fetch reply over its HTTP frames when the data plane says so
+        (kdn.client.dataplane), else None (Ray carries it)."""
+        accept = LOSSLESS if accept is None else accept
+        url = self.plane.url_of(edge, accept)
+        if url is None:
+            return None
+        try:
+            return self.plane.fetch(url, timeout, token, keys, ns, region, accept, tenant, fingerprint)
+        except Unreachable:
+            self.plane.forget(edge)
+            raise
+
+    def _data_address(self, edge: str):
+        """edge's data_address, or None when it does not answer now."""
+        try:
+            return self.actors.edge(edge, CALL_TIMEOUT_S, "sync").data_address()
+        except Unreachable:
+            return None
 
     def at(self, edge: str, timeout: float = CALL_TIMEOUT_S) -> EdgeAPI:
         """One named edge's interface (a call raises Unreachable if it gets no answer)."""

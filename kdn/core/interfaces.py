@@ -81,8 +81,9 @@ class EdgeAPI(EdgeReads, Protocol):
         """Forget a retired version's broadcast copy."""
 
     async def data_address(self) -> dict:
-        """{"url", "node", "ip"}: where peers pull this edge's chunks over HTTP frames (None:
-        they do not), its Ray node and that node's address."""
+        """{"url", "node", "ip"}: where peers and readers on other nodes read this edge's
+        frames over HTTP (None: they do not; kdn.core.dataplane), its Ray node and that node's
+        address. No token needed."""
 
     async def peer_get(self, keys, region: str = None, drops=None) -> list:
         """What this edge holds of keys (None elsewhere), in the form for the asker's region."""

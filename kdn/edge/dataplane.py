@@ -20,7 +20,7 @@ mode (the edge's `data_plane` option):
 - "ray": always Ray.
 
 A peer's address (its HTTP URL and Ray node) is asked once over Ray (data_address) and
-kept; a peer without HTTP is asked again after ADDRESS_RETRY_S. A peer that listens on
+kept (kdn.core.dataplane.Addresses); a peer without HTTP is asked again after a while. A peer that listens on
 loopback is pulled over HTTP only from its own host (its node's address is this edge's):
 on another host that address is nobody's, so Ray carries its bytes. A batch wider than one
 connection carries is split over `streams` parallel connections (contiguous slices of the
@@ -34,18 +34,15 @@ import asyncio
 import collections
 import concurrent.futures
 import time
-from urllib.parse import urlsplit
 
-from kdn.core.env import is_loopback
+from kdn.core.dataplane import Addresses
 from kdn.core.errors import BadRequest
 from kdn.core.rpc import Unreachable
 from kdn.edge.peers import PEER_TIMEOUT_S
 from kdn.edge.tiers import Held, _ray_initialized
 
-MODES = ("auto", "http", "ray")
 STREAMS = 2                  # parallel connections one pull to one peer may use
 STREAM_MIN_KEYS = 4          # a pull of fewer keys takes one connection
-ADDRESS_RETRY_S = 30.0       # a peer that served no HTTP is asked again after this
 IDLE_CONNECTIONS = 4         # keep-alive connections kept per peer
 
 
@@ -58,12 +55,6 @@ def check_pull_into(into) -> str:
     if into not in INTO:
         raise BadRequest(f"pull_into must be one of {', '.join(INTO)}, got {into!r:.80}")
     return into
-
-
-def check_data_plane(mode) -> str:
-    if mode not in MODES:
-        raise BadRequest(f"data_plane must be one of {', '.join(MODES)}, got {mode!r:.80}")
-    return mode
 
 
 def _held_here(obj, peer: str) -> Held:
@@ -80,11 +71,11 @@ class PeerPulls:
 
     def __init__(self, peers, node_id, mode: str = "auto", node_ip: str = None, streams: int = STREAMS,
                  into: str = INTO[0]):
-        self.peers, self.node_id, self.node_ip = peers, node_id, node_ip
-        self.mode, self.streams = check_data_plane(mode), max(1, int(streams))
+        self.peers, self.node_id = peers, node_id
+        self.addresses = Addresses(mode, node_id, node_ip)
+        self.mode, self.streams = self.addresses.mode, max(1, int(streams))
         self.into = check_pull_into(into)
         self.counters = collections.Counter()
-        self._addresses = {}         # peer -> (url or None, node, when asked)
         self._idle = collections.defaultdict(list)    # url -> idle EdgeHTTPClients
 
     async def get(self, peer: str, keys, region: str, drops):
@@ -102,19 +93,12 @@ class PeerPulls:
         """The peer's URL when this pull goes over HTTP, else None (Ray)."""
         if self.mode == "ray" or (self.mode == "auto" and self.node_id is None):
             return None                     # (no node id: an edge outside Ray, in a unit test)
-        known = self._addresses.get(peer)
-        if known is None or (known[0] is None and time.monotonic() - known[2] > ADDRESS_RETRY_S):
+        if self.addresses.stale(peer):
             got = await self.peers.edge(peer).data_address()
             if got is None:                 # unreachable now: Ray's call says so in turn
                 return None
-            url = got.get("url")
-            if url is not None and is_loopback(urlsplit(url).hostname or "") and got.get("ip") != self.node_ip:
-                url = None        # its loopback is not ours: a peer on another host bound 127.0.0.1
-            known = self._addresses[peer] = (url, got.get("node"), time.monotonic())
-        url, node, _ = known
-        if url is None or (self.mode == "auto" and node == self.node_id):
-            return None
-        return url
+            self.addresses.note(peer, got)
+        return self.addresses.url(peer)
 
     async def _http(self, peer: str, url: str, keys, region: str, drops):
         n = self.streams if len(keys) >= STREAM_MIN_KEYS else 1
@@ -126,7 +110,7 @@ class PeerPulls:
         seconds = time.perf_counter() - t0
         failed = [r for r in replies if isinstance(r, BaseException)]
         if failed:
-            self._addresses.pop(peer, None)
+            self.addresses.forget(peer)
             unreachable = [r for r in failed if isinstance(r, Unreachable)]
             if len(unreachable) < len(failed):      # not a lost peer: a bug or a refusal
                 raise next(r for r in failed if not isinstance(r, Unreachable))
@@ -164,6 +148,7 @@ class PeerPulls:
             client.close()
             raise
         self.counters["peer_http_wait_us"] += client.counters.pop("peer_wait_us", 0)
+        self.counters["peer_http_buffers_reused"] += client.counters.pop("buffers_reused", 0)
         if len(idle) < IDLE_CONNECTIONS:
             idle.append(client)
         else:
@@ -176,4 +161,4 @@ class PeerPulls:
 
     def stats(self) -> dict:
         return {"mode": self.mode, "streams": self.streams,
-                "http_peers": sorted(p for p, (u, _, _) in self._addresses.items() if u), **self.counters}
+                "http_peers": self.addresses.with_http(), **self.counters}

@@ -6,6 +6,9 @@ records (kdn.core.chunk's verify: exact KV must hash to it; a lossy frame has on
 checksums, because its KV is not the published KV by design). A copy that fails is never
 kept, and never encoded lossy for a reader (a reader cannot check lossy KV against its
 manifest, so it must never be encoded from wrong bytes).
+The checksum found then goes with the copy into the node's store
+(kdn.edge.tiers.Held.of): framing the sealed copy later, for a peer or a client, costs no
+second pass over it, and every reader verifies each frame it receives.
 
 Store form: with store_codec set, an edge keeps chunks as compressed frames (kdn.core.chunk.Encoded):
 its byte capacity is charged the compressed size, so it holds more (zstd: lossless, ~1.2x on
@@ -60,10 +63,13 @@ class Forms:
         self.counters = collections.Counter()
 
     # --- verification -----------------------------------------------------------------------
-    def intact(self, obj) -> bool:
+    def intact(self, obj, reread: bool = False) -> bool:
         """Whether obj's bytes are the ones named (see the module docstring); counts failures.
-        CPU work (a hash, or a decode): from a worker thread."""
+        reread: hash the bytes now, not trusting a checksum found earlier (a reader reported
+        them corrupt). CPU work (a hash, or a decode): from a worker thread."""
         if isinstance(obj, Chunk):
+            if reread:
+                obj = Chunk(obj.key, obj.ns, obj.kv, obj.dtype)    # a view: no checksum known
             _hash_once(obj)          # an immutable chunk is hashed once, whoever checks it next
         try:
             obj.verify(self.sums(obj.key))

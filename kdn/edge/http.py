@@ -299,6 +299,16 @@ class EdgeHTTP:
         return region
 
     @staticmethod
+    def _claim(body) -> tuple:
+        """(tenant, fingerprint) that ns digests, for objects no manifest names
+        (kdn.integrations.objects; kdn/edge/catalog.py checks it), or (None, None)."""
+        claim = body.get("tenant"), body.get("fingerprint")
+        if claim != (None, None) and not all(isinstance(v, str) and 0 < len(v) <= 256 for v in claim):
+            raise RequestError(400, "bad_claim", "fields 'tenant' and 'fingerprint' go together, "
+                                                 "each a string of 1 to 256 characters")
+        return claim
+
+    @staticmethod
     def _codec(body) -> str:
         codec = body.get("codec", "raw")
         if not isinstance(codec, str) or (codec != "auto" and codec not in codecs()):
@@ -338,12 +348,13 @@ class EdgeHTTP:
                       "edge": self.edge.name})
 
     async def _fetch(self, request):
-        body = await self._body(request, {"ns", "keys", "region", "codec"})
+        body = await self._body(request, {"ns", "keys", "region", "codec", "tenant", "fingerprint"})
         ns, keys = self._keys(body)
-        region, asked = self._region(body), self._codec(body)
+        region, asked, claim = self._region(body), self._codec(body), self._claim(body)
         t0 = time.perf_counter()
         got = await self.edge.reads.fetch(keys, ns, region, _bearer(request),
-                                          lambda helds, sources: self._frames(helds, sources, region, asked))
+                                          lambda helds, sources: self._frames(helds, sources, region, asked),
+                                          claim=claim)
         parts = [p for frame, _ in got["out"] for p in frame]
         used = [codec for _, codec in got["out"]]
         total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)

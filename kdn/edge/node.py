@@ -263,9 +263,10 @@ class EdgeNode:
         return None if self.http is None else self.http.url
 
     async def data_address(self, token=None) -> dict:
-        """Where a peer pulls this edge's chunks from (kdn/edge/dataplane.py): {"url": its HTTP
-        base URL or None, "node": its Ray node id, "ip": its node's address}."""
-        self.tokens.check_admin(token, "data_address")
+        """Where this edge's frames are read from (a peer's pulls: kdn/edge/dataplane.py; a
+        reader on another node: kdn.client.dataplane): {"url": its HTTP base URL or None,
+        "node": its Ray node id, "ip": its node's address}. No token: an address is no
+        secret, and the server it names checks every request's."""
         import ray
         return {"url": self.http_address(), "node": self.node_id,
                 "ip": ray.util.get_node_ip_address() if ray.is_initialized() else None}
@@ -496,7 +497,7 @@ class EdgeNode:
         self.counters["corrupt_reported"] += len(keys)
         held = [h for h in (self.tiers.peek(k) for k in keys) if h is not None and h.ns == ns]
         objs = await asyncio.gather(*(h.resolve() for h in held))
-        ok = await asyncio.to_thread(lambda: [self.forms.intact(o) for o in objs])
+        ok = await asyncio.to_thread(lambda: [self.forms.intact(o, reread=True) for o in objs])
         return await self.tiers.drop([h.key for h, good in zip(held, ok) if not good])
 
     async def inject_corruption(self, key, token=None) -> bool:

@@ -12,7 +12,8 @@ import ipaddress
 
 from kdn.core.checks import check_int
 from kdn.core.errors import BadRequest, TopologyError
-from kdn.edge.dataplane import INTO, MODES
+from kdn.core.dataplane import MODES
+from kdn.edge.dataplane import INTO
 from kdn.edge.events import check_kv_events
 
 OPTIONS = ("disk_bytes", "disk_dir", "kv_events", "data_plane", "peer_streams", "pull_into", "http_host")

@@ -39,7 +39,8 @@ class Held:
     own is False for a peer's object (it vanishes with the peer). born: for a copy on its way
     in, the drop-log position its bytes are at least as new as (kdn/edge/tombstones.py; None:
     made here, never older than a drop)."""
-    __slots__ = ("ref", "key", "ns", "nbytes", "raw", "codec", "dtype", "own", "obj", "born", "src", "links")
+    __slots__ = ("ref", "key", "ns", "nbytes", "raw", "codec", "dtype", "own", "obj", "born", "src", "links",
+                 "xxh")
 
     def __init__(self, ref, key: bytes, ns: bytes, nbytes: int, raw: int, codec: str = "raw",
                  dtype: str = "float32", own: bool = True):
@@ -49,13 +50,21 @@ class Held:
         self.born = None
         self.src = self.links = None   # a peer's object (over Ray) or copy (over HTTP): the peer;
                                        # links: where a Ray object's transfer is noted
+        self.xxh = None        # a raw chunk's KV checksum, computed when it was verified here
 
     @classmethod
     def of(cls, obj) -> "Held":
         """Put a Chunk or an Encoded into this node's object store. ray.put copies the bytes:
-        call it from a worker thread (asyncio.to_thread), never on the event loop."""
+        call it from a worker thread (asyncio.to_thread), never on the event loop.
+
+        A chunk verified before the put (its checksum known: kdn/edge/forms.py) keeps that
+        checksum here, so the sealed copy is not hashed again to be framed or checked
+        (_with_sum). Every reader of a frame still verifies it, so a copy gone bad in this
+        store reaches nobody: a peer or client finds the mismatch and fetches elsewhere."""
         import ray
-        return cls(ray.put(obj), obj.key, obj.ns, obj.nbytes, obj.raw, obj.codec, obj.dtype)
+        held = cls(ray.put(obj), obj.key, obj.ns, obj.nbytes, obj.raw, obj.codec, obj.dtype)
+        held.xxh = getattr(obj, "_xxh", None)
+        return held
 
     @classmethod
     def kept(cls, obj) -> "Held":
@@ -78,7 +87,7 @@ class Held:
         one load (shared by every reader that joined it, and the copy kept of it)."""
         if self.obj is None:
             t0 = time.perf_counter()
-            self.obj = await self.ref
+            self.obj = _with_sum(await self.ref, self.xxh)
             if self.links is not None:         # a peer's bytes crossed the link: measured
                 self.links.transfer(self.src, self.nbytes, time.perf_counter() - t0)
         return self.obj
@@ -105,8 +114,16 @@ async def resolve_all(helds) -> list:
     if len(batch) > 1:
         import ray
         for h, obj in zip(batch, await asyncio.to_thread(ray.get, [h.ref for h in batch])):
-            h.obj = obj
+            h.obj = _with_sum(obj, h.xxh)
     return list(await asyncio.gather(*(h.resolve() for h in helds)))
+
+
+def _with_sum(obj, xxh):
+    """obj (read from this node's store) with the checksum its chunk had when put (Held.of):
+    only on a sealed, read-only chunk, which nothing in this process can change."""
+    if xxh is not None and getattr(obj, "_xxh", 0) is None and not obj.kv.flags.writeable:
+        object.__setattr__(obj, "_xxh", xxh)
+    return obj
 
 
 WRITE_BACK_QUEUE_BYTES = 1 << 30      # victims waiting for the disk, at most

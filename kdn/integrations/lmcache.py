@@ -42,6 +42,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
+from kdn.core.dataplane import MODES
 from kdn.integrations.objects import ACKS, Objects, Tenancy, check_params, object_key, read_tokens_of
 from kdn.core.checks import check_int
 from kdn.core.errors import AccessDenied, BadConfig, NetworkError
@@ -64,6 +65,7 @@ PARAMS = {               # adapter_params: name -> (type, default)
     "address": ((str, type(None)), None),  # Ray's address (default: `kdn up`'s, else auto)
     "prefault": (bool, True),              # map the object store's pages ahead of loads (kdn.integrations.prefault)
     "ack": (str, "edge"),                  # a store answered by the edge ("edge") or once durable ("origin")
+    "data_plane": (str, "auto"),           # loads from another node's edge: its HTTP frames ("auto") or "ray"
 }
 
 
@@ -72,10 +74,14 @@ class KDNL2AdapterConfig(L2AdapterConfigBase):
 
     def __init__(self, network="kdn", region=None, tenant="default", tenants=None, token=None,
                  read_token=None, read_tokens=None, capacity_bytes=0, address=None, prefault=True,
-                 ack="edge"):
+                 ack="edge", data_plane="auto"):
         if ack not in ACKS:
             raise BadConfig(f"adapter_params: field 'ack' must be one of {', '.join(ACKS)}, got {ack!r:.40}")
+        if data_plane not in MODES:
+            raise BadConfig(f"adapter_params: field 'data_plane' must be one of {', '.join(MODES)}, "
+                            f"got {data_plane!r:.40}")
         self.network, self.region, self.tenant, self.ack = network, region, tenant, ack
+        self.data_plane = data_plane
         self.prefault = prefault
         self.tenancy = Tenancy(tenant, tenants, "adapter_params")
         self.token, self.address = token, address
@@ -110,7 +116,8 @@ class KDNL2Adapter(L2AdapterInterface):
         self.objects = objects or Objects.connect(config.network, config.region, LAYER,
                                                   admin_token=config.token, address=config.address,
                                                   read_tokens=config.read_tokens,
-                                                  prefault=config.prefault, ack=config.ack)
+                                                  prefault=config.prefault, ack=config.ack,
+                                                  data_plane=config.data_plane)
         self._refusals = set()                     # refusal messages logged (each once)
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()

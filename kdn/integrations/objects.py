@@ -223,10 +223,11 @@ class Objects:
     @classmethod
     def connect(cls, network: str, region: str, layer: str, admin_token: str = None,
                 address: str = None, read_tokens: dict = None, prefault: bool = True,
-                ack: str = None) -> "Objects":
+                ack: str = None, data_plane: str = "auto") -> "Objects":
         """Join Ray (at address, else where `kdn up` recorded, else 'auto') and view network;
         prefault: keep this process's page tables over the object store filled (a host
-        layer's process, whose loads are on the engine's time)."""
+        layer's process, whose loads are on the engine's time); data_plane: how loads from an
+        edge on another node travel (kdn.client.dataplane: its HTTP frames by default)."""
         import ray
         from kdn.client.join import init_ray, read_state, state_path
         from kdn.client.view import NetworkView
@@ -234,11 +235,12 @@ class Objects:
             if address is None and state_path().exists():
                 address = read_state(require_alive=True)["address"]
             init_ray(address or "auto")
-        return cls(NetworkView(network, region=region, admin_token=admin_token), layer, admin_token,
-                   read_tokens, prefault, ack or ACK_EDGE)
+        return cls(NetworkView(network, region=region, admin_token=admin_token, data_plane=data_plane),
+                   layer, admin_token, read_tokens, prefault, ack or ACK_EDGE)
 
     def stats(self) -> dict:
-        out = {"layer": self.layer, "region": self.view.region, "counters": dict(self.counters)}
+        out = {"layer": self.layer, "region": self.view.region, "counters": dict(self.counters),
+               "data_plane": self.view.plane.stats()}
         if self.prefaulter is not None:
             out["prefault"] = self.prefaulter.stats()
         return out

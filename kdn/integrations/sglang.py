@@ -36,6 +36,7 @@ import logging
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from kdn.core.dataplane import MODES
 from kdn.integrations.objects import ACKS, REQUIRED, Objects, as_bytes, check_params, object_key, read_tokens_of
 from kdn.core.errors import AccessDenied, BadConfig, BadKey, NetworkError
 
@@ -54,6 +55,7 @@ PARAMS = {                       # the extra config: SGLang's fields, then KDN's
     "address": ((str, type(None)), None),          # Ray's address (default: `kdn up`'s, else auto)
     "prefault": (bool, True),                      # map the object store's pages ahead of loads
     "ack": (str, "edge"),                          # a store answered by the edge, or once durable ("origin")
+    "data_plane": (str, "auto"),                   # loads from another node's edge: its HTTP frames, or "ray"
 }
 
 
@@ -99,6 +101,9 @@ class KDNHiCacheStorage(HiCacheStorage):
         if cfg["ack"] not in ACKS:
             raise BadConfig(f"KDN HiCache extra config: field 'ack' must be one of {', '.join(ACKS)}, "
                             f"got {cfg['ack']!r:.40}")
+        if cfg["data_plane"] not in MODES:
+            raise BadConfig(f"KDN HiCache extra config: field 'data_plane' must be one of "
+                            f"{', '.join(MODES)}, got {cfg['data_plane']!r:.40}")
         model = cfg["model"] or getattr(storage_config, "model_name", None)
         if not model:
             raise BadConfig("KDN HiCache extra config: field 'model' is required when SGLang "
@@ -114,7 +119,7 @@ class KDNHiCacheStorage(HiCacheStorage):
         self.objects = objects or Objects.connect(cfg["network"], cfg["region"], LAYER,
                                                   admin_token=cfg["token"], address=cfg["address"],
                                                   read_tokens=read_tokens, prefault=cfg["prefault"],
-                                                  ack=cfg["ack"])
+                                                  ack=cfg["ack"], data_plane=cfg["data_plane"])
         self._refusals = set()                     # refusal messages logged (each once)
         self.ns = self.objects.namespace(cfg["tenant"], model)
         self.mem_pool_host = None

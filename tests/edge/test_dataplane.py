@@ -149,9 +149,32 @@ def test_a_corrupt_frame_costs_only_its_key_and_a_frame_out_of_order_is_refused(
         _PeerFrames("http://x:1", memoryview(stranger), keys).take(len(stranger))
 
 
+def test_an_edge_on_loopback_is_read_over_http_only_from_its_own_host():
+    """kdn.core.dataplane.Addresses: which URL a process reads an edge's frames from, by mode."""
+    from kdn.core.dataplane import Addresses
+    here = Addresses("auto", node_id="n1", node_ip="10.1.0.1")
+    here.note("beside", {"url": "http://127.0.0.1:9001", "node": "n1", "ip": "10.1.0.1"})
+    here.note("same-host", {"url": "http://127.0.0.1:9002", "node": "n2", "ip": "10.1.0.1"})
+    here.note("other-host-loopback", {"url": "http://127.0.0.1:9003", "node": "n3", "ip": "10.1.0.3"})
+    here.note("other-host", {"url": "http://10.1.0.4:9004", "node": "n4", "ip": "10.1.0.4"})
+    here.note("no-http", {"url": None, "node": "n5", "ip": "10.1.0.5"})
+    assert [here.url(e) for e in ("beside", "same-host", "other-host-loopback", "other-host", "no-http")] == \
+        [None, "http://127.0.0.1:9002", None, "http://10.1.0.4:9004", None]
+    assert here.with_http() == ["beside", "other-host", "same-host"]
+    assert not here.stale("other-host") and here.stale("never-asked") and not here.stale("no-http")
+    here.forget("other-host")
+    assert here.stale("other-host") and here.url("other-host") is None
+    always = Addresses("http", node_id="n1", node_ip="10.1.0.1")
+    always.note("beside", {"url": "http://127.0.0.1:9001", "node": "n1", "ip": "10.1.0.1"})
+    assert always.url("beside") == "http://127.0.0.1:9001"
+    never = Addresses("ray", node_id="n1", node_ip="10.1.0.1")
+    never.note("other-host", {"url": "http://10.1.0.4:9004", "node": "n4", "ip": "10.1.0.4"})
+    assert never.url("other-host") is None
+
+
 def test_a_bad_data_plane_is_refused_by_name():
     from kdn.core.errors import TopologyError
-    from kdn.edge.dataplane import check_data_plane
+    from kdn.core.dataplane import check_data_plane
     from kdn.edge.options import check_edge_options
     with pytest.raises(BadRequest, match="data_plane must be one of auto, http, ray"):
         check_data_plane("tcp")
@@ -167,6 +190,12 @@ def test_a_bad_data_plane_is_refused_by_name():
         check_edge_options({"pull_into": "disk"}, "edge e")
     assert check_edge_options({"pull_into": "process", "data_plane": "http", "peer_streams": 4}, "e") == \
         {"pull_into": "process", "data_plane": "http", "peer_streams": 4}
+    from kdn.core.errors import BadConfig
+    from kdn.integrations.lmcache import KDNL2AdapterConfig
+    with pytest.raises(BadConfig, match="field 'data_plane' must be one of auto, http, ray"):
+        KDNL2AdapterConfig.from_dict({"data_plane": "tcp"})
+    assert KDNL2AdapterConfig.from_dict({"data_plane": "ray"}).data_plane == "ray"
+    assert KDNL2AdapterConfig.from_dict({}).data_plane == "auto"
 
 
 def test_a_copy_received_over_http_goes_into_the_nodes_store_only_when_kept(ray_cluster, kit):
@@ -210,3 +239,48 @@ def test_a_peer_on_loopback_is_pulled_over_http_only_from_its_own_host():
                    "bound": "http://10.0.0.2:8001", "mine": None}    # mine: same node, Ray
     assert asyncio.run(PeerPulls(peers(mine), "n1", "http", "10.0.0.1")._url("p")) == "http://10.0.0.2:8001"
     assert asyncio.run(PeerPulls(peers(bound), "n1", "ray", "10.0.0.1")._url("p")) is None
+
+
+def test_a_reader_on_another_node_fetches_over_the_edges_http_frames(small_network, synth):
+    """This process runs on us-east's node: reading eu-west's edge (another node) goes over that
+    edge's HTTP frames (kdn.client.dataplane), reading us-east's own edge and data_plane "ray"
+    over Ray; the bytes are the published ones every way. LMCache's objects (no manifest: the
+    reader names their tenant) go the same way, and a token not the tenant's is refused."""
+    from kdn.client.view import NetworkView
+    from kdn.integrations.objects import Objects
+    net = small_network(auth={"admin": ADMIN, "readers": {"acme": READ, "beta": "beta-read-token-dataplane-01"}},
+                        http=True, replicas=1)
+    toks, kv = synth.tokens(1024, seed=35), synth.kv(1024, seed=35)
+    Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP,
+           admin_token=ADMIN).publish("kb", [("d", toks)], kv)
+    planes = {}
+    for region, plane in (("eu-west", "auto"), ("eu-west", "ray"), ("us-east", "auto")):
+        c = Client(network=net.name, region=region, tenant="acme", fingerprint=FP, token=READ,
+                   data_plane=plane)
+        f = c.fetch(toks)
+        assert f.tokens == 1024 and np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
+        assert f.edge == f"{region}-0"
+        planes[region, plane] = c.stats()["data_plane"]
+    over_http = planes["eu-west", "auto"]
+    assert over_http["http_fetches"] >= 1 and over_http["http_bytes"] >= kv.nbytes
+    assert over_http["http_edges"] == ["eu-west-0"]
+    assert planes["eu-west", "ray"].get("http_fetches", 0) == 0       # asked for Ray
+    assert planes["us-east", "auto"].get("http_fetches", 0) == 0      # the edge beside it: Ray
+
+    view = NetworkView(net.name, region="eu-west", admin_token=ADMIN)
+    writer = Objects(view, "lmcache", ADMIN, ack="origin")
+    ns = writer.namespace("acme", "m")
+    datas = [np.random.default_rng(i).integers(0, 255, 3 << 20, dtype=np.uint8) for i in range(3)]
+    keys = [bytes([i + 1]) * 16 for i in range(3)]
+    assert writer.store([(ns, k) for k in keys], datas) > 0
+    reader = Objects(NetworkView(net.name, region="eu-west"), "lmcache", read_tokens={"acme": READ})
+    assert reader.namespace("acme", "m") == ns
+    outs = [np.zeros(3 << 20, np.uint8) for _ in keys]
+    assert reader.load(ns, keys, outs) == [True] * 3
+    assert all(np.array_equal(o, d) for o, d in zip(outs, datas))
+    assert reader.stats()["data_plane"]["http_fetches"] >= 1
+    other = Objects(NetworkView(net.name, region="eu-west"), "lmcache",
+                    read_tokens={"acme": "beta-read-token-dataplane-01"})
+    other.namespace("acme", "m")
+    with pytest.raises(AccessDenied):
+        other.load(ns, keys, [np.zeros(3 << 20, np.uint8) for _ in keys])

@@ -124,3 +124,17 @@ def test_a_large_chunk_is_checked_and_kept_off_the_event_loop(kit):
         assert [h.key for h in kept] == [c.key for c in cs] and all(c._xxh is not None for c in cs)
         return stall, ticks, took
     kit.assert_off_loop(measure)
+
+
+def test_a_reported_copy_is_hashed_again_not_judged_by_the_checksum_it_arrived_with(kit):
+    """A sealed copy keeps the checksum found when it arrived (kdn.edge.tiers.Held.of); when a
+    reader reports it corrupt, drop_corrupt rereads its bytes rather than trusting it."""
+    a, = kit.make_chunks(1)
+    f = _forms(kit, [a])
+    bad = corrupted(a)
+    bad.kv.flags.writeable = False
+    object.__setattr__(bad, "_xxh", a.digest())       # bytes gone bad after the arrival check
+    assert f.intact(bad) is True
+    assert f.intact(bad, reread=True) is False and f.counters["corrupt_detected"] == 1
+    good = Chunk(a.key, a.ns, _read_only(a.kv), a.dtype)
+    assert f.intact(good, reread=True) is True

@@ -5,6 +5,7 @@ import time
 
 import xxhash
 
+from kdn.core.chunk import decode
 from kdn.edge.tiers import Held, Tiers
 from kdn.core.keys import namespace_digest
 
@@ -155,3 +156,40 @@ def test_a_peers_object_is_read_once_so_each_load_hashes_it_once(kit, ray_cluste
     bad, kept, intact = asyncio.run(one_load())
     assert bad is None and kept is not None and intact
     assert hashed == [a.nbytes], f"hashed {len(hashed)} times"
+
+
+def test_a_chunk_verified_before_its_put_is_framed_from_the_store_without_hashing_again(kit, ray_cluster, monkeypatch):
+    """An edge verifies a copy as it arrives (hashing it) and then puts it into its node's
+    store; every later read of the reference is a new object. The checksum goes with the Held,
+    so framing the sealed copy for a peer or a client costs no second pass. A chunk put
+    unverified, or a copy made writable, is hashed when framed; a peer's object crossed a link
+    and is hashed by whoever reads it."""
+    import ray
+    from kdn.edge import forms as forms_module
+    from kdn.edge.tiers import resolve_all
+    a, b = kit.make_chunks(2)
+    f = forms_module.Forms("raw", {a.key: a.digest(), b.key: b.digest()}.get, None, "here")
+    arrived = ray.get(ray.put(a))                 # a pushed copy, as the edge reads it: read-only
+    verified = f.store_form(arrived)              # verified as it arrives: hashed
+    assert verified._xxh == a.digest()
+    held, unverified = Held.of(verified), Held.of(b)
+    assert held.xxh == a.digest() and unverified.xxh is None
+    hashed = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(xxhash, name)
+
+        def xxh3_64_intdigest(self, buf, *args):
+            hashed.append(memoryview(buf).nbytes)
+            return xxhash.xxh3_64_intdigest(buf, *args)
+    monkeypatch.setattr(forms_module, "xxhash", Counting())
+    objs = asyncio.run(resolve_all([held, unverified]))
+    assert objs[0]._xxh == a.digest() and not objs[0].kv.flags.writeable
+    parts, bad = f.frames(objs, ["raw", "raw"])
+    assert bad is None and hashed == [b.nbytes], "only the chunk put unverified is hashed"
+    assert [decode(b"".join(bytes(p) for p in fr)).equal(c) for fr, c in zip(parts, (a, b))] == [True, True]
+    # one read at a time (Held.resolve) carries it too; a peer's object (from_wire) does not
+    again = Held.of(verified)
+    assert asyncio.run(again.resolve())._xxh == a.digest()
+    assert asyncio.run(Held.from_wire(again.wire()).resolve())._xxh is None
