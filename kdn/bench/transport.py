@@ -516,19 +516,20 @@ PEER_EDGES = (("near-http", {}, "peer-http"),     # the default: auto, 2 streams
 
 
 def peer_pulls(net, kbs: dict, ns, digests, token, admin, link: SocketLink = None) -> dict:
-    """edge -> (seconds of each pull but the first (a warm-up), GB/s of its HTTP pulls by its
-    own timing and the share of that time spent before the first byte (the far edge's work),
-    both None over Ray). kbs: edge -> the keys of its KBs, one per rep (keys it never
+    """edge -> (seconds of each pull but the first (a warm-up), GB/s of the same HTTP pulls by
+    its own timing and the share of that time spent before the first byte (the far edge's
+    work), both None over Ray). kbs: edge -> the keys of its KBs, one per rep (keys it never
     held, held by the far edge). Rep by rep, each edge in turn fetches its KB and this process,
     on the same host, takes the objects (so the machine's noise and warm-up hit every data
     plane alike); the bytes must be the published ones. With link, each rep also times one
     bare-socket transfer first: out["socket"], the link's ceiling measured beside the pulls."""
     import ray
     from kdn.core.rpc import resolve_refs
-    before = {e: ray.get(net.edges[e].stats.remote(token=admin))["data_plane"] for e in kbs}
     times = {e: [] for e in kbs}
     sockets = []
     for rep in range(len(next(iter(kbs.values())))):
+        if rep == 1:                 # the edges' own timing from here: rep 0 is the warm-up
+            before = {e: ray.get(net.edges[e].stats.remote(token=admin))["data_plane"] for e in kbs}
         if link is not None:         # the link's ceiling in the same rep (its first a warm-up)
             sockets.append(link.one())
         for edge, reps in kbs.items():
