@@ -13,7 +13,7 @@ from kdn.cli.table import table  # noqa: F401 - every bench prints the CLI's tab
 
 NAMES = ["keys", "frames", "store", "cache", "tiers", "placement", "fetch", "ttft", "transport",
          "load", "codecs", "blend", "fuzz", "links", "quantlab", "vllm", "serve", "l2", "route", "emphasis",
-         "hey", "mpserver", "agent", "attention"]
+         "hey", "mpserver", "agent", "attention", "crossmodel"]
 
 
 def emit_json(obj, file=None):

@@ -10,6 +10,7 @@ One module per command group, each adding its subcommands (add_parsers):
 - service.py        `kdn serve`;
 - kb.py             `kdn publish`, `query`, `emphasize`, `delete`, `collect`;
 - conversations.py  `kdn conversations`;
+- model.py          `kdn model variant`;
 - common.py         what they share: the recorded network's client, its arguments, sizes;
 - here              `kdn demo` (demo.py), `kdn bench NAME` (kdn.bench), and main: the errors.
 """
@@ -41,13 +42,14 @@ def _demo(args, rest):
 
 
 def build_parser():
-    from kdn.cli import cluster, conversations, kb, service
+    from kdn.cli import cluster, conversations, kb, model, service
     ap = argparse.ArgumentParser(prog="kdn", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     cluster.add_parsers(sub)
     service.add_parsers(sub)
     kb.add_parsers(sub)
     conversations.add_parsers(sub)
+    model.add_parsers(sub)
     _demo_args(sub)
     _bench_args(sub)
     return ap

