@@ -320,6 +320,9 @@ def summarize(r: dict, args) -> dict:
     if "cross_node_fetch_ray" in gbps:
         out["cross_node_ray_gbps"] = gbps["cross_node_fetch_ray"]
         out["cross_node_fetches_over_http"] = r["tp"]["over_http"]
+        if out["cross_node_fetches_over_http"] < args.reps + 1:
+            raise NetworkError(f"only {out['cross_node_fetches_over_http']} cross-node fetches went over "
+                               f"HTTP frames: the row would be mislabelled")
     if r["socket_s"]:
         out["socket_gbps"] = r["total"] / 1e9 / median(r["socket_s"])
         out["cross_node_over_socket"] = out["cross_node_gbps"] / out["socket_gbps"]

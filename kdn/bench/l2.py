@@ -163,7 +163,7 @@ def main(argv=None):
                 admin = ensure_admin_token(kdn_home())
                 net = start_network(topo, os.path.join(work, name), network=name, replicas=len(REGIONS),
                                     http=True, edge_options={"http_host": "node"},
-                                    auth={"admin": admin, "readers": {w: OPEN for w in want}})
+                                    auth={"admin": admin, "readers": {w: OPEN for w in [*want, "breakdown"]}})
             else:
                 net = start_network(topo, os.path.join(work, name), network=name, replicas=len(REGIONS))
         round_bytes = args.num_keys * args.data_size_kb * 1024

@@ -245,6 +245,7 @@ def _ray_cold_worker(network, token_sets, digests, region, token, data_plane="ra
     cl = Client(network=network, region=region, tenant=TENANT, fingerprint=FINGERPRINT, token=token,
                 data_plane=data_plane)
     times, ok, sources, nbytes = [], True, set(), 0
+    http = cl.stats()["data_plane"].get("http_fetches", 0)
     for toks in token_sets:
         t0 = time.perf_counter()
         f = cl.fetch(toks)
@@ -253,7 +254,8 @@ def _ray_cold_worker(network, token_sets, digests, region, token, data_plane="ra
         sources |= set(f.sources)
         nbytes = f.nbytes
         del f
-    return {"times": times[1:], "ok": ok, "nbytes": nbytes, "sources": sorted(sources)}
+    return {"times": times[1:], "ok": ok, "nbytes": nbytes, "sources": sorted(sources),
+            "over_http": cl.stats()["data_plane"].get("http_fetches", 0) - http}
 
 
 # --- anchors ---------------------------------------------------------------------------------
@@ -527,6 +529,7 @@ def peer_pulls(net, kbs: dict, ns, digests, token, admin, link: SocketLink = Non
     from kdn.core.rpc import resolve_refs
     times = {e: [] for e in kbs}
     sockets = []
+    before = {e: ray.get(net.edges[e].stats.remote(token=admin))["data_plane"] for e in kbs}
     for rep in range(len(next(iter(kbs.values())))):
         if rep == 1:                 # the edges' own timing from here: rep 0 is the warm-up
             before = {e: ray.get(net.edges[e].stats.remote(token=admin))["data_plane"] for e in kbs}
@@ -661,6 +664,9 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
         got = ray.get(worker.remote(net.name, token_sets, digests, "far", read, "auto"), timeout=600)
         if not got["ok"] or got["nbytes"] != total:
             raise RuntimeError(f"the default fetch across the link returned other bytes ({got['nbytes']} B)")
+        if got["over_http"] < len(token_sets):
+            raise RuntimeError(f"the default data plane read {got['over_http']} of {len(token_sets)} KBs over "
+                               f"HTTP frames: the row would be mislabelled")
         record("client", "Client.fetch (worker here)", got["times"],
                "the same KBs, the reader's default data plane: the far edge's HTTP frames "
                "(kdn.client.dataplane)")

@@ -38,7 +38,7 @@ import numpy as np
 from kdn.core.chunk import Encoded, codecs, decode, frame_size, header_bytes, read_header
 from kdn.core.codecs import LOSSY
 from kdn.core.wire import unpack_sources
-from kdn.core.errors import AccessDenied, BadRequest, FrameError, KDNError, NoLiveEdge, RemoteError
+from kdn.core.errors import AccessDenied, BadRequest, ChecksumMismatch, FrameError, KDNError, NoLiveEdge, RemoteError
 from kdn.core.rpc import Unreachable
 from kdn.core.keys import KEY_BYTES
 from kdn.core.env import is_loopback
@@ -60,8 +60,22 @@ class _Page:
     sizes: list                 # bytes of each frame received
     edge: str
     more: bool
+    ring: int = 0               # the edge's membership version (X-KDN-Ring): readers follow it
 
     wire_bytes = property(lambda self: sum(self.sizes))
+
+
+class CorruptFrame:
+    """A frame whose payload failed its checksum, standing for its chunk in a fetch answer:
+    a Reader's check (decode) fails on it, so the holder is told (drop_corrupt) and the key
+    asked for again, as over Ray. Its header was intact: key and ns are the edge's word."""
+
+    def __init__(self, key: bytes, ns: bytes, error: str):
+        self.key, self.ns, self.error = key, ns, error
+        self.exact = True
+
+    def decode(self):
+        raise ChecksumMismatch(self.error)
 
 
 class EdgeHTTPClient:
@@ -213,6 +227,9 @@ class EdgeHTTPClient:
             pages.append(self.fetch_page(keys[got:], ns, region, codec))
             got += len(pages[-1].chunks)
         chunks = [c for p in pages for c in p.chunks]
+        bad = next((c for c in chunks if isinstance(c, CorruptFrame)), None)
+        if bad is not None:
+            raise ChecksumMismatch(bad.error)
         used = collections.Counter(c for p in pages for c in p.codecs)
         self.counters["fetches"] += 1
         self.counters["chunks"] += len(chunks)
@@ -242,8 +259,13 @@ class EdgeHTTPClient:
             raise RemoteError(f"edge {self.url} sent {len(chunks)} frames but headers say "
                                f"{resp.getheader('X-KDN-Chunks')} chunks from {len(sources)} sources")
         self.counters["bytes"] += buf.nbytes
+        try:
+            ring = int(resp.getheader("X-KDN-Ring") or 0)
+        except ValueError:
+            raise RemoteError(f"edge {self.url} sent X-KDN-Ring {resp.getheader('X-KDN-Ring')!r:.40}, "
+                              f"not a number") from None
         return _Page(chunks, sources, used, exact, sizes, resp.getheader("X-KDN-Edge"),
-                     resp.getheader("X-KDN-More") == "1")
+                     resp.getheader("X-KDN-More") == "1", ring)
 
     def peer_get(self, keys, region: str = None, drops=None, keep=None) -> tuple:
         """(objects, wire bytes): what this edge holds of keys, asked by another edge with the
@@ -259,6 +281,7 @@ class EdgeHTTPClient:
         keys = [bytes(k) for k in keys]
         if any(len(k) != KEY_BYTES for k in keys):
             raise BadRequest(f"every key must be {KEY_BYTES} bytes")
+        self.peer_corrupt_keys = []
         body = {"keys": keys}
         if region is not None:
             body["region"] = region
@@ -274,9 +297,12 @@ class EdgeHTTPClient:
             resp.read()
             self.counters["peer_behind"] += 1
             return [None] * len(keys), 0
-        buf, (objs, corrupt) = self._receive(resp, lambda mv: _PeerFrames(self.url, mv, keys, keep))
+        made = []
+        buf, (objs, corrupt) = self._receive(
+            resp, lambda mv: made.append(_PeerFrames(self.url, mv, keys, keep)) or made[0])
         self.counters["bytes"] += buf.nbytes
         self.counters["peer_corrupt"] += corrupt
+        self.peer_corrupt_keys = made[0].corrupt_keys     # the asker tells the peer (drop_corrupt)
         return objs, buf.nbytes
 
     def _receive(self, resp, frames_of) -> tuple:
@@ -430,7 +456,7 @@ def fetch_reply(client, keys, ns, region, codec, tenant=None, fingerprint=None) 
     claim = None if tenant is None and fingerprint is None else (tenant, fingerprint)
     p = client.fetch_page(keys, ns, region, codec, claim)
     return {"chunks": p.chunks, "sources": p.sources, "codecs": p.codecs, "wire": p.sizes,
-            "exact": p.exact, "more": p.more, "edge": p.edge, "ring": 0}
+            "exact": p.exact, "more": p.more, "edge": p.edge, "ring": p.ring}
 
 
 class _Frames:
@@ -461,8 +487,12 @@ class _Frames:
             self.off, self.header = end, None
 
     def frame(self, mv, header) -> None:
-        """One whole frame, its header read: decoded (its payload checksum verified too)."""
-        chunk = decode(mv)
+        """One whole frame, its header read: decoded (its payload checksum verified too); one
+        whose payload fails its checksum stands as a CorruptFrame (the reader reports it)."""
+        try:
+            chunk = decode(mv)
+        except ChecksumMismatch as e:
+            chunk = CorruptFrame(header["key"], header["ns"], str(e))
         i = len(self.chunks)
         if i >= len(self.keys) or chunk.key != self.keys[i] or chunk.ns != self.ns:
             raise RemoteError(f"edge {self.url} sent frame {i} for key {chunk.key.hex()}, "
@@ -490,6 +520,7 @@ class _PeerFrames(_Frames):
         super().__init__(url, mv, keys, None)
         self.index = {k: i for i, k in enumerate(keys)}
         self.out, self.keep, self.next, self.corrupt = [None] * len(keys), keep, 0, 0
+        self.corrupt_keys = []      # (key, ns) of each frame that failed its checks
 
     def frame(self, mv, header) -> None:
         i = self.index.get(header["key"], -1)
@@ -505,6 +536,7 @@ class _PeerFrames(_Frames):
                 obj.check_frame()
         except FrameError:
             self.corrupt += 1
+            self.corrupt_keys.append((header["key"], header["ns"]))
             return
         self.out[i] = obj if self.keep is None else self.keep(obj)
 

@@ -17,6 +17,7 @@ from kdn.core.env import is_loopback
 from kdn.core.errors import BadRequest
 
 MODES = ("auto", "http", "ray")
+UNSPECIFIED = ("0.0.0.0", "::")     # a server bound to every address names none
 ADDRESS_RETRY_S = 30.0       # an edge that served no HTTP is asked for its address again after this
 
 
@@ -29,9 +30,19 @@ def check_data_plane(mode) -> str:
 def reachable_url(address: dict, here_ip: str):
     """An edge's HTTP URL from its data_address ({"url", "node", "ip"}) if a process on the
     host at here_ip can reach it, else None: an edge bound to loopback is reachable only from
-    its own host (its 127.0.0.1 is nobody's elsewhere)."""
+    its own host (its 127.0.0.1 is nobody's elsewhere); one bound to every address (0.0.0.0)
+    at its node's address."""
     url = address.get("url")
-    if url is not None and is_loopback(urlsplit(url).hostname or "") and address.get("ip") != here_ip:
+    if url is None:
+        return None
+    host = urlsplit(url).hostname or ""
+    if host in UNSPECIFIED:          # bound to every address: reach it at its node's
+        ip = address.get("ip")
+        if not ip:
+            return None
+        port = urlsplit(url).port
+        return f"http://{f'[{ip}]' if ':' in ip else ip}:{port}"
+    if is_loopback(host) and address.get("ip") != here_ip:
         return None
     return url
 

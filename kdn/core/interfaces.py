@@ -88,8 +88,9 @@ class EdgeAPI(EdgeReads, Protocol):
     async def peer_get(self, keys, region: str = None, drops=None) -> list:
         """What this edge holds of keys (None elsewhere), in the form for the asker's region."""
 
-    async def inject_corruption(self, key) -> bool:
-        """Tests only (edge option fault_injection): corrupt a held copy."""
+    async def inject_corruption(self, key, stale_checksum: bool = False) -> bool:
+        """Tests only (edge option fault_injection): corrupt a held copy (stale_checksum: it
+        keeps the checksum of its good bytes, as a copy gone bad after its arrival check)."""
 
     async def put_conversation(self, chunks, tenant: str, fingerprint: str, scope: str,
                                retention: str = None, head=None, tail=None) -> int:

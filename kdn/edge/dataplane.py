@@ -117,8 +117,9 @@ class PeerPulls:
             self.counters["peer_http_failures"] += 1
             self.peers.counters["peer_failures"] += 1
             return None
-        out = [h for objs, _ in replies for h in objs]
-        nbytes = sum(b for _, b in replies)
+        await self._report_corrupt(peer, [bad for _, _, corrupt in replies for bad in corrupt])
+        out = [h for objs, _, _ in replies for h in objs]
+        nbytes = sum(b for _, b, _ in replies)
         self.peers.links.transfer(peer, nbytes, seconds)
         self.counters["peer_http_pulls"] += 1
         self.counters["peer_http_streams"] += len(parts)
@@ -127,8 +128,22 @@ class PeerPulls:
         self.counters["peer_http_us"] += int(seconds * 1e6)
         return out
 
+    async def _report_corrupt(self, peer: str, bad) -> None:
+        """Tell peer which of its copies arrived corrupt ([(key, ns)]): it rereads them and
+        drops the bad ones (drop_corrupt), so the next pull does not carry them again. The
+        keys themselves are fetched elsewhere by the caller."""
+        if not bad:
+            return
+        self.counters["peer_http_corrupt"] += len(bad)
+        by_ns = collections.defaultdict(list)
+        for key, ns in bad:
+            by_ns[ns].append(key)
+        for ns, keys in by_ns.items():      # (a dead peer answers None: it holds nothing)
+            await self.peers.edge(peer).drop_corrupt(keys, ns)
+
     def _pull(self, peer: str, url: str, keys, region: str, drops) -> tuple:
-        """(Held per key or None, bytes received) over one connection (a worker thread)."""
+        """(Held per key or None, bytes received, [(key, ns)] of corrupt frames) over one
+        connection (a worker thread)."""
         from kdn.client.http import EdgeHTTPClient
         idle = self._idle[url]
         try:
@@ -153,11 +168,12 @@ class PeerPulls:
             idle.append(client)
         else:
             client.close()
+        corrupt = client.peer_corrupt_keys
         if store:
-            return got, nbytes
+            return got, nbytes, corrupt
         # "process": held here, a Ray reader gets them in the reply, a kept copy is put into
         # this node's store after the reply (kdn/edge/pull.py own_copy)
-        return [None if o is None else _held_here(o, peer) for o in got], nbytes
+        return [None if o is None else _held_here(o, peer) for o in got], nbytes, corrupt
 
     def stats(self) -> dict:
         return {"mode": self.mode, "streams": self.streams,

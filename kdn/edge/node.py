@@ -500,8 +500,10 @@ class EdgeNode:
         ok = await asyncio.to_thread(lambda: [self.forms.intact(o, reread=True) for o in objs])
         return await self.tiers.drop([h.key for h, good in zip(held, ok) if not good])
 
-    async def inject_corruption(self, key, token=None) -> bool:
-        """Tests only (edge option fault_injection=True): replace a held copy with a corrupt one."""
+    async def inject_corruption(self, key, stale_checksum: bool = False, token=None) -> bool:
+        """Tests only (edge option fault_injection=True): replace a held copy with a corrupt one;
+        stale_checksum: it carries the checksum of the good bytes (Held.xxh), as a copy that
+        went bad in the store after it was verified on arrival."""
         self.tokens.check_admin(token, "inject_corruption")
         if not self.fault_injection:
             raise AccessDenied("fault injection is disabled on this edge")
@@ -509,7 +511,10 @@ class EdgeNode:
             held = self.tiers.tier(role).peek(key)
             if held is not None:
                 obj = await held.resolve()
-                self.tiers.tier(role).put(key, await asyncio.to_thread(lambda: Held.of(corrupted(obj))))
+                bad = await asyncio.to_thread(lambda: Held.of(corrupted(obj)))
+                if stale_checksum and obj.codec == "raw":
+                    bad.xxh = obj.digest()
+                self.tiers.tier(role).put(key, bad)
                 return True
         return False
 

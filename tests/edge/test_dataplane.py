@@ -284,3 +284,38 @@ def test_a_reader_on_another_node_fetches_over_the_edges_http_frames(small_netwo
     other.namespace("acme", "m")
     with pytest.raises(AccessDenied):
         other.load(ns, keys, [np.zeros(3 << 20, np.uint8) for _ in keys])
+
+
+def test_a_copy_gone_bad_after_its_check_costs_one_refetch_and_its_holder_drops_it(small_network, synth):
+    """An edge frames a copy with the checksum it found on arrival (Held.xxh). If the copy went
+    bad since, the receiver finds the mismatch: a reader over HTTP frames reports it and gets
+    the key elsewhere, as over Ray; an edge pulling it over HTTP tells the owner. Either way
+    the holder rereads its copy and drops it, and the bytes read are the published ones."""
+    net = small_network(auth=AUTH, http=True, replicas=1, edge_options={"fault_injection": True})
+    toks, kv = synth.tokens(2048, seed=36), synth.kv(2048, seed=36)
+    pub = Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP, admin_token=ADMIN)
+    pub.publish("kb", [("d", toks)], kv)
+    keys = pub.manifest("kb").keys
+    have = {e: ray.get(net.edges[e].have.remote(keys, token=ADMIN), timeout=30) for e in ("eu-west-0", "ap-south-0")}
+    name = max(have, key=lambda e: sum(have[e]))           # replicas=1: it owns some keys only
+    other = next(e for e in have if e != name)
+    held = have[name]
+    assert sum(held) >= 2
+    k, k2 = [key for key, h in zip(keys, held) if h][:2]
+    assert ray.get(net.edges[name].inject_corruption.remote(k, stale_checksum=True, token=ADMIN), timeout=30)
+    # a reader on another node reads the owner over its HTTP frames
+    c = Client(network=net.name, region=name[:-2], tenant="acme", fingerprint=FP, token=READ)
+    f = c.fetch(toks)
+    assert f.tokens == 2048 and np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
+    st = c.stats()
+    assert st["counters"]["corrupt_chunks"] == 1 and st["data_plane"]["http_fetches"] >= 2
+    owner = ray.get(net.edges[name].stats.remote(token=ADMIN), timeout=30)["counters"]
+    assert owner["corrupt_reported"] == 1 and owner["corrupt_detected"] >= 1
+    # the same with an edge pulling: the other region's edge asks the owner, over HTTP
+    assert ray.get(net.edges[name].inject_corruption.remote(k2, stale_checksum=True, token=ADMIN), timeout=30)
+    f = Client(network=net.name, region=other[:-2], tenant="acme", fingerprint=FP, token=READ).fetch(toks)
+    assert np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
+    puller = ray.get(net.edges[other].stats.remote(token=ADMIN), timeout=30)["data_plane"]
+    assert puller["peer_http_corrupt"] == 1
+    owner = ray.get(net.edges[name].stats.remote(token=ADMIN), timeout=30)["counters"]
+    assert owner["corrupt_reported"] == 2

@@ -256,7 +256,7 @@ def test_bad_input_gets_a_4xx_with_a_json_message_and_changes_nothing(net):
 
 # --- the client's receive path --------------------------------------------------------------
 def test_client_verifies_frames_and_keys(net):
-    from kdn.client.http import _Frames
+    from kdn.client.http import CorruptFrame, _Frames
     t = net.test
     h = EdgeHTTPClient(t["urls"]["us-east-0"])
 
@@ -270,8 +270,10 @@ def test_client_verifies_frames_and_keys(net):
     body = bytearray(b"".join(encode(c) for c in chunks))
     assert [c.key for c in frames(bytes(body), t["keys"])[0]] == t["keys"][:2]
     body[-100] ^= 1                                      # a flipped bit in the last payload
+    got = frames(bytes(body), t["keys"])[0]
+    assert got[0].key == t["keys"][0] and isinstance(got[1], CorruptFrame) and got[1].key == t["keys"][1]
     with pytest.raises(ChecksumMismatch, match="payload checksum mismatch"):
-        frames(bytes(body), t["keys"])
+        got[1].decode()                                  # a Reader's check fails on it: reported
     body[-100] ^= 1
     with pytest.raises(RemoteError, match="not the key asked for"):
         frames(bytes(body), t["keys"][1:])

@@ -123,7 +123,13 @@ def build(texts, recipe: Recipe = VARIANT, cache_dir=None, log=None, root=None) 
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         fsync_dir(tmp)
-        os.rename(tmp, target)
+        try:
+            os.rename(tmp, target)
+        except OSError:          # another build of the same recipe finished first: keep its folder
+            if read_record(target) is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            return target, read_record(target), False
         fsync_dir(target.parent)
     except BaseException:      # a half-written folder never stays behind (then re-raised)
         shutil.rmtree(tmp, ignore_errors=True)
