@@ -1,24 +1,32 @@
-"""`kdn bench crossmodel`: what the fine-tuned variant loses reading its base model's KV raw.
+"""`kdn bench crossmodel`: a fine-tuned variant reading its base model's KV, raw and with recompute plans.
 
-The baseline of issue 38 (reuse across models of one family). The variant is
-kdn.engines.transformers.variant's default recipe (a LoRA on every layer trained on the bundled
-founding documents; `kdn model variant` builds it, this bench builds it if it is missing).
-For each bundled question, the knowledge is the bundled documents (the KB every member of the
-family reads), and the variant answers greedily (max_new_tokens) four ways:
+Issue 38's bench. The variant is one of kdn.engines.transformers.variant's recipes (--recipe;
+built here if missing). The pair is (reader: the variant, sender: the base model).
 
-- reference: the variant's own full prefill of knowledge and question;
-- own KV: the variant's KV of the knowledge (computed once, untimed, as a published KB would
-  be) rebuilt into its cache, then the question: exact reuse, what KDN does within a model;
-- base KV raw: the base model's KV of the same knowledge served to the variant as if it were
-  its own: the fast path issue 38 must make safe (nothing in KDN serves this: a fingerprint
-  mismatch never reads another model's KV; this bench does it on purpose, by hand);
-- base model: the base model's own answer, full prefill (how far the variant has moved).
+Items are KBs cut from the bundled documents (windows of --window tokens of one document's
+text) and questions about them, in two held-apart splits:
+- calibration: the windows of Article III, the Bill of Rights and the Gettysburg Address, with
+  CALIBRATION_QUESTIONS. The plans are profiled and chosen here only
+  (kdn.engines.transformers.crossmodel.profile: every contiguous block range [a, b) on a grid of
+  --block layers; per number of recomputed layers the range that agreed most; the plan
+  kdn.engines.family.choose picks for --target);
+- report: the windows of the Declaration of Independence and Article II, with REPORT_QUESTIONS.
+  Every figure printed is measured here.
 
-Per way: time to first token (p50 over the questions; for the KV ways, the cache rebuild and the
-question's prefill; the KV's transfer is not in it: the arrays are local), KV bytes read, and
-agreement with the reference: the same first answer token, and the whole greedy answer
-token-identical. Nothing here picks a setting, so there is no calibration split; the plans of
-issue 38 §2 will be chosen on held-apart KBs and questions.
+Per way, on the report split, the variant answers greedily (--max-new-tokens):
+- reference: its own full prefill of knowledge and question;
+- own KV: its own KV of the knowledge rebuilt into its cache (exact reuse, what KDN does);
+- base KV raw: the base model's KV used as if it were its own (nothing in KDN serves this);
+- plan a-b: the base model's KV with layers [a, b) recomputed by the variant from the base
+  model's hidden states entering layer a (the sender's, stored beside its KV);
+- base model: the base model's own answer (how far the variant moved).
+
+Time to first token (p50): for the KV ways the cache rebuild, the plan's recompute and the
+question's prefill (the KV and hidden states are local arrays here: no transfer; `KV MiB read`
+counts what a reader would fetch, hidden states included). Agreement with the reference: the
+same first answer token, the whole greedy answer token-identical, and the share of the
+reference's tokens reproduced before the first difference. No question has a gold answer, so
+there is no accuracy column.
 """
 import argparse
 import statistics
@@ -27,75 +35,153 @@ import time
 import numpy as np
 import torch
 
-from kdn.bench import emit_json, table
+from kdn.bench import emit_json, matching_prefix, table
+
+CALIBRATION_DOCS = ("constitution-article-iii", "bill-of-rights", "gettysburg-address")
+REPORT_DOCS = ("declaration-of-independence", "constitution-article-ii")
+CALIBRATION_QUESTIONS = ("What is this text about?", "Summarize the passage in one sentence.",
+                         "Who is speaking in this text?", "Name one power or right the passage mentions.",
+                         "What is the first sentence of the passage?")
+REPORT_QUESTIONS = ("What is the main idea of this passage?", "Who wrote this, and to whom?",
+                    "List two things the passage says.", "Explain the passage to a child.",
+                    "What does the last sentence say?")
+
+
+def windows(model, documents, names, window: int) -> list:
+    """[(label, text)]: each named document cut into pieces of `window` tokens (a last piece
+    under a third of a window joins the one before)."""
+    out = []
+    for name, text in documents:
+        if name not in names:
+            continue
+        ids = model.encode(text)
+        cuts = list(range(0, len(ids), window))
+        if len(cuts) > 1 and len(ids) - cuts[-1] < window // 3:
+            cuts.pop()
+        for i, s in enumerate(cuts):
+            e = cuts[i + 1] if i + 1 < len(cuts) else len(ids)
+            out.append((f"{name}@{s}", model.tokenizer.decode(ids[s:e])))
+    return out
 
 
 def run(args, log) -> dict:
-    from kdn.cli.knowledge import bundled_documents, bundled_questions
+    from kdn.cli.knowledge import bundled_documents
+    from kdn.engines.family import choose
+    from kdn.engines.transformers import crossmodel as X
     from kdn.engines.transformers.model import load_model
-    from kdn.engines.transformers.variant import VARIANT, build
+    from kdn.engines.transformers.variant import RECIPES, build
     torch.set_num_threads(args.threads)
-    folder, record, trained = build(bundled_documents(), VARIANT, log=log)
+    folder, record, trained = build(bundled_documents(), RECIPES[args.recipe], log=log)
     log(f"variant {record['recipe']['name']}: {folder} ({'trained now' if trained else 'built before'})")
     base = load_model(log=log)
     variant = load_model(log=log, variant=folder)
-    knowledge = "\n\n".join(text for _, text in bundled_documents())
-    questions = bundled_questions()[:args.questions]
-    know = variant.knowledge_tokens(knowledge)
-    if know != base.knowledge_tokens(knowledge):
-        raise RuntimeError("the two models tokenize the knowledge differently: not one family")
-    own_kv = variant.prefill(know).kv
-    base_kv = base.prefill(know).kv
-    log(f"knowledge: {len(know)} tokens, {own_kv.nbytes / 2**20:.1f} MiB of KV; "
-        f"max |variant KV - base KV| = {float(np.abs(own_kv - base_kv).max()):.3f}")
-    ways = {w: {"ttft": [], "tokens": []} for w in ("reference", "own KV", "base KV raw", "base model")}
-    for q in questions:
-        prompt = know + variant.question_tokens(q)
-        ref = variant.generate(prompt, max_new_tokens=args.max_new_tokens)
-        ways["reference"]["ttft"].append(ref.ttft_s)
-        ways["reference"]["tokens"].append(ref.tokens)
-        for way, kv in (("own KV", own_kv), ("base KV raw", base_kv)):
-            t0 = time.perf_counter()
-            cache = variant.cache_from_kv([kv], spare_tokens=len(prompt) - len(know) + args.max_new_tokens)
-            g = variant.generate(prompt, cache=cache, cached_tokens=len(know), max_new_tokens=args.max_new_tokens)
-            ways[way]["ttft"].append(g.ttft_s + (time.perf_counter() - t0 - g.total_s))
-            ways[way]["tokens"].append(g.tokens)
-        b = base.generate(prompt, max_new_tokens=args.max_new_tokens)
-        ways["base model"]["ttft"].append(b.ttft_s)
-        ways["base model"]["tokens"].append(b.tokens)
-        log(f"  {q[:60]!r}: reference {variant.tokenizer.decode(ref.tokens)[:60]!r}")
-    refs = ways["reference"]["tokens"]
+    L, block = variant.layers, args.block
+    docs = bundled_documents()
+    calib = windows(variant, docs, CALIBRATION_DOCS, args.window)
+    report = windows(variant, docs, REPORT_DOCS, args.window)[:args.kbs]
+    log(f"calibration: {len(calib)} KBs x {len(CALIBRATION_QUESTIONS)} questions; "
+        f"report: {len(report)} KBs x {len(REPORT_QUESTIONS)} questions")
+
+    # --- calibration: profile every block range, pick per size and the plan ---------------
+    t0 = time.perf_counter()
+    grid = list(range(0, L, block))
+    profile = X.profile(variant, base, [(t, CALIBRATION_QUESTIONS) for _, t in calib], starts=grid,
+                        ends=[b for b in range(block, L + 1, block)] + ([L] if L % block else []),
+                        max_new_tokens=args.max_new_tokens, log=log)
+    log(f"profiled {len(profile)} plans in {time.perf_counter() - t0:.0f} s")
+    best = {}
+    for p in profile:
+        k = p["end"] - p["start"]
+        if k < L and (k not in best or (p["agree"], p["start"]) > (best[k]["agree"], best[k]["start"])):
+            best[k] = p
+    chosen = choose(profile, variant.fingerprint, base.fingerprint, L, target=args.target,
+                    calibration={"kbs": [n for n, _ in calib], "questions": list(CALIBRATION_QUESTIONS)})
+    plans = [(p["start"], p["end"]) for k, p in sorted(best.items())]
+
+    # --- report: every way on held-apart KBs and questions ---------------------------------
+    ways = ["reference", "own KV", "base KV raw"] + [f"plan {a}-{b}" for a, b in plans] + ["base model"]
+    got = {w: {"ttft": [], "tokens": [], "bytes": 0} for w in ways}
+    hidden_size = variant.hf.config.hidden_size
+    for label, text in report:
+        know = variant.knowledge_tokens(text)
+        if know != base.knowledge_tokens(text):
+            raise RuntimeError("the two models tokenize the knowledge differently: not one family")
+        base_kv, hidden = X.prefill_with_hidden(base, know, sorted({a for a, _ in plans}))
+        own_kv = variant.prefill(know).kv
+        for q in REPORT_QUESTIONS:
+            tail = variant.question_tokens(q)
+            prompt, spare = know + tail, len(tail) + args.max_new_tokens
+            ref = variant.generate(prompt, max_new_tokens=args.max_new_tokens)
+            got["reference"]["ttft"].append(ref.ttft_s)
+            got["reference"]["tokens"].append(ref.tokens)
+            for way in ways[1:-1]:
+                t1 = time.perf_counter()
+                if way == "own KV":
+                    cache = variant.cache_from_kv([own_kv], spare)
+                    nbytes = own_kv.nbytes
+                else:
+                    cache = variant.cache_from_kv([base_kv], spare)
+                    nbytes = base_kv.nbytes
+                    if way.startswith("plan"):
+                        a, b = (int(x) for x in way.split()[1].split("-"))
+                        X.overwrite_layers(variant, cache, X.recompute(variant, hidden[a], a, b), a)
+                        nbytes += len(know) * hidden_size * 4
+                g = variant.generate(prompt, cache=cache, cached_tokens=len(know), max_new_tokens=args.max_new_tokens)
+                got[way]["ttft"].append(g.ttft_s + (time.perf_counter() - t1 - g.total_s))
+                got[way]["tokens"].append(g.tokens)
+                got[way]["bytes"] = max(got[way]["bytes"], nbytes)
+            b_ = base.generate(prompt, max_new_tokens=args.max_new_tokens)
+            got["base model"]["ttft"].append(b_.ttft_s)
+            got["base model"]["tokens"].append(b_.tokens)
+        log(f"  {label}: {len(know)} tokens")
+    refs = got["reference"]["tokens"]
+    ref_ttft = statistics.median(got["reference"]["ttft"])
     rows = []
-    for way, got in ways.items():
-        ttft = statistics.median(got["ttft"])
+    for way in ways:
+        g = got[way]
+        ttft = statistics.median(g["ttft"])
+        cal = None
+        if way.startswith("plan"):
+            a, b = (int(x) for x in way.split()[1].split("-"))
+            cal = next(p["agree"] for p in profile if (p["start"], p["end"]) == (a, b))
         rows.append({
-            "way": way, "ttft p50 ms": ttft * 1e3,
-            "x reference": statistics.median(ways["reference"]["ttft"]) / ttft,
-            "KV MiB read": own_kv.nbytes / 2**20 if way in ("own KV", "base KV raw") else 0.0,
-            "first token %": 100.0 * np.mean([bool(a[:1] == r[:1]) for a, r in zip(got["tokens"], refs)]),
-            "answer %": 100.0 * np.mean([a == r for a, r in zip(got["tokens"], refs)])})
-    examples = [{"question": q, **{way: variant.tokenizer.decode(got["tokens"][i], skip_special_tokens=True)
-                                   for way, got in ways.items()}} for i, q in enumerate(questions[:3])]
-    return {"rows": rows, "examples": examples, "questions": len(questions), "knowledge_tokens": len(know),
-            "variant": str(folder), "variant_fingerprint": variant.fingerprint,
-            "base_fingerprint": base.fingerprint, "max_new_tokens": args.max_new_tokens,
-            "recipe": record["recipe"]}
+            "way": way + (" (chosen)" if chosen and way == f"plan {chosen.start}-{chosen.end}" else ""),
+            "recomputed": (L if way in ("reference", "base model") else 0) if cal is None else b - a,
+            "ttft p50 ms": ttft * 1e3, "x reference": ref_ttft / ttft,
+            "KV MiB read": g["bytes"] / 2**20,
+            "calib answer %": "-" if cal is None else 100.0 * cal,
+            "first token %": 100.0 * np.mean([bool(t[:1] == r[:1]) for t, r in zip(g["tokens"], refs)]),
+            "answer %": 100.0 * np.mean([t == r for t, r in zip(g["tokens"], refs)]),
+            "prefix %": 100.0 * np.mean([matching_prefix(t, r) / max(1, len(r)) for t, r in zip(g["tokens"], refs)])})
+    return {"rows": rows, "profile": profile, "chosen": chosen.to_dict() if chosen else None,
+            "target": args.target, "questions": len(refs), "calibration_kbs": [n for n, _ in calib],
+            "report_kbs": [n for n, _ in report], "variant": str(folder), "recipe": record["recipe"],
+            "variant_fingerprint": variant.fingerprint, "base_fingerprint": base.fingerprint,
+            "max_new_tokens": args.max_new_tokens, "block": block, "window": args.window}
 
 
 def main(argv=None):
+    from kdn.engines.transformers.variant import RECIPES
     ap = argparse.ArgumentParser(prog="kdn bench crossmodel", description=__doc__.splitlines()[0])
-    ap.add_argument("--questions", type=int, default=8, help="bundled questions to ask (default all 8)")
-    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--recipe", default="founding-docs", choices=sorted(RECIPES),
+                    help="the variant (default founding-docs; founding-docs-light is a lighter fine-tune)")
+    ap.add_argument("--window", type=int, default=600, help="tokens per KB (default 600)")
+    ap.add_argument("--kbs", type=int, default=5, help="report KBs at most (default 5)")
+    ap.add_argument("--block", type=int, default=3, help="plans recompute whole blocks of this many layers (default 3)")
+    ap.add_argument("--target", type=float, default=0.95,
+                    help="the calibration agreement a chosen plan must reach (default 0.95)")
+    ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     log = (lambda m: None) if args.json else (lambda m: print(m, flush=True))
     out = run(args, log)
-    table(out["rows"], ["way", "ttft p50 ms", "x reference", "KV MiB read", "first token %", "answer %"])
-    for ex in out["examples"]:
-        print(f"\n{ex['question']}")
-        for way in ("reference", "base KV raw", "base model"):
-            print(f"  {way:12} {ex[way]!r}")
+    table(out["rows"], ["way", "recomputed", "ttft p50 ms", "x reference", "KV MiB read", "calib answer %",
+                        "first token %", "answer %", "prefix %"])
+    c = out["chosen"]
+    print(f"\nchosen on calibration for >= {out['target']:.0%} identical answers: "
+          + (f"recompute layers {c['start']}-{c['end']}" if c else
+             "none (no plan short of recomputing every layer reached it: the variant prefills itself)"))
     if args.json:
         emit_json({"bench": "crossmodel", **out})
     return 0

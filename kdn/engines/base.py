@@ -58,6 +58,8 @@ class Answer:
     identical: bool = None
     max_logit_diff: float = None
     kdn: dict = field(default_factory=dict)       # vLLM: the connector's report (held, loaded, ...)
+    cross_model: dict = None         # KV of another model of the family, read with a recompute plan
+                                     # (kdn.engines.family): sender, plan, recompute; never exact
     extra: dict = field(default_factory=dict)
 
     @property

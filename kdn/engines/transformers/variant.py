@@ -72,6 +72,11 @@ class Recipe:
 
 
 VARIANT = Recipe()                         # what `kdn model variant` builds
+# A lighter fine-tune of the same documents (attention only, lower rate, fewer steps): a variant
+# nearer its base, as many real adapters are; `kdn bench crossmodel --recipe` measures both.
+LIGHT = Recipe(name="founding-docs-light", rank=8, alpha=16, targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+               lr=3e-4, steps=40)
+RECIPES = {r.name: r for r in (VARIANT, LIGHT)}
 TINY = Recipe(name="tiny", rank=2, alpha=4, targets=("q_proj", "k_proj", "v_proj"), lr=5e-3,
               steps=2, batch=1, window=32)  # tests: the mechanics, in seconds
 

@@ -87,3 +87,106 @@ def test_kdn_model_variant_refuses_a_bad_recipe_in_one_line(capsys):
     assert main(["model", "variant", "--steps", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["kdn: error: variant recipe: steps must be a positive int, got 0"]
+
+
+# --- reading across the family (kdn.engines.family, kdn.engines.transformers.crossmodel) -------
+ADMIN = "admin-token-crossmodel-0123456789"
+READ = "reader-token-crossmodel-0123456789"
+
+
+def test_plans_are_chosen_on_their_profile_stored_with_the_pair_and_checked(tmp_path, model):
+    from kdn.engines.family import Plan, check_family, choose, cross_fingerprint, load_plan, save_plan
+    profile = [{"start": 0, "end": 30, "agree": 1.0, "first": 1.0, "items": 10},
+               {"start": 18, "end": 30, "agree": 0.9, "first": 1.0, "items": 10},
+               {"start": 12, "end": 30, "agree": 0.96, "first": 1.0, "items": 10},
+               {"start": 6, "end": 30, "agree": 0.96, "first": 1.0, "items": 10}]
+    plan = choose(profile, "r", "s", 30, target=0.95, calibration={"kbs": ["a"]})
+    assert (plan.start, plan.end, plan.recomputed) == (12, 30, 18)     # fewest layers at >= 95%
+    assert choose(profile, "r", "s", 30, target=0.99) is None          # only a full recompute reaches it
+    path = save_plan(plan, tmp_path)
+    assert load_plan(tmp_path, "r", "s") == plan and path.name == "r-from-s.json"
+    assert cross_fingerprint(plan) not in ("r", "s") and plan.name in cross_fingerprint(plan)
+    with pytest.raises(ModelError, match="no recompute plan for reader"):
+        load_plan(tmp_path, "r", "other")
+    with pytest.raises(ModelError, match=r"within 0\.\.30, got \[12, 31\)"):
+        Plan("r", "s", 12, 31, 30)
+    with pytest.raises(ModelError, match="reader and sender are the same model"):
+        Plan("r", "r", 0, 3, 30)
+    other = dict(model.fingerprint_fields, kv_heads=model.fingerprint_fields["kv_heads"] * 2, weights="x")
+    with pytest.raises(ModelError, match="not of one family .*kv_heads"):
+        check_family(model.fingerprint_fields, other)
+
+
+def test_a_full_recompute_from_the_senders_hidden_states_is_the_readers_own_kv(tiny, model):
+    from kdn.engines.transformers import crossmodel as X
+    root, (folder, record, _) = tiny
+    variant = load_model(variant=folder, warm=False)
+    tokens = model.knowledge_tokens(bundled_documents()[-1][1][:600])
+    kv, hidden = X.prefill_with_hidden(model, tokens, [0, 20])
+    assert np.array_equal(kv, model.prefill(tokens).kv)                # the capture changes no byte
+    assert hidden[0].shape == (len(tokens), model.hf.config.hidden_size)
+    assert np.array_equal(X.from_chunk_layout(X.to_chunk_layout(hidden[20])), hidden[20])
+    # the tiny LoRA leaves the embeddings alone: recomputing every layer is the variant's own prefill
+    own = variant.prefill(tokens).kv
+    full = X.recompute(variant, hidden[0], 0, variant.layers)
+    assert np.abs(full - own).max() < 1e-3
+    part = X.recompute(variant, hidden[20], 20, variant.layers)
+    mixed = X.assemble(kv, part, 20)
+    assert np.array_equal(mixed[:20], kv[:20]) and np.array_equal(mixed[20:], part)
+    assert not np.array_equal(part, kv[20:])
+    rows = X.profile(variant, model, [(bundled_documents()[-1][1][:600], ["Who spoke these words?"])],
+                     starts=[0, 24], max_new_tokens=6)
+    by = {(r["start"], r["end"]): r for r in rows}
+    assert by[(0, 30)]["agree"] == 1.0 and by[(0, 30)]["items"] == 1 and set(by) == {(0, 30), (24, 30)}
+
+
+def test_cross_model_reads_are_opt_in_flagged_kept_apart_and_leave_exact_kv_alone(tiny, model, small_network):
+    from kdn.client import Client
+    from kdn.client.publish import publish_documents
+    from kdn.core.errors import AccessDenied, ManifestError
+    from kdn.engines.family import Plan, cross_fingerprint
+    from kdn.engines.transformers.crossmodel import CrossReader, publish_hidden
+    from kdn.engines.transformers.worker import answer
+    root, (folder, record, _) = tiny
+    variant = load_model(variant=folder, warm=False)
+    net = small_network(auth={"admin": ADMIN, "readers": {"acme": READ}}, replicas=1)
+    docs = [("gettysburg", bundled_documents()[-1][1][:700])]
+    sender = Client(network=net.name, region="us-east", tenant="acme", fingerprint=model.fingerprint,
+                    admin_token=ADMIN)
+    publish_documents(sender, model, "speech", docs)
+    know = sender.manifest("speech").token_ids().tolist()
+    before = sender.fetch(know, kb="speech")
+    hid = publish_hidden(sender, model, "speech", docs, [0])
+    assert hid["bytes"] == len(know) * model.hf.config.hidden_size * 4
+    question = "Who is speaking?"
+    reader = Client(network=net.name, region="eu-west", tenant="acme", fingerprint=variant.fingerprint,
+                    token=READ)
+    with pytest.raises(ManifestError, match="no knowledge base 'speech'"):   # no opt-in: never the base's KV
+        answer(reader, variant, "speech", question)
+    plan = Plan(variant.fingerprint, model.fingerprint, 0, variant.layers, variant.layers)
+    with pytest.raises(ModelError, match="the plan is for reader"):
+        CrossReader(reader, model, plan)
+    admin_reader = Client(network=net.name, region="eu-west", tenant="acme", fingerprint=variant.fingerprint,
+                          admin_token=ADMIN)
+    cross = CrossReader(admin_reader, variant, plan)
+    try:
+        first = cross.answer("speech", question, max_new_tokens=6, check=True)
+        again = cross.answer("speech", question, max_new_tokens=6)
+    finally:
+        cross.close()
+    assert first.exact is False and again.exact is False
+    assert first.cross_model["sender"] == model.fingerprint and first.cross_model["recompute"] == [0, 30]
+    assert first.cross_model["kept"] is False and again.cross_model["kept"] is True
+    assert first.cached_tokens == len(know) and first.extra["hidden_bytes"] == hid["bytes"]
+    # every layer recomputed from the (shared) embeddings: the variant's own answer
+    assert first.identical and again.tokens == first.tokens
+    # kept under the plan's own namespace only: the variant's and the base's are as they were
+    prompt = know + variant.question_tokens(question)
+    with pytest.raises(AccessDenied, match="nothing is published under it"):
+        reader.fetch(prompt)                          # the variant's own namespace holds nothing
+    kept = Client(network=net.name, region="eu-west", tenant="acme", fingerprint=cross_fingerprint(plan),
+                  token=READ).fetch(prompt)
+    assert kept.tokens == len(know)
+    after = sender.fetch(know, kb="speech")
+    assert [c.key for c in after.chunks] == [c.key for c in before.chunks]
+    assert all(np.array_equal(a.kv, b.kv) for a, b in zip(after.chunks, before.chunks))
