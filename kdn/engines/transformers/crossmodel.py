@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from kdn.core.errors import ModelError
+from kdn.core.errors import ManifestError, ModelError
 from kdn.engines.base import Answer
 from kdn.engines.family import Plan, check_family, cross_fingerprint, hidden_fingerprint
 
@@ -201,7 +201,11 @@ class CrossReader:
         kept = self._kept(prompt, len(know)) if self.keep else None
         fetched, hidden_bytes, recompute_s = kept, 0, 0.0
         if kept is None:
-            h = self.hidden.fetch(know, kb=kb)
+            try:
+                h = self.hidden.fetch(know, kb=kb)
+            except ManifestError:
+                raise ModelError(f"the sender has not stored its hidden states entering layer {plan.start} "
+                                 f"for {kb!r} (publish them with publish_hidden)") from None
             if h.tokens < len(know):
                 raise ModelError(f"the sender's hidden states entering layer {plan.start} cover {h.tokens} of "
                                  f"{kb!r}'s {len(know)} tokens: publish them (publish_hidden)")

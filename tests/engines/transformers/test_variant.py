@@ -156,6 +156,12 @@ def test_cross_model_reads_are_opt_in_flagged_kept_apart_and_leave_exact_kv_alon
     publish_documents(sender, model, "speech", docs)
     know = sender.manifest("speech").token_ids().tolist()
     before = sender.fetch(know, kb="speech")
+    no_hidden = CrossReader(Client(network=net.name, region="eu-west", tenant="acme",
+                                   fingerprint=variant.fingerprint, token=READ), variant,
+                            Plan(variant.fingerprint, model.fingerprint, 0, variant.layers, variant.layers))
+    with pytest.raises(ModelError, match="has not stored its hidden states entering layer 0"):
+        no_hidden.answer("speech", "Who?", max_new_tokens=2)
+    no_hidden.close()
     hid = publish_hidden(sender, model, "speech", docs, [0])
     assert hid["bytes"] == len(know) * model.hf.config.hidden_size * 4
     question = "Who is speaking?"
