@@ -155,6 +155,10 @@ class OriginAPI(Protocol):
     async def put_objects(self, chunks) -> dict:
         """Store another cache layer's opaque objects durably."""
 
+    async def put_object_refs(self, refs) -> dict:
+        """put_objects for objects already in Ray's object store, handed over by reference (an
+        edge's write-behind: no copy is made to send them)."""
+
     async def pushes_settled(self) -> dict:
         """Wait for the pushes queued so far; their counters."""
 

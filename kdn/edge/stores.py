@@ -16,7 +16,9 @@ The risk, said in the README: an edge that dies with a backlog loses those objec
 recomputes them on its next miss: never a wrong byte), and until they are durable only this
 edge serves them (another region's load misses them).
 
-Counters (objects): store_acked_edge, store_acked_origin, store_forwarded,
+Counters (objects): store_acked_edge, store_acked_origin, store_forwarded (of which
+store_forwarded_by_ref: handed to the origin as references into this node's object store, so
+the copy kept here is the one the origin reads and the arriving bytes are freed at once),
 store_forward_retries, store_forgotten (deleted before sent), store_deleted_again (deleted
 while on their way); the backlog's objects and bytes in stats() (`kdn status`, /metrics).
 """
@@ -41,7 +43,7 @@ class WriteBehind:
     def __init__(self, tiers, forms, peers, backlog_bytes: int = BACKLOG_BYTES):
         self.tiers, self.forms, self.peers = tiers, forms, peers
         self.backlog_bytes = int(backlog_bytes)
-        self._queue = collections.deque()      # chunks not yet at the origin, oldest first
+        self._queue = collections.deque()      # copies kept here (Held) not yet at the origin, oldest first
         self._pending = 0                       # their bytes
         self._pinned = set()                   # keys pinned here until durable
         self._queued = collections.Counter()   # key -> its copies in the queue
@@ -62,7 +64,7 @@ class WriteBehind:
         n = sum(c.nbytes for c in chunks)
         early = self._pending + n <= self.backlog_bytes
         kept, pinned = await self._keep(chunks, pin=early)
-        ahead = [c for c in chunks if c.key in pinned]
+        ahead = [pinned[c.key] for c in chunks if c.key in pinned]
         if ahead:
             self._queue.extend(ahead)
             self._queued.update(c.key for c in ahead)
@@ -81,9 +83,9 @@ class WriteBehind:
 
     async def _keep(self, chunks, pin: bool) -> tuple:
         """Keep verified copies in the hot tier, pinned while not durable when pin: (how many
-        were kept, the keys pinned here for the first time)."""
+        were kept, {key: its copy (Held)} for the keys pinned here for the first time)."""
         stored = await self.forms.to_store(list(chunks))
-        born, hot, n, pinned = self.tiers.tombs.birth(), self.tiers.tier("hot"), 0, set()
+        born, hot, n, pinned = self.tiers.tombs.birth(), self.tiers.tier("hot"), 0, {}
         for c, held in zip(chunks, stored):
             if held is None:                 # failed verification: not kept (the origin
                 continue                     # verifies and refuses it too)
@@ -93,7 +95,7 @@ class WriteBehind:
                 n += 1
                 if pin and not was and hot.is_pinned(c.key):     # a pin that did not fit: not early
                     self._pinned.add(c.key)
-                    pinned.add(c.key)
+                    pinned[c.key] = held
         return n, pinned
 
     def _start(self) -> None:
@@ -104,6 +106,7 @@ class WriteBehind:
     async def _forward(self) -> None:
         """Send the backlog to the origin, oldest first, a batch a call; retry what it does
         not answer; unpin what it holds."""
+        tries = 0
         while True:
             if not self._queue:
                 self._wake.clear()
@@ -118,13 +121,15 @@ class WriteBehind:
             self._flight = {c.key: c.ns for c in batch}
             self._flight_ids = {id(c) for c in batch}
             try:
-                got = await self.peers.origin().put_objects(batch)
+                got = await self._send(batch, by_ref=not tries % 2)
             finally:
                 self._flight, self._flight_ids = {}, set()
             if got is None:                      # unreachable (counted by Peers): try again
                 self.counters["store_forward_retries"] += 1
+                tries += 1
                 await asyncio.sleep(FORWARD_RETRY_S)
                 continue
+            tries = 0
             await self._delete_again()
             hot = self.tiers.tier("hot")
             for c in batch:
@@ -138,6 +143,18 @@ class WriteBehind:
                     if c.key in hot:         # not dropped meanwhile
                         hot.unpin(c.key)
             self.counters["store_forwarded"] += len(batch)
+
+    async def _send(self, batch, by_ref: bool):
+        """The origin's answer to a batch of the backlog (copies kept here: Held), None when it
+        is unreachable. by_ref: handed over as references into this node's object store (the
+        origin reads them, no copy made to send them); else, or for copies this process holds
+        outside the store, their bytes (a failed hand-over's retry goes that way)."""
+        if by_ref and all(h.ref is not None for h in batch):
+            got = await self.peers.origin().put_object_refs([h.ref for h in batch])
+            if got is not None:
+                self.counters["store_forwarded_by_ref"] += len(batch)
+            return got
+        return await self.peers.origin().put_objects([await h.resolve() for h in batch])
 
     def forget(self, keys) -> None:
         """Keys deleted (the origin's drop): what of them waits here is not sent; what is on

@@ -42,6 +42,7 @@ import collections
 import concurrent.futures
 import contextlib
 import struct
+import threading
 
 import numpy as np
 import xxhash
@@ -153,10 +154,11 @@ def as_bytes(obj) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def pack(key: bytes, ns: bytes, data) -> Chunk:
-    """An opaque chunk holding data's bytes and their checksum (one copy of the bytes)."""
+def pack(key: bytes, ns: bytes, data, into=None) -> Chunk:
+    """An opaque chunk holding data's bytes and their checksum (one copy of the bytes), in
+    `into` (a uint8 array of at least that many bytes) when given, else in new memory."""
     src = np.frombuffer(as_bytes(data), np.uint8)
-    arr = np.empty(src.size + TRAILER, np.uint8)
+    arr = np.empty(src.size + TRAILER, np.uint8) if into is None else into[:src.size + TRAILER]
     body, h = arr[:src.size], xxhash.xxh3_64()
     for s in range(0, src.size, _BLOCK):
         np.copyto(body[s:s + _BLOCK], src[s:s + _BLOCK])
@@ -193,6 +195,35 @@ def read_batch(sizes: list, todo: list, max_keys: int = None, max_bytes: int = N
     return n
 
 
+SPARE_BYTES = PUT_BATCH_BYTES    # pack buffers a process keeps for its next store, at most
+
+
+class _Spare:
+    """Pack buffers kept from one store to the next (thread-safe: a host stores from several
+    threads), at most `limit` bytes of them; a buffer is reused for an object that fills at
+    least half of it."""
+
+    def __init__(self, limit: int = SPARE_BYTES):
+        self.limit, self.bytes = limit, 0
+        self._free = collections.defaultdict(list)     # capacity -> buffers
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> np.ndarray:
+        with self._lock:
+            for cap in sorted(c for c in self._free if n <= c <= 2 * n):
+                if self._free[cap]:
+                    self.bytes -= cap
+                    return self._free[cap].pop()
+        return np.empty(n, np.uint8)
+
+    def give(self, bufs) -> None:
+        with self._lock:
+            for b in bufs:
+                if self.bytes + b.nbytes <= self.limit:
+                    self._free[b.nbytes].append(b)
+                    self.bytes += b.nbytes
+
+
 class Objects:
     """Store, look up and load opaque objects through one network view (kdn.client.view).
 
@@ -215,6 +246,7 @@ class Objects:
         if prefault:
             from kdn.integrations.prefault import Prefaulter
             self.prefaulter = Prefaulter().start()
+        self._spare = _Spare()           # pack buffers reused by stores
         self._names = {}               # ns -> (tenant, fingerprint) it digests
         self._readers = {}             # ns -> Reader
         self._reader_cls = Reader
@@ -259,16 +291,27 @@ class Objects:
     # --- store ---------------------------------------------------------------------------
     def store(self, ns_keys: list, datas: list) -> int:
         """Publish objects (ns_keys: [(ns, key)], datas: their buffers); the bytes sent.
-        Raises NetworkError (Unreachable) when the origin does not take them."""
-        sent, batch, size = 0, [], 0
-        for (ns, key), data in zip(ns_keys, datas, strict=True):
-            batch.append(pack(key, ns, data))
-            size += batch[-1].nbytes
-            if size >= PUT_BATCH_BYTES or len(batch) >= BATCH_OBJECTS:
+        Raises NetworkError (Unreachable) when the origin does not take them.
+
+        Each batch is packed into buffers this Objects reuses (`_Spare`): a call's arguments are
+        copied into Ray's object store when it is sent, so they are free again once it
+        answers, and memory used before costs no page fault per 4 KiB (new memory did: 0.15-1.4 s
+        of a 256 MiB store on a 2-core VM, against 0.03 s reused)."""
+        sent, batch, bufs, size = 0, [], [], 0
+        try:
+            for (ns, key), data in zip(ns_keys, datas, strict=True):
+                bufs.append(self._spare.take(as_bytes(data).nbytes + TRAILER))
+                batch.append(pack(key, ns, data, into=bufs[-1]))
+                size += batch[-1].nbytes
+                if size >= PUT_BATCH_BYTES or len(batch) >= BATCH_OBJECTS:
+                    sent += self._put(batch)
+                    batch, size = [], 0
+                    self._spare.give(bufs)
+                    bufs = []
+            if batch:
                 sent += self._put(batch)
-                batch, size = [], 0
-        if batch:
-            sent += self._put(batch)
+        finally:
+            self._spare.give(bufs)
         return sent
 
     def _put(self, chunks) -> int:

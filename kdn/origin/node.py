@@ -43,7 +43,7 @@ from kdn.origin.objects import open_objects
 from kdn.origin.push import Pusher, outgoing
 from kdn.origin.store import ChunkStore
 from kdn.placement.topology import Topology
-from kdn.core.rpc import Actors
+from kdn.core.rpc import Actors, Unreachable
 from kdn.core.transfer import check_store_codec
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 OPEN_WAITS_S = (1, 2, 4, 8, 15, 30)
 MAX_CHUNKS_PER_CALL = 4096       # limits on what one publish call may carry
 MAX_BYTES_PER_CALL = 2 << 30
+REF_READ_TIMEOUT_S = 60.0        # objects handed over by reference (put_object_refs) are read within this
 OBJECT_PUSH_BACKLOG_BYTES = 2 << 30   # objects' bytes whose push is in flight at once
 
 
@@ -306,6 +307,26 @@ class OriginNode:
         # only what was written: a deduplicated key's owners were sent it when it was
         return {"received": len(chunks), "written": len(new),
                 "pushing": self._push_objects(new) if new else 0}
+
+    async def put_object_refs(self, refs, token=None) -> dict:
+        """put_objects of objects an edge keeps in Ray's object store, handed over by reference
+        (its write-behind, kdn/edge/stores.py): read here with no copy on the edge's node, pulled
+        once from another. Unreachable when they cannot be read within REF_READ_TIMEOUT_S (the
+        edge or its node is gone, or too slow): the caller tries again, or sends the bytes."""
+        import ray
+        import ray.exceptions as rex
+        self.tokens.check_admin(token, "put_object_refs")
+        if (not isinstance(refs, (list, tuple)) or len(refs) > MAX_CHUNKS_PER_CALL
+                or not all(isinstance(r, ray.ObjectRef) for r in refs)):
+            raise BadRequest(f"put_object_refs takes a list of at most {MAX_CHUNKS_PER_CALL} object "
+                             f"references, got {type(refs).__name__}")
+        try:
+            chunks = await asyncio.to_thread(ray.get, list(refs), timeout=REF_READ_TIMEOUT_S)
+        except (rex.GetTimeoutError, rex.ObjectLostError) as e:
+            self.counters["object_ref_failures"] += 1
+            raise Unreachable(f"put_object_refs: the objects handed over could not be read "
+                              f"({type(e).__name__})") from None
+        return await self.put_objects(chunks, token=token)
 
     def _push_objects(self, chunks) -> int:
         """Queue the push of chunks to their owners; how many were queued. Bounded: beyond

@@ -83,6 +83,37 @@ def test_an_origin_that_does_not_answer_is_tried_again_and_nothing_waiting_is_lo
     assert origin_took(edge)[-2:] == [c.key for c in objs]
 
 
+def test_the_backlog_goes_to_the_origin_as_references_to_the_kept_copies_and_as_bytes_when_those_fail(kit, edge, monkeypatch):
+    """In Ray each kept copy has a reference: the origin is handed those (no copy made to
+    send them); a hand-over the origin could not read (None: unreachable) is retried with
+    the bytes, and nothing waiting is lost."""
+    refs = {}
+
+    def kept(cls, obj):                      # a copy in the node's store: a reference beside it
+        held = cls.here(obj)
+        held.ref = refs.setdefault(obj.key, f"ref-{len(refs)}")
+        return held
+    monkeypatch.setattr(Held, "kept", classmethod(kept))
+    first, second = objects(kit, 2, seed=8), objects(kit, 2, seed=9)
+    edge.answers[(None, "put_object_refs")] = lambda rs: {"received": len(rs)}
+    edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs)}
+
+    async def main():
+        await edge.put_objects(first)
+        await settle(edge)
+        edge.answers[(None, "put_object_refs")] = None       # the origin cannot read them
+        await edge.put_objects(second)
+        await settle(edge)
+    asyncio.run(main())
+    handed = [(m, args) for node, m, args in edge.asked if node is None]
+    assert handed[0] == ("put_object_refs", [refs[c.key] for c in first])
+    assert handed[1] == ("put_object_refs", [refs[c.key] for c in second])
+    assert handed[2][0] == "put_objects"                      # the retry: the bytes themselves
+    assert [c.kv.tobytes() for c in handed[2][1]] == [c.kv.tobytes() for c in second]
+    st = edge.stores.stats()
+    assert st["store_forwarded_by_ref"] == 2 and st["store_forwarded"] == 4 and st["backlog_objects"] == 0
+
+
 def test_past_the_backlogs_bound_a_store_waits_for_the_origin(kit, edge):
     first, second = objects(kit, 1, seed=2, size=6000), objects(kit, 1, seed=3, size=6000)
     edge.stores.backlog_bytes = 8000                    # room for one

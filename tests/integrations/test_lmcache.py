@@ -193,6 +193,8 @@ def test_a_store_acknowledged_at_the_edge_is_served_there_at_once_and_everywhere
     while edge.stats()["stores"]["backlog_objects"]:
         assert time.monotonic() < deadline, edge.stats()["stores"]
         time.sleep(0.05)
+    # handed to the origin as references to the edge's kept copies, not sent again as bytes
+    assert edge.stats()["stores"]["store_forwarded_by_ref"] == 3, edge.stats()["stores"]
     ns = east.objects.namespace("default", MODEL)
     held = east.objects.view.origin().get_chunks([object_key(ns, host_key(k)) for k in keys])
     assert [c.kv[:-8].tobytes() for c in held] == [bytes(o.byte_array) for o in objs]    # durable

@@ -220,3 +220,65 @@ def test_read_batches_bound_keys_and_bytes():
     n = read_batch(big, list(range(100)))
     assert n * ((8 << 20) + TRAILER) <= READ_BATCH_BYTES < (n + 1) * ((8 << 20) + TRAILER)
     assert read_batch([2 * READ_BATCH_BYTES], [0]) == 1     # one larger than a batch still goes
+
+
+# --- stores reuse their pack buffers ------------------------------------------------------------
+class RecordingEdge:
+    """A network view whose nearest edge takes put_objects as Ray does: the arguments' bytes are
+    copied when the call is sent (so a caller's buffers are free once it answers)."""
+
+    region = "eu-west"
+
+    def __init__(self, fail=False):
+        self.sent, self.buffers, self.fail = [], [], fail
+
+    def nearest(self, timeout, resolve_refs=False):
+        return Stub(EdgeAPI, self.call, "the nearest edge")
+
+    def call(self, method, args, kw):
+        assert method == "put_objects"
+        chunks = args[0]
+        self.buffers.append([c.kv.__array_interface__["data"][0] for c in chunks])
+        self.sent.append([c.kv.tobytes() for c in chunks])       # Ray's copy into its store
+        if self.fail:
+            raise NoLiveEdge("no edge answered put_objects")
+        return {"received": len(chunks), "pending": len(chunks)}, "eu-west-0", []
+
+
+def test_a_store_packs_into_the_buffers_of_the_one_before_and_sends_each_its_own_bytes():
+    objs = Objects(None, "lmcache")
+    objs.view = RecordingEdge()
+    ns = objs.namespace("default", "m")
+    keys = [(ns, object_key(ns, bytes([i]))) for i in range(3)]
+    first, second = [data(5000, seed=i) for i in range(3)], [data(5000, seed=10 + i) for i in range(3)]
+    assert objs.store(keys, first) == objs.store(keys, second) == 3 * 5000
+    sent = objs.view.sent
+    assert [b[:-TRAILER] for b in sent[0]] == [d.tobytes() for d in first]
+    assert [b[:-TRAILER] for b in sent[1]] == [d.tobytes() for d in second]
+    for call in sent:                            # each with its own checksum
+        assert all(unpack_into(pack(k, ns, b[:-TRAILER]), bytearray(5000)) for (_, k), b in zip(keys, call))
+    assert sorted(objs.view.buffers[1]) == sorted(objs.view.buffers[0])      # the same memory again
+    smaller = [data(1000, seed=20)]                  # fills under half of a kept buffer: new memory
+    objs.store(keys[:1], smaller)
+    assert objs.view.buffers[2][0] not in objs.view.buffers[0]
+
+
+def test_a_store_that_fails_gives_its_buffers_back_and_the_spare_ones_stay_bounded():
+    from kdn.core.interfaces import OriginAPI
+    from kdn.core.rpc import Unreachable
+    from kdn.integrations import objects as mod
+    objs = Objects(None, "lmcache")
+    objs.view = RecordingEdge(fail=True)                 # no edge answers: the origin is asked
+    objs._spare = mod._Spare(limit=2 * (5000 + TRAILER))
+
+    def origin(method, args, kw):
+        raise Unreachable("the origin did not answer put_objects")
+    objs.view.origin = lambda timeout: Stub(OriginAPI, origin, "the origin")
+    ns = objs.namespace("default", "m")
+    keys = [(ns, object_key(ns, bytes([i]))) for i in range(3)]
+    with pytest.raises(Unreachable, match="did not answer put_objects"):
+        objs.store(keys, [data(5000, seed=i) for i in range(3)])
+    assert objs._spare.bytes == 2 * (5000 + TRAILER)       # given back, up to the bound
+    objs.view.fail = False
+    assert objs.store(keys, [data(5000, seed=i) for i in range(3)]) == 3 * 5000
+    assert len(set(objs.view.buffers[1]) & set(objs.view.buffers[0])) >= 2     # the two kept, reused
