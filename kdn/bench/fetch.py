@@ -16,8 +16,9 @@ measures, in one run and interleaved rep by rep so machine noise hits both sides
   trivial actor placed on the far node;
 - with --hosts, each region is a host of its own (kdn/testing/netns.py: the far node in a
   network namespace on a bridge, its own address, a tc cap with --cap), and the bare TCP
-  socket from the far host to this one is measured after, the link's ceiling for one
-  connection. The edges then serve HTTP on their host's address (with tokens), so the
+  socket from the far host to the worker is timed in every rep beside the fetches (one
+  transfer of the same bytes, the same worker), the link's ceiling for one connection. The
+  edges then serve HTTP on their host's address (with tokens), so the
   cross-node fetch takes the reader's default data plane, far-0's HTTP frames
   (kdn.client.dataplane), and a third path reads the same over Ray (data_plane "ray"),
   interleaved with the others;
@@ -107,8 +108,20 @@ class FetchWorker:
                          and all(np.array_equal(a, b) for a, b in zip(got, ref))}
         return out
 
-    def throughput(self, reps: int) -> dict:
-        """Seconds per whole-prefix transfer, four paths interleaved rep by rep (after a warmup)."""
+    def throughput(self, reps: int, link=None) -> dict:
+        """Seconds per whole-prefix transfer, four paths interleaved rep by rep (after a warmup).
+        link (--hosts): SocketLink's arguments (nbytes, piece, host, prefix): one bare-socket
+        transfer from the far host is timed in each rep too ("socket": the link's ceiling in
+        the same minute as the fetches beside it)."""
+        from kdn.bench.transport import SocketLink
+        beside = None if link is None else SocketLink(*link[:2], host=link[2], prefix=link[3])
+        try:
+            return self._throughput(reps, beside)
+        finally:
+            if beside is not None:
+                beside.close()
+
+    def _throughput(self, reps: int, beside) -> dict:
         import ray
         paths = {
             "same_node_fetch": lambda: self.near.fetch(self.tokens).nbytes,
@@ -118,6 +131,8 @@ class FetchWorker:
         }
         if self.far_ray is not None:
             paths["cross_node_fetch_ray"] = lambda: self.far_ray.fetch(self.tokens).nbytes
+        if beside is not None:
+            paths["socket"] = lambda: beside.one() and beside.nbytes
         times = {k: [] for k in paths}
         nbytes = {}
         far_edge = ray.get_actor(f"{self.far.network}:edge:far-0", namespace="kdn")
@@ -268,18 +283,17 @@ def run(args, log) -> dict:
         log(f"checked: {check}")
 
         edge = net.edge("near-0")
-        tp = ray.get(worker.throughput.remote(args.reps))
+        link = None
+        if args.hosts:      # the link's ceiling, one bare-TCP transfer from the far host each rep
+            link = (total, arrays[0].nbytes, cluster.address_of("far"), cluster.hosts.command("far", []))
+        tp = ray.get(worker.throughput.remote(args.reps, link))
         mid = ray.get(edge.stats.remote(token=admin))["counters"]
         lat = ray.get(worker.latency.remote(args.calls))
         after = ray.get(edge.stats.remote(token=admin))["counters"]
         small = ray.get(worker.latency.remote(args.calls, small=True))
         fetches = after.get("fetches", 0) - mid.get("fetches", 0)
         edge_us = (after.get("fetch_us", 0) - mid.get("fetch_us", 0)) / max(1, fetches)
-        socket_s = None
-        if args.hosts:      # the link's ceiling for one connection: bare TCP from the far host
-            from kdn.bench.transport import bare_socket
-            socket_s = bare_socket(total, args.reps, arrays[0].nbytes, host=cluster.address_of("far"),
-                                   prefix=cluster.hosts.command("far", []))
+        socket_s = tp["seconds"].pop("socket", None)
         return dict(total=total, n_chunks=len(arrays), n_tokens=len(tokens), held=held,
                     check=check, tp=tp, lat=lat, small=small, edge_us_mean=edge_us,
                     socket_s=socket_s, hosts=None if not args.hosts else

@@ -23,7 +23,10 @@ latency, kdn.placement.topology.default_local) beside the measured row.
 
 `--hosts` puts each region on a host of its own (kdn/testing/netns.py: every region but the
 reader's in a network namespace with its own address, `--cap RATE` a tc cap on kdn-remote's
-link) and adds the bare TCP socket from kdn-remote's host to the reader's: the link's ceiling.
+link) and adds the bare TCP socket from kdn-remote's host to the reader's: the link's ceiling,
+timed at the end (socket) and just before and after the kdn-remote row (socket-beside: its
+ratio's reference, the same minutes; LMCache's bench runs in a process of its own, so its
+rounds cannot be interleaved with the socket's one by one).
 Its edges serve HTTP on their host's address (with the admin token, each row's tenant left
 open to readers), so kdn-remote loads over the remote edge's HTTP frames, the adapter's
 default data plane (kdn.client.dataplane), and `kdn-remote-ray` is the same over Ray
@@ -204,7 +207,13 @@ def main(argv=None):
                 note = "redis-server on 127.0.0.1"
             else:
                 raise SystemExit(f"unknown row {which!r}")
+            bracket = args.hosts and which == "kdn-remote"
+            before = link_times(cluster, args, round_bytes) if bracket else []
             rows.append(row(which, lmcache_bench(adapter, args, out), note))
+            if bracket:                # the link's ceiling in the same minutes as the row
+                rows.append(socket_row("socket-beside", before + link_times(cluster, args, round_bytes),
+                                       round_bytes, "the same, just before and just after kdn-remote's "
+                                       "run (its rounds in between): its ceiling in the same minutes"))
             if which == "kdn-remote":
                 rows.append(ray_ceiling(args))
             if which == "kdn-local":
@@ -221,15 +230,10 @@ def main(argv=None):
             stop_process(redis)
             redis = None
         if args.hosts:              # the link's ceiling for one connection, between the same hosts
-            from kdn.bench.transport import bare_socket
-            times = bare_socket(round_bytes, args.rounds, args.data_size_kb * 1024,
-                                host=cluster.address_of(REMOTE), prefix=cluster.hosts.command(REMOTE, []))
-            rows.append({"adapter": "socket", "load GB/s": statistics.mean(round_bytes / t for t in times) / 1e9,
-                         "load p50 ms": round(statistics.median(times) * 1e3, 2), "store GB/s": None,
-                         "verified": "no checksum",
-                         "note": f"bare TCP from {REMOTE}'s host ({cluster.address_of(REMOTE)}) to the "
-                                 f"reader's ({cluster.address_of(READER)}), one round a send: the link's ceiling"
-                                 + (f"; capped at {args.cap}" if args.cap else "")})
+            rows.append(socket_row("socket", link_times(cluster, args, round_bytes), round_bytes,
+                                   f"bare TCP from {REMOTE}'s host ({cluster.address_of(REMOTE)}) to the "
+                                   f"reader's ({cluster.address_of(READER)}), one round a send: the link's "
+                                   f"ceiling" + (f"; capped at {args.cap}" if args.cap else "")))
     finally:
         stop_process(redis)
         teardown(net, cluster, work)
@@ -238,6 +242,10 @@ def main(argv=None):
     table(rows, ["adapter", "load GB/s", "load p50 ms", "load p99 ms", "store GB/s", "verified", "note"])
     out = {"bench": "l2", "rows": rows, "hosts": args.hosts, "cap": args.cap}
     by = {r["adapter"]: r.get("load GB/s") for r in rows}
+    if by.get("socket-beside") and by.get("kdn-remote"):
+        out["kdn_remote_over_socket_beside"] = by["kdn-remote"] / by["socket-beside"]
+        print(f"kdn-remote {out['kdn_remote_over_socket_beside']:.2f}x the bare socket timed just before "
+              f"and after it")
     if by.get("socket") and by.get("kdn-remote"):
         out["kdn_remote_over_socket"] = by["kdn-remote"] / by["socket"]
         if by.get("kdn-remote-ray"):
@@ -254,6 +262,20 @@ def main(argv=None):
     if args.json:
         emit_json(out)
     return 0
+
+
+def link_times(cluster, args, round_bytes: int) -> list:
+    """Seconds of args.rounds bare-TCP sends of a round's bytes from kdn-remote's host to the
+    reader's (kdn.bench.transport.bare_socket; after one warm-up)."""
+    from kdn.bench.transport import bare_socket
+    return bare_socket(round_bytes, args.rounds, args.data_size_kb * 1024,
+                       host=cluster.address_of(REMOTE), prefix=cluster.hosts.command(REMOTE, []))
+
+
+def socket_row(name: str, times: list, round_bytes: int, note: str) -> dict:
+    return {"adapter": name, "load GB/s": statistics.mean(round_bytes / t for t in times) / 1e9,   # as LMCache's
+            "load p50 ms": round(statistics.median(times) * 1e3, 2), "store GB/s": None,
+            "verified": "no checksum", "note": note}
 
 
 class _Source:

@@ -236,26 +236,35 @@ def _ray_worker(network, tokens, digests, reps):
     return {"times": times, "ok": ok, "nbytes": f.nbytes, "sources": sorted(sources), "pid": os.getpid()}
 
 
-def _ray_cold_worker(network, token_sets, digests, region, token, data_plane="ray"):
+def _ray_cold_worker(network, token_sets, digests, region, token, data_plane="ray", link=None):
     """In a Ray worker: time Client.fetch of each KB once (token_sets: one per KB, the first
     a warm-up), so every fetch pulls objects this node has never held (Ray keeps a pulled
     copy: fetching one KB again would read it from this node's own store). data_plane: the
-    reader's (kdn.client.dataplane; "auto" reads another node's edge over its HTTP frames)."""
+    reader's (kdn.client.dataplane; "auto" reads another node's edge over its HTTP frames).
+    link: SocketLink's arguments (nbytes, piece, host, prefix): each fetch is then preceded by
+    one bare-socket transfer from the same host, timed ("socket": the ceiling beside it)."""
     from kdn.client import Client
     cl = Client(network=network, region=region, tenant=TENANT, fingerprint=FINGERPRINT, token=token,
                 data_plane=data_plane)
-    times, ok, sources, nbytes = [], True, set(), 0
+    times, ok, sources, nbytes, sockets = [], True, set(), 0, []
     http = cl.stats()["data_plane"].get("http_fetches", 0)
-    for toks in token_sets:
-        t0 = time.perf_counter()
-        f = cl.fetch(toks)
-        times.append(time.perf_counter() - t0)
-        ok = ok and [xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")) for c in f.chunks] == digests
-        sources |= set(f.sources)
-        nbytes = f.nbytes
-        del f
+    beside = None if link is None else SocketLink(*link[:2], host=link[2], prefix=link[3])
+    try:
+        for toks in token_sets:
+            if beside is not None:
+                sockets.append(beside.one())
+            t0 = time.perf_counter()
+            f = cl.fetch(toks)
+            times.append(time.perf_counter() - t0)
+            ok = ok and [xxhash.xxh3_64_intdigest(memoryview(c.kv).cast("B")) for c in f.chunks] == digests
+            sources |= set(f.sources)
+            nbytes = f.nbytes
+            del f
+    finally:
+        if beside is not None:
+            beside.close()
     return {"times": times[1:], "ok": ok, "nbytes": nbytes, "sources": sorted(sources),
-            "over_http": cl.stats()["data_plane"].get("http_fetches", 0) - http}
+            "over_http": cl.stats()["data_plane"].get("http_fetches", 0) - http, "socket": sockets[1:]}
 
 
 # --- anchors ---------------------------------------------------------------------------------
@@ -571,7 +580,8 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
     data plane (kdn.client.dataplane: the far edge's HTTP frames), and an edge here pulling
     from the far edge (peer pulls) on each data plane (kdn/edge/dataplane.py), interleaved
     rep by rep with one bare-socket transfer each (socket-beside: the peer pulls' ratios are
-    to it, so a noisy minute hits both alike)."""
+    to it, so a noisy minute hits both alike); the client row likewise, each fetch preceded by
+    one bare-socket transfer in the same worker (socket-beside-client: client_over_socket_beside)."""
     import secrets
     from kdn.testing.netns import HostCluster, available
     why = available()
@@ -661,7 +671,8 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
         record("ray", "Client.fetch (worker here)", got["times"],
                f"the far edge's answer pulled by Ray across the link, a KB never pulled before each rep; "
                f"sources {','.join(got['sources'])}")
-        got = ray.get(worker.remote(net.name, token_sets, digests, "far", read, "auto"), timeout=600)
+        got = ray.get(worker.remote(net.name, token_sets, digests, "far", read, "auto",
+                                    (total, piece, far.address("far"), prefix)), timeout=600)
         if not got["ok"] or got["nbytes"] != total:
             raise RuntimeError(f"the default fetch across the link returned other bytes ({got['nbytes']} B)")
         if got["over_http"] < len(token_sets):
@@ -670,6 +681,9 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
         record("client", "Client.fetch (worker here)", got["times"],
                "the same KBs, the reader's default data plane: the far edge's HTTP frames "
                "(kdn.client.dataplane)")
+        record("socket-beside-client", "recv_into (worker here)", got["socket"],
+               "bare TCP in the same worker, one transfer before each of the client row's fetches: "
+               "its ceiling in the same minute")
         link = SocketLink(total, piece, host=far.address("far"), prefix=prefix)
         try:
             pulled = peer_pulls(net, peer_kbs, pub.ns, digests, read, admin, link)
@@ -704,6 +718,8 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
            "http_over_socket": res["http"] / res["socket"], "ray_over_socket": res["ray"] / res["socket"],
            "http_over_ray": res["http"] / res["ray"],
            "client_over_socket": res["client"] / res["socket"], "client_over_ray": res["client"] / res["ray"],
+           # the reader against the socket timed beside it, rep by rep, in the same worker
+           "client_over_socket_beside": res["client"] / res["socket-beside-client"],
            # peer pulls against the socket timed beside them, rep by rep
            **{f"{row.replace('-', '_')}_over_socket": res[row] / res["socket-beside"]
               for row in res if row.startswith("peer")},
