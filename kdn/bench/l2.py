@@ -3,7 +3,9 @@
 One run, one table: KDN read from the edge on the reader's node (`kdn-local`, stores answered
 by that edge, then again once every push has landed: `kdn-local (warm)`; `kdn-ack-origin`, the
 same with stores answered once durable at the origin), KDN read
-from another region's edge on another Ray node (`kdn-remote`), LMCache's `fs` adapter over a
+from another region's edge on another Ray node (`kdn-remote`, and `kdn-remote (warm)` once its
+pushes landed: the first run's loads share the cores with the origin's pushes of what it just
+stored), LMCache's `fs` adapter over a
 temp directory (the page cache) and its `resp` adapter over a `redis-server` started here on
 127.0.0.1. Each row is one `lmcache bench l2 ... --no-skip-verify --format json` process
 (LMCache's code measures; this module only starts servers and reads its JSON): load GB/s
@@ -24,8 +26,8 @@ latency, kdn.placement.topology.default_local) beside the measured row.
 `--hosts` puts each region on a host of its own (kdn/testing/netns.py: every region but the
 reader's in a network namespace with its own address, `--cap RATE` a tc cap on kdn-remote's
 link) and adds the bare TCP socket from kdn-remote's host to the reader's: the link's ceiling,
-timed at the end (socket) and just before and after the kdn-remote row (socket-beside: its
-ratio's reference, the same minutes; LMCache's bench runs in a process of its own, so its
+timed at the end (socket) and just before and after each kdn-remote row (socket-beside and
+socket-beside-warm: their ratios' references, the same minutes; LMCache's bench runs in a process of its own, so its
 rounds cannot be interleaved with the socket's one by one).
 Its edges serve HTTP on their host's address (with the admin token, each row's tenant left
 open to readers), so kdn-remote loads over the remote edge's HTTP frames, the adapter's
@@ -216,17 +218,21 @@ def main(argv=None):
                                        "run (its rounds in between): its ceiling in the same minutes"))
             if which == "kdn-remote":
                 rows.append(ray_ceiling(args))
-            if which == "kdn-local":
+            if which in ("kdn-local", "kdn-remote"):
                 # a store is answered by the region's edge, the origin gets it after and pushes
                 # it to the ring owners, so the run above may load some objects from wherever
-                # they were then. Once every push has landed,
-                # the same run again (the same keys and bytes: every store is deduplicated)
-                # loads from the warm edge.
+                # they were then, and its loads share the 2 cores with those pushes. Once every
+                # push has landed, the same run again (the same keys and bytes: every store is
+                # deduplicated) loads from the warm edge.
                 settle_pushes(net)
-                again = row("kdn-local (warm)", lmcache_bench(adapter, args, out),
+                before = link_times(cluster, args, round_bytes) if bracket else []
+                again = row(f"{which} (warm)", lmcache_bench(adapter, args, out),
                             "the same, every push landed first: loads from a warm edge")
                 again["store GB/s"] = None      # its stores were deduplicated
                 rows.append(again)
+                if bracket:
+                    rows.append(socket_row("socket-beside-warm", before + link_times(cluster, args, round_bytes),
+                                           round_bytes, "the same, just before and just after the warm run"))
             stop_process(redis)
             redis = None
         if args.hosts:              # the link's ceiling for one connection, between the same hosts
@@ -242,10 +248,11 @@ def main(argv=None):
     table(rows, ["adapter", "load GB/s", "load p50 ms", "load p99 ms", "store GB/s", "verified", "note"])
     out = {"bench": "l2", "rows": rows, "hosts": args.hosts, "cap": args.cap}
     by = {r["adapter"]: r.get("load GB/s") for r in rows}
-    if by.get("socket-beside") and by.get("kdn-remote"):
-        out["kdn_remote_over_socket_beside"] = by["kdn-remote"] / by["socket-beside"]
-        print(f"kdn-remote {out['kdn_remote_over_socket_beside']:.2f}x the bare socket timed just before "
-              f"and after it")
+    for name, beside in (("kdn-remote", "socket-beside"), ("kdn-remote (warm)", "socket-beside-warm")):
+        if by.get(beside) and by.get(name):
+            key = f"{name.replace('-', '_').replace(' (warm)', '_warm')}_over_socket_beside"
+            out[key] = by[name] / by[beside]
+            print(f"{name} {out[key]:.2f}x the bare socket timed just before and after it")
     if by.get("socket") and by.get("kdn-remote"):
         out["kdn_remote_over_socket"] = by["kdn-remote"] / by["socket"]
         if by.get("kdn-remote-ray"):
