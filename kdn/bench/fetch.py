@@ -132,7 +132,10 @@ class FetchWorker:
         if self.far_ray is not None:
             paths["cross_node_fetch_ray"] = lambda: self.far_ray.fetch(self.tokens).nbytes
         if beside is not None:
-            paths["socket"] = lambda: beside.one() and beside.nbytes
+            def socket():
+                beside.one()
+                return beside.nbytes
+            paths["socket"] = socket
         times = {k: [] for k in paths}
         nbytes = {}
         far_edge = ray.get_actor(f"{self.far.network}:edge:far-0", namespace="kdn")

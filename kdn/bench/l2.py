@@ -27,8 +27,8 @@ latency, kdn.placement.topology.default_local) beside the measured row.
 reader's in a network namespace with its own address, `--cap RATE` a tc cap on kdn-remote's
 link) and adds the bare TCP socket from kdn-remote's host to the reader's: the link's ceiling,
 timed at the end (socket) and just before and after each kdn-remote row (socket-beside and
-socket-beside-warm: their ratios' references, the same minutes; LMCache's bench runs in a process of its own, so its
-rounds cannot be interleaved with the socket's one by one).
+socket-beside-warm: their ratios' references, the same minutes; LMCache's bench runs in a
+process of its own, so its rounds cannot be interleaved with the socket's one by one).
 Its edges serve HTTP on their host's address (with the admin token, each row's tenant left
 open to readers), so kdn-remote loads over the remote edge's HTTP frames, the adapter's
 default data plane (kdn.client.dataplane), and `kdn-remote-ray` is the same over Ray
@@ -210,12 +210,8 @@ def main(argv=None):
             else:
                 raise SystemExit(f"unknown row {which!r}")
             bracket = args.hosts and which == "kdn-remote"
-            before = link_times(cluster, args, round_bytes) if bracket else []
-            rows.append(row(which, lmcache_bench(adapter, args, out), note))
-            if bracket:                # the link's ceiling in the same minutes as the row
-                rows.append(socket_row("socket-beside", before + link_times(cluster, args, round_bytes),
-                                       round_bytes, "the same, just before and just after kdn-remote's "
-                                       "run (its rounds in between): its ceiling in the same minutes"))
+            rows += bracketed(bracket, cluster, args, round_bytes, "socket-beside",
+                              lambda: row(which, lmcache_bench(adapter, args, out), note))
             if which == "kdn-remote":
                 rows.append(ray_ceiling(args))
             if which in ("kdn-local", "kdn-remote"):
@@ -223,16 +219,12 @@ def main(argv=None):
                 # it to the ring owners, so the run above may load some objects from wherever
                 # they were then, and its loads share the 2 cores with those pushes. Once every
                 # push has landed, the same run again (the same keys and bytes: every store is
-                # deduplicated) loads from the warm edge.
+                # deduplicated) loads from the warm edge; its stores were deduplicated.
                 settle_pushes(net)
-                before = link_times(cluster, args, round_bytes) if bracket else []
-                again = row(f"{which} (warm)", lmcache_bench(adapter, args, out),
-                            "the same, every push landed first: loads from a warm edge")
-                again["store GB/s"] = None      # its stores were deduplicated
-                rows.append(again)
-                if bracket:
-                    rows.append(socket_row("socket-beside-warm", before + link_times(cluster, args, round_bytes),
-                                           round_bytes, "the same, just before and just after the warm run"))
+                rows += bracketed(bracket, cluster, args, round_bytes, "socket-beside-warm",
+                                  lambda: {**row(f"{which} (warm)", lmcache_bench(adapter, args, out),
+                                                 "the same, every push landed first: loads from a warm edge"),
+                                           "store GB/s": None})
             stop_process(redis)
             redis = None
         if args.hosts:              # the link's ceiling for one connection, between the same hosts
@@ -279,8 +271,21 @@ def link_times(cluster, args, round_bytes: int) -> list:
                        host=cluster.address_of(REMOTE), prefix=cluster.hosts.command(REMOTE, []))
 
 
+def bracketed(on: bool, cluster, args, round_bytes: int, name: str, measure) -> list:
+    """[measure()'s row], and with on, after it a socket row `name` timed just before and just
+    after it: the link's ceiling in the same minutes as the row."""
+    before = link_times(cluster, args, round_bytes) if on else []
+    got = [measure()]
+    if on:
+        got.append(socket_row(name, before + link_times(cluster, args, round_bytes), round_bytes,
+                              f"the same, just before and just after {got[0]['adapter']}'s run (its "
+                              f"rounds in between): its ceiling in the same minutes"))
+    return got
+
+
 def socket_row(name: str, times: list, round_bytes: int, note: str) -> dict:
-    return {"adapter": name, "load GB/s": statistics.mean(round_bytes / t for t in times) / 1e9,   # as LMCache's
+    """A table row of bare-socket times (seconds per round), its GB/s a mean of the rounds' as LMCache's."""
+    return {"adapter": name, "load GB/s": statistics.mean(round_bytes / t for t in times) / 1e9,
             "load p50 ms": round(statistics.median(times) * 1e3, 2), "store GB/s": None,
             "verified": "no checksum", "note": note}
 
