@@ -62,7 +62,7 @@ class _Entry:
 def held_object(held):
     """The Chunk or Encoded a Held stands for (read from the object store if not held here).
     From a worker thread."""
-    if held.obj is not None:
+    if held.obj is not None or held.ref is None:
         return held.obj
     import ray
     return ray.get(held.ref)

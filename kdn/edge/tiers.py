@@ -7,7 +7,11 @@ tier's size is the budget that keeps copies from crowding out main chunks).
 
 A chunk enters a tier once, put into this node's object store, and the tiers hold references
 (`Held`): a fetch hands those references out, so a worker on this node maps the KV with no
-copy and one elsewhere pulls it straight from this node's store. Evicting a reference frees
+copy and one elsewhere pulls it straight from this node's store. An object under INLINE_BYTES
+(LMCache's or SGLang's small objects, a tail) is kept in the edge's own memory instead, a
+copy of its own: a put into the store costs ~0.7 ms an object whatever its size, and Ray
+carries an object that small inside the reply anyway (its max_direct_call_object_size is
+100 KiB), so it rides in the fetch's answer, a peer's and the origin's hand-over by value. Evicting a reference frees
 the object once no reader still holds it. An operator's TTL makes chunks expire (checked on
 every read and swept each tick); a pin takes a chunk out of eviction.
 
@@ -31,6 +35,7 @@ from kdn.edge.tombstones import Tombstones
 from kdn.core.errors import PinCapacityError
 
 ROLES = ("main", "hot")
+INLINE_BYTES = 64 << 10       # objects smaller than this are kept in the edge's heap (see above)
 
 
 class Held:
@@ -69,8 +74,11 @@ class Held:
     @classmethod
     def kept(cls, obj) -> "Held":
         """obj kept by this node: Held.of inside Ray, Held.here outside it (an edge in a unit
-        test). From a worker thread, like Held.of."""
-        return cls.of(obj) if _ray_initialized() else cls.here(obj)
+        test) and for an object under INLINE_BYTES (a read-only copy of its own: obj may be a
+        view into a larger buffer it must not pin). From a worker thread, like Held.of."""
+        if not _ray_initialized():
+            return cls.here(obj)
+        return cls.here(_own_copy(obj)) if obj.nbytes < INLINE_BYTES else cls.of(obj)
 
     @classmethod
     def here(cls, obj) -> "Held":
@@ -93,15 +101,20 @@ class Held:
         return self.obj
 
     def wire(self) -> tuple:
-        """What crosses to another edge (peer_get): the reference and its description."""
-        return (self.ref, self.key, self.ns, self.nbytes, self.raw, self.codec, self.dtype)
+        """What crosses to another edge (peer_get): the reference and its description (the
+        object itself where this process holds it with no reference: INLINE_BYTES)."""
+        return (self.ref if self.ref is not None else self.obj, self.key, self.ns, self.nbytes, self.raw,
+                self.codec, self.dtype)
 
     @classmethod
     def from_wire(cls, w, src: str = None, links=None) -> "Held":
         """A peer's object as peer_get described it; src: the peer, links: where the time its
-        bytes take to arrive is noted (kdn/edge/links.py)."""
+        bytes take to arrive is noted (kdn/edge/links.py). An object carried in the answer is
+        held as one received (no reference: kept, it is copied into this node's keeping)."""
         held = cls(*w, own=False)
         held.src, held.links = src, links
+        if _is_object(w[0]):
+            held.ref, held.obj = None, w[0]
         return held
 
 
@@ -116,6 +129,27 @@ async def resolve_all(helds) -> list:
         for h, obj in zip(batch, await asyncio.to_thread(ray.get, [h.ref for h in batch])):
             h.obj = _with_sum(obj, h.xxh)
     return list(await asyncio.gather(*(h.resolve() for h in helds)))
+
+
+def _is_object(x) -> bool:
+    """Whether x is a chunk itself (carried in an answer), not a reference to one."""
+    from kdn.core.chunk import Chunk, Encoded
+    return isinstance(x, (Chunk, Encoded))
+
+
+def _own_copy(obj):
+    """A Chunk or Encoded with read-only bytes of its own (its checksum, if known, carried)."""
+    from kdn.core.chunk import Chunk, Encoded
+    if isinstance(obj, Encoded):
+        frame = obj.frame.copy()
+        frame.flags.writeable = False
+        return Encoded(obj.key, obj.ns, obj.codec, obj.dtype, obj.raw, obj.exact, frame)
+    kv = obj.kv.copy()
+    kv.flags.writeable = False
+    out = Chunk(obj.key, obj.ns, kv, obj.dtype)
+    if obj._xxh is not None:
+        object.__setattr__(out, "_xxh", obj._xxh)
+    return out
 
 
 def _with_sum(obj, xxh):

@@ -193,3 +193,35 @@ def test_a_chunk_verified_before_its_put_is_framed_from_the_store_without_hashin
     again = Held.of(verified)
     assert asyncio.run(again.resolve())._xxh == a.digest()
     assert asyncio.run(Held.from_wire(again.wire()).resolve())._xxh is None
+
+
+def test_an_object_under_the_inline_size_is_kept_in_the_edges_heap_as_a_copy_of_its_own(kit, ray_cluster):
+    """Under Ray an edge keeps a chunk in its node's object store, but one under INLINE_BYTES in
+    its own memory: a read-only copy (never a view pinning the buffer it arrived in), with the
+    checksum it was verified with; it crosses to a peer inside the answer, and the peer holds
+    it as a copy received (kept, it copies it again)."""
+    import numpy as np
+    import ray
+    from kdn.core.chunk import Chunk, Encoded
+    from kdn.edge.tiers import INLINE_BYTES
+    big, = kit.make_chunks(1)                                  # 128 KiB: stored
+    at = Chunk(b"a" * 16, b"n" * 16, np.ones(INLINE_BYTES, np.uint8), "opaque")   # at the bound: stored
+    assert big.nbytes > INLINE_BYTES and isinstance(Held.kept(big).ref, ray.ObjectRef)
+    assert isinstance(Held.kept(at).ref, ray.ObjectRef)
+    arrived = np.zeros(1 << 20, np.uint8)                       # a large buffer it is a view into
+    arrived[:4096] = np.arange(4096) % 251
+    small = Chunk(b"s" * 16, b"n" * 16, arrived[:4096], "opaque")
+    object.__setattr__(small, "_xxh", xxhash.xxh3_64_intdigest(small.kv))
+    held = Held.kept(small)
+    assert held.ref is None and held.obj is not small and held.obj.kv.base is not arrived
+    assert not held.obj.kv.flags.writeable and held.obj._xxh == small._xxh
+    assert np.array_equal(held.obj.kv, small.kv) and (held.key, held.nbytes, held.own) == (small.key, 4096, True)
+    arrived[:4096] = 0                                          # the buffer reused: the copy is its own
+    assert asyncio.run(held.resolve()).kv[1] == 1
+    peer = Held.from_wire(held.wire(), "far-0")
+    assert peer.ref is None and peer.obj is held.obj and not peer.own and peer.src == "far-0"
+    frame = Encoded.of(Chunk(big.key, big.ns, np.zeros_like(big.kv), "float32"), "zstd")
+    kept = Held.kept(frame)                                     # 128 KiB of KV in a small frame: inline
+    assert frame.nbytes < INLINE_BYTES and kept.ref is None and kept.obj is not frame
+    assert kept.obj.codec == "zstd" and bytes(kept.obj.frame) == bytes(frame.frame)
+    assert not kept.obj.frame.flags.writeable
