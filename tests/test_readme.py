@@ -17,6 +17,7 @@ output goes to files, not pipes (the cluster's daemons must not hold a pipe of `
 Commands named in prose are checked too: every `kdn bench NAME` exists and every `--flag`
 the prose names is one its command takes.
 """
+import argparse
 import json
 import os
 import re
@@ -77,10 +78,13 @@ def test_prose_commands_exist(capsys):
         re.findall(r"`(\w+)`", text[text.index("| `kdn bench keys`"):].splitlines()[0]))
     assert benches and not benches - set(NAMES), sorted(benches - set(NAMES))
     flags = set()
-    parser = build_parser()
-    for action in parser._subparsers._group_actions:
-        for sub in action.choices.values():
-            flags |= {o for a in sub._actions for o in a.option_strings}
+
+    def collect(parser):                 # every command's flags, nested groups' too (kdn model plan)
+        for a in parser._actions:
+            flags.update(a.option_strings)
+            for sub in (getattr(a, "choices", None) or {}).values() if isinstance(a, argparse._SubParsersAction) else ():
+                collect(sub)
+    collect(build_parser())
     for name in sorted(benches):
         with pytest.raises(SystemExit) as done:
             importlib.import_module(f"kdn.bench.{name}").main(["--help"])

@@ -36,37 +36,16 @@ import numpy as np
 import torch
 
 from kdn.bench import emit_json, matching_prefix, table
+from kdn.engines.transformers.crossmodel import CALIBRATION_DOCS, CALIBRATION_QUESTIONS, calibrate, windows
 
-CALIBRATION_DOCS = ("constitution-article-iii", "bill-of-rights", "gettysburg-address")
 REPORT_DOCS = ("declaration-of-independence", "constitution-article-ii")
-CALIBRATION_QUESTIONS = ("What is this text about?", "Summarize the passage in one sentence.",
-                         "Who is speaking in this text?", "Name one power or right the passage mentions.",
-                         "What is the first sentence of the passage?")
 REPORT_QUESTIONS = ("What is the main idea of this passage?", "Who wrote this, and to whom?",
                     "List two things the passage says.", "Explain the passage to a child.",
                     "What does the last sentence say?")
 
 
-def windows(model, documents, names, window: int) -> list:
-    """[(label, text)]: each named document cut into pieces of `window` tokens (a last piece
-    under a third of a window joins the one before)."""
-    out = []
-    for name, text in documents:
-        if name not in names:
-            continue
-        ids = model.encode(text)
-        cuts = list(range(0, len(ids), window))
-        if len(cuts) > 1 and len(ids) - cuts[-1] < window // 3:
-            cuts.pop()
-        for i, s in enumerate(cuts):
-            e = cuts[i + 1] if i + 1 < len(cuts) else len(ids)
-            out.append((f"{name}@{s}", model.tokenizer.decode(ids[s:e])))
-    return out
-
-
 def run(args, log) -> dict:
     from kdn.cli.knowledge import bundled_documents
-    from kdn.engines.family import choose
     from kdn.engines.transformers import crossmodel as X
     from kdn.engines.transformers.model import load_model
     from kdn.engines.transformers.variant import RECIPES, build
@@ -77,25 +56,21 @@ def run(args, log) -> dict:
     variant = load_model(log=log, variant=folder)
     L, block = variant.layers, args.block
     docs = bundled_documents()
-    calib = windows(variant, docs, CALIBRATION_DOCS, args.window)
+    calib = windows(variant, docs, CALIBRATION_DOCS, args.window)       # profiled by calibrate
     report = windows(variant, docs, REPORT_DOCS, args.window)[:args.kbs]
     log(f"calibration: {len(calib)} KBs x {len(CALIBRATION_QUESTIONS)} questions; "
         f"report: {len(report)} KBs x {len(REPORT_QUESTIONS)} questions")
 
     # --- calibration: profile every block range, pick per size and the plan ---------------
     t0 = time.perf_counter()
-    grid = list(range(0, L, block))
-    profile = X.profile(variant, base, [(t, CALIBRATION_QUESTIONS) for _, t in calib], starts=grid,
-                        ends=[b for b in range(block, L + 1, block)] + ([L] if L % block else []),
-                        max_new_tokens=args.max_new_tokens, log=log)
+    profile, chosen = calibrate(variant, base, docs, block=block, window=args.window, target=args.target,
+                                max_new_tokens=args.max_new_tokens, log=log)
     log(f"profiled {len(profile)} plans in {time.perf_counter() - t0:.0f} s")
     best = {}
     for p in profile:
         k = p["end"] - p["start"]
         if k < L and (k not in best or (p["agree"], p["start"]) > (best[k]["agree"], best[k]["start"])):
             best[k] = p
-    chosen = choose(profile, variant.fingerprint, base.fingerprint, L, target=args.target,
-                    calibration={"kbs": [n for n, _ in calib], "questions": list(CALIBRATION_QUESTIONS)})
     plans = [(p["start"], p["end"]) for k, p in sorted(best.items())]
 
     # --- report: every way on held-apart KBs and questions ---------------------------------

@@ -5,20 +5,45 @@ from kdn.cli.common import network_args, network_client
 from kdn.core.errors import KDNError
 from kdn.engines.base import ENGINES
 
+VARIANTS = ("founding-docs", "founding-docs-light")   # kdn.engines.transformers.variant.RECIPES
 
-def _model_fingerprint(engine: str = "transformers"):
-    """The fingerprint KV of the model gets with `engine`, from the folder kdn.engines.transformers.model converted,
-    without loading the weights (a few seconds less than load_model(), and no warm-up); None
+
+def _model_fingerprint(engine: str = "transformers", variant=None):
+    """The fingerprint KV of the model gets with `engine`, from the folder kdn.engines.transformers.model converted
+    (or the variant's folder), without loading the weights (a few seconds less than load_model(), and no warm-up); None
     before the first conversion. Lets a command refuse an unknown KB or a wrong admin token
     before the model loads; whatever loads later is checked against it."""
     from kdn.engines.base import check_engine
     from kdn.engines.fingerprint import fingerprints
     from kdn.engines.transformers import convert
+    if variant is not None:
+        return fingerprints(variant)[check_engine(engine)]
     digest = convert.file_digest(convert.gguf_path())
     folder = convert.cache_root() / "models" / f"{convert.MODEL_NAME}-{digest[:16]}"
     if convert.read_meta(folder, digest) is None:
         return None
     return fingerprints(folder)[check_engine(engine)]
+
+
+def _variant(args):
+    """The folder of the variant --variant names (already built), or None; BadRequest where
+    the engine cannot load a variant."""
+    from kdn.core.errors import BadRequest
+    if args.variant is None:
+        return None
+    if args.engine != "transformers":
+        raise BadRequest("--variant is served by the transformers engine only")
+    from kdn.cli.knowledge import bundled_documents
+    from kdn.engines.transformers import variant
+    return variant.find(variant.RECIPES[args.variant], bundled_documents())
+
+
+def _plan(reader_folder, sender_fingerprint: str):
+    """The recompute plan stored for the pair (`kdn model plan`), or ModelError saying how to
+    make one."""
+    from kdn.engines.family import load_plan
+    from kdn.engines.transformers import variant
+    return load_plan(variant.plans_root(), _model_fingerprint("transformers", reader_folder), sender_fingerprint)
 
 
 def _publish(args, rest):
@@ -37,11 +62,17 @@ def _publish(args, rest):
     emphasis = check_weights(parse_weights(args.emphasis), [n for n, _ in selection.documents])
     if emphasis and args.engine == "vllm":
         raise KDNError("--emphasis is served by the transformers engine only")
-    fingerprint = _model_fingerprint(args.engine)
+    if args.hidden_for and args.engine != "transformers":
+        raise KDNError("--hidden-for is served by the transformers engine only")
+    folder = _variant(args)
+    fingerprint = _model_fingerprint(args.engine, folder)
+    plans = [_plan(_hidden_reader(name), fingerprint) for name in args.hidden_for] if fingerprint else []
     if fingerprint is not None:
         network_client(args, tenant=args.tenant, fingerprint=fingerprint).publisher.check_access()
     # the KB's length is checked with the model's tokenizer before a slow engine starts
-    model = load_model(warm=args.engine == "transformers")
+    model = load_model(warm=args.engine == "transformers", variant=folder)
+    if not plans and args.hidden_for:          # the model converted just now: the plans' sender known
+        plans = [_plan(_hidden_reader(name), model.fingerprint) for name in args.hidden_for]
     _check_length(args, model, selection.documents, *context_of(args.engine, model))
     cl = network_client(args, tenant=args.tenant, fingerprint=fingerprint or model.fingerprint)
     engine = load_engine(args.engine, model, "kv_both", **_connector_settings(args, cl, admin=True))
@@ -59,6 +90,8 @@ def _publish(args, rest):
           f"{r['reused_tokens']} from the network{sent}")
     if r.get("placement"):
         print("placement: " + ", ".join(f"{e} {n}" for e, n in sorted(r["placement"].items())))
+    if plans:
+        _publish_hidden(cl, model, args.kb, selection.documents, args.hidden_for, plans)
     if emphasis:                   # the operator marks documents: the KB's emphasis override
         cl.set_emphasis(args.kb, emphasis)
     from kdn.core.emphasis import override_of
@@ -66,6 +99,26 @@ def _publish(args, rest):
     if weights and (emphasis or not r.get("unchanged")):
         _store_emphasis(cl, model, args.kb, weights, r["version"])
     return 0
+
+
+def _hidden_reader(name: str):
+    """The folder of the variant --hidden-for names (already built)."""
+    from kdn.cli.knowledge import bundled_documents
+    from kdn.engines.transformers import variant
+    return variant.find(variant.RECIPES[name], bundled_documents())
+
+
+def _publish_hidden(cl, model, kb: str, documents, names, plans) -> None:
+    """Store the hidden states each variant's plan recomputes from, beside the KB's KV (one
+    namespace per layer; layers two plans share are stored once)."""
+    from kdn.engines.transformers.crossmodel import publish_hidden
+    layers = sorted({p.start for p in plans})
+    h = publish_hidden(cl, model, kb, documents, layers)
+    for name, p in zip(names, plans):
+        print(f"hidden states entering layer {p.start} stored for {name} (its plan recomputes layers "
+              f"{p.start}-{p.end} of {p.layers}): a reader of that variant may opt in to this KV "
+              f"(`kdn query --variant {name} --cross-model`)")
+    print(f"hidden states: {h['tokens']} tokens at layers {layers}, {h['bytes'] / 2**20:.1f} MiB")
 
 
 def _store_emphasis(cl, model, kb: str, weights: dict, version: int = None) -> None:
@@ -174,15 +227,17 @@ def _check_query_args(args) -> list:
 def _query(args, rest):
     from kdn.engines.base import load_engine
     from kdn.engines.transformers.model import load_model
-    from kdn.engines.transformers.worker import compared
     # bad arguments, an unknown region and an unknown KB fail before the model loads
     accept = _check_query_args(args)
-    fingerprint = _model_fingerprint(args.engine)
+    folder = _variant(args)
+    if args.cross_model:
+        return _query_across(args, folder, accept)
+    fingerprint = _model_fingerprint(args.engine, folder)
     cl = None
     if fingerprint is not None:
         cl = network_client(args, tenant=args.tenant, fingerprint=fingerprint, region=args.region, accept=accept)
         cl.manifest(args.kb)                 # ManifestError naming the KB when there is none
-    model = load_model(warm=args.engine == "transformers")
+    model = load_model(warm=args.engine == "transformers", variant=folder)
     if cl is None:
         cl = network_client(args, tenant=args.tenant, fingerprint=model.fingerprint, region=args.region,
                       accept=accept)
@@ -196,19 +251,60 @@ def _query(args, rest):
     if override_of(cl.manifest(args.kb)):
         print(f"note: {args.kb} has an emphasis override {override_of(cl.manifest(args.kb))}; `kdn query` "
               "answers over its exact KV, `kdn serve` applies the override", file=sys.stderr)
+    return _report(args, cl, engine.name, a)
+
+
+def _report(args, cl, engine: str, a, across: str = "") -> int:
+    """The answer's line on stderr (where its KV came from, how fast), and --check's verdict."""
+    from kdn.engines.transformers.worker import compared
     src = ", ".join(f"{k} {v}" for k, v in sorted(a.sources.items())) or "none"
-    lossy = "" if a.exact else ", LOSSY codec accepted"
-    print(f"\n[{cl.region} via {a.edge}, {engine.name}] {a.cached_tokens}/{a.prompt_tokens} prompt tokens "
-          f"from KDN (chunks: {src}; {a.bytes_moved / 2**20:.1f} MiB of KV, {a.wire_bytes / 2**20:.1f} MiB "
+    lossy = "" if a.exact or across else ", LOSSY codec accepted"
+    print(f"\n[{cl.region} via {a.edge}, {engine}] {a.cached_tokens}/{a.prompt_tokens} prompt tokens "
+          f"from KDN{across} (chunks: {src}; {a.bytes_moved / 2**20:.1f} MiB of KV, {a.wire_bytes / 2**20:.1f} MiB "
           f"moved{lossy}); time to first token {a.ttft_s * 1000:.0f} ms", file=sys.stderr)
     if args.check:
-        baseline = "a full prefill" if engine.name == "transformers" else f"{engine.name} without it"
+        baseline = "a full prefill" if engine == "transformers" else f"{engine} without it"
         diff = "" if a.max_logit_diff is None else f" (max logit difference {a.max_logit_diff:.2e})"
         print(f"full prefill without KDN: time to first token {a.baseline_ttft_s * 1000:.0f} ms, both "
               f"warm: {compared(a.ttft_s, a.baseline_ttft_s, baseline)}; generated tokens identical: "
               f"{'yes' if a.identical else 'NO'}{diff}", file=sys.stderr)
         return 0 if a.identical else 1
     return 0
+
+
+def _query_across(args, folder, accept) -> int:
+    """--cross-model: the variant answers over the base model's KV of the KB, recomputing the
+    layers of the pair's stored plan (kdn.engines.transformers.crossmodel.CrossReader); the
+    answer is never exact and says so."""
+    from kdn.core.errors import BadRequest
+    from kdn.engines.transformers.crossmodel import CrossReader
+    from kdn.engines.transformers.model import load_model
+    if folder is None:
+        raise BadRequest("--cross-model reads the base model's KV for a fine-tuned variant: name the "
+                         "reader with --variant")
+    if accept is not None:
+        raise BadRequest("--cross-model reads the sender's exact KV: --accept does not apply")
+    sender = _model_fingerprint("transformers")
+    if sender is None:
+        raise KDNError("the base model is not converted here: publish a KB with it first")
+    plan = _plan(folder, sender)                     # ModelError: `kdn model plan` makes one
+    network_client(args, tenant=args.tenant, fingerprint=sender, region=args.region).manifest(args.kb)
+    model = load_model(variant=folder)
+    cl = network_client(args, tenant=args.tenant, fingerprint=model.fingerprint, region=args.region)
+    reader = CrossReader(cl, model, plan)
+    try:
+        a = reader.answer(args.kb, args.question, max_new_tokens=args.max_new_tokens, check=args.check)
+    finally:
+        reader.close()
+    print(a.text)
+    c = a.cross_model
+    agree = next((p["agree"] for p in plan.profile if (p["start"], p["end"]) == (plan.start, plan.end)), None)
+    chosen = f", {agree:.0%} identical on calibration" if agree is not None else ""
+    across = (f" as the base model's KV, CROSS-MODEL (exact=False): layers {c['recompute'][0]}-{c['recompute'][1]} "
+              f"of {c['layers']} recomputed by {model.name} (plan {c['plan']}{chosen}"
+              + ("; read as kept before" if c["kept"] else f"; {a.extra['hidden_bytes'] / 2**20:.1f} MiB of "
+                 "hidden states") + ")")
+    return _report(args, cl, "transformers", a, across)
 
 
 def _publish_args(sub):
@@ -235,6 +331,13 @@ def _publish_args(sub):
                    help="mark document DOC with weight K (an integer in [1, 16]): answers over the KB attend "
                         "K times more to it (the KB's emphasis override, as `kdn emphasize` sets; "
                         "its edited KV is stored under its own keys, flagged inexact); repeatable")
+    p.add_argument("--variant", choices=VARIANTS, default=None,
+                   help="prefill with this fine-tuned variant of the model (`kdn model variant`): its KV "
+                        "is published under its own fingerprint")
+    p.add_argument("--hidden-for", action="append", default=[], choices=VARIANTS, metavar="VARIANT",
+                   help="also store the hidden states VARIANT's recompute plan starts from (`kdn model "
+                        "plan`), so its readers may opt in to this KV (`kdn query --variant VARIANT "
+                        "--cross-model`); repeatable")
     network_args(p)
     p.set_defaults(func=_publish)
 
@@ -287,6 +390,13 @@ def _query_args(sub):
                    help="answer with KDN's transformers worker or with vLLM and its KDN connector")
     q.add_argument("--check", action="store_true",
                    help="also run a plain full prefill; exit 1 unless the generated tokens are identical")
+    q.add_argument("--variant", choices=VARIANTS, default=None,
+                   help="answer with this fine-tuned variant of the model (`kdn model variant`), over "
+                        "its own KV of the KB")
+    q.add_argument("--cross-model", action="store_true",
+                   help="opt in: the --variant answers over the base model's KV of the KB, recomputing "
+                        "the layers of the pair's plan (`kdn model plan`) from the hidden states the "
+                        "publisher stored (`kdn publish --hidden-for`); never exact, and said so")
     network_args(q)
     q.set_defaults(func=_query)
 

@@ -1,9 +1,18 @@
-"""`kdn model variant`: build the fine-tuned variant of the model (kdn.engines.transformers.variant).
+"""`kdn model variant` and `kdn model plan`: the model's family (kdn.engines.transformers.variant, .crossmodel).
 
-It trains the default recipe (a LoRA on every layer, the bundled founding documents, a fixed
-seed; minutes on 2 cores) once, and prints the folder, the base and variant fingerprints and
-the training's loss; a second run finds the folder and trains nothing. Flags change the
+`variant` trains the default recipe (a LoRA on every layer, the bundled founding documents, a
+fixed seed; minutes on 2 cores) once, and prints the folder, the base and variant fingerprints
+and the training's loss; a second run finds the folder and trains nothing. Flags change the
 recipe (another recipe is another folder).
+
+`plan` profiles a built variant reading the base model's KV on the calibration split
+(crossmodel.calibrate: every plan recomputing whole blocks of layers, asked the calibration
+questions over windows of the calibration documents: the bundled ones, or --calibration's) and stores the plan of the fewest
+recomputed layers whose greedy answers are the variant's own on at least --target of them,
+with its profile, for the pair (kdn.engines.family.save_plan). Readers of that variant may
+then opt in to the base model's KV (`kdn query --variant NAME --cross-model`). Where no plan
+short of recomputing every layer reaches the target, nothing is stored and the command says
+how near the best came (exit 2): the variant prefills itself.
 """
 import json
 from dataclasses import replace
@@ -43,9 +52,53 @@ def _variant(args, rest):
     return 0
 
 
+def _plan(args, rest):
+    from kdn.cli.knowledge import bundled_documents
+    from kdn.engines.family import save_plan
+    from kdn.engines.transformers import variant
+    from kdn.engines.transformers.crossmodel import calibrate
+    from kdn.engines.transformers.model import load_model
+    if not 0 < args.target <= 1:
+        raise KDNError(f"--target must be in (0, 1], got {args.target}")
+    docs = bundled_documents()
+    folder = variant.find(variant.RECIPES[args.recipe], docs)
+    if args.calibration:              # the operator's own texts, all of them
+        from kdn.client.documents import select_documents
+        docs = select_documents(args.calibration, [], []).documents
+        names = {"names": [n for n, _ in docs]}
+    else:
+        names = {}                    # the bundled calibration split
+    log = (lambda msg: None) if args.json else (lambda msg: print(msg, flush=True))
+    reader, sender = load_model(variant=folder, log=log), load_model(log=log)
+    profile, plan = calibrate(reader, sender, docs, block=args.block, window=args.window, target=args.target,
+                              max_new_tokens=args.max_new_tokens, log=log, **names)
+    best = max((p for p in profile if p["end"] - p["start"] < reader.layers),
+               key=lambda p: (p["agree"], -(p["end"] - p["start"])), default=None)
+    out = {"variant": args.recipe, "reader": reader.fingerprint, "sender": sender.fingerprint,
+           "target": args.target, "profiled": len(profile), "plan": None, "best": best}
+    if plan is not None:
+        path = save_plan(plan, variant.plans_root())
+        agree = next(p["agree"] for p in profile if (p["start"], p["end"]) == (plan.start, plan.end))
+        out.update(plan=plan.describe(), agree=agree, path=str(path))
+    if args.json:
+        print(json.dumps(out))
+    elif plan is not None:
+        print(f"plan {plan.name} for {args.recipe} reading the base model's KV: recompute layers "
+              f"{plan.start}-{plan.end} of {plan.layers} ({out['agree']:.0%} of "
+              f"{next(p['items'] for p in profile)} calibration answers identical to its own); saved to {path}")
+    if plan is None:
+        near = (f"; the nearest recomputes layers {best['start']}-{best['end']} and agrees on {best['agree']:.0%}"
+                if best else "")
+        raise KDNError(f"no plan short of recomputing all {reader.layers} layers keeps {args.target:.0%} of "
+                       f"{args.recipe}'s calibration answers identical{near}: nothing stored, the variant "
+                       f"prefills itself (a lower --target accepts more disagreement)")
+    return 0
+
+
 def add_parsers(sub) -> None:
     """This group's subcommands."""
-    m = sub.add_parser("model", help="the model family: build a fine-tuned variant")
+    m = sub.add_parser("model", help="the model family: build a fine-tuned variant, plan its reads of the "
+                                     "base model's KV")
     msub = m.add_subparsers(dest="model_cmd", required=True)
     v = msub.add_parser("variant", help="train the variant once (LoRA on the bundled documents) and "
                                         "print where it is")
@@ -61,3 +114,20 @@ def add_parsers(sub) -> None:
     v.add_argument("--batch", type=int, default=None, help="windows per step (default 4)")
     v.add_argument("--json", action="store_true", help="print one JSON object")
     v.set_defaults(func=_variant)
+    p = msub.add_parser("plan", help="profile a variant reading the base model's KV on the calibration "
+                                     "split and store the recompute plan for the pair")
+    p.add_argument("--recipe", default="founding-docs", choices=["founding-docs", "founding-docs-light"],
+                   help="the variant (built first with `kdn model variant`)")
+    p.add_argument("--target", type=float, default=0.95,
+                   help="the share of calibration answers the plan must keep identical to the variant's "
+                        "own (default 0.95)")
+    p.add_argument("--block", type=int, default=3, help="plans recompute whole blocks of this many layers "
+                                                        "(default 3)")
+    p.add_argument("--window", type=int, default=600, help="tokens per calibration KB (default 600)")
+    p.add_argument("--calibration", nargs="+", metavar="PATH", default=None,
+                   help="calibrate on these text files and folders (your own domain's), cut into "
+                        "--window-token KBs (default: the bundled calibration documents, "
+                        "kdn.engines.transformers.crossmodel.CALIBRATION_DOCS)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="answer tokens compared (default 16)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_plan)

@@ -20,7 +20,10 @@ With the admin token it keeps the assembled KV under the plan's own namespace
 answers agree with the reader's own (teacher-forced: the reader's reference answer is run in
 one forward over the assembled cache, and a plan agrees on a question where every position's
 argmax is the reference's token, i.e. its greedy answer would be identical); family.choose picks
-from it. Nothing here is exact and nothing here is reached without asking for it.
+from it. `calibrate` runs both on the calibration split (CALIBRATION_DOCS cut into `windows`,
+CALIBRATION_QUESTIONS), the one `kdn model plan` stores a pair's plan from and `kdn bench
+crossmodel` holds its report split apart from. Nothing here is exact and nothing here is
+reached without asking for it.
 """
 from __future__ import annotations
 
@@ -33,7 +36,14 @@ import torch
 
 from kdn.core.errors import ManifestError, ModelError
 from kdn.engines.base import Answer
-from kdn.engines.family import Plan, check_family, cross_fingerprint, hidden_fingerprint
+from kdn.engines.family import Plan, check_family, choose, cross_fingerprint, hidden_fingerprint
+
+# The calibration split: plans are profiled and chosen on these bundled documents and
+# questions only (`kdn bench crossmodel` reports on other documents and other questions).
+CALIBRATION_DOCS = ("constitution-article-iii", "bill-of-rights", "gettysburg-address")
+CALIBRATION_QUESTIONS = ("What is this text about?", "Summarize the passage in one sentence.",
+                         "Who is speaking in this text?", "Name one power or right the passage mentions.",
+                         "What is the first sentence of the passage?")
 
 
 # --- hidden states ---------------------------------------------------------------------------
@@ -299,3 +309,43 @@ def profile(reader, sender, items, starts, ends=None, max_new_tokens: int = 16, 
         log(f"  profiled {len(questions)} questions over {len(know)} knowledge tokens")
     return [{"start": a, "end": b, "agree": s[1] / s[0], "first": s[2] / s[0], "items": s[0]}
             for (a, b), s in score.items() if s[0]]
+
+
+def windows(model, documents, names, window: int) -> list:
+    """[(label, text)]: each named document cut into pieces of `window` tokens (a last piece
+    under a third of a window joins the one before)."""
+    out = []
+    for name, text in documents:
+        if name not in names:
+            continue
+        ids = model.encode(text)
+        cuts = list(range(0, len(ids), window))
+        if len(cuts) > 1 and len(ids) - cuts[-1] < window // 3:
+            cuts.pop()
+        for i, s in enumerate(cuts):
+            e = cuts[i + 1] if i + 1 < len(cuts) else len(ids)
+            out.append((f"{name}@{s}", model.tokenizer.decode(ids[s:e])))
+    return out
+
+
+def calibrate(reader, sender, documents, block: int = 3, window: int = 600, target: float = 0.95,
+              max_new_tokens: int = 16, names=CALIBRATION_DOCS, questions=CALIBRATION_QUESTIONS,
+              log=None) -> tuple:
+    """(profile, plan or None) of the pair on the calibration split: the `names` documents of
+    `documents` ([(name, text)]) cut into `window`-token KBs, asked `questions`; every plan
+    recomputing whole blocks of `block` layers profiled, and family.choose's pick for `target`."""
+    if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= reader.layers:
+        raise ModelError(f"block must be an int in [1, {reader.layers}], got {block!r}")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 16:
+        raise ModelError(f"window must be an int of at least 16 tokens, got {window!r}")
+    calib = windows(reader, documents, names, window)
+    if not calib:
+        raise ModelError(f"no calibration text: none of {list(names)} is among the documents given")
+    L = reader.layers
+    profile_ = profile(reader, sender, [(t, tuple(questions)) for _, t in calib], starts=range(0, L, block),
+                       ends=list(range(block, L + 1, block)) + ([L] if L % block else []),
+                       max_new_tokens=max_new_tokens, log=log)
+    plan = choose(profile_, reader.fingerprint, sender.fingerprint, L, target=target,
+                  calibration={"kbs": [n for n, _ in calib], "questions": list(questions),
+                               "window": window, "block": block, "max_new_tokens": max_new_tokens})
+    return profile_, plan

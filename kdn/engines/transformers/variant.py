@@ -142,6 +142,24 @@ def build(texts, recipe: Recipe = VARIANT, cache_dir=None, log=None, root=None) 
     return target, read_record(target), True
 
 
+def find(recipe: Recipe, texts, cache_dir=None, root=None) -> Path:
+    """The folder of recipe's variant trained on texts, already built; ModelError naming the
+    command that builds it otherwise (a reader never trains a model as a side effect)."""
+    _, base_meta, _ = converted_folder(cache_dir, None, None)
+    root = Path(root) if root is not None else cache_root(cache_dir) / "variants"
+    folder = variant_folder(recipe.check(), base_meta["weights_digest"], [(str(n), str(t)) for n, t in texts], root)
+    if read_record(folder) is None:
+        raise ModelError(f"the variant {recipe.name!r} is not built here: build it first "
+                         f"(`kdn model variant --recipe {recipe.name}`)")
+    return folder
+
+
+def plans_root(cache_dir=None) -> Path:
+    """Where the recompute plans of model pairs are kept (kdn.engines.family.save_plan): beside
+    the variants, under the model cache."""
+    return cache_root(cache_dir) / "variants"
+
+
 def _windows(ids: np.ndarray, recipe: Recipe, rng) -> torch.Tensor:
     starts = rng.integers(0, len(ids) - recipe.window, recipe.batch)
     return torch.from_numpy(np.stack([ids[s:s + recipe.window] for s in starts]).astype(np.int64))

@@ -196,3 +196,87 @@ def test_cross_model_reads_are_opt_in_flagged_kept_apart_and_leave_exact_kv_alon
     after = sender.fetch(know, kb="speech")
     assert [c.key for c in after.chunks] == [c.key for c in before.chunks]
     assert all(np.array_equal(a.kv, b.kv) for a, b in zip(after.chunks, before.chunks))
+
+
+# --- the command line: `kdn model plan`, `kdn publish --hidden-for`, `kdn query --cross-model` ---
+@pytest.fixture
+def family_cli(tiny, model, tmp_path, monkeypatch):
+    """The CLI in-process with the tiny variant standing for the recipe it names, plans kept in
+    tmp_path, and the two models loaded once (load_model answers them)."""
+    import kdn.engines.transformers.model
+    from kdn.engines.transformers import variant as V
+    root, (folder, record, _) = tiny
+    reader = load_model(variant=folder, warm=False)
+    monkeypatch.setattr(V, "find", lambda recipe, texts, **k: folder)
+    monkeypatch.setattr(V, "plans_root", lambda cache_dir=None: tmp_path / "plans")
+    monkeypatch.setattr(kdn.engines.transformers.model, "load_model",
+                        lambda *a, variant=None, **k: reader if variant == folder else model)
+    monkeypatch.setenv("KDN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KDN_ADMIN_TOKEN", ADMIN)
+    monkeypatch.delenv("KDN_TOKEN", raising=False)
+    return reader, tmp_path / "plans"
+
+
+def test_kdn_model_plan_stores_the_pairs_plan_or_says_how_near_it_came(family_cli, model, tmp_path, capsys):
+    from kdn.cli import main
+    from kdn.engines.family import load_plan
+    reader, plans = family_cli
+    text = tmp_path / "calibration" / "speech.md"              # calibrated on the operator's own text
+    text.parent.mkdir()
+    text.write_text(bundled_documents()[-1][1][:600])
+    small = ["--window", "4096", "--max-new-tokens", "4", "--calibration", str(text.parent)]
+    # blocks of 30: the only plan recomputes every layer, no faster than the variant's own prefill
+    assert main(["model", "plan", "--block", "30"] + small) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no plan short of recomputing all 30 layers keeps 95%" in err[0], err
+    assert "nothing stored, the variant prefills itself" in err[0] and not plans.exists()
+    assert main(["model", "plan", "--block", "15", "--target", "0.5", "--json"] + small) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    plan = load_plan(plans, reader.fingerprint, model.fingerprint)
+    assert out["plan"] == plan.describe() and plan.recomputed == 15 and out["agree"] >= 0.5
+    assert {(p["start"], p["end"]) for p in plan.profile} == {(0, 15), (15, 30), (0, 30)}
+    assert plan.calibration["kbs"] == ["speech.md@0"] and plan.calibration["block"] == 15
+    assert main(["model", "plan", "--target", "1.5"]) == 2
+    assert "--target must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_the_cli_reads_across_models_only_when_asked_and_says_so(family_cli, model, small_network,
+                                                                  ray_cluster, tmp_path, capsys):
+    from kdn.cli import main
+    from kdn.client import Client
+    from kdn.engines.family import Plan, cross_fingerprint, save_plan
+    reader, plans = family_cli
+    net = small_network(auth={"admin": ADMIN})
+    at = ["--address", ray_cluster.address, "--network", net.name]
+    doc = tmp_path / "speech.md"
+    doc.write_text(bundled_documents()[-1][1][:700])
+    question = "Who is speaking?"
+    ask = ["query", "speech", question, "--region", "eu-west", "--max-new-tokens", "6"] + at
+    # no plan for the pair yet: the publish is refused before anything is prefilled
+    assert main(["publish", "speech", str(doc), "--hidden-for", "founding-docs"] + at) == 2
+    assert "no recompute plan for reader" in capsys.readouterr().err
+    plan = Plan(reader.fingerprint, model.fingerprint, 0, reader.layers, reader.layers)
+    save_plan(plan, plans)
+    assert main(["publish", "speech", str(doc), "--hidden-for", "founding-docs"] + at) == 0
+    out = capsys.readouterr().out
+    assert "default/speech v1 committed" in out and "hidden states entering layer 0 stored for founding-docs" in out
+    know = Client(network=net.name, region="us-east", fingerprint=model.fingerprint).manifest("speech").token_ids()
+    before = Client(network=net.name, region="us-east", fingerprint=model.fingerprint).fetch(know.tolist())
+    # without opting in, the variant reads its own KV only: there is none
+    assert main(ask + ["--variant", "founding-docs"]) == 2
+    assert "no knowledge base 'speech'" in capsys.readouterr().err
+    assert main(ask + ["--cross-model"]) == 2
+    assert "name the reader with --variant" in capsys.readouterr().err
+    # opted in: the base model's KV, every layer recomputed by the variant, its own answer
+    assert main(ask + ["--variant", "founding-docs", "--cross-model", "--check"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip()
+    assert f"{len(know)}/" in err and "CROSS-MODEL (exact=False): layers 0-30 of 30 recomputed by " + reader.name in err
+    assert f"plan {plan.name}" in err and "generated tokens identical: yes" in err, err
+    assert main(ask + ["--variant", "founding-docs", "--cross-model"]) == 0      # kept: no recompute
+    assert "read as kept before" in capsys.readouterr().err
+    kept = Client(network=net.name, region="eu-west", fingerprint=cross_fingerprint(plan)).fetch(know.tolist())
+    assert kept.tokens == len(know)                  # kept under the plan's own namespace
+    after = Client(network=net.name, region="us-east", fingerprint=model.fingerprint).fetch(know.tolist())
+    assert [c.key for c in after.chunks] == [c.key for c in before.chunks]
+    assert all(np.array_equal(a.kv, b.kv) for a, b in zip(after.chunks, before.chunks))
