@@ -68,7 +68,8 @@ def _serve_args(sub):
     s.add_argument("--down", action="store_true", help="stop the service (the network keeps running)")
     s.add_argument("--config", help="TOML with regions, port, min_replicas, max_replicas, "
                                     "target_ongoing_requests, replica_cpus, max_ongoing_requests, "
-                                    "max_queued_requests, engine, routers (flags given override it)")
+                                    "max_queued_requests, engine, routers, variants, plans (flags given "
+                                    "override it)")
     s.add_argument("--regions", help="regions to serve, comma-separated (default: all)")
     s.add_argument("--port", type=int, help="the port on 127.0.0.1 (default 8000)")
     s.add_argument("--min-replicas", dest="min_replicas", type=int, help="per region (default 1)")
@@ -85,6 +86,11 @@ def _serve_args(sub):
                    help="the replicas' engine (default transformers; vllm: vLLM with the KDN connector, "
                         "where vLLM is installed; it reads KBs published with --engine vllm)")
     s.add_argument("--routers", type=int, help="replicas of the ingress router (default 2)")
+    s.add_argument("--variant", dest="variants", action="append", metavar="RECIPE",
+                   help="also run this fine-tuned variant (`kdn model variant`) in every replica, as model "
+                        "'<model>+RECIPE'; with its pair's plan (`kdn model plan`) its requests may opt in to "
+                        "the base model's KV (extra_body cross_model); repeatable")
+    s.add_argument("--plans", help="where the pairs' recompute plans are (default: the model cache's)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_serve)
 

@@ -13,6 +13,12 @@ Pure functions, no Ray and no model, so every rule is testable alone:
   those documents (kdn.engines.kv_edit; integer weights, checked against the KB's documents);
   without it a KB's emphasis override applies (an operator's setting), and {} asks for the
   exact KV. Every answer says which it got: "kdn": {"exact": bool, "emphasis": {...}}.
+  A service that runs fine-tuned variants of its model (`kdn serve --variant`) takes
+  "<model>+<variant>" too: the variant over its own KV. "cross_model": true (extra_body) opts
+  such a request in to the base model's KV of the KB, the variant recomputing the layers of
+  the pair's plan (kdn.engines.transformers.crossmodel); the answer then says "kdn":
+  {"exact": false, "cross_model": {"sender", "plan", "recompute", "layers"}}. It is refused
+  for the base model and for a plain chat.
   "model": "<model>" with no KB is a plain chat. Every chat's KV is kept for its next turn
   (kdn.core.conversation): prompt_cache_key names the conversation (the ingress routes its
   turns to the region that answered it), prompt_cache_retention ("in_memory" or "24h") how
@@ -184,6 +190,7 @@ class ChatRequest:
     prompt_cache_key: str = None        # OpenAI's: which conversation (routing affinity)
     prompt_cache_retention: str = None  # OpenAI's: "in_memory" (the tenant's idle TTL) or "24h"
     salt: str = None         # cache_salt, safety_identifier, user: a narrower namespace inside the tenant
+    cross_model: bool = False     # a variant opting in to the base model's KV of the KB
     history_regions: tuple = ()   # set by the ingress, never by a caller: where earlier turns were answered
     conversation: str = None      # set by the ingress, never by a caller: its name for the conversation
                                   # (kdn.serve.affinity; the region's router and replicas key by it)
@@ -244,14 +251,16 @@ def api_error(e: KDNError) -> ApiError:
     return ApiError(400, str(e), "invalid_request")   # BadRequest, ModelError, ManifestError, ...
 
 
-def parse_chat(body: dict, base_model: str) -> ChatRequest:
-    """A checked chat request (see the module); ApiError 400/404 otherwise."""
+def parse_chat(body: dict, base_model: str, variants=()) -> ChatRequest:
+    """A checked chat request (see the module); ApiError 400/404 otherwise. variants: the
+    names of the fine-tuned variants the service runs beside base_model."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model is required: a string, '<model>@<kb>' or '<model>' with \"kb\" in the body", "model")
     base, at, kb_text = model.partition("@")
-    if base != base_model:
-        raise ApiError(404, f"model {model!r:.120} does not exist: this service runs {base_model!r} "
+    if base != base_model and base not in variants:
+        also = f" and its variants {', '.join(repr(v) for v in variants)}" if variants else ""
+        raise ApiError(404, f"model {model!r:.120} does not exist: this service runs {base_model!r}{also} "
                        f"(name a KB as '{base_model}@<kb>')", "model_not_found", "model")
     kb_field = body.get("kb")
     if kb_field is not None and not isinstance(kb_field, str):
@@ -297,7 +306,20 @@ def parse_chat(body: dict, base_model: str) -> ChatRequest:
         emphasis = None if body.get("emphasis") is None else check_weights(body["emphasis"])
     except BadRequest as e:
         raise bad(str(e), "emphasis") from None
-    return ChatRequest(model=model, kb=kb, version=version, messages=messages,
+    cross = body.get("cross_model", False)
+    if cross is None:
+        cross = False
+    if not isinstance(cross, bool):
+        raise bad(f"cross_model must be true or false, got {cross!r:.40}", "cross_model")
+    if cross and base == base_model:
+        raise bad(f"cross_model reads the base model's KV for one of its fine-tuned variants: "
+                  f"{base_model!r} reads its own", "cross_model")
+    if cross and kb is None:
+        raise bad("cross_model reads another model's KV of a knowledge base: name one", "cross_model")
+    if cross and (emphasis or not fetch):
+        raise bad("cross_model takes the base model's KV as published: no emphasis, no kdn_fetch false",
+                  "cross_model")
+    return ChatRequest(model=model, kb=kb, version=version, messages=messages, cross_model=cross,
                        max_tokens=mct or mt or DEFAULT_MAX_TOKENS, temperature=float(temperature),
                        stream=stream, include_usage=bool(opts.get("include_usage")), seed=seed,
                        kdn_fetch=fetch, emphasis=emphasis, **prompt_cache(body))
@@ -369,9 +391,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def kv_note(emphasis: dict = None) -> dict:
-    """What an answer's knowledge KV was: exact, or edited by these emphasis weights."""
-    return {"exact": not emphasis, "emphasis": dict(emphasis or {})}
+def kv_note(emphasis: dict = None, cross_model: dict = None) -> dict:
+    """What an answer's knowledge KV was: exact, edited by these emphasis weights, or another
+    model's with a recompute plan (cross_model: the plan's description)."""
+    out = {"exact": not emphasis and not cross_model, "emphasis": dict(emphasis or {})}
+    if cross_model:
+        out["cross_model"] = dict(cross_model)
+    return out
 
 
 def completion(cid: str, model: str, text: str, finish: str, use: dict, created: int = None,
@@ -423,8 +449,9 @@ async def sse_answer(model: str, pieces, prompt_tokens: int, cached, kdn: dict =
     yield DONE
 
 
-def model_list(base_model: str, kbs, created: int = 0) -> dict:
-    """GET /v1/models: the base model, then '<model>@<kb>' per KB name (sorted)."""
-    ids = [base_model] + [f"{base_model}@{kb}" for kb in sorted(set(kbs))]
+def model_list(base_model: str, kbs, created: int = 0, variants=()) -> dict:
+    """GET /v1/models: the base model, then '<model>@<kb>' per KB name (sorted), then each
+    variant the service runs (its own KBs are named the same way)."""
+    ids = [base_model] + [f"{base_model}@{kb}" for kb in sorted(set(kbs))] + list(variants)
     return {"object": "list",
             "data": [{"id": i, "object": "model", "created": created, "owned_by": "kdn"} for i in ids]}

@@ -83,7 +83,7 @@ def app_name(network: str) -> str:
 class RegionWorker:
     """One replica of a region's deployment: the model, a KDN client per tenant, kdn.serve.chat."""
 
-    def __init__(self, network: str, region: str, max_context: int = None):
+    def __init__(self, network: str, region: str, max_context: int = None, variants=(), plans: str = None):
         from kdn.engines.transformers.model import load_model
         from kdn.client.view import node_region
         where = node_region()
@@ -91,6 +91,8 @@ class RegionWorker:
             raise NetworkError(f"a replica of region {region!r} started on a node of region {where!r}")
         self.network, self.region = network, region
         self.model = load_model()
+        self.variants = self._load_variants(variants, plans)   # name -> (model, plan or why none)
+        self._crosses = {}          # (tenant, token, name) -> CrossReader
         self.max_context = max_context or int(getattr(self.model.hf.config, "max_position_embeddings", 8192))
         self._chats = {}            # (tenant, token) -> kdn.serve.chat.Chat
         from kdn.serve.router import CONVERSATION_KV_BYTES, EngineKV
@@ -113,6 +115,23 @@ class RegionWorker:
         except AccessDenied:
             self._chats.clear()
 
+    def _load_variants(self, folders, plans) -> dict:
+        """{name: (model, Plan or the reason there is none)}: the fine-tuned variants served beside
+        the model, each with the recompute plan of its pair (kdn model plan) when there is one."""
+        from kdn.engines.family import load_plan
+        from kdn.engines.transformers.model import load_model
+        from kdn.engines.transformers.variant import plans_root
+        from kdn.core.errors import ModelError
+        out = {}
+        for folder in folders:
+            m = load_model(variant=folder)
+            try:
+                plan = load_plan(plans or plans_root(), m.fingerprint, self.model.fingerprint)
+            except ModelError as e:      # it reads its own KV; cross_model requests are refused
+                plan = str(e)
+            out[m.name] = (m, plan)
+        return out
+
     def record_routing_stats(self) -> dict:
         """What its engine holds, for the router (kdn.serve.router; Serve calls it)."""
         return dict(self.engine_kv.routing_stats(),
@@ -121,19 +140,41 @@ class RegionWorker:
     def stats(self) -> dict:
         return {"region": self.region, "counters": dict(self.counters),
                 "engine_kv": self.engine_kv.stats(), "conversation_kv": self.conversation_kv.stats(),
-                "chats": {t: c.stats()["counters"] for (t, _), c in self._chats.items()}}
+                "chats": {"/".join(filter(None, (t, n))): c.stats()["counters"]
+                          for (t, _, n), c in self._chats.items()}}
 
-    def _chat(self, tenant: str, token):
+    def _chat(self, tenant: str, token, name: str = None):
+        """The Chat of a tenant and token with the model named (None: the base model). A
+        variant's has no engine caches of its own here (those the router aims at are the base
+        model's): it reads its KV, and keeps its conversations, under its own fingerprint."""
         from kdn.serve.chat import Chat
         from kdn.client import Client
-        key = (tenant, token)
+        variant = name is not None and name != self.model.name
+        model = self.variants[name][0] if variant else self.model
+        key = (tenant, token, model.name if variant else None)
         if key not in self._chats:
             client = Client(network=self.network, region=self.region, tenant=tenant,
-                            fingerprint=self.model.fingerprint, token=token)
-            self._chats[key] = Chat(self.model, client)
-            self._chats[key].engine_kv = self.engine_kv
-            self._chats[key].conversation_kv = self.conversation_kv
+                            fingerprint=model.fingerprint, token=token)
+            self._chats[key] = Chat(model, client)
+            if not variant:
+                self._chats[key].engine_kv = self.engine_kv
+                self._chats[key].conversation_kv = self.conversation_kv
         return self._chats[key]
+
+    def _cross(self, tenant: str, token, name: str):
+        """(Chat, CrossReader) of a variant reading the base model's KV with its pair's plan;
+        ApiError 400 where the pair has none here."""
+        from kdn.engines.family import Plan
+        from kdn.engines.transformers.crossmodel import CrossReader
+        model, plan = self.variants[name]
+        if not isinstance(plan, Plan):
+            raise ApiError(400, f"{name!r} cannot read {self.model.name!r}'s KV here: {plan}",
+                           "cross_model_unavailable", "cross_model")
+        chat = self._chat(tenant, token, name)
+        key = (tenant, token, name)
+        if key not in self._crosses:      # never keeps: a reader's token is not the admin's
+            self._crosses[key] = CrossReader(chat.client, model, plan, keep=False)
+        return chat, self._crosses[key]
 
     def models(self, tenant: str, token) -> dict:
         """{"status", "body"}: the model list the tenant may read."""
@@ -142,7 +183,7 @@ class RegionWorker:
             names = [m.name for m in self._chat(tenant, token).client.manifests(refresh=True)]
         except KDNError as e:
             return self._error(api_error(e))
-        return {"status": 200, "body": model_list(self.model.name, names)}
+        return {"status": 200, "body": model_list(self.model.name, names, variants=sorted(self.variants))}
 
     def _error(self, e: ApiError) -> dict:
         self.counters["errors"] += 1
@@ -154,25 +195,45 @@ class RegionWorker:
         next turn of a conversation often follows at once, and should find it."""
         if self._storing is not None:
             concurrent.futures.wait([self._storing], timeout=STORE_WAIT_S)
-        chat = self._chat(tenant, token)
+        name = req["model"].partition("@")[0]
+        if req.get("cross_model"):
+            return self._start_across(req, tenant, token, name)
+        chat = self._chat(tenant, token, name)
         m = None if req.get("kb") is None else chat.client.manifest(req["kb"], req["version"])
+        self._check_context(chat.model, m, req)
+        turn = chat.begin(m, req["messages"], req["max_tokens"], req.get("kdn_fetch", True),
+                          req.get("emphasis"), salt=req.get("salt"),
+                          retention=req.get("prompt_cache_retention"), hints=req.get("history_regions") or (),
+                          conversation=req.get("conversation"))
+        return chat, turn
+
+    def _check_context(self, model, m, req: dict) -> None:
+        """ApiError 400 when the KB (m, or None), the messages and max_tokens pass the context."""
         if m is None:
-            n = len(self.model.chat_tokens(req["messages"]))
+            n = len(model.chat_tokens(req["messages"]))
             what = f"the messages' {n} tokens"
         else:
             from kdn.serve.chat import messages_tokens
-            n = len(m.token_ids()) + len(messages_tokens(self.model, req["messages"]))
+            n = len(m.token_ids()) + len(messages_tokens(model, req["messages"]))
             what = f"the KB's {len(m.token_ids())} tokens and the messages' {n - len(m.token_ids())}"
         total = n + req["max_tokens"]
         if total > self.max_context:
             raise ApiError(400, f"{what} and max_tokens ({req['max_tokens']}) make {total} tokens; "
                                 f"the model's context is {self.max_context} tokens",
                            "context_length_exceeded", "messages")
-        turn = chat.begin(m, req["messages"], req["max_tokens"], req.get("kdn_fetch", True),
-                          req.get("emphasis"), salt=req.get("salt"),
-                          retention=req.get("prompt_cache_retention"), hints=req.get("history_regions") or (),
-                          conversation=req.get("conversation"))
-        return chat, turn
+
+    def _start_across(self, req: dict, tenant: str, token, name: str):
+        """(chat, Turn) of a variant over the base model's KV of the KB, the plan's layers
+        recomputed (CrossReader.prepare); never exact, never kept."""
+        from kdn.serve.chat import Turn, messages_tokens
+        chat, reader = self._cross(tenant, token, name)
+        m = reader.sender.manifest(req["kb"], req["version"])     # 404 where the base has no such KB
+        self._check_context(chat.model, m, req)
+        cache, n, f = reader.prepare(req["kb"], messages_tokens(chat.model, req["messages"]), req["max_tokens"],
+                                     m.version)
+        self.counters["cross_model"] += 1
+        return chat, Turn(f["prompt"], cache, n, req["messages"], kb_tokens=f["know"], exact=False,
+                          cross_model=reader.plan.describe())
 
     def _keep_later(self, chat, turn, steps) -> None:
         """After the reply: the conversation's new KV copied out in the model's thread (before
@@ -239,7 +300,7 @@ class RegionWorker:
         n = sum(1 for s in steps if s.token is not None)
         body = completion(completion_id(), req["model"], text, steps[-1].finish,
                           usage(len(turn.prompt), n, turn.cached),
-                          kdn=kv_note(getattr(turn.cache, "kdn_emphasis", None)))
+                          kdn=kv_note(getattr(turn.cache, "kdn_emphasis", None), turn.cross_model))
         return {"status": 200, "body": body, "region": self.region}
 
     async def stream(self, req: dict, tenant: str, token):
@@ -254,7 +315,7 @@ class RegionWorker:
             yield {"status": 200, "region": self.region}
             async with contextlib.aclosing(self._steps(chat, turn, req)) as gen:
                 pieces = ((s.text, int(s.token is not None), s.finish) async for s in gen)
-                note = kv_note(getattr(turn.cache, "kdn_emphasis", None))
+                note = kv_note(getattr(turn.cache, "kdn_emphasis", None), turn.cross_model)
                 async for event in sse_answer(req["model"], pieces, len(turn.prompt), turn.cached, note):
                     yield event
 
@@ -263,13 +324,14 @@ class Ingress:
     """The ingress: HTTP in, a region's deployment chosen, the answer relayed (see the module)."""
 
     def __init__(self, workers: dict, nearest: dict, auth: dict, base_model: str, links: dict = None,
-                 network: str = None):
+                 network: str = None, variants=()):
         from kdn.core.auth import Tokens
         from kdn.client.view import node_region
         self.workers = workers                # region -> DeploymentHandle
         self.nearest = nearest                # region -> [regions with a deployment, nearest first]
         self.tokens = Tokens.from_dict(auth)
         self.base_model = base_model
+        self.variants = tuple(variants)       # the fine-tuned variants' names the replicas run
         # links: "rtt_s" {home: {region: round trip s}}, "origin" {region: (latency s, bytes/s)}
         self.links = links or {"rtt_s": {}, "origin": {}}
         self.declared = self.links        # the topology's: what stands where nothing is measured
@@ -476,7 +538,7 @@ class Ingress:
         if endpoint == "chat/completions":
             raw = await read_body(request, MAX_CHAT_BODY_BYTES)
             request.state.body_read = True
-            req = parse_chat(parse_json(raw), self.base_model)
+            req = parse_chat(parse_json(raw), self.base_model, self.variants)
         kb = None if endpoint == "models" or req.kb is None else f"{tenant}/{req.kb}"
         conversation = seen = None
         if endpoint == "chat/completions":
@@ -666,9 +728,12 @@ def deploy(network: str = "kdn", regions=None, port: int = DEFAULT_PORT, auth: d
            min_replicas: int = 1, max_replicas: int = 1, target_ongoing_requests: float = 1.0,
            replica_cpus: float = 1.0, max_queued_requests: int = 16, base_model: str = None,
            engine: str = "transformers", routers: int = 2, max_ongoing_requests: int = 16,
-           routing: str = "kv") -> dict:
+           routing: str = "kv", variants=(), plans: str = None) -> dict:
     """Deploy (or update) the service of `network` on the connected Ray cluster; returns
-    service_info(). regions: those to serve (default every region of the topology).
+    service_info(). variants: fine-tuned variants of the model the replicas run beside it
+    (recipe names of kdn.engines.transformers.variant, built, or their folders), requested as
+    "<model>+<recipe>"; plans: where their pairs' recompute plans are (default the model
+    cache's, `kdn model plan`). regions: those to serve (default every region of the topology).
     auth: the network's tokens ({"admin", "readers"}, as `kdn up` configured them).
     engine: "transformers" (default) or "vllm" (worker_class). routers: replicas of the
     ingress, so one that dies does not take the API down while Serve replaces it.
@@ -695,6 +760,7 @@ def deploy(network: str = "kdn", regions=None, port: int = DEFAULT_PORT, auth: d
         raise BadRequest(f"unknown region(s) {unknown}; the network has {topo.regions}")
     if routing not in ("kv", "default"):
         raise BadRequest(f"routing must be 'kv' or 'default', got {routing!r:.40}")
+    folders, names = variant_folders(variants, engine)
     from ray.serve.config import RequestRouterConfig
     from kdn.serve.router import router_config
     routed = {"request_router_config": RequestRouterConfig(**router_config())} if routing == "kv" else {}
@@ -706,19 +772,47 @@ def deploy(network: str = "kdn", regions=None, port: int = DEFAULT_PORT, auth: d
             autoscaling_config=scaling, health_check_period_s=5, health_check_timeout_s=60,
             graceful_shutdown_timeout_s=5, **routed,
             ray_actor_options={"label_selector": {"region": r}, "num_cpus": replica_cpus})
-        workers[r] = d.bind(network, r, **({"auth": auth or {}} if engine == "vllm" else {}))
+        workers[r] = d.bind(network, r, **({"auth": auth or {}} if engine == "vllm" else {}),
+                            **({"variants": folders, "plans": plans and str(plans)} if folders else {}))
     router = serve.deployment(Ingress).options(
         name=ROUTER, num_replicas=routers, max_ongoing_requests=1000,
         ray_actor_options={"num_cpus": 0, "label_selector": {"region": topo.origin_region}})
     app = router.bind(workers, nearest_regions(topo, regions), auth or {}, base_model or MODEL_NAME,
-                      links_of(topo, regions), network)
+                      links_of(topo, regions), network, names)
     serve.run(app, name=app_name(network), route_prefix="/")
     return service_info(network)      # the port Serve listens on (a running Serve keeps its own)
 
 
 CONFIG_KEYS = {"regions", "port", "min_replicas", "max_replicas", "target_ongoing_requests",
                "replica_cpus", "max_ongoing_requests", "max_queued_requests", "engine", "routers",
-               "routing"}
+               "routing", "variants", "plans"}
+
+
+def variant_folders(variants, engine: str = "transformers") -> tuple:
+    """([folder], [model name]) of the variants named (a recipe name, built here, or a
+    variant's folder); BadRequest for anything else."""
+    from pathlib import Path
+    if not variants:
+        return [], []
+    if isinstance(variants, str) or not all(isinstance(v, str) for v in variants):
+        raise BadRequest(f"variants must be a list of recipe names or variant folders, got {variants!r:.80}")
+    if check_engine(engine) != "transformers":
+        raise BadRequest("variants are served by the transformers engine only")
+    from kdn.cli.knowledge import bundled_documents
+    from kdn.engines.transformers import variant
+    from kdn.engines.transformers.model import MODEL_NAME
+    folders, names = [], []
+    for v in variants:
+        folder = (variant.find(variant.RECIPES[v], bundled_documents()) if v in variant.RECIPES else Path(v))
+        record = variant.read_record(folder)
+        if record is None:
+            raise BadRequest(f"variant {v!r:.120} is neither a recipe ({', '.join(variant.RECIPES)}) nor a "
+                             f"built variant's folder")
+        folders.append(str(folder))
+        names.append(f"{MODEL_NAME}+{record['recipe']['name']}")
+    if len(set(names)) != len(names):
+        raise BadRequest(f"variants name one model twice: {names}")
+    return folders, names
 
 
 def load_config(path) -> dict:
@@ -735,8 +829,9 @@ def load_config(path) -> dict:
     unknown = sorted(set(d) - CONFIG_KEYS)
     if unknown:
         raise BadRequest(f"serve config {path}: unknown key(s) {unknown}; known: {sorted(CONFIG_KEYS)}")
-    if "regions" in d and (not isinstance(d["regions"], list) or not all(isinstance(r, str) for r in d["regions"])):
-        raise BadRequest(f"serve config {path}: regions must be a list of region names")
+    for key in ("regions", "variants"):
+        if key in d and (not isinstance(d[key], list) or not all(isinstance(r, str) for r in d[key])):
+            raise BadRequest(f"serve config {path}: {key} must be a list of names")
     return d
 
 

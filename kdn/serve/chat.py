@@ -47,7 +47,8 @@ class Turn:
     cached: int                 # prompt tokens whose KV came from KDN (not computed here)
     messages: list
     kb_tokens: list = None      # the KB's token ids the prompt starts with (None: a plain chat)
-    exact: bool = True          # False: emphasized or lossy KV; nothing of it is kept
+    exact: bool = True          # False: emphasized, lossy or another model's KV; nothing of it is kept
+    cross_model: dict = None    # another model's KV with a recompute plan: the plan's description
     salt: str = None
     retention: str = None       # prompt_cache_retention (kdn.core.conversation.retention_ttl)
     conversation: str = None    # the ingress's name for the conversation (kdn.serve.affinity)

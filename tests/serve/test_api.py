@@ -191,3 +191,27 @@ def test_errors_map_to_statuses_a_node_that_did_not_answer_503_one_that_failed_5
     assert (down.status, down.code, down.retry_after is not None) == (503, "network_unavailable", True)
     assert (fault.status, fault.code, fault.body()["error"]["type"]) == (502, "network_fault", "server_error")
     assert bad.status == 400
+
+
+def test_a_variant_is_named_beside_the_model_and_cross_model_is_its_opt_in_only():
+    """A service running a variant takes '<model>+<variant>' (another name is still 404);
+    cross_model is a bool, only for a variant, only over a KB, never with emphasis or without
+    KDN; the answer's note says it is not exact and names the plan."""
+    from kdn.serve.api import kv_note
+    v = f"{MODEL_NAME}+legal"
+    r = parse_chat({"model": f"{v}@kb", "messages": MSG, "cross_model": True}, MODEL_NAME, (v,))
+    assert (r.model, r.kb, r.cross_model) == (f"{v}@kb", "kb", True)
+    assert parse_chat({"model": f"{v}@kb", "messages": MSG}, MODEL_NAME, (v,)).cross_model is False
+    with pytest.raises(ApiError) as err:
+        parse_chat({"model": f"{v}@kb", "messages": MSG}, MODEL_NAME)        # not served
+    assert (err.value.status, err.value.code) == (404, "model_not_found")
+    for body in ({"model": f"{MODEL_NAME}@kb", "cross_model": True}, {"model": v, "cross_model": True},
+                 {"model": f"{v}@kb", "cross_model": 1}, {"model": f"{v}@kb", "cross_model": True, "kdn_fetch": False},
+                 {"model": f"{v}@kb", "cross_model": True, "emphasis": {"a.md": 2}}):
+        with pytest.raises(ApiError) as err:
+            parse_chat({"messages": MSG, **body}, MODEL_NAME, (v,))
+        assert (err.value.status, err.value.param) == (400, "cross_model"), body
+    plan = {"sender": "base", "plan": "p", "recompute": [12, 24], "layers": 30}
+    assert kv_note(None, plan) == {"exact": False, "emphasis": {}, "cross_model": plan}
+    assert kv_note() == {"exact": True, "emphasis": {}}
+    assert [m["id"] for m in model_list(MODEL_NAME, ["kb"], variants=[v])["data"]] == [MODEL_NAME, f"{MODEL_NAME}@kb", v]

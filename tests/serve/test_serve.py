@@ -55,6 +55,17 @@ def service(ray_cluster, tmp_path_factory, model, kdn_cli):
     reader = Client(network=name, region="eu-west", fingerprint=model.fingerprint, token=READ)
     expected = answer(reader, model, "rights", QUESTION, max_new_tokens=NEW_TOKENS, check=True)
     assert expected.identical
+    # a fine-tuned variant served beside the model (the tiny recipe: the mechanics), with a
+    # plan recomputing every layer from the base model's hidden states (stored beside its KV)
+    from kdn.engines.family import Plan, save_plan
+    from kdn.engines.transformers.crossmodel import publish_hidden
+    from kdn.engines.transformers.model import load_model
+    from kdn.engines.transformers.variant import TINY, build
+    folder = build(bundled_documents()[-1:], TINY, root=tmp_path_factory.mktemp("variants"))[0]
+    variant = load_model(variant=folder, warm=False)
+    plans = tmp_path_factory.mktemp("plans")
+    save_plan(Plan(variant.fingerprint, model.fingerprint, 0, variant.layers, variant.layers), plans)
+    publish_hidden(pub, model, "rights", [("bill-of-rights", docs["bill-of-rights"])], [0])
     port = free_ports(1)[0]
     where = ["--address", ray_cluster.address, "--network", name]
     env = {"KDN_ADMIN_TOKEN": ADMIN, "KDN_READ_TOKENS": f"default={READ},acme={ACME}"}
@@ -65,13 +76,15 @@ def service(ray_cluster, tmp_path_factory, model, kdn_cli):
     config = tmp_path_factory.mktemp("config") / "serve.toml"
     config.write_text(f"regions = {json.dumps(SERVED)}\nport = 1\nreplica_cpus = 0\nrouters = {ROUTERS}\n"
                       "max_ongoing_requests = 1\nmax_queued_requests = 2\nmin_replicas = 1\n"
-                      "max_replicas = 1\ntarget_ongoing_requests = 3.0\n")
+                      "max_replicas = 1\ntarget_ongoing_requests = 3.0\n"
+                      f"variants = [{json.dumps(str(folder))}]\nplans = {json.dumps(str(plans))}\n")
     try:
         rc, out = kdn_cli("serve", *where, "--config", str(config), "--port", str(port), "--json")
         assert rc == 0, out
         info = json.loads(out)
         yield {"url": info["url"], "info": info, "network": name, "expected": expected,
-               "kb_tokens": receipt["tokens"], "port": port, "where": where}
+               "kb_tokens": receipt["tokens"], "port": port, "where": where, "variant": variant,
+               "kb_ids": reader.manifest("rights").token_ids().tolist()}
     finally:
         rc, out = kdn_cli("serve", *where, "--down")
         stop_network(net)
@@ -284,8 +297,8 @@ def test_emphasis_per_request_and_as_the_kbs_override_through_the_openai_client(
 
 def test_models_lists_what_the_tenant_may_read(service):
     ids = [m.id for m in _client(service["url"]).models.list()]
-    assert ids == [MODEL_NAME, f"{MODEL_NAME}@rights"]
-    assert [m.id for m in _client(service["url"], ACME).models.list()] == [MODEL_NAME]
+    assert ids == [MODEL_NAME, f"{MODEL_NAME}@rights", f"{MODEL_NAME}+tiny"]     # then the variant served
+    assert [m.id for m in _client(service["url"], ACME).models.list()] == [MODEL_NAME, f"{MODEL_NAME}+tiny"]
 
 
 @pytest.mark.parametrize("kwargs, status, code", [
@@ -691,3 +704,29 @@ def _rss_helpers():
         sys.modules["rss_hostile_bodies"] = mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     return sys.modules["rss_hostile_bodies"]
+
+
+def test_a_variant_reads_the_base_models_kv_only_when_it_opts_in_and_is_told_so(service, model):
+    """The tiny variant runs in every replica as '<model>+tiny'. Over its own KV it has no
+    'rights' (404: never the base model's KV unasked); with extra_body cross_model it answers
+    over the base model's KV with every layer recomputed, its own full prefill's answer, and
+    the answer says exact false and names the sender and plan. The base model cannot opt in."""
+    from kdn.serve.chat import messages_tokens
+    variant = service["variant"]
+    c = _client(service["url"])
+    assert variant.name == f"{MODEL_NAME}+tiny" and variant.name in [m.id for m in c.models.list().data]
+    messages = [{"role": "user", "content": QUESTION}]
+    with pytest.raises(openai.NotFoundError, match="no knowledge base 'rights'"):
+        c.chat.completions.create(model=f"{variant.name}@rights", messages=messages, max_tokens=6)
+    r = c.chat.completions.create(model=f"{variant.name}@rights", messages=messages, max_tokens=6,
+                                  extra_body={"cross_model": True})
+    prompt = service["kb_ids"] + messages_tokens(variant, messages)
+    own = variant.generate(prompt, max_new_tokens=6)                  # the variant's own full prefill
+    assert r.choices[0].message.content == _text(variant, own.tokens)
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.prompt_tokens_details.cached_tokens == service["kb_tokens"]
+    note = r.model_extra["kdn"]
+    assert note["exact"] is False and note["cross_model"]["sender"] == model.fingerprint
+    assert note["cross_model"]["recompute"] == [0, variant.layers]
+    for who, body in ((MODEL_NAME, {"cross_model": True}), (variant.name, {"cross_model": "yes"})):
+        with pytest.raises(openai.BadRequestError, match="cross_model"):
+            c.chat.completions.create(model=f"{who}@rights", messages=messages, max_tokens=2, extra_body=body)

@@ -201,13 +201,18 @@ class CrossReader:
         got = self.kept.fetch(prompt)
         return got if got.tokens >= n_know else None
 
-    def answer(self, kb: str, question: str, max_new_tokens: int = 48, version: int = None,
-               check: bool = False) -> Answer:
+    def prepare(self, kb: str, tail, spare: int, version: int = None) -> tuple:
+        """(engine cache, tokens cached, facts) for a prompt of KB `kb`'s knowledge then `tail`
+        (token ids), room for `spare` more: the sender's KV with the plan's layers recomputed
+        (or the assembled KV kept before). facts: {"fetched", "prompt", "know", "hidden_bytes",
+        "recompute_s", "rebuild_s", "kept", "fetch_s", "manifest", "keep"}; keep: None, or (a
+        reader that keeps: admin token) a callable storing the assembled KV under the plan's
+        namespace, to call once the answer no longer waits."""
         model, plan = self.model, self.plan
         t0 = time.perf_counter()
         m = self.sender.manifest(kb, version)
         know = m.token_ids().tolist()
-        prompt = know + model.question_tokens(question)
+        prompt = know + list(tail)
         kept = self._kept(prompt, len(know)) if self.keep else None
         fetched, hidden_bytes, recompute_s = kept, 0, 0.0
         if kept is None:
@@ -232,25 +237,38 @@ class CrossReader:
                 raise ModelError(f"the sender's KV of {kb!r} covers {fetched.tokens} of {len(know)} tokens")
         t1 = time.perf_counter()
         n = fetched.tokens
-        cache = model.cache_from_kv(fetched.kv_parts(), len(prompt) - n + max_new_tokens)
+        cache = model.cache_from_kv(fetched.kv_parts(), len(prompt) - n + spare)
         if kept is None:
             overwrite_layers(model, cache, recomputed[:, :, :, :n], plan.start)
         rebuild_s = time.perf_counter() - t1
-        gen = model.generate(prompt, cache=cache, cached_tokens=n, max_new_tokens=max_new_tokens)
-        ttft = (t1 - t0) + rebuild_s + gen.ttft_s
-        a = Answer(question=question, text=gen.text.strip(), tokens=gen.tokens, prompt_tokens=len(prompt),
-                   cached_tokens=n, ttft_s=ttft, fetch_s=t1 - t0, sources=fetched.source_counts(),
-                   edge=fetched.edge, bytes_moved=fetched.nbytes + hidden_bytes, exact=False,
-                   wire_bytes=fetched.wire_bytes + hidden_bytes,
-                   cross_model={**plan.describe(), "kept": kept is not None},
-                   extra={"rebuild_s": rebuild_s, "recompute_s": recompute_s, "hidden_bytes": hidden_bytes})
-        if kept is None and self.keep:
+        def keep():
             kv = np.concatenate(fetched.kv_parts(), axis=3)[:, :, :, :len(know)]
             kv = assemble(kv, recomputed[:, :, :, :len(know)], plan.start)
             from kdn.client.publish import Publisher
             named = [(d.name, know[d.start:d.end]) for d in m.documents]
             Publisher(self.client.view, self.client.tenant, cross_fingerprint(plan),
                       chunk_tokens=self.client.chunk_tokens).publish(kb, named, kv)
+        return cache, n, {"keep": keep if kept is None and self.keep else None, "fetched": fetched,
+                          "prompt": prompt, "know": know, "hidden_bytes": hidden_bytes,
+                          "recompute_s": recompute_s, "rebuild_s": rebuild_s, "kept": kept is not None,
+                          "fetch_s": t1 - t0, "manifest": m}
+
+    def answer(self, kb: str, question: str, max_new_tokens: int = 48, version: int = None,
+               check: bool = False) -> Answer:
+        model, plan = self.model, self.plan
+        cache, n, f = self.prepare(kb, model.question_tokens(question), max_new_tokens, version)
+        prompt, fetched = f["prompt"], f["fetched"]
+        gen = model.generate(prompt, cache=cache, cached_tokens=n, max_new_tokens=max_new_tokens)
+        ttft = f["fetch_s"] + f["rebuild_s"] + gen.ttft_s
+        a = Answer(question=question, text=gen.text.strip(), tokens=gen.tokens, prompt_tokens=len(prompt),
+                   cached_tokens=n, ttft_s=ttft, fetch_s=f["fetch_s"], sources=fetched.source_counts(),
+                   edge=fetched.edge, bytes_moved=fetched.nbytes + f["hidden_bytes"], exact=False,
+                   wire_bytes=fetched.wire_bytes + f["hidden_bytes"],
+                   cross_model={**plan.describe(), "kept": f["kept"]},
+                   extra={"rebuild_s": f["rebuild_s"], "recompute_s": f["recompute_s"],
+                          "hidden_bytes": f["hidden_bytes"]})
+        if f["keep"] is not None:
+            f["keep"]()
         if check:
             base = model.generate(prompt, max_new_tokens=max_new_tokens)
             a.baseline_ttft_s, a.baseline_tokens = base.ttft_s, base.tokens
