@@ -87,10 +87,16 @@ def _plan(args, rest):
               f"{plan.start}-{plan.end} of {plan.layers} ({out['agree']:.0%} of "
               f"{next(p['items'] for p in profile)} calibration answers identical to its own); saved to {path}")
     if plan is None:
+        from kdn.engines.family import plan_path
+        old = plan_path(variant.plans_root(), reader.fingerprint, sender.fingerprint)
+        removed = old.exists()
+        if removed:                       # an earlier run's plan no longer holds: gone with it
+            old.unlink()
         near = (f"; the nearest recomputes layers {best['start']}-{best['end']} and agrees on {best['agree']:.0%}"
                 if best else "")
         raise KDNError(f"no plan short of recomputing all {reader.layers} layers keeps {args.target:.0%} of "
-                       f"{args.recipe}'s calibration answers identical{near}: nothing stored, the variant "
+                       f"{args.recipe}'s calibration answers identical{near}: no plan stored"
+                       f"{' (the earlier one of the pair removed)' if removed else ''}, the variant "
                        f"prefills itself (a lower --target accepts more disagreement)")
     return 0
 

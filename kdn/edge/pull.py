@@ -41,7 +41,7 @@ from kdn.core.rpc import failover_errors
 def _received(held) -> bool:
     """Whether held is a peer's copy received over HTTP (kdn/edge/dataplane.py): in this
     process only, put into the node's store if kept."""
-    return held.ref is None and held.src is not None
+    return held.ref is None and held.src is not None and not held.carried
 
 
 class Pull:

@@ -45,7 +45,7 @@ class Held:
     in, the drop-log position its bytes are at least as new as (kdn/edge/tombstones.py; None:
     made here, never older than a drop)."""
     __slots__ = ("ref", "key", "ns", "nbytes", "raw", "codec", "dtype", "own", "obj", "born", "src", "links",
-                 "xxh")
+                 "xxh", "carried")
 
     def __init__(self, ref, key: bytes, ns: bytes, nbytes: int, raw: int, codec: str = "raw",
                  dtype: str = "float32", own: bool = True):
@@ -56,6 +56,7 @@ class Held:
         self.src = self.links = None   # a peer's object (over Ray) or copy (over HTTP): the peer;
                                        # links: where a Ray object's transfer is noted
         self.xxh = None        # a raw chunk's KV checksum, computed when it was verified here
+        self.carried = False   # a peer's object carried in its Ray answer (from_wire): unverified
 
     @classmethod
     def of(cls, obj) -> "Held":
@@ -109,12 +110,12 @@ class Held:
     @classmethod
     def from_wire(cls, w, src: str = None, links=None) -> "Held":
         """A peer's object as peer_get described it; src: the peer, links: where the time its
-        bytes take to arrive is noted (kdn/edge/links.py). An object carried in the answer is
-        held as one received (no reference: kept, it is copied into this node's keeping)."""
+        bytes take to arrive is noted (kdn/edge/links.py). An object carried in the answer (under
+        INLINE_BYTES) has no reference: kept, it is verified and copied like any peer's object."""
         held = cls(*w, own=False)
         held.src, held.links = src, links
         if _is_object(w[0]):
-            held.ref, held.obj = None, w[0]
+            held.ref, held.obj, held.carried = None, w[0], True
         return held
 
 

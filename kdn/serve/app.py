@@ -761,6 +761,9 @@ def deploy(network: str = "kdn", regions=None, port: int = DEFAULT_PORT, auth: d
     if routing not in ("kv", "default"):
         raise BadRequest(f"routing must be 'kv' or 'default', got {routing!r:.40}")
     folders, names = variant_folders(variants, engine)
+    from pathlib import Path
+    if plans is not None and not Path(plans).is_dir():
+        raise BadRequest(f"plans {str(plans)!r:.200} is not a folder (`kdn model plan` writes the pairs' plans)")
     from ray.serve.config import RequestRouterConfig
     from kdn.serve.router import router_config
     routed = {"request_router_config": RequestRouterConfig(**router_config())} if routing == "kv" else {}
@@ -773,7 +776,8 @@ def deploy(network: str = "kdn", regions=None, port: int = DEFAULT_PORT, auth: d
             graceful_shutdown_timeout_s=5, **routed,
             ray_actor_options={"label_selector": {"region": r}, "num_cpus": replica_cpus})
         workers[r] = d.bind(network, r, **({"auth": auth or {}} if engine == "vllm" else {}),
-                            **({"variants": folders, "plans": plans and str(plans)} if folders else {}))
+                            **({"variants": folders, "plans": plans and str(Path(plans).resolve())}
+                               if folders else {}))
     router = serve.deployment(Ingress).options(
         name=ROUTER, num_replicas=routers, max_ongoing_requests=1000,
         ray_actor_options={"num_cpus": 0, "label_selector": {"region": topo.origin_region}})
@@ -803,7 +807,8 @@ def variant_folders(variants, engine: str = "transformers") -> tuple:
     from kdn.engines.transformers.model import MODEL_NAME
     folders, names = [], []
     for v in variants:
-        folder = (variant.find(variant.RECIPES[v], bundled_documents()) if v in variant.RECIPES else Path(v))
+        folder = (variant.find(variant.RECIPES[v], bundled_documents()) if v in variant.RECIPES
+                  else Path(v).resolve())         # the replicas' working folder is not ours
         record = variant.read_record(folder)
         if record is None:
             raise BadRequest(f"variant {v!r:.120} is neither a recipe ({', '.join(variant.RECIPES)}) nor a "

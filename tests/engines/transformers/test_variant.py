@@ -229,7 +229,7 @@ def test_kdn_model_plan_stores_the_pairs_plan_or_says_how_near_it_came(family_cl
     assert main(["model", "plan", "--block", "30"] + small) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no plan short of recomputing all 30 layers keeps 95%" in err[0], err
-    assert "nothing stored, the variant prefills itself" in err[0] and not plans.exists()
+    assert "no plan stored, the variant prefills itself" in err[0] and not plans.exists()
     assert main(["model", "plan", "--block", "15", "--target", "0.5", "--json"] + small) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     plan = load_plan(plans, reader.fingerprint, model.fingerprint)
@@ -238,6 +238,11 @@ def test_kdn_model_plan_stores_the_pairs_plan_or_says_how_near_it_came(family_cl
     assert plan.calibration["kbs"] == ["speech.md@0"] and plan.calibration["block"] == 15
     assert main(["model", "plan", "--target", "1.5"]) == 2
     assert "--target must be in (0, 1]" in capsys.readouterr().err
+    # a rerun that reaches no plan removes the earlier one: readers then prefill themselves
+    assert main(["model", "plan", "--block", "30"] + small) == 2
+    assert "(the earlier one of the pair removed)" in capsys.readouterr().err
+    with pytest.raises(ModelError, match="no recompute plan"):
+        load_plan(plans, reader.fingerprint, model.fingerprint)
 
 
 def test_the_cli_reads_across_models_only_when_asked_and_says_so(family_cli, model, small_network,
