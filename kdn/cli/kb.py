@@ -33,9 +33,8 @@ def _variant(args):
         return None
     if args.engine != "transformers":
         raise BadRequest("--variant is served by the transformers engine only")
-    from kdn.cli.knowledge import bundled_documents
     from kdn.engines.transformers import variant
-    return variant.find(variant.RECIPES[args.variant], bundled_documents())
+    return variant.built(args.variant)
 
 
 def _plan(reader_folder, sender_fingerprint: str):
@@ -103,9 +102,8 @@ def _publish(args, rest):
 
 def _hidden_reader(name: str):
     """The folder of the variant --hidden-for names (already built)."""
-    from kdn.cli.knowledge import bundled_documents
     from kdn.engines.transformers import variant
-    return variant.find(variant.RECIPES[name], bundled_documents())
+    return variant.built(name)
 
 
 def _publish_hidden(cl, model, kb: str, documents, names, plans) -> None:

@@ -61,7 +61,7 @@ def _plan(args, rest):
     if not 0 < args.target <= 1:
         raise KDNError(f"--target must be in (0, 1], got {args.target}")
     docs = bundled_documents()
-    folder = variant.find(variant.RECIPES[args.recipe], docs)
+    folder = variant.built(args.recipe)
     if args.calibration:              # the operator's own texts, all of them
         from kdn.client.documents import select_documents
         docs = select_documents(args.calibration, [], []).documents

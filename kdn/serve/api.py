@@ -451,7 +451,12 @@ async def sse_answer(model: str, pieces, prompt_tokens: int, cached, kdn: dict =
 
 def model_list(base_model: str, kbs, created: int = 0, variants=()) -> dict:
     """GET /v1/models: the base model, then '<model>@<kb>' per KB name (sorted), then each
-    variant the service runs (its own KBs are named the same way)."""
-    ids = [base_model] + [f"{base_model}@{kb}" for kb in sorted(set(kbs))] + list(variants)
+    variant the service runs and its own KBs the same way. variants: their names, or {name: KB
+    names published under the variant's own fingerprint}. The base model's KBs a variant may
+    read with cross_model are not listed under it: that read is opt-in, never a model id."""
+    own = variants if isinstance(variants, dict) else {v: () for v in variants}
+    ids = [base_model] + [f"{base_model}@{kb}" for kb in sorted(set(kbs))]
+    for v in sorted(own):
+        ids += [v] + [f"{v}@{kb}" for kb in sorted(set(own[v]))]
     return {"object": "list",
             "data": [{"id": i, "object": "model", "created": created, "owned_by": "kdn"} for i in ids]}

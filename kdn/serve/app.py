@@ -93,6 +93,7 @@ class RegionWorker:
         self.model = load_model()
         self.variants = self._load_variants(variants, plans)   # name -> (model, plan or why none)
         self._crosses = {}          # (tenant, token, name) -> CrossReader
+        self._recompute = None      # their shared recompute thread, made on first use
         self.max_context = max_context or int(getattr(self.model.hf.config, "max_position_embeddings", 8192))
         self._chats = {}            # (tenant, token) -> kdn.serve.chat.Chat
         from kdn.serve.router import CONVERSATION_KV_BYTES, EngineKV
@@ -173,7 +174,9 @@ class RegionWorker:
         chat = self._chat(tenant, token, name)
         key = (tenant, token, name)
         if key not in self._crosses:      # never keeps: a reader's token is not the admin's
-            self._crosses[key] = CrossReader(chat.client, model, plan, keep=False)
+            if self._recompute is None:   # one thread recomputes for every reader of this replica
+                self._recompute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdn-recompute")
+            self._crosses[key] = CrossReader(chat.client, model, plan, keep=False, pool=self._recompute)
         return chat, self._crosses[key]
 
     def models(self, tenant: str, token) -> dict:
@@ -181,9 +184,11 @@ class RegionWorker:
         self.counters["models_calls"] += 1
         try:
             names = [m.name for m in self._chat(tenant, token).client.manifests(refresh=True)]
+            own = {v: [m.name for m in self._chat(tenant, token, v).client.manifests(refresh=True)]
+                   for v in self.variants}
         except KDNError as e:
             return self._error(api_error(e))
-        return {"status": 200, "body": model_list(self.model.name, names, variants=sorted(self.variants))}
+        return {"status": 200, "body": model_list(self.model.name, names, variants=own)}
 
     def _error(self, e: ApiError) -> dict:
         self.counters["errors"] += 1
@@ -802,12 +807,11 @@ def variant_folders(variants, engine: str = "transformers") -> tuple:
         raise BadRequest(f"variants must be a list of recipe names or variant folders, got {variants!r:.80}")
     if check_engine(engine) != "transformers":
         raise BadRequest("variants are served by the transformers engine only")
-    from kdn.cli.knowledge import bundled_documents
     from kdn.engines.transformers import variant
     from kdn.engines.transformers.model import MODEL_NAME
     folders, names = [], []
     for v in variants:
-        folder = (variant.find(variant.RECIPES[v], bundled_documents()) if v in variant.RECIPES
+        folder = (variant.built(v) if v in variant.RECIPES
                   else Path(v).resolve())         # the replicas' working folder is not ours
         record = variant.read_record(folder)
         if record is None:

@@ -215,3 +215,5 @@ def test_a_variant_is_named_beside_the_model_and_cross_model_is_its_opt_in_only(
     assert kv_note(None, plan) == {"exact": False, "emphasis": {}, "cross_model": plan}
     assert kv_note() == {"exact": True, "emphasis": {}}
     assert [m["id"] for m in model_list(MODEL_NAME, ["kb"], variants=[v])["data"]] == [MODEL_NAME, f"{MODEL_NAME}@kb", v]
+    assert [m["id"] for m in model_list(MODEL_NAME, ["kb"], variants={v: ["z", "a"]})["data"]] == [
+        MODEL_NAME, f"{MODEL_NAME}@kb", v, f"{v}@a", f"{v}@z"]

@@ -297,7 +297,9 @@ def test_emphasis_per_request_and_as_the_kbs_override_through_the_openai_client(
 
 def test_models_lists_what_the_tenant_may_read(service):
     ids = [m.id for m in _client(service["url"]).models.list()]
-    assert ids == [MODEL_NAME, f"{MODEL_NAME}@rights", f"{MODEL_NAME}+tiny"]     # then the variant served
+    # then the variant served, and its own KBs (a later test publishes one)
+    assert ids[:3] == [MODEL_NAME, f"{MODEL_NAME}@rights", f"{MODEL_NAME}+tiny"]
+    assert all(i.startswith(f"{MODEL_NAME}+tiny@") for i in ids[3:]), ids
     assert [m.id for m in _client(service["url"], ACME).models.list()] == [MODEL_NAME, f"{MODEL_NAME}+tiny"]
 
 
@@ -730,3 +732,14 @@ def test_a_variant_reads_the_base_models_kv_only_when_it_opts_in_and_is_told_so(
     for who, body in ((MODEL_NAME, {"cross_model": True}), (variant.name, {"cross_model": "yes"})):
         with pytest.raises(openai.BadRequestError, match="cross_model"):
             c.chat.completions.create(model=f"{who}@rights", messages=messages, max_tokens=2, extra_body=body)
+    # a KB published under the variant's own fingerprint: listed as its model, read exactly
+    docs = [("gettysburg", bundled_documents()[-1][1][:600])]
+    own_pub = Client(network=service["network"], region="us-east", fingerprint=variant.fingerprint,
+                     admin_token=ADMIN)
+    receipt = publish_documents(own_pub, variant, "motto", docs)
+    assert f"{variant.name}@motto" in [m.id for m in c.models.list().data]
+    r = c.chat.completions.create(model=f"{variant.name}@motto", messages=messages, max_tokens=6)
+    prompt = own_pub.manifest("motto").token_ids().tolist() + messages_tokens(variant, messages)
+    assert r.choices[0].message.content == _text(variant, variant.generate(prompt, max_new_tokens=6).tokens)
+    assert r.model_extra["kdn"]["exact"] is True and "cross_model" not in r.model_extra["kdn"]
+    assert r.usage.prompt_tokens_details.cached_tokens == receipt["tokens"]

@@ -171,9 +171,11 @@ class CrossReader:
     """Answers of reader `model` over KBs published by `plan.sender`, with `plan` (opt-in: nothing
     else in KDN reads another model's KV). client: the reader's kdn Client (its tenant, token
     and network); keep: store the assembled KV under the plan's namespace when the client holds
-    the admin token (default), and read it from there next time."""
+    the admin token (default), and read it from there next time; pool: the executor recomputing
+    while the sender's KV arrives (a service shares one among its readers; by default the reader
+    makes its own, shut down by close())."""
 
-    def __init__(self, client, model, plan: Plan, keep: bool = True):
+    def __init__(self, client, model, plan: Plan, keep: bool = True, pool=None):
         from kdn.client.reader import Reader
         if not isinstance(plan, Plan):
             raise ModelError(f"plan must be a kdn.engines.family.Plan, got {type(plan).__name__}")
@@ -190,10 +192,17 @@ class CrossReader:
         self.kept = Reader(view, tenant, cross_fingerprint(plan), token=token, accept=None,
                            chunk_tokens=client.chunk_tokens)
         self.keep = keep and view.admin_token is not None
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdn-recompute")
+        self._own_pool = pool is None
+        self._pool = pool or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdn-recompute")
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._own_pool:
+            self._pool.shutdown(wait=True)
+
+    def _how_to_publish(self, kb: str) -> str:
+        recipe = self.model.name.partition("+")[2] or "VARIANT"
+        return (f"its publisher stores them with `kdn publish {kb} PATH... --hidden-for {recipe}` "
+                f"(from Python: kdn.engines.transformers.crossmodel.publish_hidden)")
 
     def _kept(self, prompt, n_know):
         """The assembled KV kept under the plan's namespace, when it covers the knowledge (any
@@ -220,10 +229,10 @@ class CrossReader:
                 h = self.hidden.fetch(know, kb=kb)
             except ManifestError:
                 raise ModelError(f"the sender has not stored its hidden states entering layer {plan.start} "
-                                 f"for {kb!r} (publish them with publish_hidden)") from None
+                                 f"for {kb!r}: {self._how_to_publish(kb)}") from None
             if h.tokens < len(know):
                 raise ModelError(f"the sender's hidden states entering layer {plan.start} cover {h.tokens} of "
-                                 f"{kb!r}'s {len(know)} tokens: publish them (publish_hidden)")
+                                 f"{kb!r}'s {len(know)} tokens: {self._how_to_publish(kb)}")
             hidden = from_chunk_layout(np.concatenate(h.kv_parts(), axis=3))
             hidden_bytes = h.nbytes
 
@@ -233,12 +242,12 @@ class CrossReader:
             job = self._pool.submit(work)           # recompute while the sender's KV arrives
             fetched = self.sender.fetch(prompt, kb=kb, version=m.version)
             recomputed, recompute_s = job.result()
-            if fetched.tokens < len(know):
-                raise ModelError(f"the sender's KV of {kb!r} covers {fetched.tokens} of {len(know)} tokens")
+        # the sender's KV may stop short of the knowledge (a chunk no copy of which answered): the
+        # reader computes the rest itself over what came, as any fetch; such KV is never kept
         t1 = time.perf_counter()
         n = fetched.tokens
         cache = model.cache_from_kv(fetched.kv_parts(), len(prompt) - n + spare)
-        if kept is None:
+        if kept is None and n:
             overwrite_layers(model, cache, recomputed[:, :, :, :n], plan.start)
         rebuild_s = time.perf_counter() - t1
         def keep():
@@ -248,7 +257,8 @@ class CrossReader:
             named = [(d.name, know[d.start:d.end]) for d in m.documents]
             Publisher(self.client.view, self.client.tenant, cross_fingerprint(plan),
                       chunk_tokens=self.client.chunk_tokens).publish(kb, named, kv)
-        return cache, n, {"keep": keep if kept is None and self.keep else None, "fetched": fetched,
+        whole = n >= len(know)
+        return cache, n, {"keep": keep if kept is None and self.keep and whole else None, "fetched": fetched,
                           "prompt": prompt, "know": know, "hidden_bytes": hidden_bytes,
                           "recompute_s": recompute_s, "rebuild_s": rebuild_s, "kept": kept is not None,
                           "fetch_s": t1 - t0, "manifest": m}

@@ -154,6 +154,15 @@ def find(recipe: Recipe, texts, cache_dir=None, root=None) -> Path:
     return folder
 
 
+def built(name: str) -> Path:
+    """The folder of the bundled recipe `name`'s variant (trained on the bundled documents),
+    already built; ModelError for a name that is no recipe or a variant not built here."""
+    if name not in RECIPES:
+        raise ModelError(f"no variant recipe {name!r}: the recipes are {', '.join(RECIPES)}")
+    from kdn.cli.knowledge import bundled_documents      # the documents every recipe trains on
+    return find(RECIPES[name], bundled_documents())
+
+
 def plans_root(cache_dir=None) -> Path:
     """Where the recompute plans of model pairs are kept (kdn.engines.family.save_plan): beside
     the variants, under the model cache."""

@@ -159,8 +159,9 @@ def test_cross_model_reads_are_opt_in_flagged_kept_apart_and_leave_exact_kv_alon
     no_hidden = CrossReader(Client(network=net.name, region="eu-west", tenant="acme",
                                    fingerprint=variant.fingerprint, token=READ), variant,
                             Plan(variant.fingerprint, model.fingerprint, 0, variant.layers, variant.layers))
-    with pytest.raises(ModelError, match="has not stored its hidden states entering layer 0"):
+    with pytest.raises(ModelError, match="has not stored its hidden states entering layer 0") as e:
         no_hidden.answer("speech", "Who?", max_new_tokens=2)
+    assert "`kdn publish speech PATH... --hidden-for tiny`" in str(e.value)
     no_hidden.close()
     hid = publish_hidden(sender, model, "speech", docs, [0])
     assert hid["bytes"] == len(know) * model.hf.config.hidden_size * 4
@@ -186,6 +187,15 @@ def test_cross_model_reads_are_opt_in_flagged_kept_apart_and_leave_exact_kv_alon
     assert first.cached_tokens == len(know) and first.extra["hidden_bytes"] == hid["bytes"]
     # every layer recomputed from the (shared) embeddings: the variant's own answer
     assert first.identical and again.tokens == first.tokens
+    # the sender's KV cut short (here: none of it answers): the variant computes the rest itself
+    short = CrossReader(reader, variant, plan)
+    real = short.sender.fetch
+    short.sender.fetch = lambda prompt, **kw: real(prompt[:0], **kw)
+    try:
+        cut = short.answer("speech", question, max_new_tokens=6)
+    finally:
+        short.close()
+    assert cut.cached_tokens == 0 and cut.tokens == first.baseline_tokens and cut.exact is False
     # kept under the plan's own namespace only: the variant's and the base's are as they were
     prompt = know + variant.question_tokens(question)
     with pytest.raises(AccessDenied, match="nothing is published under it"):
