@@ -148,13 +148,23 @@ class WriteBehind:
         """The origin's answer to a batch of the backlog (copies kept here: Held), None when it
         is unreachable. by_ref: handed over as references into this node's object store (the
         origin reads them, no copy made to send them); else, or for copies this process holds
-        outside the store, their bytes (a failed hand-over's retry goes that way)."""
-        if by_ref and all(h.ref is not None for h in batch):
-            got = await self.peers.origin().put_object_refs([h.ref for h in batch])
-            if got is not None:
-                self.counters["store_forwarded_by_ref"] += len(batch)
-            return got
-        return await self.peers.origin().put_objects([await h.resolve() for h in batch])
+        outside the store (those under INLINE_BYTES), their bytes: a mixed batch goes in two
+        calls, answered when both are. A failed hand-over's retry sends every one's bytes."""
+        refs = [h for h in batch if by_ref and h.ref is not None]
+        values = [h for h in batch if not (by_ref and h.ref is not None)]
+        answers = []
+        if refs:
+            got = await self.peers.origin().put_object_refs([h.ref for h in refs])
+            if got is None:
+                return None
+            self.counters["store_forwarded_by_ref"] += len(refs)
+            answers.append(got)
+        if values:      # what the origin already took by reference is deduplicated if resent
+            got = await self.peers.origin().put_objects([await h.resolve() for h in values])
+            if got is None:
+                return None
+            answers.append(got)
+        return {k: sum(a[k] for a in answers) for k in answers[0]}
 
     def forget(self, keys) -> None:
         """Keys deleted (the origin's drop): what of them waits here is not sent; what is on

@@ -114,6 +114,46 @@ def test_the_backlog_goes_to_the_origin_as_references_to_the_kept_copies_and_as_
     assert st["store_forwarded_by_ref"] == 2 and st["store_forwarded"] == 4 and st["backlog_objects"] == 0
 
 
+def test_a_batch_of_large_and_small_objects_goes_as_references_and_as_bytes_in_one_round(kit, edge, monkeypatch):
+    """Objects at or over INLINE_BYTES are kept in the node's store (a reference beside them),
+    smaller ones in this process: one batch of both hands the origin the references of the
+    first and the bytes of the second, and is done once both are answered; when the bytes'
+    call goes unanswered the whole batch is tried again (what the origin took is deduplicated
+    there), and nothing waiting is lost."""
+    from kdn.edge.tiers import INLINE_BYTES
+    refs = {}
+
+    def kept(cls, obj):
+        held = cls.here(obj)
+        if obj.nbytes >= INLINE_BYTES:
+            held.ref = refs.setdefault(obj.key, f"ref-{len(refs)}")
+        return held
+    monkeypatch.setattr(Held, "kept", classmethod(kept))
+    big, small = objects(kit, 2, seed=10, size=INLINE_BYTES + 1024), objects(kit, 3, seed=11, size=512)
+    mixed = [big[0], small[0], small[1], big[1], small[2]]
+    calls = {"values": 0}
+
+    def values(cs):                    # the first bytes call is not answered
+        calls["values"] += 1
+        return None if calls["values"] == 1 else {"received": len(cs), "written": len(cs), "pushing": 0}
+    edge.answers[(None, "put_object_refs")] = lambda rs: {"received": len(rs), "written": len(rs), "pushing": 0}
+    edge.answers[(None, "put_objects")] = values
+
+    async def main():
+        await edge.put_objects(mixed)
+        await settle(edge)
+    asyncio.run(main())
+    handed = [(m, args) for node, m, args in edge.asked if node is None]
+    assert handed[0] == ("put_object_refs", [refs[big[0].key], refs[big[1].key]])
+    assert handed[1][0] == "put_objects" and [c.key for c in handed[1][1]] == [c.key for c in small]
+    # tried again (by bytes, as every retry): all five, the bytes themselves
+    assert handed[2][0] == "put_objects" and [c.key for c in handed[2][1]] == [c.key for c in mixed]
+    assert [c.kv.tobytes() for c in handed[2][1]] == [c.kv.tobytes() for c in mixed]
+    assert len(handed) == 3
+    st = edge.stores.stats()
+    assert st["store_forwarded_by_ref"] == 2 and st["store_forwarded"] == 5 and st["backlog_objects"] == 0
+
+
 def test_past_the_backlogs_bound_a_store_waits_for_the_origin(kit, edge):
     first, second = objects(kit, 1, seed=2, size=6000), objects(kit, 1, seed=3, size=6000)
     edge.stores.backlog_bytes = 8000                    # room for one
