@@ -46,7 +46,8 @@ def service_lines(info: dict) -> list:
                f"ongoing" if scale else f"{d.get('num_replicas')} fixed")
         lines.append(f"  {region}: {url}  replicas " + (", ".join(f"{n} {s}" for s, n in sorted(d["replicas"].items()))
                                                         or "none")
-                     + f" ({how}; admits {d.get('max_ongoing_requests')}, queues {d.get('max_queued_requests')})")
+                     + f" ({how}; admits {d.get('max_ongoing_requests')}, queues {d.get('max_queued_requests')})"
+                     + (f" on {', '.join(d['nodes'])}" if d.get("nodes") else ""))
     from kdn.serve.metrics import summary_lines
     return lines + summary_lines(info.get("routing") or {})
 

@@ -863,8 +863,9 @@ SCALING = ("min_replicas", "max_replicas", "target_ongoing_requests")
 
 
 def service_info(network: str = "kdn", port: int = None) -> dict:
-    """The service's URLs, regions, and per deployment its replicas and the settings Serve
-    runs it with (admission, queue, autoscaling or a fixed count) ({} when none is deployed)."""
+    """The service's URLs, regions, and per deployment its replicas (by state, and the
+    addresses of the nodes the running ones are on), and the settings Serve runs it with
+    (admission, queue, autoscaling or a fixed count) ({} when none is deployed)."""
     from ray import serve
     from ray.serve.context import _get_global_client
     st = serve.status()
@@ -878,11 +879,14 @@ def service_info(network: str = "kdn", port: int = None) -> dict:
     details = client.get_serve_details().get("applications", {}).get(app_name(network), {})
     deps = {}
     for name, d in app.deployments.items():
-        cfg = details.get("deployments", {}).get(name, {}).get("deployment_config", {})
+        detail = details.get("deployments", {}).get(name, {})
+        cfg = detail.get("deployment_config", {})
         scaling = cfg.get("autoscaling_config")
+        running = [r for r in detail.get("replicas", []) if str(r.get("state")).endswith("RUNNING")]
         deps[name] = {"status": str(d.status.value if hasattr(d.status, "value") else d.status),
                       "replicas": {str(k.value if hasattr(k, "value") else k): v
                                    for k, v in (d.replica_states or {}).items()},
+                      "nodes": sorted(r.get("node_ip") or "?" for r in running),
                       **{k: cfg.get(k) for k in SETTINGS},
                       "autoscaling": {k: scaling.get(k) for k in SCALING} if scaling else None,
                       "num_replicas": None if scaling else cfg.get("num_replicas")}

@@ -174,6 +174,62 @@ def test_an_owner_behind_a_capped_link_is_chosen_less_once_measured(hosts, tmp_p
         stop_network(net)
 
 
+def test_the_service_answers_from_each_regions_host_with_the_kv_of_that_regions_edge(hosts, tmp_path, model):
+    """`kdn serve` on the host cluster: one replica per region, placed on that region's host;
+    each region's URL answers the model's own full prefill, the KB's KV read by the region's
+    replica from its own region's edge (each edge counts the fetch)."""
+    import os
+    import httpx
+    from kdn.cli import main as kdn
+    from kdn.cli.knowledge import bundled_documents
+    from kdn.client import Client
+    from kdn.client.publish import publish_documents
+    from kdn.engines.transformers.model import MODEL_NAME
+    from kdn.launch.cluster import free_ports, stop_network
+    from kdn.serve.chat import messages_tokens
+    net = _start(hosts, tmp_path)
+    env = {"KDN_ADMIN_TOKEN": ADMIN, "KDN_READ_TOKENS": f"acme={ACME}"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    where = ["--address", hosts.address, "--network", net.name]
+    try:
+        pub = Client(network=net.name, region="us-east", tenant="acme", fingerprint=model.fingerprint,
+                     admin_token=ADMIN)
+        docs = dict(bundled_documents())
+        receipt = publish_documents(pub, model, "rights", [("bill-of-rights", docs["bill-of-rights"])])
+        ray.get(net.origin.pushes_settled.remote(token=ADMIN), timeout=120)
+        messages = [{"role": "user", "content": "What does the Eighth Amendment forbid?"}]
+        prompt = pub.manifest("rights").token_ids().tolist() + messages_tokens(model, messages)
+        want = model.tokenizer.decode(model.generate(prompt, max_new_tokens=8).tokens, skip_special_tokens=True)
+        port = free_ports(1)[0]
+        assert kdn(["serve", *where, "--regions", ",".join(REGIONS), "--port", str(port),
+                    "--replica-cpus", "0", "--routers", "1"]) == 0
+        from kdn.serve.app import service_info
+        info = service_info(net.name)
+        placed = {r: info["deployments"][r]["nodes"] for r in REGIONS}
+        assert placed == {r: [hosts.address_of(r)] for r in REGIONS}, placed
+        for region in REGIONS:
+            edge = net.edges[f"{region}-0"]
+            before = ray.get(edge.stats.remote(token=ADMIN), timeout=30)["counters"].get("fetches", 0)
+            r = httpx.post(f"http://127.0.0.1:{port}/{region}/v1/chat/completions", timeout=300,
+                           headers={"Authorization": f"Bearer {ACME}"},
+                           json={"model": f"{MODEL_NAME}@rights", "messages": messages, "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert r.headers["x-kdn-region"] == region and body["choices"][0]["message"]["content"] == want
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == receipt["tokens"]
+            after = ray.get(edge.stats.remote(token=ADMIN), timeout=30)["counters"].get("fetches", 0)
+            assert after > before, (region, before, after)
+    finally:
+        kdn(["serve", *where, "--down"])
+        stop_network(net)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def test_a_killed_host_costs_its_readers_one_failover(hosts, tmp_path, synth):
     """Last in the module: the host's node is gone for good."""
     net = _start(hosts, tmp_path)
