@@ -61,6 +61,11 @@ class EdgeAPI(EdgeReads, Protocol):
                          drops=None) -> int:
         """Keep chunks the origin pushes (main) or warms (hot); how many were kept."""
 
+    async def pull_chunks(self, url: str, keys, role: str = "main", pin: bool = False, ttl_s=None,
+                          drops=None, origin_ip: str = None) -> dict:
+        """put_chunks of chunks pulled from the origin's frames at url: {"pulled", "kept"};
+        {"pulled": None} when url is not reached from here."""
+
     async def put_objects(self, chunks) -> dict:
         """Keep another cache layer's objects here, durable at the origin after (write-behind):
         {"received", "kept", "pending"}."""

@@ -41,6 +41,7 @@ from kdn.core.rpc import Unreachable
 from kdn.edge.peers import PEER_TIMEOUT_S
 from kdn.edge.tiers import Held, _ray_initialized
 
+ORIGIN = "origin"            # the origin's name as a node this edge pulls from (its pushes)
 STREAMS = 2                  # parallel connections one pull to one peer may use
 STREAM_MIN_KEYS = 4          # a pull of fewer keys takes one connection
 IDLE_CONNECTIONS = 4         # keep-alive connections kept per peer
@@ -89,6 +90,15 @@ class PeerPulls:
                     for k, w in zip(keys, got)]
         return await self._http(peer, url, keys, region, drops)
 
+    async def from_origin(self, url: str, keys):
+        """The origin's stored frames of keys over HTTP (a push this edge takes by pulling:
+        kdn/origin/http.py): per key the verified object (a Chunk, or an Encoded as stored)
+        or None (not held there intact, or corrupt on the way: the edge pulls it through
+        later); None when the origin's server does not answer. The pull's pace is noted as
+        the link to the origin."""
+        got = await self._http(ORIGIN, url, keys, None, None, into="process", counter="origin_http")
+        return None if got is None else [None if h is None else h.obj for h in got]
+
     async def _url(self, peer: str):
         """The peer's URL when this pull goes over HTTP, else None (Ray)."""
         if self.mode == "ray" or (self.mode == "auto" and self.node_id is None):
@@ -100,12 +110,14 @@ class PeerPulls:
             self.addresses.note(peer, got)
         return self.addresses.url(peer)
 
-    async def _http(self, peer: str, url: str, keys, region: str, drops):
+    async def _http(self, peer: str, url: str, keys, region: str, drops, into: str = None,
+                    counter: str = "peer_http"):
         n = self.streams if len(keys) >= STREAM_MIN_KEYS else 1
         step = -(-len(keys) // n)
         parts = [keys[i:i + step] for i in range(0, len(keys), step)]
         t0 = time.perf_counter()
-        replies = await asyncio.gather(*(asyncio.to_thread(self._pull, peer, url, part, region, drops)
+        replies = await asyncio.gather(*(asyncio.to_thread(self._pull, peer, url, part, region, drops,
+                                                           into or self.into)
                                          for part in parts), return_exceptions=True)
         seconds = time.perf_counter() - t0
         failed = [r for r in replies if isinstance(r, BaseException)]
@@ -114,18 +126,23 @@ class PeerPulls:
             unreachable = [r for r in failed if isinstance(r, Unreachable)]
             if len(unreachable) < len(failed):      # not a lost peer: a bug or a refusal
                 raise next(r for r in failed if not isinstance(r, Unreachable))
-            self.counters["peer_http_failures"] += 1
-            self.peers.counters["peer_failures"] += 1
+            self.counters[f"{counter}_failures"] += 1
+            if peer != ORIGIN:
+                self.peers.counters["peer_failures"] += 1
             return None
-        await self._report_corrupt(peer, [bad for _, _, corrupt in replies for bad in corrupt])
+        bad = [bad for _, _, corrupt in replies for bad in corrupt]
+        if peer != ORIGIN:                  # the origin verified what it sent: none to tell
+            await self._report_corrupt(peer, bad)
+        else:
+            self.counters["origin_http_corrupt"] += len(bad)
         out = [h for objs, _, _ in replies for h in objs]
         nbytes = sum(b for _, b, _ in replies)
         self.peers.links.transfer(peer, nbytes, seconds)
-        self.counters["peer_http_pulls"] += 1
-        self.counters["peer_http_streams"] += len(parts)
-        self.counters["peer_http_chunks"] += sum(h is not None for h in out)
-        self.counters["peer_http_bytes"] += nbytes
-        self.counters["peer_http_us"] += int(seconds * 1e6)
+        self.counters[f"{counter}_pulls"] += 1
+        self.counters[f"{counter}_streams"] += len(parts)
+        self.counters[f"{counter}_chunks"] += sum(h is not None for h in out)
+        self.counters[f"{counter}_bytes"] += nbytes
+        self.counters[f"{counter}_us"] += int(seconds * 1e6)
         return out
 
     async def _report_corrupt(self, peer: str, bad) -> None:
@@ -141,7 +158,7 @@ class PeerPulls:
         for ns, keys in by_ns.items():      # (a dead peer answers None: it holds nothing)
             await self.peers.edge(peer).drop_corrupt(keys, ns)
 
-    def _pull(self, peer: str, url: str, keys, region: str, drops) -> tuple:
+    def _pull(self, peer: str, url: str, keys, region: str, drops, into: str) -> tuple:
         """(Held per key or None, bytes received, [(key, ns)] of corrupt frames) over one
         connection (a worker thread)."""
         from kdn.client.http import EdgeHTTPClient
@@ -151,7 +168,7 @@ class PeerPulls:
         except IndexError:
             client = EdgeHTTPClient(url, timeout_s=PEER_TIMEOUT_S, allow_remote=True,
                                     token=self.peers.actors.token)
-        store = self.into == "store" and _ray_initialized()
+        store = into == "store" and _ray_initialized()
         try:
             # "store": each object into this node's store as soon as its frame is verified,
             # PUTTERS at once beside the receiving thread (a ray.put costs ~1 ms beyond its copy)

@@ -350,6 +350,30 @@ class EdgeNode:
         self.counters["received_" + role] += n
         return n
 
+    async def pull_chunks(self, url: str, keys, role: str = "main", pin: bool = False, ttl_s=None,
+                          token=None, drops=None, origin_ip: str = None) -> dict:
+        """A push taken over the data plane: the chunks of keys pulled from the origin's frames
+        at url (kdn/origin/http.py; origin_ip: its node's address), then kept as put_chunks
+        keeps them. {"pulled": chunks received, "kept": of those, kept}; {"pulled": None} when
+        this edge does not reach url, or its data_plane is "ray" (the origin then sends the
+        chunks over Ray)."""
+        self.tokens.check_admin(token, "pull_chunks")
+        if role not in ROLES:
+            raise BadRequest(f"role must be one of {', '.join(ROLES)}, got {role!r:.40}")
+        keys = check_keys(keys)
+        if not isinstance(url, str) or not url.startswith("http://"):
+            raise BadRequest(f"url must be the origin's http:// URL, got {url!r:.80}")
+        from kdn.core.dataplane import reachable_url
+        if self.pulls.mode == "ray" or reachable_url({"url": url, "ip": origin_ip},
+                                                      self.pulls.addresses.node_ip) is None:
+            return {"pulled": None, "kept": 0}
+        got = await self.pulls.from_origin(url, keys)
+        if got is None:
+            return {"pulled": None, "kept": 0}
+        objs = [o for o in got if o is not None]
+        kept = await self.put_chunks(objs, role=role, pin=pin, ttl_s=ttl_s, token=token, drops=drops)
+        return {"pulled": len(objs), "kept": kept}
+
     async def put_objects(self, chunks, token=None) -> dict:
         """Keep another cache layer's opaque objects (kdn.integrations.objects) here and answer
         before they are durable; the origin gets them in the background (kdn/edge/stores.py).

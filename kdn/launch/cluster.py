@@ -267,8 +267,11 @@ def start_network(topology, root, network: str = "kdn", detached: bool = False,
     ports = free_ports(len(topology.edges)) if http else [None] * len(topology.edges)
     # Creating the actors is Ray's own call (as in start_edge); every call to them after it
     # goes through Actors, which fails over on exactly what kdn.core.rpc says.
+    origin_options = dict(origin_options or {})
+    if http:      # the origin serves its frames where the edges serve theirs (its pushes' data plane)
+        origin_options.setdefault("http_host", (edge_options or {}).get("http_host", "127.0.0.1"))
     origin = ocls.options(**opts).remote(network=network, root=root, topology=topology.to_dict(),
-                                         replicas=replicas, auth=auth, **(origin_options or {}))
+                                         replicas=replicas, auth=auth, **origin_options)
     edges = {e.name: start_edge(network, e, topology, detached=detached, http_port=port,
                                 replicas=replicas, auth=auth, **_edge_k(edge_options, k))
              for k, (e, port) in enumerate(zip(topology.edges, ports))}

@@ -88,11 +88,13 @@ def _same_content(a: Manifest, b: Manifest) -> bool:
 
 class OriginNode:
     def __init__(self, network: str, root: str, topology: dict, replicas: int = 2, auth: dict = None,
-                 store_codec: str = "raw", actors=None, store_env: dict = None):
+                 store_codec: str = "raw", actors=None, store_env: dict = None, http_host: str = None):
         """root: a directory or s3://bucket/prefix; store_env: the AWS_* settings that reach
         the bucket (default: this process's environment). actors: how to call edges
         (kdn.core.rpc.Actors of the network by default; tests pass stand-ins with its
-        call/try_call/forget)."""
+        call/try_call/forget). http_host: where it serves its stored frames to the edges on
+        other nodes it pushes to ("node": its Ray node's address; kdn/origin/http.py), None:
+        its pushes go over Ray."""
         self.network = network
         self.tokens = Tokens.from_dict(auth)
         self.objects = open_objects(root, env=store_env)
@@ -116,7 +118,9 @@ class OriginNode:
         # and the tenants' conversation policies (kdn/origin/conversations.py)
         self.health = Health(self.actors, beat=lambda: {
             "drops": self.store.drops.state(), "conversation_policies": self.store.conversations.policies})
-        self.pusher = Pusher(self.store, self.actors, self.roster)
+        if http_host is not None and (not isinstance(http_host, str) or not http_host):
+            raise BadRequest(f"http_host must be an address or \"node\", got {http_host!r:.80}")
+        self.pusher = Pusher(self.store, self.actors, self.roster, self.tokens, http_host)
         self.counters = collections.Counter(chunks_received=0, chunks_written=0, versions_committed=0,
                                             chunks_served=0, rehomed_chunks=0, health_errors=0)
         self.started = time.time()
@@ -179,6 +183,7 @@ class OriginNode:
 
     async def ping(self, token=None) -> dict:
         self._start_background()
+        await self.pusher.http_url()      # serving its frames from the first ping (start_network's)
         return {"role": "origin", "network": self.network, "members": self.roster.version,
                 "pid": os.getpid()}
 
@@ -198,7 +203,9 @@ class OriginNode:
                "membership_quarantined": m.quarantined is not None, "membership_recovering": m.recovering,
                "uptime_s": time.time() - self.started, "store": await asyncio.to_thread(self.store.stats),
                "counters": dict(counters), "override_count": len(m.overrides),
-               "watch_failure": self.watch_failure}
+               "watch_failure": self.watch_failure,
+               "http": None if self.pusher.http is None else {"url": self.pusher.http.url,
+                                                              **self.pusher.http.counters}}
         if self._is_admin(token):
             out["overrides"] = m.overrides
             out["quarantined_manifests"] = await asyncio.to_thread(self.store.quarantined)

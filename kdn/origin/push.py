@@ -9,11 +9,20 @@ pull-through, and a publish never fails for it. Any other error from an edge rai
 Opaque objects (put_objects) are pushed the same way, in the background (kdn/origin/node.py).
 Each batch carries the drop log's settled head read before its bytes (kdn/origin/drops.py), so
 an edge that has applied a later drop of one of its keys does not keep the old bytes.
+
+The bytes go over the data plane where that pays (the origin started with http_host): an edge
+that serves HTTP on another Ray node, and that this origin's host reaches, is sent only the
+keys over Ray (EdgeAPI.pull_chunks) and pulls the stored frames from the origin's own HTTP
+server (kdn/origin/http.py) at a socket's pace, where Ray's object manager carries a third of
+it; an edge on the origin's node gets them over Ray, zero-copy. An edge that does not reach
+the origin's server gets the batch over Ray instead, and over Ray until its address is asked
+again (kdn.core.dataplane.ADDRESS_RETRY_S).
 """
 import asyncio
 import functools
 import collections
 
+from kdn.core.dataplane import Addresses
 from kdn.core.errors import StoreError
 from kdn.origin.drops import settled
 from kdn.origin.overrides import kb_id
@@ -46,9 +55,44 @@ def outgoing(store, keys, each=map) -> list:
 class Pusher:
     """Calls from the origin to its edges: pushes, warm copies, broadcasts."""
 
-    def __init__(self, store, actors, membership):
+    def __init__(self, store, actors, membership, tokens=None, http_host: str = None):
+        """http_host: where the origin serves its frames to edges on other nodes ("node": its
+        Ray node's address; kdn/origin/http.py), None: every push goes over Ray."""
         self.store, self.actors, self.membership = store, actors, membership
+        self.tokens, self.http_host = tokens, http_host
+        self.http, self.data, self._http_lock = None, None, asyncio.Lock()
         self.counters = collections.Counter(chunks_pushed=0, edge_call_failures=0)
+
+    async def http_url(self):
+        """The URL of the origin's frames server, started on first use; None without one."""
+        if self.http_host is None:
+            return None
+        if self.http is not None:
+            return self.http.url
+        async with self._http_lock:
+            if self.http is None:
+                import ray
+                from kdn.origin.http import NODE_HOST, OriginHTTP
+                on_ray = ray.is_initialized()
+                ip = ray.util.get_node_ip_address() if on_ray else None
+                http = OriginHTTP(self.store, self.tokens, ip if self.http_host == NODE_HOST else self.http_host)
+                await http.start()
+                self.http = http
+                self.data = Addresses("auto", ray.get_runtime_context().get_node_id() if on_ray else None, ip)
+        return self.http.url
+
+    async def _pull_url(self, edge: str):
+        """The origin's URL when edge takes a push by pulling it over HTTP (it serves HTTP on
+        another Ray node that this host reaches), else None: over Ray."""
+        url = await self.http_url()
+        if url is None or self.data.node_id is None:
+            return None
+        if self.data.stale(edge):
+            got = await self.edge(edge, QUICK_TIMEOUT_S).data_address()
+            if got is None:
+                return None
+            self.data.note(edge, got)
+        return url if self.data.url(edge) is not None else None
 
     def edge(self, edge: str, timeout: float = BATCH_TIMEOUT_S) -> EdgeAPI:
         """edge's interface; a call answers None when it is dead, restarting or too slow (counted)."""
@@ -143,6 +187,18 @@ class Pusher:
 
         async def flush(batch):
             async with sem:
+                url = await self._pull_url(edge)
+                if url is not None:       # the keys over Ray, the bytes over the data plane
+                    drops = await asyncio.to_thread(settled, self.store)
+                    got = await self.edge(edge).pull_chunks(url, batch, role=role, pin=pin, ttl_s=ttl_s,
+                                                            drops=drops, origin_ip=self.data.node_ip)
+                    if got is None:       # dead or too slow (counted): it refills by pull-through
+                        return 0
+                    if got["pulled"] is not None:
+                        self.counters["chunks_pushed_http"] += got["pulled"]
+                        return len(batch)
+                    self.counters["push_http_unreached"] += 1       # over Ray, until asked again
+                    self.data.note(edge, {"url": None})
                 drops, chunks = await asyncio.to_thread(read, batch)
                 ok = await self.edge(edge).put_chunks(chunks, role=role, pin=pin, ttl_s=ttl_s, drops=drops)
                 return len(batch) if ok is not None else 0

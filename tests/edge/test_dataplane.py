@@ -57,6 +57,46 @@ def test_peer_pulls_between_nodes_go_over_http_frames_and_bring_the_published_by
         assert http_chunks == 0 and ray_pulls > 0
 
 
+def test_the_origins_pushes_to_edges_on_other_nodes_are_pulled_over_its_http_frames(small_network, synth):
+    """The origin (us-east's node) serves its stored frames over HTTP: the edges on the other
+    nodes take its pushes by pulling them from there, the one on its own node over Ray, and
+    every copy is the published bytes. Its server answers the admin only, refuses a bad body,
+    and an edge that does not reach it says so (the origin then sends the bytes over Ray)."""
+    net = small_network(auth=AUTH, http=True, replicas=3)          # every edge holds every chunk
+    toks, kv = synth.tokens(1500, seed=35), synth.kv(1500, seed=35)
+    pub = Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP, admin_token=ADMIN)
+    pub.publish("kb", [("d", toks)], kv)
+    keys = pub.manifest("kb").keys
+    ray.get(net.origin.pushes_settled.remote(token=ADMIN), timeout=120)
+    origin = ray.get(net.origin.stats.remote(token=ADMIN), timeout=30)
+    url = origin["http"]["url"]
+    assert url.startswith("http://127.0.0.1:")
+    planes = {e: s["data_plane"] for e, s in _stats(net).items()}
+    assert {e: p.get("origin_http_chunks", 0) for e, p in planes.items()} == {
+        "us-east-0": 0, "eu-west-0": len(keys), "ap-south-0": len(keys)}
+    assert origin["counters"]["chunks_pushed_http"] == 2 * len(keys)
+    assert origin["counters"]["chunks_pushed"] == 3 * len(keys)
+    sources = _read_everywhere(net, toks, kv)             # the bytes, from each region's own edge
+    assert not any(s.startswith("peer:") for s in sources), sources
+    with pytest.raises(AccessDenied, match="401"):
+        EdgeHTTPClient(url, allow_remote=True).peer_get(keys)
+    with pytest.raises(AccessDenied, match="403"):
+        EdgeHTTPClient(url, token=READ).peer_get(keys)
+    with EdgeHTTPClient(url, token=ADMIN) as c:
+        objs, nbytes = c.peer_get(list(keys[:2]) + [b"\x00" * 16])      # one key the origin lacks
+        assert [o is not None for o in objs] == [True, True, False]
+        assert np.array_equal(np.concatenate([o.kv for o in objs[:2]], axis=3), kv[:, :, :, :2 * 256])
+        with pytest.raises(BadRequest, match="named twice"):
+            c.peer_get([keys[0], keys[0]])
+    edge = net.edges["eu-west-0"]
+    assert ray.get(edge.pull_chunks.remote(url, keys, token=ADMIN, origin_ip="192.0.2.1"),
+                   timeout=30) == {"pulled": None, "kept": 0}      # a loopback URL of another host
+    with pytest.raises(ray.exceptions.RayTaskError, match="pull_chunks needs the network's admin token"):
+        ray.get(edge.pull_chunks.remote(url, keys), timeout=30)
+    with pytest.raises(ray.exceptions.RayTaskError, match="url must be the origin's"):
+        ray.get(edge.pull_chunks.remote("file:///etc/passwd", keys, token=ADMIN), timeout=30)
+
+
 def test_the_peer_endpoint_answers_only_the_admin_and_never_past_a_drop_the_asker_applied(small_network, synth):
     net = small_network(auth=AUTH, http=True, replicas=1)
     toks, kv = synth.tokens(1024, seed=32), synth.kv(1024, seed=32)

@@ -87,6 +87,17 @@ def test_each_region_is_a_host_of_its_own_and_every_worker_reads_its_own_regions
             assert urls[f"{region}-0"].startswith(f"http://{hosts.address_of(region)}:")
         toks, kv = synth.tokens(800, seed=11), synth.kv(800, seed=11)
         _publish(net, "hosted", toks, kv)
+        # the origin's push: over its HTTP frames to the edges on other hosts, over Ray to the
+        # one on its own node (us-east's, the head's)
+        ray.get(net.origin.pushes_settled.remote(token=ADMIN), timeout=120)
+        origin = ray.get(net.origin.stats.remote(token=ADMIN), timeout=30)
+        assert origin["http"]["url"].startswith(f"http://{hosts.address_of('us-east')}:")
+        got = {e: ray.get(h.stats.remote(token=ADMIN), timeout=30) for e, h in net.edges.items()}
+        by_http = {e: s["data_plane"].get("origin_http_chunks", 0) for e, s in got.items()}
+        held = {e: s["main"]["items"] for e, s in got.items()}
+        assert by_http["us-east-0"] == 0 and all(by_http[e] == held[e] > 0 for e in ("eu-west-0", "ap-south-0")), (by_http, held)
+        assert origin["counters"]["chunks_pushed_http"] == by_http["eu-west-0"] + by_http["ap-south-0"]
+        assert origin["counters"]["chunks_pushed"] == sum(held.values())
         refs = [_worker_fetch.options(label_selector={"region": r}).remote(net.name, toks + [1, 2], kv)
                 for r in REGIONS]
         for r, got in zip(REGIONS, ray.get(refs, timeout=120)):
@@ -98,6 +109,24 @@ def test_each_region_is_a_host_of_its_own_and_every_worker_reads_its_own_regions
         assert sum(p.get("peer_http_chunks", 0) for p in planes) > 0
         assert sum(p.get("peer_ray_pulls", 0) for p in planes) == 0
         assert all(p["mode"] == "auto" for p in planes)
+    finally:
+        from kdn.launch.cluster import stop_network
+        stop_network(net)
+
+
+def test_an_origin_on_loopback_pushes_to_the_other_hosts_over_ray(hosts, tmp_path, synth):
+    """An origin serving its frames on loopback is reached from its own host only: the edges
+    on the other hosts say so, and get its pushes over Ray, the published bytes all the same."""
+    net = _start(hosts, tmp_path, origin_options={"http_host": "127.0.0.1"})
+    try:
+        toks, kv = synth.tokens(600, seed=14), synth.kv(600, seed=14)
+        _publish(net, "loop", toks, kv)
+        ray.get(net.origin.pushes_settled.remote(token=ADMIN), timeout=120)
+        counters = ray.get(net.origin.stats.remote(token=ADMIN), timeout=30)["counters"]
+        assert counters.get("chunks_pushed_http", 0) == 0 and counters["push_http_unreached"] >= 1
+        refs = [_worker_fetch.options(label_selector={"region": r}).remote(net.name, toks, kv)
+                for r in REGIONS]
+        assert [(g["tokens"], g["equal"]) for g in ray.get(refs, timeout=120)] == [(600, True)] * 3
     finally:
         from kdn.launch.cluster import stop_network
         stop_network(net)

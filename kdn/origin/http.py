@@ -1,0 +1,160 @@
+"""The origin's stored frames over HTTP: what an edge on another node pulls a push from.
+
+A push to an edge on another Ray node than the origin goes over the data plane
+(kdn/origin/push.py): the origin's call over Ray (EdgeAPI.pull_chunks) names the keys and
+this server's URL, and the edge receives the stored frames over TCP straight into one buffer,
+each verified as its last byte arrives (kdn/edge/dataplane.py), at about a socket's pace where
+Ray's object manager carries a third of it (`kdn bench transport --hosts`).
+
+POST /v1/peer answers as an edge's does (kdn/edge/http.py), so the edge's own peer client
+reads it: with the network's admin token only (401 without a token, 403 with another), a
+msgpack map {"keys": [16-byte keys]} (at most MAX_KEYS keys), answered by the stored frame of
+each key the store holds intact, in the order asked, as stored (a compressed store's frames
+stay compressed); an absent or corrupt chunk is left out (the edge gets it by pull-through).
+GET /health answers anyone. Anything malformed is a 400, every error JSON {"error",
+"message", "status"}. The server binds 127.0.0.1 unless told the node's address ("node") or
+another, and off loopback only with an admin token.
+"""
+import asyncio
+import collections
+import json
+import logging
+import socket
+
+import msgpack
+from aiohttp import web
+
+from kdn.core.env import is_loopback
+from kdn.core.errors import AccessDenied, BadRequest, ChunkNotFound, CorruptChunk
+from kdn.core.keys import KEY_BYTES
+from kdn.core.wire import FRAMES_TYPE
+
+log = logging.getLogger(__name__)
+
+NODE_HOST = "node"            # host: bind the address of the origin's Ray node
+MAX_KEYS = 4096               # keys one pull may name (a push batch is at most 64 MiB of chunks)
+MAX_BODY_BYTES = MAX_KEYS * (KEY_BYTES + 2) + 64
+IDLE_S = 75.0                 # an idle keep-alive connection is closed after this
+
+
+def _bearer(request):
+    h = request.headers.get("Authorization", "")
+    return h[7:].strip() if h[:7].lower() == "bearer " else None
+
+
+def _error(status: int, error: str, message: str) -> web.Response:
+    return web.Response(status=status, content_type="application/json",
+                        text=json.dumps({"error": error, "message": message, "status": status}))
+
+
+def check_pull_keys(body) -> list:
+    """The keys of a pull's msgpack body; BadRequest naming what is wrong."""
+    if not isinstance(body, dict) or set(body) - {"keys", "region", "drops"}:
+        raise BadRequest("the body must be a msgpack map {\"keys\": [16-byte keys]}")
+    keys = body.get("keys")
+    if not isinstance(keys, list) or not keys or len(keys) > MAX_KEYS:
+        raise BadRequest(f"keys must be a list of 1 to {MAX_KEYS} keys")
+    if not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys):
+        raise BadRequest(f"every key must be {KEY_BYTES} bytes")
+    if len(set(keys)) != len(keys):
+        raise BadRequest("a key is named twice")
+    return keys
+
+
+class OriginHTTP:
+    """The origin's HTTP server over `store` (kdn.origin.store.ChunkStore); start() binds,
+    url tells where, stop() closes."""
+
+    def __init__(self, store, tokens, host: str = "127.0.0.1", port: int = 0):
+        if not is_loopback(host) and tokens.admin is None:
+            raise BadRequest(f"the origin will not serve its frames on {host}, off loopback, without an "
+                             "admin token: anyone who reaches the address would read every chunk")
+        self.store, self.tokens, self.host, self.port_wanted = store, tokens, host, int(port)
+        self.port, self._runner = None, None
+        self.counters = collections.Counter()
+        self.app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_post("/v1/peer", self._peer)
+
+    async def start(self) -> str:
+        if self._runner is None:
+            family, kind, proto, _, addr = socket.getaddrinfo(self.host, self.port_wanted,
+                                                              type=socket.SOCK_STREAM)[0]
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(addr)
+            except OSError:
+                sock.close()
+                raise
+            self.port = sock.getsockname()[1]
+            if not is_loopback(self.host):
+                log.warning("KDN origin serves its frames on %s:%d, off loopback (admin token required)",
+                            self.host, self.port)
+            self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                         keepalive_timeout=IDLE_S)
+            await self._runner.setup()
+            await web.SockSite(self._runner, sock).start()
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @web.middleware
+    async def _errors(self, request, handler):
+        try:
+            resp = await handler(request)
+        except AccessDenied as e:
+            resp = _error(401 if _bearer(request) is None else 403, "access_denied", str(e))
+        except BadRequest as e:
+            resp = _error(400, "bad_request", str(e))
+        except web.HTTPRequestEntityTooLarge:
+            resp = _error(413, "body_too_large", f"a request body is at most {MAX_BODY_BYTES} bytes")
+        except web.HTTPMethodNotAllowed:
+            resp = _error(405, "method_not_allowed", f"{request.method} is not allowed on {request.path}")
+        except web.HTTPNotFound:
+            resp = _error(404, "not_found", f"no endpoint {request.method} {request.path:.200}; "
+                                            "endpoints: GET /health, POST /v1/peer")
+        self.counters[f"status_{resp.status}"] += 1
+        return resp
+
+    async def _health(self, request):
+        return web.json_response({"role": "origin", "chunks": self.store.chunk_count()})
+
+    def _frame(self, key: bytes):
+        """The stored frame of key, verified (its header and payload checksums), or None."""
+        try:
+            return memoryview(self.store.get_encoded(key).frame)
+        except (ChunkNotFound, CorruptChunk):
+            return None
+
+    async def _peer(self, request):
+        self.tokens.check_admin(_bearer(request), "POST /v1/peer")
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=request.content_length)
+        raw = await request.read()
+        try:
+            body = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_array_len=MAX_KEYS + 1,
+                                   max_map_len=4, max_str_len=256, max_bin_len=1024, max_ext_len=0)
+        except (ValueError, TypeError, msgpack.UnpackException) as e:
+            raise BadRequest(f"the body is not valid msgpack: {type(e).__name__}") from None
+        keys = check_pull_keys(body)
+        frames = [f for f in await asyncio.to_thread(self.store.map, self._frame, keys) if f is not None]
+        total = sum(f.nbytes for f in frames)
+        resp = web.StreamResponse(status=200, headers={"X-KDN-Edge": "origin", "X-KDN-Behind": "0"})
+        resp.content_type = FRAMES_TYPE
+        resp.content_length = total
+        await resp.prepare(request)
+        for f in frames:
+            await resp.write(f)
+        await resp.write_eof()
+        self.counters["frames_sent"] += len(frames)
+        self.counters["bytes_sent"] += total
+        return resp
