@@ -572,6 +572,70 @@ def peer_pulls(net, kbs: dict, ns, digests, token, admin, link: SocketLink = Non
     return out
 
 
+ORIGIN_PLANES = (("origin-push-http", "node"), ("origin-push-ray", None))   # row, origin http_host
+
+
+def origin_pushes(args, cluster, kv, admin, read, link: SocketLink) -> dict:
+    """The origin's pushes to an edge on the far host, over each path: {row: [seconds per rep]}
+    and "socket": one bare-socket transfer timed before each rep. One network per path (the
+    origin here, serving its frames on this host's address or on none; one edge, far-0, that
+    owns every chunk), KBs of the same size published alternately, each push timed by the
+    origin from its call to the edge's answer (push_<path>_us: the edge holds the chunks)."""
+    from kdn.client import Client
+    from kdn.launch.cluster import start_network, stop_network
+    from kdn.placement.topology import Topology
+    import ray
+    near, far_region = HOST_REGIONS
+    nets, pubs, out = {}, {}, {"socket": []}
+    rng = np.random.default_rng(7)
+    try:
+        for row, host in ORIGIN_PLANES:
+            topo = Topology({r: (0.2, 10.0) for r in HOST_REGIONS}, {(near, far_region): (1.0, 10.0)},
+                            [("far-0", far_region, int((args.reps + 2) * kv.nbytes / 0.7))], near,
+                            source="bench transport --hosts (pushes)")
+            nets[row] = start_network(topo, Path(tempfile.mkdtemp(prefix="kdn-bench-push-")) / "origin",
+                                      network=f"bench-push-{uuid.uuid4().hex[:6]}", http=True, replicas=1,
+                                      auth={"admin": admin, "readers": {TENANT: read}},
+                                      edge_options={"http_host": "node"}, origin_options={"http_host": host})
+            pubs[row] = Client(network=nets[row].name, region=near, tenant=TENANT, fingerprint=FINGERPRINT,
+                               admin_token=admin)
+            out[row] = []
+        path = {row: "http" if host else "ray" for row, host in ORIGIN_PLANES}
+        for i in range(args.reps + 1):               # the first rep warms up, untimed
+            sock = link.one()
+            for row, _ in ORIGIN_PLANES:
+                origin = nets[row].origin
+                before = ray.get(origin.stats.remote(token=admin))["counters"]
+                pubs[row].publish(f"push-{i}", [("blob", rng.integers(0, 49152, kv.shape[3]).tolist())], kv)
+                ray.get(origin.pushes_settled.remote(token=admin), timeout=600)
+                after = ray.get(origin.stats.remote(token=admin))["counters"]
+                moved = after.get(f"push_{path[row]}_bytes", 0) - before.get(f"push_{path[row]}_bytes", 0)
+                us = after.get(f"push_{path[row]}_us", 0) - before.get(f"push_{path[row]}_us", 0)
+                if moved < kv.nbytes:
+                    raise RuntimeError(f"{row}: the push of rep {i} moved {moved} bytes over "
+                                       f"{path[row]}, not the KB's {kv.nbytes}")
+                if i:
+                    out[row].append(us / 1e6 * kv.nbytes / moved)
+            if i:
+                out["socket"].append(sock)
+        far = ray.get(nets["origin-push-http"].edges["far-0"].stats.remote(token=admin))
+        out["http_split"] = {"pull_us": far["data_plane"].get("origin_http_us", 0),
+                             "keep_us": far["counters"].get("pushes_pulled_keep_us", 0)}
+        # the copies pushed are the published bytes: far-0 of each network answers them
+        for row in nets:
+            toks = pubs[row].manifest(f"push-{args.reps}").token_ids().tolist()
+            f = Client(network=nets[row].name, region=far_region, tenant=TENANT, fingerprint=FINGERPRINT,
+                       token=read, data_plane="ray").fetch(toks)
+            if f.tokens != kv.shape[3] or set(f.sources) != {"local"} or not np.array_equal(
+                    np.concatenate(f.kv_parts(), axis=3), kv):
+                raise RuntimeError(f"{row}: far-0 does not hold the published bytes ({f.tokens} tokens, "
+                                   f"sources {sorted(set(f.sources))})")
+    finally:
+        for net in nets.values():
+            stop_network(net)
+    return out
+
+
 def across_hosts(args, kv, tokens, cap_bps) -> int:
     """The same KB read across a link between two hosts (kdn.testing.netns): the edge on the
     far host, the readers here. Rows: the bare socket from the far host (the link's ceiling
@@ -581,7 +645,10 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
     from the far edge (peer pulls) on each data plane (kdn/edge/dataplane.py), interleaved
     rep by rep with one bare-socket transfer each (socket-beside: the peer pulls' ratios are
     to it, so a noisy minute hits both alike); the client row likewise, each fetch preceded by
-    one bare-socket transfer in the same worker (socket-beside-client: client_over_socket_beside)."""
+    one bare-socket transfer in the same worker (socket-beside-client: client_over_socket_beside);
+    last, the origin (on this host) pushing a KB to an edge on the far host, pulled from the
+    origin's HTTP frames and over Ray, alternately, after one bare-socket transfer each
+    (socket-beside-push; origin_pushes)."""
     import secrets
     from kdn.testing.netns import HostCluster, available
     why = available()
@@ -703,6 +770,23 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
                              "max_ms": None, "note": "the same pulls, as the edge timed them: "
                                                      "request sent to last frame verified, all reps; "
                                                      f"{waited:.0%} of it before the first byte"})
+        stop_network(net)                    # its far edge's memory, for the pushes' networks
+        net = None
+        link = SocketLink(total, piece, host=far.address("far"), prefix=prefix)
+        try:
+            pushed = origin_pushes(args, cluster, kv, admin, read, link)
+        finally:
+            link.close()
+        record("socket-beside-push", "recv_into", pushed["socket"],
+               "bare TCP again, one transfer before each rep of the pushes below: their ceiling")
+        split = pushed["http_split"]
+        print(f"origin-push-http, as far-0 timed it (all reps with the warm-up): pulling the frames "
+              f"{split['pull_us'] / 1e3:.0f} ms, keeping the copies {split['keep_us'] / 1e3:.0f} ms")
+        for row, host in ORIGIN_PLANES:
+            record(row, "origin pushes to far-0", pushed[row],
+                   "a KB published here, pushed by the origin to the edge on the far host "
+                   + ("that pulls it from the origin's HTTP frames" if host else "over Ray")
+                   + ", timed by the origin from its call to the edge's answer")
     finally:
         if net is not None:
             stop_network(net)
@@ -723,13 +807,17 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
            # peer pulls against the socket timed beside them, rep by rep
            **{f"{row.replace('-', '_')}_over_socket": res[row] / res["socket-beside"]
               for row in res if row.startswith("peer")},
-           "peer_http_over_peer_ray": res["peer-http"] / res["peer-ray"]}
+           "peer_http_over_peer_ray": res["peer-http"] / res["peer-ray"],
+           # the origin's pushes against the socket timed beside them, rep by rep
+           **{f"{row.replace('-', '_')}_over_socket": res[row] / res["socket-beside-push"]
+              for row, _ in ORIGIN_PLANES},
+           "origin_push_http_over_origin_push_ray": res["origin-push-http"] / res["origin-push-ray"]}
     if cap_bps:
         out.update(http_over_cap=res["http"] * 1e9 / cap_bps, ray_over_cap=res["ray"] * 1e9 / cap_bps,
                    client_over_cap=res["client"] * 1e9 / cap_bps,
                    socket_over_cap=res["socket"] * 1e9 / cap_bps,
                    **{f"{row.replace('-', '_')}_over_cap": res[row] * 1e9 / cap_bps
-                      for row in res if row.startswith("peer")})
+                      for row in res if row.startswith(("peer", "origin"))})
     print("; ".join(f"{k} {v:.2f}x" for k, v in out.items() if k.endswith(("_over_socket", "_over_ray", "_over_cap"))))
     if args.json:
         emit_json(out)

@@ -371,7 +371,9 @@ class EdgeNode:
         if got is None:
             return {"pulled": None, "kept": 0}
         objs = [o for o in got if o is not None]
+        t0 = time.perf_counter()
         kept = await self.put_chunks(objs, role=role, pin=pin, ttl_s=ttl_s, token=token, drops=drops)
+        self.counters["pushes_pulled_keep_us"] += int((time.perf_counter() - t0) * 1e6)
         return {"pulled": len(objs), "kept": kept}
 
     async def put_objects(self, chunks, token=None) -> dict:

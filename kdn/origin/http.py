@@ -9,8 +9,12 @@ Ray's object manager carries a third of it (`kdn bench transport --hosts`).
 POST /v1/peer answers as an edge's does (kdn/edge/http.py), so the edge's own peer client
 reads it: with the network's admin token only (401 without a token, 403 with another), a
 msgpack map {"keys": [16-byte keys]} (at most MAX_KEYS keys), answered by the stored frame of
-each key the store holds intact, in the order asked, as stored (a compressed store's frames
-stay compressed); an absent or corrupt chunk is left out (the edge gets it by pull-through).
+each key the store holds, in the order asked, as stored (a compressed store's frames stay
+compressed); an absent chunk is left out (the edge gets it by pull-through). The frames are
+streamed as they are read from the store, each read while the one before is sent; the edge
+verifies every frame as it arrives (a corrupt one costs only its key there). A frame that
+vanished or changed size after its size was announced ends the answer short: the edge then
+takes the push over Ray.
 GET /health answers anyone. Anything malformed is a 400, every error JSON {"error",
 "message", "status"}. The server binds 127.0.0.1 unless told the node's address ("node") or
 another, and off loopback only with an admin token.
@@ -25,7 +29,7 @@ import msgpack
 from aiohttp import web
 
 from kdn.core.env import is_loopback
-from kdn.core.errors import AccessDenied, BadRequest, ChunkNotFound, CorruptChunk
+from kdn.core.errors import AccessDenied, BadRequest
 from kdn.core.keys import KEY_BYTES
 from kdn.core.wire import FRAMES_TYPE
 
@@ -126,14 +130,7 @@ class OriginHTTP:
         return resp
 
     async def _health(self, request):
-        return web.json_response({"role": "origin", "chunks": self.store.chunk_count()})
-
-    def _frame(self, key: bytes):
-        """The stored frame of key, verified (its header and payload checksums), or None."""
-        try:
-            return memoryview(self.store.get_encoded(key).frame)
-        except (ChunkNotFound, CorruptChunk):
-            return None
+        return web.json_response({"role": "origin", "chunks": self.store.chunk_count})
 
     async def _peer(self, request):
         self.tokens.check_admin(_bearer(request), "POST /v1/peer")
@@ -146,15 +143,29 @@ class OriginHTTP:
         except (ValueError, TypeError, msgpack.UnpackException) as e:
             raise BadRequest(f"the body is not valid msgpack: {type(e).__name__}") from None
         keys = check_pull_keys(body)
-        frames = [f for f in await asyncio.to_thread(self.store.map, self._frame, keys) if f is not None]
-        total = sum(f.nbytes for f in frames)
+        sizes = await asyncio.to_thread(self.store.map, self.store.size_of, keys)    # 0: absent
+        held = [(k, n) for k, n in zip(keys, sizes) if n]
+        total = sum(n for _, n in held)
         resp = web.StreamResponse(status=200, headers={"X-KDN-Edge": "origin", "X-KDN-Behind": "0"})
         resp.content_type = FRAMES_TYPE
         resp.content_length = total
         await resp.prepare(request)
-        for f in frames:
-            await resp.write(f)
+        reading = asyncio.ensure_future(asyncio.to_thread(self.store.read_frame, held[0][0])) if held else None
+        try:
+            for i, (key, n) in enumerate(held):
+                frame = await reading
+                reading = (asyncio.ensure_future(asyncio.to_thread(self.store.read_frame, held[i + 1][0]))
+                           if i + 1 < len(held) else None)
+                if frame is None or len(frame) != n:      # gone or rewritten since its size was read
+                    self.counters["answers_cut_short"] += 1
+                    resp.force_close()
+                    log.warning("origin: chunk %s changed while it was sent; the pull is cut short", key.hex())
+                    return resp
+                await resp.write(frame)
+                self.counters["frames_sent"] += 1
+                self.counters["bytes_sent"] += n
+        finally:
+            if reading is not None:
+                reading.cancel()
         await resp.write_eof()
-        self.counters["frames_sent"] += len(frames)
-        self.counters["bytes_sent"] += total
         return resp

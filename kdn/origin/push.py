@@ -19,8 +19,9 @@ the origin's server gets the batch over Ray instead, and over Ray until its addr
 again (kdn.core.dataplane.ADDRESS_RETRY_S).
 """
 import asyncio
-import functools
 import collections
+import functools
+import time
 
 from kdn.core.dataplane import Addresses
 from kdn.core.errors import StoreError
@@ -185,9 +186,10 @@ class Pusher:
         def read(batch):       # the settled head first: the bytes read after are that new
             return settled(self.store), outgoing(self.store, batch, self.store.map)
 
-        async def flush(batch):
+        async def flush(batch, nbytes):
             async with sem:
                 url = await self._pull_url(edge)
+                t0 = time.perf_counter()
                 if url is not None:       # the keys over Ray, the bytes over the data plane
                     drops = await asyncio.to_thread(settled, self.store)
                     got = await self.edge(edge).pull_chunks(url, batch, role=role, pin=pin, ttl_s=ttl_s,
@@ -195,13 +197,17 @@ class Pusher:
                     if got is None:       # dead or too slow (counted): it refills by pull-through
                         return 0
                     if got["pulled"] is not None:
-                        self.counters["chunks_pushed_http"] += got["pulled"]
+                        self._timed("http", got["pulled"], nbytes, t0)
                         return len(batch)
                     self.counters["push_http_unreached"] += 1       # over Ray, until asked again
                     self.data.note(edge, {"url": None})
+                    t0 = time.perf_counter()
                 drops, chunks = await asyncio.to_thread(read, batch)
                 ok = await self.edge(edge).put_chunks(chunks, role=role, pin=pin, ttl_s=ttl_s, drops=drops)
-                return len(batch) if ok is not None else 0
+                if ok is None:
+                    return 0
+                self._timed("ray", len(batch), nbytes, t0)
+                return len(batch)
 
         jobs, batch, size = [], [], 0
         sizes = await asyncio.to_thread(self.store.map, self.store.size_of, keys)   # off the loop:
@@ -209,11 +215,19 @@ class Pusher:
             batch.append(k)
             size += n
             if size >= PUSH_BATCH_BYTES:
-                jobs.append(flush(batch))
+                jobs.append(flush(batch, size))
                 batch, size = [], 0
         if batch:
-            jobs.append(flush(batch))
+            jobs.append(flush(batch, size))
         return sum(await asyncio.gather(*jobs))
+
+    def _timed(self, path: str, chunks: int, nbytes: int, t0: float) -> None:
+        """A batch the edge holds now, sent over path ("http": pulled from the origin's frames;
+        "ray"): its chunks, its stored bytes and the microseconds from the call to the answer
+        (push_<path>_chunks/_bytes/_us: the pace of each path, `kdn bench transport --hosts`)."""
+        self.counters[f"push_{path}_chunks"] += chunks
+        self.counters[f"push_{path}_bytes"] += nbytes
+        self.counters[f"push_{path}_us"] += int((time.perf_counter() - t0) * 1e6)
 
     async def rehome(self, old_ring) -> int:
         """After a membership change, send every live chunk to owners that did not own it."""

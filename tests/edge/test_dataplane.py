@@ -74,7 +74,9 @@ def test_the_origins_pushes_to_edges_on_other_nodes_are_pulled_over_its_http_fra
     planes = {e: s["data_plane"] for e, s in _stats(net).items()}
     assert {e: p.get("origin_http_chunks", 0) for e, p in planes.items()} == {
         "us-east-0": 0, "eu-west-0": len(keys), "ap-south-0": len(keys)}
-    assert origin["counters"]["chunks_pushed_http"] == 2 * len(keys)
+    assert origin["counters"]["push_http_chunks"] == 2 * len(keys)
+    assert origin["counters"]["push_ray_chunks"] == len(keys)        # us-east-0, on the origin's node
+    assert origin["counters"]["push_http_bytes"] == 2 * origin["counters"]["push_ray_bytes"] > kv.nbytes
     assert origin["counters"]["chunks_pushed"] == 3 * len(keys)
     sources = _read_everywhere(net, toks, kv)             # the bytes, from each region's own edge
     assert not any(s.startswith("peer:") for s in sources), sources

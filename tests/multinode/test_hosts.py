@@ -96,7 +96,7 @@ def test_each_region_is_a_host_of_its_own_and_every_worker_reads_its_own_regions
         by_http = {e: s["data_plane"].get("origin_http_chunks", 0) for e, s in got.items()}
         held = {e: s["main"]["items"] for e, s in got.items()}
         assert by_http["us-east-0"] == 0 and all(by_http[e] == held[e] > 0 for e in ("eu-west-0", "ap-south-0")), (by_http, held)
-        assert origin["counters"]["chunks_pushed_http"] == by_http["eu-west-0"] + by_http["ap-south-0"]
+        assert origin["counters"]["push_http_chunks"] == by_http["eu-west-0"] + by_http["ap-south-0"]
         assert origin["counters"]["chunks_pushed"] == sum(held.values())
         refs = [_worker_fetch.options(label_selector={"region": r}).remote(net.name, toks + [1, 2], kv)
                 for r in REGIONS]
@@ -123,7 +123,7 @@ def test_an_origin_on_loopback_pushes_to_the_other_hosts_over_ray(hosts, tmp_pat
         _publish(net, "loop", toks, kv)
         ray.get(net.origin.pushes_settled.remote(token=ADMIN), timeout=120)
         counters = ray.get(net.origin.stats.remote(token=ADMIN), timeout=30)["counters"]
-        assert counters.get("chunks_pushed_http", 0) == 0 and counters["push_http_unreached"] >= 1
+        assert counters.get("push_http_chunks", 0) == 0 and counters["push_ray_chunks"] > 0 and counters["push_http_unreached"] >= 1
         refs = [_worker_fetch.options(label_selector={"region": r}).remote(net.name, toks, kv)
                 for r in REGIONS]
         assert [(g["tokens"], g["equal"]) for g in ray.get(refs, timeout=120)] == [(600, True)] * 3
