@@ -17,6 +17,7 @@ from kdn.core.env import is_loopback
 from kdn.core.errors import BadRequest
 
 MODES = ("auto", "http", "ray")
+NODE_HOST = "node"           # a node's http_host: bind the address of its Ray node
 UNSPECIFIED = ("0.0.0.0", "::")     # a server bound to every address names none
 ADDRESS_RETRY_S = 30.0       # an edge that served no HTTP is asked for its address again after this
 

@@ -46,6 +46,7 @@ from kdn.edge.stores import BACKLOG_BYTES, WriteBehind
 from kdn.edge.tiers import ROLES, Held, Tiers, resolve_all
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, StoreError
 from kdn.core.checks import check_int
+from kdn.core.dataplane import NODE_HOST
 from kdn.core.conversation import CONVERSATION_SHARE, conversation_namespace, home_of, retention_ttl
 from kdn.core.keys import MAX_FETCH_KEYS, MAX_KEYS_PER_CALL, check_key
 from kdn.core.manifest import check_ttl
@@ -66,7 +67,6 @@ PIN_LOOKUP_TIMEOUT_S = 1.0    # a lookup's pull from the origin (a worker waits 
 ADMIN_KEYS = MAX_KEYS_PER_CALL   # keys one operator or origin call may name (a KB's keys)
 
 
-NODE_HOST = "node"      # http_host: bind the address of the edge's Ray node
 
 
 class EdgeNode:

@@ -17,7 +17,8 @@ vanished or changed size after its size was announced ends the answer short: the
 takes the push over Ray.
 GET /health answers anyone. Anything malformed is a 400, every error JSON {"error",
 "message", "status"}. The server binds 127.0.0.1 unless told the node's address ("node") or
-another, and off loopback only with an admin token.
+another (host "node", kdn.core.dataplane.NODE_HOST, is resolved by the caller), and off
+loopback only with an admin token.
 """
 import asyncio
 import collections
@@ -35,10 +36,9 @@ from kdn.core.wire import FRAMES_TYPE
 
 log = logging.getLogger(__name__)
 
-NODE_HOST = "node"            # host: bind the address of the origin's Ray node
 MAX_KEYS = 4096               # keys one pull may name (a push batch is at most 64 MiB of chunks)
-MAX_BODY_BYTES = MAX_KEYS * (KEY_BYTES + 2) + 64
-IDLE_S = 75.0                 # an idle keep-alive connection is closed after this
+MAX_PULL_BYTES = MAX_KEYS * (KEY_BYTES + 2) + 64     # the largest body of a pull
+KEEPALIVE_S = 75.0            # an idle keep-alive connection is closed after this
 
 
 def _bearer(request):
@@ -76,7 +76,7 @@ class OriginHTTP:
         self.store, self.tokens, self.host, self.port_wanted = store, tokens, host, int(port)
         self.port, self._runner = None, None
         self.counters = collections.Counter()
-        self.app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
+        self.app = web.Application(middlewares=[self._errors], client_max_size=MAX_PULL_BYTES)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_post("/v1/peer", self._peer)
 
@@ -96,7 +96,7 @@ class OriginHTTP:
                 log.warning("KDN origin serves its frames on %s:%d, off loopback (admin token required)",
                             self.host, self.port)
             self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
-                                         keepalive_timeout=IDLE_S)
+                                         keepalive_timeout=KEEPALIVE_S)
             await self._runner.setup()
             await web.SockSite(self._runner, sock).start()
         return self.url
@@ -120,7 +120,7 @@ class OriginHTTP:
         except BadRequest as e:
             resp = _error(400, "bad_request", str(e))
         except web.HTTPRequestEntityTooLarge:
-            resp = _error(413, "body_too_large", f"a request body is at most {MAX_BODY_BYTES} bytes")
+            resp = _error(413, "body_too_large", f"a request body is at most {MAX_PULL_BYTES} bytes")
         except web.HTTPMethodNotAllowed:
             resp = _error(405, "method_not_allowed", f"{request.method} is not allowed on {request.path}")
         except web.HTTPNotFound:
@@ -134,8 +134,8 @@ class OriginHTTP:
 
     async def _peer(self, request):
         self.tokens.check_admin(_bearer(request), "POST /v1/peer")
-        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-            raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=request.content_length)
+        if request.content_length is not None and request.content_length > MAX_PULL_BYTES:
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_PULL_BYTES, actual_size=request.content_length)
         raw = await request.read()
         try:
             body = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_array_len=MAX_KEYS + 1,

@@ -23,7 +23,7 @@ import collections
 import functools
 import time
 
-from kdn.core.dataplane import Addresses
+from kdn.core.dataplane import NODE_HOST, Addresses
 from kdn.core.errors import StoreError
 from kdn.origin.drops import settled
 from kdn.origin.overrides import kb_id
@@ -73,7 +73,7 @@ class Pusher:
         async with self._http_lock:
             if self.http is None:
                 import ray
-                from kdn.origin.http import NODE_HOST, OriginHTTP
+                from kdn.origin.http import OriginHTTP
                 on_ray = ray.is_initialized()
                 ip = ray.util.get_node_ip_address() if on_ray else None
                 http = OriginHTTP(self.store, self.tokens, ip if self.http_host == NODE_HOST else self.http_host)
