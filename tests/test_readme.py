@@ -206,6 +206,8 @@ def test_readme_runs_as_written(tmp_path):
     assert "generated tokens identical: yes" in up, up[-2000:]
     assert re.search(r"KDN was \d+(\.\d+)?x faster than a full prefill", up), up[-2000:]
     assert "4520/" in up                   # the whole knowledge base came from KDN
+    # the origin's pushes to the edges on the other Ray nodes went over its HTTP frames
+    assert re.search(r"origin pushes: \d+ chunks pulled by edges on other nodes from its HTTP frames", up), up[-3000:]
     # the Python block answered, fetched every knowledge token exactly, and the operator calls ran
     lines = api.strip().splitlines()
     assert lines[-1].split()[:2] == ["4520", "True"], api[-2000:]

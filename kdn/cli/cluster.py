@@ -37,6 +37,17 @@ def _down(args, rest):
     return 0
 
 
+def push_line(counters: dict) -> str:
+    """How the origin's pushes travelled (kdn/origin/push.py), or "" before any: chunks and
+    pace per path, each batch timed from the origin's call to the edge's answer."""
+    parts = []
+    for path, how in (("http", "pulled by edges on other nodes from its HTTP frames"), ("ray", "over Ray")):
+        n, nbytes, us = (counters.get(f"push_{path}_{k}", 0) for k in ("chunks", "bytes", "us"))
+        if n:
+            parts.append(f"{n} chunks {how} ({nbytes / max(us, 1) / 1e3:.2f} GB/s)")
+    return "origin pushes: " + "; ".join(parts) if parts else ""
+
+
 def status_rows(st: dict) -> list:
     """One row per edge: the table `kdn status` prints; per tier (main, hot, and disk where
     the edge has one) its chunks, bytes and hits, and the disk's write-backs."""
@@ -110,6 +121,9 @@ def _status(args, rest):
         print(f"origin: up, {s['versions']} KB versions{also}, {s['chunks']} chunks, {gib(s['bytes'])} "
               f"in {s.get('backend', 'its store')}, {o['members']} edges "
               f"(membership v{o['membership_version']})")
+        pushes = push_line(o.get("counters", {}))
+        if pushes:
+            print(pushes)
     table(status_rows(st))
     by_tenant = {}
     for e in st["edges"]:

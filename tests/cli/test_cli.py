@@ -143,6 +143,15 @@ def test_status_shows_an_edges_disk_tier_beside_memory():
     assert row["peer pulls (http / ray)"] == "5 (3.00 GiB) / 1"
 
 
+def test_status_says_how_the_origins_pushes_travelled():
+    from kdn.cli.cluster import push_line
+    assert push_line({"chunks_pushed": 0}) == ""
+    assert push_line({"push_http_chunks": 36, "push_http_bytes": 2 * 10**9, "push_http_us": 2 * 10**6,
+                      "push_ray_chunks": 18, "push_ray_bytes": 10**9, "push_ray_us": 4 * 10**6}) == (
+        "origin pushes: 36 chunks pulled by edges on other nodes from its HTTP frames (1.00 GB/s); "
+        "18 chunks over Ray (0.25 GB/s)")
+
+
 # --- a codebase: this repository's kdn/placement/ folder, with the real model --------------------
 @pytest.fixture(scope="module")
 def code_net(small_network, ray_cluster):
