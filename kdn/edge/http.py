@@ -53,6 +53,7 @@ from kdn.core.chunk import codecs
 from kdn.edge.metrics import EdgeMetrics
 from kdn.core.wire import FRAMES_TYPE, MAX_SOURCE_RUNS, METRICS_TYPE, pack_sources
 from kdn.core.env import is_loopback
+from kdn.core.serving import Served, bearer as _bearer, bind as _bind
 from kdn.core.errors import AccessDenied, BadRequest, BadTokens
 from kdn.core.keys import KEY_BYTES, MAX_FETCH_KEYS, namespace_digest
 from kdn.edge.reads import check_keys
@@ -89,29 +90,11 @@ def _json(data, status: int = 200) -> web.Response:
                         body=json.dumps(data, default=_json_default).encode())
 
 
-def _bearer(request):
-    """The token of an `Authorization: Bearer <token>` header (None without one)."""
-    h = request.headers.get("Authorization", "")
-    return h[7:].strip() if h[:7].lower() == "bearer " else None
-
-
 def _error(status: int, error: str, message: str) -> web.Response:
     return _json({"error": error, "message": message, "status": status}, status)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-class EdgeHTTP:
+class EdgeHTTP(Served):
     """HTTP endpoints of one EdgeNode; start() binds, port tells where, stop() closes."""
 
     def __init__(self, edge, host: str = "127.0.0.1", port: int = 0,
@@ -148,12 +131,8 @@ class EdgeHTTP:
                         self.port)
         self.loop_class = type(asyncio.get_running_loop()).__module__.split(".")[0]
         self._encoders = asyncio.Semaphore(ENCODERS)
-        # keepalive_timeout runs from the connection's start and from each answer: a socket
-        # with no complete request within idle_s (slow headers, idle keep-alive) is closed
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
-                                     keepalive_timeout=self.idle_s)
-        await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
+        # a socket with no complete request within idle_s (slow headers, idle keep-alive) is closed
+        await self.serve(self.app, sock, self.idle_s)
         return self.port
 
     async def _bind(self) -> socket.socket:
@@ -167,16 +146,6 @@ class EdgeHTTP:
                 if e.errno != errno.EADDRINUSE or not self.port_wanted or time.monotonic() > deadline:
                     raise
             await asyncio.sleep(0.25)
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
 
     # --- errors and accounting ------------------------------------------------------------
     @web.middleware

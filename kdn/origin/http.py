@@ -24,13 +24,13 @@ import asyncio
 import collections
 import json
 import logging
-import socket
 
 import msgpack
 from aiohttp import web
 
 from kdn.core.env import is_loopback
 from kdn.core.errors import AccessDenied, BadRequest
+from kdn.core.serving import Served, bearer as _bearer, bind
 from kdn.core.keys import KEY_BYTES
 from kdn.core.wire import FRAMES_TYPE
 
@@ -39,11 +39,6 @@ log = logging.getLogger(__name__)
 MAX_KEYS = 4096               # keys one pull may name (a push batch is at most 64 MiB of chunks)
 MAX_PULL_BYTES = MAX_KEYS * (KEY_BYTES + 2) + 64     # the largest body of a pull
 KEEPALIVE_S = 75.0            # an idle keep-alive connection is closed after this
-
-
-def _bearer(request):
-    h = request.headers.get("Authorization", "")
-    return h[7:].strip() if h[:7].lower() == "bearer " else None
 
 
 def _error(status: int, error: str, message: str) -> web.Response:
@@ -65,7 +60,7 @@ def check_pull_keys(body) -> list:
     return keys
 
 
-class OriginHTTP:
+class OriginHTTP(Served):
     """The origin's HTTP server over `store` (kdn.origin.store.ChunkStore); start() binds,
     url tells where, stop() closes."""
 
@@ -82,34 +77,13 @@ class OriginHTTP:
 
     async def start(self) -> str:
         if self._runner is None:
-            family, kind, proto, _, addr = socket.getaddrinfo(self.host, self.port_wanted,
-                                                              type=socket.SOCK_STREAM)[0]
-            sock = socket.socket(family, kind, proto)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(addr)
-            except OSError:
-                sock.close()
-                raise
+            sock = bind(self.host, self.port_wanted)
             self.port = sock.getsockname()[1]
             if not is_loopback(self.host):
                 log.warning("KDN origin serves its frames on %s:%d, off loopback (admin token required)",
                             self.host, self.port)
-            self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
-                                         keepalive_timeout=KEEPALIVE_S)
-            await self._runner.setup()
-            await web.SockSite(self._runner, sock).start()
+            await self.serve(self.app, sock, KEEPALIVE_S)
         return self.url
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
 
     @web.middleware
     async def _errors(self, request, handler):

@@ -185,11 +185,11 @@ def test_an_owner_behind_a_capped_link_is_chosen_less_once_measured(hosts, tmp_p
         stop_network(net)
 
 
-def test_the_service_answers_from_each_regions_host_with_the_kv_of_that_regions_edge(hosts, tmp_path, model):
+def test_the_service_answers_from_each_regions_host_with_the_kv_of_that_regions_edge(hosts, tmp_path, model,
+                                                                                    monkeypatch):
     """`kdn serve` on the host cluster: one replica per region, placed on that region's host;
     each region's URL answers the model's own full prefill, the KB's KV read by the region's
     replica from its own region's edge (each edge counts the fetch)."""
-    import os
     import httpx
     from kdn.cli import main as kdn
     from kdn.cli.knowledge import bundled_documents
@@ -199,9 +199,8 @@ def test_the_service_answers_from_each_regions_host_with_the_kv_of_that_regions_
     from kdn.launch.cluster import free_ports, stop_network
     from kdn.serve.chat import messages_tokens
     net = _start(hosts, tmp_path)
-    env = {"KDN_ADMIN_TOKEN": ADMIN, "KDN_READ_TOKENS": f"acme={ACME}"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    monkeypatch.setenv("KDN_ADMIN_TOKEN", ADMIN)          # `kdn serve` reads the tokens here
+    monkeypatch.setenv("KDN_READ_TOKENS", f"acme={ACME}")
     where = ["--address", hosts.address, "--network", net.name]
     try:
         pub = Client(network=net.name, region="us-east", tenant="acme", fingerprint=model.fingerprint,
@@ -234,11 +233,6 @@ def test_the_service_answers_from_each_regions_host_with_the_kv_of_that_regions_
     finally:
         kdn(["serve", *where, "--down"])
         stop_network(net)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_a_killed_host_costs_its_readers_one_failover(hosts, tmp_path, synth):
