@@ -46,7 +46,7 @@ from kdn.edge.stores import BACKLOG_BYTES, WriteBehind
 from kdn.edge.tiers import ROLES, Held, Tiers, resolve_all
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, StoreError
 from kdn.core.checks import check_int
-from kdn.core.dataplane import NODE_HOST
+from kdn.core.dataplane import NODE_HOST, reachable_url
 from kdn.core.conversation import CONVERSATION_SHARE, conversation_namespace, home_of, retention_ttl
 from kdn.core.keys import MAX_FETCH_KEYS, MAX_KEYS_PER_CALL, check_key
 from kdn.core.manifest import check_ttl
@@ -65,8 +65,6 @@ PIN_STORE_BUDGET_S = 20.0     # a pinned store's pull and sends to the origin, a
                               # worker waits 30 s for the store: kdn/client/history.py)
 PIN_LOOKUP_TIMEOUT_S = 1.0    # a lookup's pull from the origin (a worker waits 2 s for the lookup)
 ADMIN_KEYS = MAX_KEYS_PER_CALL   # keys one operator or origin call may name (a KB's keys)
-
-
 
 
 class EdgeNode:
@@ -363,7 +361,6 @@ class EdgeNode:
         keys = check_keys(keys)
         if not isinstance(url, str) or not url.startswith("http://"):
             raise BadRequest(f"url must be the origin's http:// URL, got {url!r:.80}")
-        from kdn.core.dataplane import reachable_url
         if self.pulls.mode == "ray" or reachable_url({"url": url, "ip": origin_ip},
                                                       self.pulls.addresses.node_ip) is None:
             return {"pulled": None, "kept": 0}
