@@ -739,7 +739,10 @@ def test_a_variant_reads_the_base_models_kv_only_when_it_opts_in_and_is_told_so(
     receipt = publish_documents(own_pub, variant, "motto", docs)
     assert f"{variant.name}@motto" in [m.id for m in c.models.list().data]
     r = c.chat.completions.create(model=f"{variant.name}@motto", messages=messages, max_tokens=6)
-    prompt = own_pub.manifest("motto").token_ids().tolist() + messages_tokens(variant, messages)
-    assert r.choices[0].message.content == _text(variant, variant.generate(prompt, max_new_tokens=6).tokens)
+    # the same read here (its KV fetched, the question computed over it): the same work on this CPU
+    mine = answer(Client(network=service["network"], region="eu-west", fingerprint=variant.fingerprint,
+                         token=READ), variant, "motto", QUESTION, max_new_tokens=6)
+    assert mine.cached_tokens == receipt["tokens"] and r.usage.prompt_tokens == mine.prompt_tokens
+    assert r.choices[0].message.content == _text(variant, mine.tokens)
     assert r.model_extra["kdn"]["exact"] is True and "cross_model" not in r.model_extra["kdn"]
     assert r.usage.prompt_tokens_details.cached_tokens == receipt["tokens"]
