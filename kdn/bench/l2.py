@@ -92,11 +92,18 @@ def lmcache_bench(adapter: dict, args, out_path: str) -> dict:
 
 
 def settle_pushes(net) -> None:
-    """Wait until every object push the origin queued has landed (admin)."""
+    """Wait until every store an edge answered is durable at the origin, then until every
+    object push the origin queued has landed (admin)."""
+    import ray
     from kdn.client.view import NetworkView
     from kdn.core.auth import ensure_admin_token
     from kdn.core.env import kdn_home
-    NetworkView(net.name, region=READER, admin_token=ensure_admin_token(kdn_home())).origin(600).pushes_settled()
+    token = ensure_admin_token(kdn_home())
+    for name, edge in net.edges.items():
+        got = ray.get(edge.stores_durable.remote(600.0, token=token))
+        if not got["durable"]:
+            raise RuntimeError(f"edge {name}: its stores are not durable after 600 s: {got}")
+    NetworkView(net.name, region=READER, admin_token=token).origin(600).pushes_settled()
 
 
 def row(name: str, metrics: dict, note: str = "") -> dict:

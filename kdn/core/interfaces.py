@@ -70,6 +70,9 @@ class EdgeAPI(EdgeReads, Protocol):
         """Keep another cache layer's objects here, durable at the origin after (write-behind):
         {"received", "kept", "pending"}."""
 
+    async def stores_durable(self, timeout_s: float = 60.0) -> dict:
+        """Wait until the stores answered here are durable at the origin: the backlog's stats."""
+
     async def pin_keys(self, keys) -> int:
         """Pin chunks held here; how many."""
 

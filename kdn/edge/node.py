@@ -115,7 +115,8 @@ class EdgeNode:
                            self.catalog, self.demand, max_reply_bytes)
         # other cache layers' stores acknowledged here, durable at the origin after
         self.stores = WriteBehind(self.tiers, self.forms, self.peers,
-                                  check_int(store_backlog_bytes, "store_backlog_bytes", 0))
+                                  check_int(store_backlog_bytes, "store_backlog_bytes", 0),
+                                  owns=lambda keys: [name in o for o in self.members.owners(keys)])
         self.counters = collections.Counter()
         self.started = time.time()
         self._bg = None
@@ -382,6 +383,15 @@ class EdgeNode:
         self.tokens.check_admin(token, "put_objects")
         return await self.stores.put(chunks)
 
+    async def stores_durable(self, timeout_s: float = 60.0, token=None) -> dict:
+        """Wait (up to timeout_s) until every store this edge answered is durable at the origin
+        (benches, tests, an operator before a restart): the backlog's stats, "durable" whether
+        it is empty."""
+        self.tokens.check_admin(token, "stores_durable")
+        if not 0 < timeout_s <= 3600:
+            raise BadRequest(f"stores_durable: timeout_s must be in (0, 3600], got {timeout_s!r:.40}")
+        return {"durable": await self.stores.drain(timeout_s), **self.stores.stats()}
+
     async def pin_keys(self, keys, token=None) -> int:
         """Pin chunks this edge holds (an operator pinned their KB to this region)."""
         self.tokens.check_admin(token, "pin_keys")
@@ -453,6 +463,9 @@ class EdgeNode:
         if resolve:
             reply["chunks"] = got["out"]
             return reply
+        arrived = [h for h in got["out"] if h.arrived]
+        if arrived:        # a store's objects kept as they arrived: this node's own first, so
+            await self.stores.adopt(arrived)     # the reader maps them (kdn/edge/stores.py)
         # (a copy received over HTTP and not kept has no reference: it rides in the reply)
         reply.update(refs=[h.ref if h.ref is not None else h.obj for h in got["out"]],
                      codecs=[h.codec for h in got["out"]],

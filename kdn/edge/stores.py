@@ -7,6 +7,15 @@ it verifies the objects, keeps them in its hot tier, pinned, answers, and sends 
 origin's `put_objects` in the background (the origin's one fsync batch a call, then its push
 to the ring owners). Once the origin has them they are unpinned: an ordinary hot copy.
 
+The answer waits for no copy: each object is kept as it arrived (Held.arrival: a view into
+the caller's argument in this node's object store, which Ray keeps while this process maps
+it, the caller gone or not), and put into an object of this node's own right after the
+answer, in a worker thread (adopt: the copy into fresh store memory that the answer used to
+wait for), then handed to the origin as a reference. A store of a key this edge holds already
+as its own object, with the same checksum, keeps that copy (one key, one byte string). Once
+durable, the copy of a key this edge owns on the ring moves to its main tier: the origin
+pushes nothing to an owner that holds the key.
+
 What the edge has acknowledged and the origin does not hold yet is the backlog, bounded by
 `backlog_bytes`: a store that would pass the bound is not acknowledged early; it waits until
 the origin holds it (an origin-acknowledged store: `durable` in the answer), so memory stays
@@ -20,11 +29,15 @@ Counters (objects): store_acked_edge, store_acked_origin, store_forwarded (of wh
 store_forwarded_by_ref: handed to the origin as references into this node's object store, so
 the copy kept here is the one the origin reads and the arriving bytes are freed at once),
 store_forward_retries, store_forgotten (deleted before sent), store_deleted_again (deleted
-while on their way); the backlog's objects and bytes in stats() (`kdn status`, /metrics).
+while on their way), store_adopted and store_adopt_us (arrivals made this node's own, the
+time it took), store_held_already (a copy held here kept instead of the arrival),
+store_kept_as_main (durable copies of keys this edge owns moved to its main tier); the
+backlog's objects and bytes in stats() (`kdn status`, /metrics).
 """
 import asyncio
 import collections
 import logging
+import time
 
 from kdn.core.chunk import check_objects
 from kdn.core.errors import NetworkError
@@ -40,8 +53,9 @@ MAX_OBJECTS_PER_CALL = 4096
 class WriteBehind:
     """One edge's objects acknowledged before they are durable, and their way to the origin."""
 
-    def __init__(self, tiers, forms, peers, backlog_bytes: int = BACKLOG_BYTES):
+    def __init__(self, tiers, forms, peers, backlog_bytes: int = BACKLOG_BYTES, owns=None):
         self.tiers, self.forms, self.peers = tiers, forms, peers
+        self.owns = owns or (lambda keys: [False] * len(keys))   # keys -> whether this edge is a ring owner
         self.backlog_bytes = int(backlog_bytes)
         self._queue = collections.deque()      # copies kept here (Held) not yet at the origin, oldest first
         self._pending = 0                       # their bytes
@@ -52,6 +66,8 @@ class WriteBehind:
         self._redelete = collections.defaultdict(set)   # ns -> keys deleted while in flight
         self._wake = None
         self._task = None
+        self._adopt_lock = asyncio.Lock()
+        self._adopting = set()                 # adoption tasks started by put (kept referenced)
         self.counters = collections.Counter()
 
     async def put(self, chunks) -> dict:
@@ -71,6 +87,7 @@ class WriteBehind:
             self._pending += sum(c.nbytes for c in ahead)
             self.counters["store_acked_edge"] += len(ahead)
             self._start()
+            self._adopting.add(asyncio.get_running_loop().create_task(self.adopt(ahead)))
             self._wake.set()
         now = [c for c in chunks if c.key not in pinned]
         if now:
@@ -84,11 +101,12 @@ class WriteBehind:
     async def _keep(self, chunks, pin: bool) -> tuple:
         """Keep verified copies in the hot tier, pinned while not durable when pin: (how many
         were kept, {key: its copy (Held)} for the keys pinned here for the first time)."""
-        stored = await self.forms.to_store(list(chunks))
-        born, hot, n, pinned = self.tiers.tombs.birth(), self.tiers.tier("hot"), 0, {}
+        stored = await self.forms.to_store(list(chunks), arrival=pin)
+        born, hot, n, pinned, stray = self.tiers.tombs.birth(), self.tiers.tier("hot"), 0, {}, []
         for c, held in zip(chunks, stored):
             if held is None:                 # failed verification: not kept (the origin
                 continue                     # verifies and refuses it too)
+            held = self._held_already(c.key, held)
             held.born = born
             was = hot.is_pinned(c.key)
             if self.tiers.put("hot", c.key, held, pin=pin):
@@ -96,7 +114,37 @@ class WriteBehind:
                 if pin and not was and hot.is_pinned(c.key):     # a pin that did not fit: not early
                     self._pinned.add(c.key)
                     pinned[c.key] = held
+                elif held.arrived:
+                    stray.append(held)
+        if stray:                            # kept, but not in the backlog: this node's own now
+            await self.adopt(stray)
         return n, pinned
+
+    def _held_already(self, key, held):
+        """The copy of key this edge holds already, in place of an arrival with the same
+        checksum (one key, one byte string) where that copy is this node's own object: a store
+        of what is held makes no copy, and readers keep their reference. Else held."""
+        old = self.tiers.peek(key)
+        if (held.arrived and old is not None and old.ref is not None and old.own and not old.arrived
+                and old.xxh is not None and old.xxh == held.xxh and old.codec == held.codec):
+            self.counters["store_held_already"] += 1
+            return old
+        return held
+
+    async def adopt(self, helds) -> None:
+        """Arrivals (views into the callers' arguments, Held.arrival) put into this node's
+        store as its own objects, one batch at a time in a worker thread, right after they
+        are acknowledged (and by the forwarder, or a fetch about to answer with them, for any
+        not yet): the callers' memory is freed, and a reader on this node gets a reference,
+        not a copy in the answer."""
+        async with self._adopt_lock:
+            todo = [h for h in helds if h.arrived]
+            if todo:
+                t0 = time.perf_counter()
+                n = sum(await asyncio.to_thread(lambda: [h.adopt() for h in todo]))
+                self.counters["store_adopted"] += n
+                self.counters["store_adopt_us"] += int((time.perf_counter() - t0) * 1e6)
+        self._adopting.discard(asyncio.current_task())
 
     def _start(self) -> None:
         if self._task is None or self._task.done():
@@ -121,6 +169,7 @@ class WriteBehind:
             self._flight = {c.key: c.ns for c in batch}
             self._flight_ids = {id(c) for c in batch}
             try:
+                await self.adopt([c for c in batch if c.arrived])
                 got = await self._send(batch, by_ref=not tries % 2)
             finally:
                 self._flight, self._flight_ids = {}, set()
@@ -132,7 +181,7 @@ class WriteBehind:
             tries = 0
             await self._delete_again()
             hot = self.tiers.tier("hot")
-            for c in batch:
+            for c, mine in zip(batch, self.owns([c.key for c in batch])):
                 self._queue.popleft()
                 self._pending -= c.nbytes
                 self._queued[c.key] -= 1
@@ -142,6 +191,8 @@ class WriteBehind:
                     self._pinned.discard(c.key)
                     if c.key in hot:         # not dropped meanwhile
                         hot.unpin(c.key)
+                        if mine and hot.peek(c.key) is c:
+                            self._as_main(c)
             self.counters["store_forwarded"] += len(batch)
 
     async def _send(self, batch, by_ref: bool):
@@ -165,6 +216,14 @@ class WriteBehind:
                 return None
             answers.append(got)
         return {k: sum(a[k] for a in answers) for k in answers[0]}
+
+    def _as_main(self, held) -> None:
+        """A durable copy of a key this edge owns on the ring moves from the hot tier to main,
+        where the origin's push would have put it (the push sends nothing to an owner that
+        holds the key): evicted with the hot copies, the owner would hold nothing."""
+        if self.tiers.put("main", held.key, held):
+            self.tiers.tier("hot").discard(held.key)
+            self.counters["store_kept_as_main"] += 1
 
     def forget(self, keys) -> None:
         """Keys deleted (the origin's drop): what of them waits here is not sent; what is on

@@ -45,7 +45,7 @@ class Held:
     in, the drop-log position its bytes are at least as new as (kdn/edge/tombstones.py; None:
     made here, never older than a drop)."""
     __slots__ = ("ref", "key", "ns", "nbytes", "raw", "codec", "dtype", "own", "obj", "born", "src", "links",
-                 "xxh", "carried")
+                 "xxh", "carried", "arrived")
 
     def __init__(self, ref, key: bytes, ns: bytes, nbytes: int, raw: int, codec: str = "raw",
                  dtype: str = "float32", own: bool = True):
@@ -57,6 +57,7 @@ class Held:
                                        # links: where a Ray object's transfer is noted
         self.xxh = None        # a raw chunk's KV checksum, computed when it was verified here
         self.carried = False   # a peer's object carried in its Ray answer (from_wire): unverified
+        self.arrived = False   # obj is a view into a caller's argument, not this node's own (Held.arrival)
 
     @classmethod
     def of(cls, obj) -> "Held":
@@ -80,6 +81,30 @@ class Held:
         if not _ray_initialized():
             return cls.here(obj)
         return cls.here(_own_copy(obj)) if obj.nbytes < INLINE_BYTES else cls.of(obj)
+
+    @classmethod
+    def arrival(cls, obj) -> "Held":
+        """obj as it arrived in a Ray call's argument, held with no copy: a read-only view into
+        the caller's object in this node's store. Ray keeps that memory while a process maps
+        it, even once the caller has freed it or exited (tests/edge/test_stores.py), so a
+        store is acknowledged without a copy into fresh memory on the caller's time; adopt()
+        puts it into an object of this node's own later. Inside Ray, and from INLINE_BYTES
+        up (a smaller one is copied: Held.kept); elsewhere the same as Held.kept."""
+        if not _ray_initialized() or obj.nbytes < INLINE_BYTES:
+            return cls.kept(obj)
+        held = cls.here(obj)
+        held.xxh, held.arrived = getattr(obj, "_xxh", None), True
+        return held
+
+    def adopt(self) -> bool:
+        """An arrival put into this node's store as an object of its own (ray.put's copy: from
+        a worker thread), the view into the caller's memory dropped; whether it was one."""
+        if not self.arrived:
+            return False
+        import ray
+        self.ref = ray.put(self.obj)     # the reference first: a reader without obj awaits it
+        self.obj, self.arrived = None, False
+        return True
 
     @classmethod
     def here(cls, obj) -> "Held":

@@ -19,6 +19,7 @@ def edge(kit, monkeypatch):
     monkeypatch.setattr(stores, "FORWARD_RETRY_S", 0.01)
     # held in this process even where this process joined Ray for other tests
     monkeypatch.setattr(Held, "kept", classmethod(lambda cls, obj: cls.here(obj)))
+    monkeypatch.setattr(Held, "arrival", classmethod(lambda cls, obj: cls.kept(obj)))   # (tests/edge/test_arrivals.py)
     e = kit.local_edge([])
     e.answers, e.asked = {}, []
 
@@ -217,3 +218,38 @@ def test_what_memory_cannot_hold_pinned_waits_for_the_origin(kit, edge):
     assert edge.stores.stats()["store_acked_origin"] == 2 - got["pending"]
     sent_now = origin_took(edge)
     assert len(sent_now) >= 2 - got["pending"]
+
+
+def test_stores_durable_waits_for_the_backlog_and_says_whether_it_is_empty(kit, edge):
+    objs = objects(kit, 2, seed=40)
+    edge.answers[(None, "put_objects")] = None                   # the origin does not answer yet
+
+    async def main():
+        await edge.put_objects(objs)
+        waiting = await edge.stores_durable(0.2)
+        edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0}
+        return waiting, await edge.stores_durable(5.0)
+    waiting, durable = asyncio.run(main())
+    assert not waiting["durable"] and waiting["backlog_objects"] == 2
+    assert durable["durable"] and durable["backlog_objects"] == 0 and durable["store_forwarded"] == 2
+    with pytest.raises(BadRequest, match="timeout_s"):
+        asyncio.run(edge.stores_durable(0))
+    assert edge.tiers.peek(objs[0].key) is not None             # nothing harmed
+
+
+def test_once_durable_a_key_this_edge_owns_moves_to_its_main_tier_the_rest_stay_hot(kit, edge):
+    """The origin pushes nothing to an owner that holds a key: kept only in the hot tier, an
+    owner's copy would go with the hot tier's evictions and the owner would hold nothing."""
+    mine, other = objects(kit, 2, seed=50)
+    edge.stores.owns = lambda keys: [k == mine.key for k in keys]
+    edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0}
+
+    async def main():
+        await edge.put_objects([mine, other])
+        await settle(edge)
+    asyncio.run(main())
+    main_tier, hot = edge.tiers.tier("main"), edge.tiers.tier("hot")
+    assert mine.key in main_tier and mine.key not in hot and not main_tier.is_pinned(mine.key)
+    assert other.key in hot and other.key not in main_tier and not hot.is_pinned(other.key)
+    assert edge.tiers.peek(mine.key).obj.kv.tobytes() == mine.kv.tobytes()
+    assert edge.stores.stats()["store_kept_as_main"] == 1
