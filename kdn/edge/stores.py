@@ -30,7 +30,7 @@ store_forwarded_by_ref: handed to the origin as references into this node's obje
 the copy kept here is the one the origin reads and the arriving bytes are freed at once),
 store_forward_retries, store_forgotten (deleted before sent), store_deleted_again (deleted
 while on their way), store_adopted and store_adopt_us (arrivals made this node's own, the
-time it took), store_held_already (a copy held here kept instead of the arrival),
+time it took), store_adopt_errors (copies the object store refused: those stay arrivals), store_held_already (a copy held here kept instead of the arrival),
 store_kept_as_main (durable copies of keys this edge owns moved to its main tier); the
 backlog's objects and bytes in stats() (`kdn status`, /metrics).
 """
@@ -48,6 +48,22 @@ BACKLOG_BYTES = 1 << 30       # acknowledged here, not yet durable at the origin
 FORWARD_BATCH_BYTES = 64 << 20
 FORWARD_RETRY_S = 1.0
 MAX_OBJECTS_PER_CALL = 4096
+
+
+def _put_all(objs) -> list:
+    """Each object put into this node's store (from a worker thread): its reference, or None
+    where the store refused it (full, or out of disk to spill to): that one stays an arrival,
+    sent to the origin by value and answered to readers by value."""
+    import ray
+    import ray.exceptions as rex
+    out = []
+    for obj in objs:
+        try:
+            out.append(ray.put(obj))
+        except (rex.ObjectStoreFullError, rex.OutOfDiskError) as e:
+            log.warning("edge: an arrival stays the caller's memory: the object store refused its copy (%s)", e)
+            out.append(None)
+    return out
 
 
 class WriteBehind:
@@ -87,7 +103,9 @@ class WriteBehind:
             self._pending += sum(c.nbytes for c in ahead)
             self.counters["store_acked_edge"] += len(ahead)
             self._start()
-            self._adopting.add(asyncio.get_running_loop().create_task(self.adopt(ahead)))
+            task = asyncio.get_running_loop().create_task(self.adopt(ahead))
+            self._adopting.add(task)
+            task.add_done_callback(self._adopting.discard)
             self._wake.set()
         now = [c for c in chunks if c.key not in pinned]
         if now:
@@ -108,25 +126,35 @@ class WriteBehind:
                 continue                     # verifies and refuses it too)
             held = self._held_already(c.key, held)
             held.born = born
+            if held is self.tiers.main.peek(c.key):      # held in main already: kept there (a
+                n += 1                                   # second entry in hot would count it
+                if pin:                                  # twice); the queue's reference keeps it
+                    pinned[c.key] = held                 # until durable
+                continue
             was = hot.is_pinned(c.key)
             if self.tiers.put("hot", c.key, held, pin=pin):
                 n += 1
                 if pin and not was and hot.is_pinned(c.key):     # a pin that did not fit: not early
                     self._pinned.add(c.key)
                     pinned[c.key] = held
-                elif held.arrived:
+                else:
                     stray.append(held)
-        if stray:                            # kept, but not in the backlog: this node's own now
-            await self.adopt(stray)
+        if stray:     # kept, not in the backlog (the origin answers for them): this node's own
+            await self.adopt(stray)          # now, and an owner's in its main tier
+            for held, mine in zip(stray, self.owns([h.key for h in stray])):
+                if mine and not held.arrived and hot.peek(held.key) is held and not hot.is_pinned(held.key):
+                    self._as_main(held)
         return n, pinned
 
     def _held_already(self, key, held):
         """The copy of key this edge holds already, in place of an arrival with the same
         checksum (one key, one byte string) where that copy is this node's own object: a store
-        of what is held makes no copy, and readers keep their reference. Else held."""
+        of what is held makes no copy, and readers keep their reference. Else held (also for a
+        key in the backlog: each queued copy stays its own entry, as forget() counts them)."""
         old = self.tiers.peek(key)
-        if (held.arrived and old is not None and old.ref is not None and old.own and not old.arrived
-                and old.xxh is not None and old.xxh == held.xxh and old.codec == held.codec):
+        if (held.arrived and old is not None and key not in self._queued and old.ref is not None
+                and old.own and not old.arrived and old.ns == held.ns and old.codec == held.codec
+                and old.xxh is not None and old.xxh == held.xxh):
             self.counters["store_held_already"] += 1
             return old
         return held
@@ -139,12 +167,18 @@ class WriteBehind:
         not a copy in the answer."""
         async with self._adopt_lock:
             todo = [h for h in helds if h.arrived]
-            if todo:
-                t0 = time.perf_counter()
-                n = sum(await asyncio.to_thread(lambda: [h.adopt() for h in todo]))
-                self.counters["store_adopted"] += n
-                self.counters["store_adopt_us"] += int((time.perf_counter() - t0) * 1e6)
-        self._adopting.discard(asyncio.current_task())
+            if not todo:
+                return
+            t0 = time.perf_counter()
+            refs = await asyncio.to_thread(_put_all, [h.obj for h in todo])
+            for h, ref in zip(todo, refs):
+                if ref is not None:
+                    h.adopt(ref)             # on the loop: readers never see it half set
+            n = sum(r is not None for r in refs)
+            self.counters["store_adopted"] += n
+            self.counters["store_adopt_us"] += int((time.perf_counter() - t0) * 1e6)
+            if n < len(todo):
+                self.counters["store_adopt_errors"] += len(todo) - n
 
     def _start(self) -> None:
         if self._task is None or self._task.done():
@@ -191,8 +225,9 @@ class WriteBehind:
                     self._pinned.discard(c.key)
                     if c.key in hot:         # not dropped meanwhile
                         hot.unpin(c.key)
-                        if mine and hot.peek(c.key) is c:
-                            self._as_main(c)
+                        cur = hot.peek(c.key)        # this copy, or one stored again meanwhile
+                        if mine and not cur.arrived:
+                            self._as_main(cur)
             self.counters["store_forwarded"] += len(batch)
 
     async def _send(self, batch, by_ref: bool):
@@ -221,7 +256,7 @@ class WriteBehind:
         """A durable copy of a key this edge owns on the ring moves from the hot tier to main,
         where the origin's push would have put it (the push sends nothing to an owner that
         holds the key): evicted with the hot copies, the owner would hold nothing."""
-        if self.tiers.put("main", held.key, held):
+        if self.tiers.main.peek(held.key) is held or self.tiers.put("main", held.key, held):
             self.tiers.tier("hot").discard(held.key)
             self.counters["store_kept_as_main"] += 1
 

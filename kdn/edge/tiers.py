@@ -86,9 +86,9 @@ class Held:
     def arrival(cls, obj) -> "Held":
         """obj as it arrived in a Ray call's argument, held with no copy: a read-only view into
         the caller's object in this node's store. Ray keeps that memory while a process maps
-        it, even once the caller has freed it or exited (tests/edge/test_stores.py), so a
-        store is acknowledged without a copy into fresh memory on the caller's time; adopt()
-        puts it into an object of this node's own later. Inside Ray, and from INLINE_BYTES
+        it, even once the caller has freed it or exited (tests/edge/test_arrivals.py), so a
+        store is acknowledged without a copy into fresh memory on the caller's time; it is put
+        into an object of this node's own later (adopt). Inside Ray, and from INLINE_BYTES
         up (a smaller one is copied: Held.kept); elsewhere the same as Held.kept."""
         if not _ray_initialized() or obj.nbytes < INLINE_BYTES:
             return cls.kept(obj)
@@ -96,15 +96,11 @@ class Held:
         held.xxh, held.arrived = getattr(obj, "_xxh", None), True
         return held
 
-    def adopt(self) -> bool:
-        """An arrival put into this node's store as an object of its own (ray.put's copy: from
-        a worker thread), the view into the caller's memory dropped; whether it was one."""
-        if not self.arrived:
-            return False
-        import ray
-        self.ref = ray.put(self.obj)     # the reference first: a reader without obj awaits it
-        self.obj, self.arrived = None, False
-        return True
+    def adopt(self, ref) -> None:
+        """An arrival become this node's own object: ref, the reference of its copy (ray.put
+        of obj, made in a worker thread); the view into the caller's memory is dropped. On the
+        event loop, so no reader sees the fields half set."""
+        self.ref, self.obj, self.arrived = ref, None, False
 
     @classmethod
     def here(cls, obj) -> "Held":

@@ -36,10 +36,12 @@ class Keeper:
         return [xxhash.xxh3_64_hexdigest(np.asarray(h.obj.kv)) for h in self.held]
 
     def adopt(self) -> list:
-        got = [h.adopt() for h in self.held]
-        objs = ray.get([h.ref for h in self.held])
         import xxhash
-        return got, [h.arrived for h in self.held], [xxhash.xxh3_64_hexdigest(np.asarray(o.kv)) for o in objs]
+        for h in self.held:
+            h.adopt(ray.put(h.obj))
+        objs = ray.get([h.ref for h in self.held])
+        return [h.obj is None for h in self.held], [h.arrived for h in self.held], \
+            [xxhash.xxh3_64_hexdigest(np.asarray(o.kv)) for o in objs]
 
 
 class Writer:
@@ -63,8 +65,8 @@ def test_an_arrival_outlives_its_writer_and_the_stores_reuse_then_is_adopted_byt
     ray.kill(writer)                                    # the owner of the arguments is gone
     ray.get(keeper.churn.remote(24, 16 << 20))          # the store reuses what was freed
     assert ray.get(keeper.digests.remote()) == want
-    adopted, still, got = ray.get(keeper.adopt.remote())
-    assert adopted == [True, True, True] and still == [False, False, False]
+    views_dropped, still, got = ray.get(keeper.adopt.remote())
+    assert views_dropped == [True, True, True] and still == [False, False, False]
     assert got == want                                  # the node's own objects: the same bytes
     ray.kill(keeper)
 
@@ -72,5 +74,5 @@ def test_an_arrival_outlives_its_writer_and_the_stores_reuse_then_is_adopted_byt
 def test_outside_ray_or_under_inline_bytes_an_arrival_is_an_ordinary_copy():
     small = pack(b"s" * KEY_BYTES, NS, np.arange(1024, dtype=np.uint8))
     held = Held.arrival(small)
-    assert not held.arrived and not held.adopt()
+    assert not held.arrived
     assert held.obj.kv.tobytes() == small.kv.tobytes()

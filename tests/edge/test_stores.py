@@ -253,3 +253,50 @@ def test_once_durable_a_key_this_edge_owns_moves_to_its_main_tier_the_rest_stay_
     assert other.key in hot and other.key not in main_tier and not hot.is_pinned(other.key)
     assert edge.tiers.peek(mine.key).obj.kv.tobytes() == mine.kv.tobytes()
     assert edge.stores.stats()["store_kept_as_main"] == 1
+
+
+def _arrivals(monkeypatch):
+    """Every object kept as it arrived (as inside Ray, for objects of INLINE_BYTES and more)."""
+    def arrival(cls, obj):
+        held = cls.here(obj)
+        held.xxh, held.arrived = obj.digest(), True
+        return held
+    monkeypatch.setattr(Held, "arrival", classmethod(arrival))
+
+
+def test_a_copy_the_object_store_refuses_leaves_the_arrival_which_goes_to_the_origin_by_value(kit, edge, monkeypatch):
+    _arrivals(monkeypatch)
+    monkeypatch.setattr(stores, "_put_all", lambda objs: [None] * len(objs))     # the store is full
+    objs = objects(kit, 2, seed=60)
+    edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0}
+
+    async def main():
+        got = await edge.put_objects(objs)
+        await settle(edge)
+        return got
+    assert asyncio.run(main())["pending"] == 2                  # answered at the edge all the same
+    assert origin_took(edge) == [c.key for c in objs]           # nothing stuck: sent as bytes
+    sent = [c for node, m, args in edge.asked if m == "put_objects" for c in args]
+    assert [c.kv.tobytes() for c in sent] == [c.kv.tobytes() for c in objs]
+    st = edge.stores.stats()
+    assert st["store_adopt_errors"] >= 2 and st["backlog_objects"] == 0 and st.get("store_adopted", 0) == 0
+    assert all(edge.tiers.peek(c.key).arrived and edge.tiers.peek(c.key).obj.kv.tobytes() == c.kv.tobytes()
+               for c in objs)
+
+
+def test_a_store_of_a_key_held_in_main_keeps_that_copy_and_adds_none_to_the_hot_tier(kit, edge, monkeypatch):
+    _arrivals(monkeypatch)
+    obj, = objects(kit, 1, seed=61)
+    held = Held.here(obj)
+    held.ref, held.xxh = "ref-main", obj.digest()
+    edge.tiers.put("main", obj.key, held)
+    edge.answers[(None, "put_object_refs")] = lambda rs: {"received": len(rs), "written": len(rs), "pushing": 0}
+
+    async def main():
+        got = await edge.put_objects([obj])
+        await settle(edge)
+        return got
+    assert asyncio.run(main())["pending"] == 1
+    assert edge.tiers.peek(obj.key) is held and obj.key not in edge.tiers.tier("hot")
+    assert [(m, a) for node, m, a in edge.asked if node is None] == [("put_object_refs", ["ref-main"])]
+    assert edge.stores.stats()["store_held_already"] == 1
