@@ -30,7 +30,8 @@ store_forwarded_by_ref: handed to the origin as references into this node's obje
 the copy kept here is the one the origin reads and the arriving bytes are freed at once),
 store_forward_retries, store_forgotten (deleted before sent), store_deleted_again (deleted
 while on their way), store_adopted and store_adopt_us (arrivals made this node's own, the
-time it took), store_adopt_errors (copies the object store refused: those stay arrivals), store_held_already (a copy held here kept instead of the arrival),
+time it took), store_adopt_errors (copies the object store refused: those stay arrivals),
+store_held_already (a copy held here kept instead of the arrival),
 store_kept_as_main (durable copies of keys this edge owns moved to its main tier); the
 backlog's objects and bytes in stats() (`kdn status`, /metrics).
 """
