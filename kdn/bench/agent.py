@@ -40,12 +40,11 @@ evicted, and every worker's and edge's RSS before and after.
 import argparse
 import random
 import resource
-import tempfile
 import time
 import uuid
 
 from kdn.bench import emit_json, p, table
-from kdn.bench.harness import REGIONS
+from kdn.bench.harness import REGIONS, scratch_dir
 from kdn.core.errors import BadRequest
 
 KB = "agent-bench"
@@ -178,7 +177,7 @@ def run(conversations: int, turns: int, baseline: int, move_at: int, seed: int, 
     model = load_model(log=log)
     scripts = [conversation_script(seed + i, turns, model) for i in range(conversations)]
     cluster = net = None
-    root = tempfile.mkdtemp(prefix="kdn-bench-agent-")
+    root = scratch_dir("kdn-bench-agent-")
     try:
         # the edges' conversation tier holds the run's whole working set (8 conversations of up
         # to ~6,400 tokens: 2.2 GB), as an operator sizing for these agents would

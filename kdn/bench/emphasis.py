@@ -371,13 +371,13 @@ def main(argv=None):
     rows = summarize(records, split, bpt)
     cols = ["set", "condition", "n", "right", "right_pct", "other", "neither", "degenerate", "slot_margin",
             "ttft_ms", "cache_kib", "edited_chunk_kib"]
-    print(f"\ncalibration split (the weight is chosen here, on its conflict items):")
+    print("\ncalibration split (the weight is chosen here, on its conflict items):")
     table([r for r in rows if r["split"] == "calibration"], cols)
     n_cal = count[("conflict", "calibration")]
     print(f"chosen on calibration: {chosen} (right of {n_cal}: "
           + ", ".join(("none" if k == 1 else f"dup {k}") + f" {calibration_right[k]}" for k in sorted(calibration_right))
           + "; ties go to the smaller weight)")
-    print(f"\nreport split (held out; it chose nothing):")
+    print("\nreport split (held out; it chose nothing):")
     table([r for r in rows if r["split"] == "report"], cols)
     h = held_out(records, split, chosen)
     c = held_out(records, split, chosen, "control")

@@ -34,13 +34,13 @@ copy once. The default KV shape is SmolLM2-135M's (30 layers, 3 KV heads, head_d
 """
 import argparse
 import sys
-import tempfile
 import time
 import uuid
 
 import numpy as np
 
 from kdn.bench import emit_json, median, p, table
+from kdn.bench.harness import scratch_dir
 from kdn.core.errors import BadRequest, NetworkError
 from kdn.core.keys import CHUNK_TOKENS
 
@@ -235,7 +235,7 @@ def run(args, log) -> dict:
         f"{total / 2**20:.2f} MiB in {len(arrays)} chunks")
     cluster = net = None
     actors = []
-    root = tempfile.mkdtemp(prefix="kdn-bench-fetch-")
+    root = scratch_dir("kdn-bench-fetch-")
     try:
         t0 = time.perf_counter()
         if args.hosts:       # each region a host of its own: the far one in a network namespace

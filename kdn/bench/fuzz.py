@@ -12,7 +12,6 @@ right bytes with nothing it stores changed.
 import argparse
 import secrets
 import sys
-import tempfile
 import threading
 import uuid
 
@@ -20,6 +19,7 @@ import numpy as np
 import xxhash
 
 from kdn.bench import emit_json, table
+from kdn.bench.harness import scratch_dir
 from kdn.testing.fuzzer import Fuzzer
 
 MIB = 1 << 20
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     from kdn.client.join import init_ray
     from kdn.placement.topology import Topology
     regions = ("us-east", "eu-west")
-    root = tempfile.mkdtemp(prefix="kdn-bench-fuzz-")
+    root = scratch_dir("kdn-bench-fuzz-")
     cluster = net = None
     try:
         cluster = LocalCluster(regions, cpus=1, object_store_bytes=256 << 20)

@@ -1,14 +1,17 @@
 """What the benchmarks share besides their output format (kdn.bench): the regions they build,
-free ports, a real redis-server started and stopped for them, and the time-to-first-token
-table of the two TTFT benches.
+free ports, a folder for a run's files that goes when the run ends, a real redis-server
+started and stopped for them, and the time-to-first-token table of the two TTFT benches.
 
 Every benchmark that needs a network builds it with kdn.launch.cluster (LocalCluster,
 start_network) and tears it down with its `teardown`; this module holds the rest that used
 to be written once per benchmark.
 """
+import atexit
+import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 
 from kdn.launch.cluster import free_ports
@@ -20,6 +23,16 @@ LOOPBACK = "127.0.0.1"
 def free_port() -> int:
     """A TCP port free on loopback now (the kernel picks it)."""
     return free_ports(1)[0]
+
+
+def scratch_dir(prefix: str, parent: "str | None" = None) -> str:
+    """A new folder for one run's files (an origin's, a disk tier's), under parent or the
+    system's temporary folder, removed when this process exits: a bench that moves gigabytes
+    leaves none behind, whether it ends or fails. KDN_KEEP_SCRATCH=1 keeps it, to look into."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    if os.environ.get("KDN_KEEP_SCRATCH") != "1":
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def start_redis(workdir: str, timeout_s: float = 10.0):

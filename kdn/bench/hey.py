@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -36,6 +35,7 @@ import numpy as np
 import xxhash
 
 from kdn.bench import emit_json, table
+from kdn.bench.harness import scratch_dir
 
 REGION = "bench"
 TENANT, FINGERPRINT = "default", "bench-hey"
@@ -81,7 +81,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     kv = rng.standard_normal((LAYERS, 2, HEADS, n_tokens, HEAD_DIM)).astype(np.float16)
     tokens = rng.integers(0, 49152, n_tokens).tolist()
-    tmp = Path(tempfile.mkdtemp(prefix="kdn-bench-hey-"))
+    tmp = Path(scratch_dir("kdn-bench-hey-"))
     network = f"bench-hey-{uuid.uuid4().hex[:6]}"
     cluster = LocalCluster([REGION], cpus=2, object_store_bytes=max(512 << 20, 6 * kv.nbytes))
     rows, res = [], {}

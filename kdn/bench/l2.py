@@ -46,12 +46,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 
 from kdn.bench import emit_json, table
-from kdn.bench.harness import REGIONS, start_redis, stop_process
+from kdn.bench.harness import REGIONS, scratch_dir, start_redis, stop_process
 
 MIB = 1 << 20        # LMCache's "mbps" are MiB/s (the mean of its rounds'); the table gives GB/s (1e9 B/s)
 READER, REMOTE = "us-east", "eu-west"      # the bench process runs on the head node: us-east
@@ -152,7 +151,7 @@ def main(argv=None):
     from kdn.client.join import init_ray
     from kdn.launch.cluster import LocalCluster, start_network, teardown
     from kdn.placement.topology import Topology
-    work = tempfile.mkdtemp(prefix="kdn-bench-l2-")
+    work = scratch_dir("kdn-bench-l2-")
     rows, cluster, net, redis = [], None, None, None
     try:
         # every edge holds the whole run (replicas = 3; an edge's main tier is 75% of its

@@ -23,13 +23,13 @@ Model quality of each lossy codec is `kdn bench codecs`'s job; this one measures
 and transfer. --json prints one JSON object last.
 """
 import argparse
-import tempfile
 import time
 import uuid
 
 import numpy as np
 
 from kdn.bench import emit_json, median, table
+from kdn.bench.harness import scratch_dir
 
 FINGERPRINT = "bench-links"
 KB = "bench-links"
@@ -106,7 +106,7 @@ def main(argv=None):
     try:
         cluster = LocalCluster(["us-east", "eu-west"], cpus=1, object_store_bytes=1 << 30)
         init_ray(cluster.address)
-        root = tempfile.mkdtemp(prefix="kdn-bench-links-")
+        root = scratch_dir("kdn-bench-links-")
         reader_cls = ray.remote(num_cpus=0)(Reader)
         for store in stores:
             name = f"bl{uuid.uuid4().hex[:6]}"

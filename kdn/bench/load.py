@@ -27,7 +27,6 @@ import os
 import secrets
 import signal
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -36,7 +35,7 @@ import numpy as np
 import xxhash
 
 from kdn.bench import emit_json, p, table
-from kdn.bench.harness import REGIONS
+from kdn.bench.harness import REGIONS, scratch_dir
 from kdn.core.keys import CHUNK_TOKENS
 
 TENANT = "bench-load"
@@ -295,7 +294,7 @@ def run(args, log) -> dict:
     weights = zipf_weights(len(wants), args.zipf)
     cluster = net = None
     actors, procs = [], []
-    root = tempfile.mkdtemp(prefix="kdn-bench-load-")
+    root = scratch_dir("kdn-bench-load-")
     registry = os.path.join(root, "edges.json")
     try:
         t0 = time.perf_counter()

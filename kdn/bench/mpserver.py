@@ -25,12 +25,11 @@ import os
 import re
 import socket
 import subprocess
-import tempfile
 import time
 import uuid
 
 from kdn.bench import emit_json, table
-from kdn.bench.harness import REGIONS, stop_process
+from kdn.bench.harness import REGIONS, scratch_dir, stop_process
 from kdn.bench.l2 import lmcache_cmd, lmcache_env
 
 _LINE = re.compile(r"\[seq (\d+)/(cold|warm)\] (LOOKUP|CHECKSUM): (.*)")
@@ -97,7 +96,7 @@ def main(argv=None):
     from kdn.client.view import NetworkView
     from kdn.launch.cluster import LocalCluster, free_ports, start_network, teardown
     from kdn.placement.topology import Topology
-    work = tempfile.mkdtemp(prefix="kdn-bench-mpserver-")
+    work = scratch_dir("kdn-bench-mpserver-")
     cluster, net, procs = None, None, []
     try:
         cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=2 << 30)

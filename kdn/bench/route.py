@@ -37,11 +37,11 @@ import argparse
 import collections
 import random
 import sys
-import tempfile
 import time
 import uuid
 
 from kdn.bench import emit_json, median, p, table
+from kdn.bench.harness import scratch_dir
 
 REGION = "local"
 GOAL_HIT_POINTS, GOAL_P50_SPEEDUP = 5.0, 1.3
@@ -60,7 +60,7 @@ def measure_costs(n_kbs: int, kb_tokens: int, question_tokens: int, reps: int, l
     model = load_model(log=log)
     kv_bytes = kb_tokens * model.kv_bytes_per_token
     cluster = net = None
-    root = tempfile.mkdtemp(prefix="kdn-bench-route-")
+    root = scratch_dir("kdn-bench-route-")
     try:
         cluster = LocalCluster([REGION], cpus=2, object_store_bytes=max(1 << 30, 3 * n_kbs * kv_bytes))
         init_ray(cluster.address)

@@ -25,13 +25,12 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import uuid
 
 from kdn.bench import emit_json, median, p, table
-from kdn.bench.harness import REGIONS
+from kdn.bench.harness import REGIONS, scratch_dir
 from kdn.core.errors import BadRequest
 
 KNOWLEDGE_TOKENS = 4096
@@ -187,7 +186,7 @@ def run(regions, tokens: int, reps: int, off_reps: int, concurrency, per_client:
     model = load_model(log=log)
     text = knowledge_texts(model, [tokens])[tokens]
     cluster = net = None
-    root = tempfile.mkdtemp(prefix="kdn-bench-serve-")
+    root = scratch_dir("kdn-bench-serve-")
     try:
         t0 = time.perf_counter()
         cluster = LocalCluster(list(regions), cpus=2)

@@ -40,7 +40,7 @@ import numpy as np
 import xxhash
 
 from kdn.bench import emit_json, median, table
-from kdn.bench.harness import start_redis, stop_process
+from kdn.bench.harness import scratch_dir, start_redis, stop_process
 from kdn.core.chunk import decode, encode
 from kdn.client.http import RECV_STEP
 
@@ -354,7 +354,7 @@ def main(argv=None):
     from kdn.placement.topology import Topology
     import ray
 
-    tmp = tempfile.mkdtemp(prefix="kdn-bench-transport-")
+    tmp = scratch_dir("kdn-bench-transport-")
     network = f"bench-transport-{uuid.uuid4().hex[:6]}"
     cluster = LocalCluster([REGION], cpus=2, object_store_bytes=max(512 << 20, 6 * total))
     redis_proc = net = None
@@ -593,7 +593,7 @@ def origin_pushes(args, cluster, kv, admin, read, link: SocketLink) -> dict:
             topo = Topology({r: (0.2, 10.0) for r in HOST_REGIONS}, {(near, far_region): (1.0, 10.0)},
                             [("far-0", far_region, int((args.reps + 2) * kv.nbytes / 0.7))], near,
                             source="bench transport --hosts (pushes)")
-            nets[row] = start_network(topo, Path(tempfile.mkdtemp(prefix="kdn-bench-push-")) / "origin",
+            nets[row] = start_network(topo, Path(scratch_dir("kdn-bench-push-")) / "origin",
                                       network=f"bench-push-{uuid.uuid4().hex[:6]}", http=True, replicas=1,
                                       auth={"admin": admin, "readers": {TENANT: read}},
                                       edge_options={"http_host": "node"}, origin_options={"http_host": host})

@@ -27,14 +27,13 @@ the cached prefix of the one before, so publishing prefills about 8k tokens in a
 """
 import argparse
 import sys
-import tempfile
 import time
 import uuid
 
 import numpy as np
 
 from kdn.bench import emit_json, median
-from kdn.bench.harness import row_at, ttft_table
+from kdn.bench.harness import row_at, scratch_dir, ttft_table
 from kdn.core.errors import BadRequest
 
 LENGTHS = (1024, 2048, 4096, 8192)
@@ -183,7 +182,7 @@ def run(lengths, reps: int, threads, log) -> tuple:
     question = question_text(model)
     kv_total = sum(lengths) * model.kv_bytes_per_token
     cluster = net = None
-    root = tempfile.mkdtemp(prefix="kdn-bench-ttft-")
+    root = scratch_dir("kdn-bench-ttft-")
     try:
         t0 = time.perf_counter()
         cluster = LocalCluster([REGION], cpus=2, object_store_bytes=max(1 << 30, 2 * kv_total))

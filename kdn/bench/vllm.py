@@ -23,12 +23,11 @@ against that engine's own full prefill, on the bundled KB and on a KB written fo
 """
 import argparse
 import sys
-import tempfile
 import time
 import uuid
 
 from kdn.bench import emit_json, median, table
-from kdn.bench.harness import row_at, ttft_table
+from kdn.bench.harness import row_at, scratch_dir, ttft_table
 from kdn.engines.vllm.load import COPY_THREADS
 from kdn.core.errors import BadRequest
 
@@ -138,7 +137,7 @@ def ttft(lengths, reps: int, layerwise: bool, copy_threads: int, log) -> tuple:
     question = model.question_tokens(question_text(model))
     kv_total = sum(lengths) * model.kv_bytes_per_token
     cluster = net = None
-    root = tempfile.mkdtemp(prefix="kdn-bench-vllm-")
+    root = scratch_dir("kdn-bench-vllm-")
     try:
         cluster = LocalCluster([REGION], cpus=2, object_store_bytes=max(1 << 30, 2 * kv_total))
         init_ray(cluster.address)
@@ -182,7 +181,7 @@ def cross_engine(log, questions=CROSS_QUESTIONS, n_tokens: int = CROSS_TOKENS) -
     fps = fingerprints(model.cache_path)
     kbs = {"founding": bundled_documents(), "greenhouse": [("greenhouse", GREENHOUSE)]}
     cluster = net = None
-    root = tempfile.mkdtemp(prefix="kdn-bench-cross-")
+    root = scratch_dir("kdn-bench-cross-")
     try:
         cluster = LocalCluster([REGION], cpus=2, object_store_bytes=2 << 30)
         init_ray(cluster.address)

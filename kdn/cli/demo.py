@@ -93,10 +93,10 @@ def _topology():
 
 def _start(say):
     """The demo's network: origin and one edge per region, HTTP on."""
-    import tempfile
+    from kdn.bench.harness import scratch_dir
     from kdn.launch.cluster import start_network
     topo = _topology()
-    net = start_network(topo, tempfile.mkdtemp(prefix="kdn-demo-origin-"), network=NETWORK, http=True)
+    net = start_network(topo, scratch_dir("kdn-demo-origin-"), network=NETWORK, http=True)
     say(f"      origin in {topo.origin_region}, edges: {', '.join(e.name for e in topo.edges)}; "
         f"WAN latency between regions {topo.latency_ms(REGIONS[0], REGIONS[1]):.0f}-"
         f"{topo.latency_ms(REGIONS[0], REGIONS[2]):.0f} ms (modelled)")
