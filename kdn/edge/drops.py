@@ -8,13 +8,17 @@ keeps its disk, so it must remember; a memory-only edge restarts empty and keeps
 and `Replay.catch_up` brings it level with the origin: it is run when the edge starts and
 whenever a ping from the origin carries another head:
 - at the origin's head already: nothing;
-- behind it: the keys logged since are dropped from every tier;
+- behind it: the keys logged since are dropped from every tier, and a store of them this
+  edge acknowledged and has not yet made durable is not sent (kdn/edge/stores.py: a delete
+  wins, as when its broadcast arrives);
 - no position (a new edge, a lost or unreadable file): the copies its disk kept from before
   this process started are dropped (it cannot tell which are stale), then it starts at the
   head; copies received since came from this origin, whose drops reach a live edge;
 - a position that does not follow (another log id: another store; a head ahead of the
   origin's: a store rebuilt; a number the log no longer keeps): every copy it holds is
-  dropped. A cache emptied refills from the origin; a stale copy would be served.
+  dropped. A cache emptied refills from the origin; a stale copy would be served. Stores
+  acknowledged here and not yet durable still go to the origin: they are writes made since,
+  not stale copies, and a reset cannot tell which keys were deleted.
 An origin that does not answer changes nothing: the edge serves what it holds (an origin
 outage is what edges outlast) and catches up at the next ping.
 
@@ -41,8 +45,9 @@ DROPS_TIMEOUT_S = 10.0
 class Replay:
     """An edge's replay of the drop log: its position, where it keeps it, the catch-up."""
 
-    def __init__(self, tiers, peers, directory=None):
+    def __init__(self, tiers, peers, directory=None, forget=None):
         self.tiers, self.peers = tiers, peers
+        self.forget = forget or (lambda keys: None)   # keys -> a store of them not yet durable is not sent
         self.path = None if directory is None else os.path.join(directory, POSITION_FILE)
         self.seen = self._load()               # (log id, head) replayed, or None
         if self.seen is not None:
@@ -115,6 +120,7 @@ class Replay:
                 tombs.restart(r["log"], r["head"])
             else:
                 if keys:
+                    self.forget(keys)              # a delete wins over a store not yet durable, as broadcast
                     at = [tombs.local(since + i) for i in range(len(keys))]
                     self.counters["drops_replayed"] += await self.tiers.drop(keys, at=at)
                 tombs.advance(r["log"], r["head"])     # only now: every copy of keys is gone

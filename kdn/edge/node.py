@@ -100,7 +100,8 @@ class EdgeNode:
         self.catalog = Catalog(self.tokens, self.peers)
         # the origin's drop log replayed: a copy of a key removed while this edge was away
         # never stands beside bytes stored later under that key (kdn/edge/drops.py)
-        self.replay = Replay(self.tiers, self.peers, None if disk is None else disk.dir)
+        self.replay = Replay(self.tiers, self.peers, None if disk is None else disk.dir,
+                             forget=lambda keys: self.stores.forget(keys))
         self.events = None if kv_events is None else self._start_events(kv_events)
         self._policies_wanted = None   # the origin's latest conversation policies, not applied yet
         self._policy_task = None

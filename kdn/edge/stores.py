@@ -31,7 +31,10 @@ the copy kept here is the one the origin reads and the arriving bytes are freed 
 store_forward_retries, store_forgotten (deleted before sent), store_deleted_again (deleted
 while on their way), store_adopted and store_adopt_us (arrivals made this node's own, the
 time it took), store_adopt_errors (copies the object store refused: those stay arrivals),
-store_held_already (a copy held here kept instead of the arrival),
+store_held_already (a copy held here kept instead of the arrival); a store of a key whose
+earlier copy waits in the backlog: store_queued_already (the same bytes: acknowledged, sent
+once), store_restored (other bytes: queued behind it, so the origin ends with the last store,
+as this edge does);
 store_kept_as_main (durable copies of keys this edge owns moved to its main tier); the
 backlog's objects and bytes in stats() (`kdn status`, /metrics).
 """
@@ -96,7 +99,7 @@ class WriteBehind:
         check_objects(chunks, MAX_OBJECTS_PER_CALL, "put_objects")
         n = sum(c.nbytes for c in chunks)
         early = self._pending + n <= self.backlog_bytes
-        kept, pinned = await self._keep(chunks, pin=early)
+        kept, pinned, riding = await self._keep(chunks, pin=early)
         ahead = [pinned[c.key] for c in chunks if c.key in pinned]
         if ahead:
             self._queue.extend(ahead)
@@ -108,20 +111,22 @@ class WriteBehind:
             self._adopting.add(task)
             task.add_done_callback(self._adopting.discard)
             self._wake.set()
-        now = [c for c in chunks if c.key not in pinned]
+        now = [c for c in chunks if c.key not in pinned and c.key not in riding]
         if now:
             if await self.peers.origin().put_objects(now) is None:
                 raise NetworkError(f"{len(now)} of {len(chunks)} objects could not be acknowledged at the "
                                    "edge (its backlog of stores not yet durable is full, or its memory "
                                    "would not hold them) and the origin did not answer: those are not stored durably")
             self.counters["store_acked_origin"] += len(now)
-        return {"received": len(chunks), "kept": kept, "pending": len(ahead)}
+        return {"received": len(chunks), "kept": kept, "pending": len(ahead) + len(riding)}
 
     async def _keep(self, chunks, pin: bool) -> tuple:
         """Keep verified copies in the hot tier, pinned while not durable when pin: (how many
-        were kept, {key: its copy (Held)} for the keys pinned here for the first time)."""
+        were kept, {key: its copy (Held)} for the keys to queue for the origin, the keys whose
+        same bytes wait in the backlog already)."""
         stored = await self.forms.to_store(list(chunks), arrival=pin)
         born, hot, n, pinned, stray = self.tiers.tombs.birth(), self.tiers.tier("hot"), 0, {}, []
+        riding = set()
         for c, held in zip(chunks, stored):
             if held is None:                 # failed verification: not kept (the origin
                 continue                     # verifies and refuses it too)
@@ -132,11 +137,15 @@ class WriteBehind:
                 if pin:                                  # twice); the queue's reference keeps it
                     pinned[c.key] = held                 # until durable
                 continue
-            was = hot.is_pinned(c.key)
+            was, before = hot.is_pinned(c.key), hot.peek(c.key)
             if self.tiers.put("hot", c.key, held, pin=pin):
                 n += 1
-                if pin and not was and hot.is_pinned(c.key):     # a pin that did not fit: not early
-                    self._pinned.add(c.key)
+                again = pin and was and self._again(c.key, before, held)
+                if again == "same":              # rides with the copy waiting: acknowledged
+                    riding.add(c.key)
+                    stray.append(held)
+                elif pin and hot.is_pinned(c.key) and (not was or again == "other"):
+                    self._pinned.add(c.key)      # (a pin that did not fit: not early)
                     pinned[c.key] = held
                 else:
                     stray.append(held)
@@ -145,7 +154,21 @@ class WriteBehind:
             for held, mine in zip(stray, self.owns([h.key for h in stray])):
                 if mine and not held.arrived and hot.peek(held.key) is held and not hot.is_pinned(held.key):
                     self._as_main(held)
-        return n, pinned
+        return n, pinned, riding
+
+    def _again(self, key, before, held):
+        """A store of a key whose earlier copy (before) waits in the backlog: "same" for its
+        bytes again (acknowledged, nothing more to send), "other" for other bytes (queued
+        behind it, so the origin ends with the last store, as this edge does); None when no
+        copy of key waits."""
+        if key not in self._queued:
+            return None
+        if (before is not None and before.ns == held.ns and before.codec == held.codec
+                and before.xxh is not None and before.xxh == held.xxh):
+            self.counters["store_queued_already"] += 1
+            return "same"
+        self.counters["store_restored"] += 1
+        return "other"
 
     def _held_already(self, key, held):
         """The copy of key this edge holds already, in place of an arrival with the same

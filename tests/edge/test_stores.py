@@ -24,7 +24,7 @@ def edge(kit, monkeypatch):
     e.answers, e.asked = {}, []
 
     async def ask(node, method, *args, timeout=None, **kw):
-        e.asked.append((node, method, list(args[0]) if args else []))
+        e.asked.append((node, method, list(args[0]) if args and isinstance(args[0], (list, tuple)) else []))
         answer = e.answers.get((node, method))
         if asyncio.iscoroutinefunction(answer):
             return await answer(*args)
@@ -300,3 +300,77 @@ def test_a_store_of_a_key_held_in_main_keeps_that_copy_and_adds_none_to_the_hot_
     assert edge.tiers.peek(obj.key) is held and obj.key not in edge.tiers.tier("hot")
     assert [(m, a) for node, m, a in edge.asked if node is None] == [("put_object_refs", ["ref-main"])]
     assert edge.stores.stats()["store_held_already"] == 1
+
+
+def test_other_bytes_stored_while_the_first_copy_waits_follow_it_and_the_origin_ends_with_the_last(kit, edge, monkeypatch):
+    """One key stored three times while its first copy is on its way: other bytes queue behind
+    it (the origin takes both, oldest first, and holds the last; sent at once, past the copy
+    waiting, they would land first and the older bytes would win); the same bytes again are
+    acknowledged with no second trip; the key stays pinned until its last copy is durable."""
+    def checked(cls, obj):                    # a copy with its checksum, as the store keeps
+        held = cls.here(obj)
+        held.xxh = obj.digest()
+        return held
+    monkeypatch.setattr(Held, "arrival", classmethod(checked))
+    first, = objects(kit, 1, seed=70)
+    second = pack(first.key, kit.NS, np.random.default_rng(71).integers(0, 255, 4096, dtype=np.uint8))
+    assert second.kv.tobytes() != first.kv.tobytes()
+    held_at_origin = {}
+
+    async def main():
+        gate = asyncio.Event()
+
+        async def slow(cs):
+            await gate.wait()
+            held_at_origin.update({c.key: c.kv.tobytes() for c in cs})
+            return {"received": len(cs), "written": len(cs), "pushing": 0}
+        edge.answers[(None, "put_objects")] = slow
+        await edge.put_objects([first])                  # the forward takes it, and waits
+        await asyncio.sleep(0.05)
+        again = await edge.put_objects([second])         # other bytes: queued behind it
+        same = await edge.put_objects([second])          # the same bytes again: nothing more to send
+        assert len(edge.asked) == 1, "answered without asking the origin"
+        pinned = edge.tiers.tier("hot").is_pinned(first.key)
+        gate.set()
+        await settle(edge)
+        return again, same, pinned
+    again, same, pinned = asyncio.run(main())
+    assert again["pending"] == 1 and same["pending"] == 1 and pinned
+    sent = [c.kv.tobytes() for node, m, args in edge.asked if m == "put_objects" for c in args]
+    assert sent == [first.kv.tobytes(), second.kv.tobytes()]
+    assert held_at_origin == {first.key: second.kv.tobytes()}, "the last store wins at the origin"
+    assert edge.tiers.peek(first.key).obj.kv.tobytes() == second.kv.tobytes()      # and here
+    assert not edge.tiers.tier("hot").is_pinned(first.key)
+    st = edge.stores.stats()
+    assert st["store_restored"] == 1 and st["store_queued_already"] == 1 and st["store_forwarded"] == 2
+    assert st["backlog_objects"] == 0 and st.get("store_acked_origin", 0) == 0
+
+
+def test_a_drop_replayed_from_the_origins_log_wins_over_a_store_waiting_as_its_broadcast_does(kit, edge):
+    """The edge missed the broadcast of a delete and catches up on the origin's drop log
+    (kdn/edge/drops.py): the store of that key it acknowledged and has not sent is not sent,
+    the other key's is."""
+    dropped, kept = objects(kit, 2, seed=80)
+    log = {"log": "log-a", "head": 0}
+
+    def drops(since=None):
+        if since is None:
+            return {**log, "keys": None}
+        return {**log, "keys": [dropped.key][since:log["head"]]}
+    edge.answers[(None, "drops")] = drops
+
+    async def main():
+        assert await edge.replay.catch_up() and edge.replay.seen == ("log-a", 0)
+        edge.answers[(None, "put_objects")] = None       # the origin does not take stores yet
+        await edge.put_objects([dropped, kept])
+        log["head"] = 1                                   # the delete, its broadcast missed
+        assert await edge.replay.catch_up() and edge.replay.seen == ("log-a", 1)
+        unanswered = len(edge.asked)
+        edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0}
+        await settle(edge)
+        return unanswered
+    unanswered = asyncio.run(main())
+    taken = [c.key for node, m, args in edge.asked[unanswered:] if m == "put_objects" for c in args]
+    assert taken == [kept.key], "the replayed delete's key is never sent"
+    assert edge.tiers.peek(dropped.key) is None and edge.tiers.peek(kept.key) is not None
+    assert edge.stores.stats()["store_forgotten"] == 1
