@@ -136,6 +136,10 @@ class Conversations:
                     if e.tenant in stale:
                         e.at_origin = False
 
+    def epoch_of(self, tenant: str):
+        """A pinned tenant's epoch at the origin (its pings say), None when not pinned."""
+        return self._epochs.get(tenant) if tenant in self.pinned else None
+
     def not_at_origin(self, keys) -> list:
         """Those of keys held here that the origin does not hold yet, in order."""
         with self._lock:

@@ -133,6 +133,9 @@ class EdgeCollector:
                        samples=[(("unreachable",), c["conversation_pin_failures"]),
                                 (("refused",), c["conversation_pin_refused"]),
                                 (("store_error",), c["conversation_pin_store_errors"])])
+        yield _counter("kdn_edge_conversation_pulls_late_total", "Pull-backs of a pinned tenant's "
+                       "chunks that outlasted their lookup's wait and went on in the background.",
+                       value=c["conversation_pull_late"])
         yield _counter("kdn_edge_conversation_replaced_chunks_total", "A pinned tenant's chunks "
                        "this edge held under other bytes than the origin's, replaced by the "
                        "origin's (a key keeps its first bytes).", value=c["conversation_pin_replaced"])

@@ -64,6 +64,7 @@ PIN_BATCH_BYTES = 256 << 20   # a pinned conversation's chunks per call to the o
 PIN_STORE_BUDGET_S = 20.0     # a pinned store's pull and sends to the origin, all together (a
                               # worker waits 30 s for the store: kdn/client/history.py)
 PIN_LOOKUP_TIMEOUT_S = 1.0    # a lookup's pull from the origin (a worker waits 2 s for the lookup)
+PIN_PULL_TIMEOUT_S = 60.0     # a pull-back that outlasts its caller's wait goes on this long, for the next turn
 ADMIN_KEYS = MAX_KEYS_PER_CALL   # keys one operator or origin call may name (a KB's keys)
 
 
@@ -124,6 +125,7 @@ class EdgeNode:
         self._writer = None
         self._events_started = False
         self.background_failure = None   # set when the background loop died of a bug
+        self._pin_pulls = {}             # (tenant, ns, keys) -> its pull-back from the origin, in flight
         self._last_refresh = 0.0
         self.http_port_wanted, self.http_host, self.http_idle_s = http_port, http_host, http_idle_s
         self.http = None
@@ -685,21 +687,51 @@ class EdgeNode:
     async def _pull_pinned(self, tenant: str, ns: bytes, keys, deadline: float) -> None:
         """A pinned tenant's conversation chunks this tier no longer holds (evicted, expired, or
         lost with a restart), read back from the origin into it: the held prefix of keys then
-        reaches as far as the origin's (or as it was, if the origin does not answer by the
-        deadline, a monotonic time, or fails to read: counted)."""
+        reaches as far as the origin's, or as it was if the origin has not answered by the
+        deadline (a monotonic time). A pull the deadline cut short goes on in the background
+        (up to PIN_PULL_TIMEOUT_S; counted as conversation_pull_late) and lands for the next
+        turn: under load one lookup's wait is shorter than the read, and every later lookup
+        would start it over and give up the same way. One pull at a time per conversation."""
         if tenant not in self.conversations.pinned:
             return
         held = next((i for i, k in enumerate(keys) if k not in self.conversations), len(keys))
         left = deadline - time.monotonic()
         if held == len(keys) or left <= 0:
             return
+        flight = (tenant, ns, tuple(keys[held:]))
+        task = self._pin_pulls.get(flight)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._pull_back(tenant, ns, keys, held))
+            self._pin_pulls[flight] = task
+            task.add_done_callback(lambda t: self._pulled_back(flight, t))
         try:
-            got = await self.peers.origin(left).conversation_chunks(tenant, ns, keys[held:])
+            await asyncio.wait_for(asyncio.shield(task), left)
+        except asyncio.TimeoutError:
+            self.counters["conversation_pull_late"] += 1
+
+    def _pulled_back(self, flight, task) -> None:
+        """A pull-back ended: no longer in flight; a failure nobody waited for is logged."""
+        self._pin_pulls.pop(flight, None)
+        if not task.cancelled() and task.exception() is not None:
+            e = task.exception()
+            self.counters["conversation_pull_failures"] += 1
+            log.error("edge %s: a pull-back of tenant %r's pinned conversation failed: %s: %s",
+                      self.name, flight[0], type(e).__name__, e, exc_info=e)
+
+    async def _pull_back(self, tenant: str, ns: bytes, keys, held: int) -> None:
+        """The origin's chunks of keys[held:] put in the conversation tier (_pull_pinned), unless
+        the tenant was unpinned, or pinned anew (its epoch moved on: the origin's copies were
+        deleted), while they were on their way."""
+        epoch = self.conversations.epoch_of(tenant)
+        try:
+            got = await self.peers.origin(PIN_PULL_TIMEOUT_S).conversation_chunks(tenant, ns, keys[held:])
         except StoreError as e:
             self.counters["conversation_pull_store_errors"] += 1
             log.warning("edge %s: the origin could not read tenant %r's pinned conversation: %s",
                         self.name, tenant, e)
             got = None
+        if tenant not in self.conversations.pinned or self.conversations.epoch_of(tenant) != epoch:
+            return
         got = got or []
         n = next((i for i, (c, k) in enumerate(zip(got, keys[held:]))
                   if c is None or c.key != k or c.ns != ns), len(got))

@@ -369,13 +369,16 @@ class ToOrigin:
 
     def __init__(self, origin):
         self.origin, self.down, self.calls, self.miss = origin, False, [], set()
+        self.slow = {}                          # method -> seconds its answers take
 
     async def call(self, node, method, *args, timeout=None, **kw):
+        import asyncio
         from kdn.core.rpc import Unreachable
         self.calls.append(method)
         if self.down or method in self.miss:
             self.miss.discard(method)           # a method in miss misses its next call only
             raise Unreachable(f"{node} is down (a test's)")
+        await asyncio.sleep(self.slow.get(method, 0))
         return await getattr(self.origin, method)(*args, token=ADMIN, **kw)
 
 
@@ -414,6 +417,45 @@ def test_a_pinned_tenants_chunks_reach_the_origin_and_come_back_when_the_edge_lo
     asyncio.run(edge.put_conversation(other[2:], "acme", "fp", other_scope, head=[c.key for c in other[:2]],
                                       token=ACME))
     assert origin.store.conversation_prefix("acme", other_ns, [c.key for c in other]) == [c.key for c in other]
+
+
+def test_a_pull_back_slower_than_its_lookup_goes_on_and_lands_for_the_next_turn(pinned_edge, kit, monkeypatch):
+    """Under load the origin's read outlasts a lookup's wait: the lookup answers what is held
+    (nothing), the one pull goes on (a second lookup meanwhile joins it, no second read) and
+    the next turn's lookup finds the whole conversation. A tenant unpinned while its pull is
+    on the way gets nothing back."""
+    import asyncio
+    from kdn.edge import node as edge_node
+    monkeypatch.setattr(edge_node, "PIN_LOOKUP_TIMEOUT_S", 0.05)
+    edge, origin, to_origin = pinned_edge
+    scope, ns, chunks = conversation(kit, n=3)
+    keys = [c.key for c in chunks]
+    asyncio.run(edge.put_conversation(chunks, "acme", "fp", scope, token=ACME))
+    asyncio.run(edge.drop_conversations("acme", token=ADMIN))           # the edge's copy only
+    to_origin.slow["conversation_chunks"] = 0.4
+    reads = to_origin.calls.count("conversation_chunks")
+
+    async def turns():
+        first = await edge.conversation_lookup(keys, ns, "acme", "fp", scope, token=ACME)
+        second = await edge.conversation_lookup(keys, ns, "acme", "fp", scope, token=ACME)
+        await asyncio.sleep(0.6)
+        return first, second, await edge.conversation_lookup(keys, ns, "acme", "fp", scope, token=ACME)
+    assert asyncio.run(turns()) == (0, 0, 3)
+    assert to_origin.calls.count("conversation_chunks") == reads + 1
+    assert edge.counters["conversation_pull_late"] == 2 and edge.counters["conversation_pulled_chunks"] == 3
+    got = asyncio.run(edge.conversation_fetch(keys, ns, "acme", "fp", scope, token=ACME))
+    assert [resolved(o).kv.tobytes() for o in got["refs"]] == [c.kv.tobytes() for c in chunks]
+    assert samples(edge)[("kdn_edge_conversation_pulls_late_total", ())] == 2
+
+    asyncio.run(edge.drop_conversations("acme", token=ADMIN))
+
+    async def unpinned_meanwhile():
+        assert await edge.conversation_lookup(keys, ns, "acme", "fp", scope, token=ACME) == 0
+        edge.conversations.set_pinned([])
+        await asyncio.sleep(0.6)
+        return [k in edge.conversations for k in keys]
+    assert asyncio.run(unpinned_meanwhile()) == [False] * 3
+    assert edge.counters["conversation_pulled_chunks"] == 3 and edge._pin_pulls == {}
 
 
 def test_a_key_keeps_the_origins_bytes_and_an_unreachable_origin_costs_only_the_copy(pinned_edge, kit):

@@ -197,6 +197,13 @@ def test_a_pinned_tenants_conversation_outlives_its_home_edges_copy(net, model):
         assert ops.view.at(kept1["edge"]).conversations_of("beta", token=ADMIN)["conversations"] == []
         third = second + [{"role": "assistant", "content": text2}, {"role": "user", "content": "Which is next?"}]
         t3 = c.begin(None, third, 12, salt="agent-7")
+        home = ops.view.at(kept1["edge"])
+        for _ in range(40):     # on a loaded machine the origin's read may outlast the lookup's
+            if t3.cached == whole * 256:    # wait: the pull goes on and lands for the next turn
+                break
+            assert home.stats(token=ADMIN)["counters"].get("conversation_pull_late", 0) >= 1, t3.history
+            time.sleep(0.5)
+            t3 = c.begin(None, third, 12, salt="agent-7")
         assert t3.history.get("fetched") and t3.cached == whole * 256, (t3.history, c.history.counters)
         tokens3, _ = answer(c, t3)
         assert tokens3 == full_prefill(model, t3.prompt)
