@@ -133,9 +133,11 @@ class EdgeCollector:
                        samples=[(("unreachable",), c["conversation_pin_failures"]),
                                 (("refused",), c["conversation_pin_refused"]),
                                 (("store_error",), c["conversation_pin_store_errors"])])
-        yield _counter("kdn_edge_conversation_pulls_late_total", "Pull-backs of a pinned tenant's "
-                       "chunks that outlasted their lookup's wait and went on in the background.",
-                       value=c["conversation_pull_late"])
+        yield _counter("kdn_edge_conversation_pull_waits_cut_total", "Waits for a pull-back of a "
+                       "pinned tenant's chunks that ended at their deadline (the pull goes on in "
+                       "the background and lands for the next turn).", value=c["conversation_pull_late"])
+        yield _counter("kdn_edge_conversation_pull_failures_total", "Pull-backs of a pinned tenant's "
+                       "chunks that failed with an error (logged).", value=c["conversation_pull_failures"])
         yield _counter("kdn_edge_conversation_replaced_chunks_total", "A pinned tenant's chunks "
                        "this edge held under other bytes than the origin's, replaced by the "
                        "origin's (a key keeps its first bytes).", value=c["conversation_pin_replaced"])

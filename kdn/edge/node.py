@@ -691,14 +691,15 @@ class EdgeNode:
         deadline (a monotonic time). A pull the deadline cut short goes on in the background
         (up to PIN_PULL_TIMEOUT_S; counted as conversation_pull_late) and lands for the next
         turn: under load one lookup's wait is shorter than the read, and every later lookup
-        would start it over and give up the same way. One pull at a time per conversation."""
+        would start it over and give up the same way. One pull at a time from a conversation's
+        first chunk not held: a caller naming more keys meanwhile waits for that one."""
         if tenant not in self.conversations.pinned:
             return
         held = next((i for i, k in enumerate(keys) if k not in self.conversations), len(keys))
         left = deadline - time.monotonic()
         if held == len(keys) or left <= 0:
             return
-        flight = (tenant, ns, tuple(keys[held:]))
+        flight = (tenant, ns, keys[held])
         task = self._pin_pulls.get(flight)
         if task is None:
             task = asyncio.get_running_loop().create_task(self._pull_back(tenant, ns, keys, held))
@@ -730,8 +731,6 @@ class EdgeNode:
             log.warning("edge %s: the origin could not read tenant %r's pinned conversation: %s",
                         self.name, tenant, e)
             got = None
-        if tenant not in self.conversations.pinned or self.conversations.epoch_of(tenant) != epoch:
-            return
         got = got or []
         n = next((i for i, (c, k) in enumerate(zip(got, keys[held:]))
                   if c is None or c.key != k or c.ns != ns), len(got))
@@ -739,9 +738,13 @@ class EdgeNode:
             return
         stored = await self.forms.to_store(got[:n])
         n = next((i for i, h in enumerate(stored) if h is None), n)
+        if tenant not in self.conversations.pinned or self.conversations.epoch_of(tenant) != epoch:
+            return
         items = list(zip(keys[held:held + n], stored[:n]))
         await asyncio.to_thread(self.conversations.put_prefix, tenant, items, None, keys[:held])
-        self.conversations.mark_at_origin(keys[held:held + n])
+        # at the origin: the copies this pull put, not a worker's kept meanwhile (a key keeps its
+        # first bytes here too), which a later store sends and the origin answers with "differ"
+        self.conversations.mark_at_origin([k for k, h in items if self.conversations.peek(k) is h])
         self.counters["conversation_pulled_chunks"] += n
 
     async def conversation_lookup(self, keys, ns: bytes, tenant: str, fingerprint: str, scope: str,

@@ -32,9 +32,9 @@ store_forward_retries, store_forgotten (deleted before sent), store_deleted_agai
 while on their way), store_adopted and store_adopt_us (arrivals made this node's own, the
 time it took), store_adopt_errors (copies the object store refused: those stay arrivals),
 store_held_already (a copy held here kept instead of the arrival); a store of a key whose
-earlier copy waits in the backlog: store_queued_already (the same bytes: acknowledged, sent
-once), store_restored (other bytes: queued behind it, so the origin ends with the last store,
-as this edge does);
+earlier copy waits in the backlog, answered by that copy and not sent: store_queued_already
+(the same bytes), store_kept_first (other bytes: a key keeps its first bytes, here as at the
+origin);
 store_kept_as_main (durable copies of keys this edge owns moved to its main tier); the
 backlog's objects and bytes in stats() (`kdn status`, /metrics).
 """
@@ -123,7 +123,7 @@ class WriteBehind:
     async def _keep(self, chunks, pin: bool) -> tuple:
         """Keep verified copies in the hot tier, pinned while not durable when pin: (how many
         were kept, {key: its copy (Held)} for the keys to queue for the origin, the keys whose
-        same bytes wait in the backlog already)."""
+        copy waits in the backlog already and answers for them)."""
         stored = await self.forms.to_store(list(chunks), arrival=pin)
         born, hot, n, pinned, stray = self.tiers.tombs.birth(), self.tiers.tier("hot"), 0, {}, []
         riding = set()
@@ -137,15 +137,15 @@ class WriteBehind:
                 if pin:                                  # twice); the queue's reference keeps it
                     pinned[c.key] = held                 # until durable
                 continue
-            was, before = hot.is_pinned(c.key), hot.peek(c.key)
+            was = hot.is_pinned(c.key)
+            if was and c.key in self._queued and self._again(c.key, hot.peek(c.key), held):
+                riding.add(c.key)                # the copy waiting stays, and answers for it
+                n += 1
+                continue
             if self.tiers.put("hot", c.key, held, pin=pin):
                 n += 1
-                again = pin and was and self._again(c.key, before, held)
-                if again == "same":              # rides with the copy waiting: acknowledged
-                    riding.add(c.key)
-                    stray.append(held)
-                elif pin and hot.is_pinned(c.key) and (not was or again == "other"):
-                    self._pinned.add(c.key)      # (a pin that did not fit: not early)
+                if pin and not was and hot.is_pinned(c.key):     # a pin that did not fit: not early
+                    self._pinned.add(c.key)
                     pinned[c.key] = held
                 else:
                     stray.append(held)
@@ -156,19 +156,21 @@ class WriteBehind:
                     self._as_main(held)
         return n, pinned, riding
 
-    def _again(self, key, before, held):
-        """A store of a key whose earlier copy (before) waits in the backlog: "same" for its
-        bytes again (acknowledged, nothing more to send), "other" for other bytes (queued
-        behind it, so the origin ends with the last store, as this edge does); None when no
-        copy of key waits."""
-        if key not in self._queued:
-            return None
-        if (before is not None and before.ns == held.ns and before.codec == held.codec
-                and before.xxh is not None and before.xxh == held.xxh):
-            self.counters["store_queued_already"] += 1
-            return "same"
-        self.counters["store_restored"] += 1
-        return "other"
+    def _again(self, key, waiting, held) -> bool:
+        """Whether a store of key, whose copy `waiting` is in the backlog and held here, is
+        answered by that copy: always, as the origin answers a key it holds (a key keeps its
+        first bytes: kdn/origin/chunks.py), so this edge and the origin end with the same
+        bytes and nothing more is sent. Counted: store_queued_already (the same bytes again),
+        store_kept_first (other bytes: refused in effect, as at the origin)."""
+        if waiting is None:
+            return False
+        same = (waiting.ns == held.ns and waiting.codec == held.codec and waiting.xxh is not None
+                and waiting.xxh == held.xxh)
+        self.counters["store_queued_already" if same else "store_kept_first"] += 1
+        if not same:
+            log.warning("edge: a store of key %s brought other bytes than its copy waiting for the "
+                        "origin: the first bytes are kept, as the origin keeps them", key.hex()[:16])
+        return True
 
     def _held_already(self, key, held):
         """The copy of key this edge holds already, in place of an arrival with the same

@@ -422,14 +422,16 @@ def test_a_pinned_tenants_chunks_reach_the_origin_and_come_back_when_the_edge_lo
 def test_a_pull_back_slower_than_its_lookup_goes_on_and_lands_for_the_next_turn(pinned_edge, kit, monkeypatch):
     """Under load the origin's read outlasts a lookup's wait: the lookup answers what is held
     (nothing), the one pull goes on (a second lookup meanwhile joins it, no second read) and
-    the next turn's lookup finds the whole conversation. A tenant unpinned while its pull is
+    the next turn's lookup finds the whole conversation; a lookup naming more keys (the next
+    turn's) joins the same pull. A tenant unpinned while its pull is
     on the way gets nothing back."""
     import asyncio
     from kdn.edge import node as edge_node
     monkeypatch.setattr(edge_node, "PIN_LOOKUP_TIMEOUT_S", 0.05)
     edge, origin, to_origin = pinned_edge
-    scope, ns, chunks = conversation(kit, n=3)
-    keys = [c.key for c in chunks]
+    scope, ns, chunks = conversation(kit, n=4)
+    longer = [c.key for c in chunks]            # the next turn's keys: one chunk more
+    chunks, keys = chunks[:3], longer[:3]
     asyncio.run(edge.put_conversation(chunks, "acme", "fp", scope, token=ACME))
     asyncio.run(edge.drop_conversations("acme", token=ADMIN))           # the edge's copy only
     to_origin.slow["conversation_chunks"] = 0.4
@@ -437,7 +439,7 @@ def test_a_pull_back_slower_than_its_lookup_goes_on_and_lands_for_the_next_turn(
 
     async def turns():
         first = await edge.conversation_lookup(keys, ns, "acme", "fp", scope, token=ACME)
-        second = await edge.conversation_lookup(keys, ns, "acme", "fp", scope, token=ACME)
+        second = await edge.conversation_lookup(longer, ns, "acme", "fp", scope, token=ACME)
         await asyncio.sleep(0.6)
         return first, second, await edge.conversation_lookup(keys, ns, "acme", "fp", scope, token=ACME)
     assert asyncio.run(turns()) == (0, 0, 3)
@@ -445,7 +447,7 @@ def test_a_pull_back_slower_than_its_lookup_goes_on_and_lands_for_the_next_turn(
     assert edge.counters["conversation_pull_late"] == 2 and edge.counters["conversation_pulled_chunks"] == 3
     got = asyncio.run(edge.conversation_fetch(keys, ns, "acme", "fp", scope, token=ACME))
     assert [resolved(o).kv.tobytes() for o in got["refs"]] == [c.kv.tobytes() for c in chunks]
-    assert samples(edge)[("kdn_edge_conversation_pulls_late_total", ())] == 2
+    assert samples(edge)[("kdn_edge_conversation_pull_waits_cut_total", ())] == 2
 
     asyncio.run(edge.drop_conversations("acme", token=ADMIN))
 

@@ -302,47 +302,49 @@ def test_a_store_of_a_key_held_in_main_keeps_that_copy_and_adds_none_to_the_hot_
     assert edge.stores.stats()["store_held_already"] == 1
 
 
-def test_other_bytes_stored_while_the_first_copy_waits_follow_it_and_the_origin_ends_with_the_last(kit, edge, monkeypatch):
-    """One key stored three times while its first copy is on its way: other bytes queue behind
-    it (the origin takes both, oldest first, and holds the last; sent at once, past the copy
-    waiting, they would land first and the older bytes would win); the same bytes again are
-    acknowledged with no second trip; the key stays pinned until its last copy is durable."""
+def test_a_key_stored_again_while_its_copy_waits_is_answered_by_that_copy_and_keeps_its_first_bytes(kit, edge, monkeypatch):
+    """One key stored three times while its first copy is on its way to the origin: the copy
+    waiting answers for the others, nothing more is sent, and other bytes are refused in
+    effect, here as at the origin (a key keeps its first bytes: kdn/origin/chunks.py), so the
+    edge and the origin end with the same bytes. They used to go to the origin at once and
+    replace the edge's copy: the origin kept whichever landed first."""
     def checked(cls, obj):                    # a copy with its checksum, as the store keeps
         held = cls.here(obj)
         held.xxh = obj.digest()
         return held
     monkeypatch.setattr(Held, "arrival", classmethod(checked))
     first, = objects(kit, 1, seed=70)
-    second = pack(first.key, kit.NS, np.random.default_rng(71).integers(0, 255, 4096, dtype=np.uint8))
-    assert second.kv.tobytes() != first.kv.tobytes()
-    held_at_origin = {}
+    other = pack(first.key, kit.NS, np.random.default_rng(71).integers(0, 255, 4096, dtype=np.uint8))
+    assert other.kv.tobytes() != first.kv.tobytes()
+    at_origin = {}
 
     async def main():
         gate = asyncio.Event()
 
-        async def slow(cs):
+        async def slow(cs):                   # the origin keeps a key's first bytes
             await gate.wait()
-            held_at_origin.update({c.key: c.kv.tobytes() for c in cs})
+            for c in cs:
+                at_origin.setdefault(c.key, c.kv.tobytes())
             return {"received": len(cs), "written": len(cs), "pushing": 0}
         edge.answers[(None, "put_objects")] = slow
         await edge.put_objects([first])                  # the forward takes it, and waits
         await asyncio.sleep(0.05)
-        again = await edge.put_objects([second])         # other bytes: queued behind it
-        same = await edge.put_objects([second])          # the same bytes again: nothing more to send
-        assert len(edge.asked) == 1, "answered without asking the origin"
+        same = await edge.put_objects([first])           # the same bytes again
+        differ = await edge.put_objects([other])         # other bytes under the key
+        asked = len(edge.asked)
         pinned = edge.tiers.tier("hot").is_pinned(first.key)
         gate.set()
         await settle(edge)
-        return again, same, pinned
-    again, same, pinned = asyncio.run(main())
-    assert again["pending"] == 1 and same["pending"] == 1 and pinned
+        return same, differ, asked, pinned
+    same, differ, asked, pinned = asyncio.run(main())
+    assert same["pending"] == 1 and differ["pending"] == 1 and asked == 1 and pinned
     sent = [c.kv.tobytes() for node, m, args in edge.asked if m == "put_objects" for c in args]
-    assert sent == [first.kv.tobytes(), second.kv.tobytes()]
-    assert held_at_origin == {first.key: second.kv.tobytes()}, "the last store wins at the origin"
-    assert edge.tiers.peek(first.key).obj.kv.tobytes() == second.kv.tobytes()      # and here
+    assert sent == [first.kv.tobytes()]
+    assert at_origin == {first.key: first.kv.tobytes()}
+    assert edge.tiers.peek(first.key).obj.kv.tobytes() == first.kv.tobytes(), "the edge serves the origin's bytes"
     assert not edge.tiers.tier("hot").is_pinned(first.key)
     st = edge.stores.stats()
-    assert st["store_restored"] == 1 and st["store_queued_already"] == 1 and st["store_forwarded"] == 2
+    assert st["store_queued_already"] == 1 and st["store_kept_first"] == 1 and st["store_forwarded"] == 1
     assert st["backlog_objects"] == 0 and st.get("store_acked_origin", 0) == 0
 
 
