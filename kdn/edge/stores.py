@@ -12,9 +12,7 @@ the caller's argument in this node's object store, which Ray keeps while this pr
 it, the caller gone or not), and put into an object of this node's own right after the
 answer, in a worker thread (adopt: the copy into fresh store memory that the answer used to
 wait for), then handed to the origin as a reference. A store of a key this edge holds already
-as its own object, with the same checksum, keeps that copy (one key, one byte string); a store
-of other bytes than the copy held or waiting here keeps the copy too, as the origin keeps a
-key's first bytes, so this edge never serves bytes the rest of the network does not. Once
+as its own object, with the same checksum, keeps that copy (one key, one byte string). Once
 durable, the copy of a key this edge owns on the ring moves to its main tier: the origin
 pushes nothing to an owner that holds the key.
 
@@ -35,8 +33,8 @@ while on their way), store_adopted and store_adopt_us (arrivals made this node's
 time it took), store_adopt_errors (copies the object store refused: those stay arrivals),
 store_held_already (a copy held here kept instead of the arrival); a store of a key whose
 earlier copy waits in the backlog, answered by that copy and not sent: store_queued_already
-(the same bytes); store_kept_first (a store of other bytes than the copy held or waiting
-here: a key keeps its first bytes, here as at the origin);
+(the same bytes), store_kept_first (other bytes: a key keeps its first bytes, here as at the
+origin);
 store_kept_as_main (durable copies of keys this edge owns moved to its main tier); the
 backlog's objects and bytes in stats() (`kdn status`, /metrics).
 """
@@ -175,25 +173,14 @@ class WriteBehind:
         return True
 
     def _held_already(self, key, held):
-        """The copy of key this edge holds already, in place of a new one (one key, one byte
-        string; a key in the backlog is _again's):
-        - the same checksum, where that copy is this node's own object: a store of what is
-          held makes no copy, and readers keep their reference (store_held_already);
-        - another checksum: the held copy, whose bytes the origin keeps (a key keeps its
-          first bytes: kdn/origin/chunks.py), so this edge serves what every other node does;
-          it is sent all the same, and restores the key at an origin that lost it
-          (store_kept_first, logged).
-        Else held (no copy here, or one whose checksum or codec cannot be compared)."""
+        """The copy of key this edge holds already, in place of an arrival with the same
+        checksum (one key, one byte string) where that copy is this node's own object: a store
+        of what is held makes no copy, and readers keep their reference. Else held (also for a
+        key in the backlog: each queued copy stays its own entry, as forget() counts them)."""
         old = self.tiers.peek(key)
-        if (old is None or key in self._queued or old.ns != held.ns or old.codec != held.codec
-                or old.xxh is None or held.xxh is None):
-            return held
-        if old.xxh != held.xxh:
-            self.counters["store_kept_first"] += 1
-            log.warning("edge: a store of key %s brought other bytes than the copy held here: the "
-                        "first bytes are kept, as the origin keeps them", key.hex()[:16])
-            return old
-        if held.arrived and old.ref is not None and old.own and not old.arrived:
+        if (held.arrived and old is not None and key not in self._queued and old.ref is not None
+                and old.own and not old.arrived and old.ns == held.ns and old.codec == held.codec
+                and old.xxh is not None and old.xxh == held.xxh):
             self.counters["store_held_already"] += 1
             return old
         return held

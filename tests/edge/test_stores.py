@@ -348,39 +348,6 @@ def test_a_key_stored_again_while_its_copy_waits_is_answered_by_that_copy_and_ke
     assert st["backlog_objects"] == 0 and st.get("store_acked_origin", 0) == 0
 
 
-def test_other_bytes_stored_under_a_key_held_here_leave_the_held_copy_which_the_origin_keeps_too(kit, edge, monkeypatch):
-    """The key is durable and held here (bytes A); a store brings other bytes (B): the edge
-    keeps A, as the origin does (a key keeps its first bytes), and sends A again (restoring the
-    key at an origin that lost it). Before, B replaced the edge's copy and the origin kept A."""
-    def checked(cls, obj):
-        held = cls.here(obj)
-        held.xxh = obj.digest()
-        return held
-    monkeypatch.setattr(Held, "arrival", classmethod(checked))
-    first, = objects(kit, 1, seed=90)
-    other = pack(first.key, kit.NS, np.random.default_rng(91).integers(0, 255, 4096, dtype=np.uint8))
-    at_origin = {}
-
-    def origin(cs):
-        for c in cs:
-            at_origin.setdefault(c.key, c.kv.tobytes())
-        return {"received": len(cs), "written": len(cs), "pushing": 0}
-    edge.answers[(None, "put_objects")] = origin
-
-    async def main():
-        await edge.put_objects([first])
-        await settle(edge)
-        got = await edge.put_objects([other])
-        await settle(edge)
-        return got
-    assert asyncio.run(main())["pending"] == 1
-    sent = [c.kv.tobytes() for node, m, args in edge.asked if m == "put_objects" for c in args]
-    assert sent == [first.kv.tobytes()] * 2 and at_origin == {first.key: first.kv.tobytes()}
-    assert edge.tiers.peek(first.key).obj.kv.tobytes() == first.kv.tobytes()
-    assert not edge.tiers.tier("hot").is_pinned(first.key)
-    assert edge.stores.stats()["store_kept_first"] == 1
-
-
 def test_a_drop_replayed_from_the_origins_log_wins_over_a_store_waiting_as_its_broadcast_does(kit, edge):
     """The edge missed the broadcast of a delete and catches up on the origin's drop log
     (kdn/edge/drops.py): the store of that key it acknowledged and has not sent is not sent,
