@@ -137,11 +137,11 @@ class WriteBehind:
                 if pin:                                  # twice); the queue's reference keeps it
                     pinned[c.key] = held                 # until durable
                 continue
-            was = hot.is_pinned(c.key)
-            if was and c.key in self._queued and self._again(c.key, hot.peek(c.key), held):
-                riding.add(c.key)                # the copy waiting stays, and answers for it
+            if c.key in self._queued and self._again(c.key, self.tiers.peek(c.key), held):
+                riding.add(c.key)                # the copy waiting (hot or main) stays, and answers for it
                 n += 1
                 continue
+            was = hot.is_pinned(c.key)
             if self.tiers.put("hot", c.key, held, pin=pin):
                 n += 1
                 if pin and not was and hot.is_pinned(c.key):     # a pin that did not fit: not early

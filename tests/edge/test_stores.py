@@ -348,6 +348,37 @@ def test_a_key_stored_again_while_its_copy_waits_is_answered_by_that_copy_and_ke
     assert st["backlog_objects"] == 0 and st.get("store_acked_origin", 0) == 0
 
 
+def test_a_key_stored_again_while_its_copy_waits_from_the_main_tier_is_answered_by_that_copy(kit, edge, monkeypatch):
+    """The copy waiting for the origin is the main tier's (a key this edge owns, stored again):
+    a store of other bytes meanwhile adds nothing to the hot tier and sends nothing, and main
+    keeps the first bytes once durable (it used to be replaced by the later bytes)."""
+    _arrivals(monkeypatch)
+    obj, = objects(kit, 1, seed=62)
+    other = pack(obj.key, kit.NS, np.random.default_rng(63).integers(0, 255, 4096, dtype=np.uint8))
+    held = Held.here(obj)
+    held.ref, held.xxh = "ref-main", obj.digest()
+    edge.tiers.put("main", obj.key, held)
+
+    async def main():
+        gate = asyncio.Event()
+
+        async def slow(refs):
+            await gate.wait()
+            return {"received": len(refs), "written": len(refs), "pushing": 0}
+        edge.answers[(None, "put_object_refs")] = slow
+        first = await edge.put_objects([obj])             # waits, as main's copy
+        await asyncio.sleep(0.05)
+        again = await edge.put_objects([other])
+        gate.set()
+        await settle(edge)
+        return first, again
+    first, again = asyncio.run(main())
+    assert first["pending"] == 1 and again["pending"] == 1
+    assert [(m, a) for node, m, a in edge.asked if node is None] == [("put_object_refs", ["ref-main"])]
+    assert edge.tiers.peek(obj.key) is held and obj.key not in edge.tiers.tier("hot")
+    assert edge.stores.stats()["store_kept_first"] == 1
+
+
 def test_a_drop_replayed_from_the_origins_log_wins_over_a_store_waiting_as_its_broadcast_does(kit, edge):
     """The edge missed the broadcast of a delete and catches up on the origin's drop log
     (kdn/edge/drops.py): the store of that key it acknowledged and has not sent is not sent,
