@@ -125,7 +125,7 @@ class EdgeNode:
         self._writer = None
         self._events_started = False
         self.background_failure = None   # set when the background loop died of a bug
-        self._pin_pulls = {}             # (tenant, ns, keys) -> its pull-back from the origin, in flight
+        self._pin_pulls = {}             # (tenant, ns, first key not held) -> its pull-back in flight
         self._last_refresh = 0.0
         self.http_port_wanted, self.http_host, self.http_idle_s = http_port, http_host, http_idle_s
         self.http = None

@@ -34,7 +34,7 @@ time it took), store_adopt_errors (copies the object store refused: those stay a
 store_held_already (a copy held here kept instead of the arrival); a store of a key whose
 earlier copy waits in the backlog, answered by that copy and not sent: store_queued_already
 (the same bytes), store_kept_first (other bytes: a key keeps its first bytes, here as at the
-origin);
+origin), store_queued_unchecked (copies without a checksum to compare);
 store_kept_as_main (durable copies of keys this edge owns moved to its main tier); the
 backlog's objects and bytes in stats() (`kdn status`, /metrics).
 """
@@ -164,8 +164,10 @@ class WriteBehind:
         store_kept_first (other bytes: refused in effect, as at the origin)."""
         if waiting is None:
             return False
-        same = (waiting.ns == held.ns and waiting.codec == held.codec and waiting.xxh is not None
-                and waiting.xxh == held.xxh)
+        if waiting.xxh is None or held.xxh is None:      # no checksum to compare (Held.here)
+            self.counters["store_queued_unchecked"] += 1
+            return True
+        same = waiting.ns == held.ns and waiting.codec == held.codec and waiting.xxh == held.xxh
         self.counters["store_queued_already" if same else "store_kept_first"] += 1
         if not same:
             log.warning("edge: a store of key %s brought other bytes than its copy waiting for the "

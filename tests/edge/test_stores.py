@@ -407,3 +407,29 @@ def test_a_drop_replayed_from_the_origins_log_wins_over_a_store_waiting_as_its_b
     assert taken == [kept.key], "the replayed delete's key is never sent"
     assert edge.tiers.peek(dropped.key) is None and edge.tiers.peek(kept.key) is not None
     assert edge.stores.stats()["store_forgotten"] == 1
+
+
+def test_a_key_stored_again_with_no_checksum_to_compare_is_answered_by_the_waiting_copy_and_counted_apart(kit, edge):
+    """Copies held with no checksum (small objects kept in this process: Held.here) cannot be
+    compared: the waiting copy answers, counted as unchecked, neither as the same bytes nor as
+    other bytes."""
+    obj, = objects(kit, 1, seed=95)
+
+    async def main():
+        gate = asyncio.Event()
+
+        async def slow(cs):
+            await gate.wait()
+            return {"received": len(cs), "written": len(cs), "pushing": 0}
+        edge.answers[(None, "put_objects")] = slow
+        await edge.put_objects([obj])
+        await asyncio.sleep(0.05)
+        again = await edge.put_objects([obj])
+        asked = len(edge.asked)
+        gate.set()
+        await settle(edge)
+        return again, asked
+    again, asked = asyncio.run(main())
+    assert again["pending"] == 1 and asked == 1
+    st = edge.stores.stats()
+    assert st["store_queued_unchecked"] == 1 and "store_kept_first" not in st and "store_queued_already" not in st
