@@ -34,6 +34,7 @@ SUBNETS = "10.213.0.0/16"      # each Hosts takes a /24 of it that no interface 
 # held while a /24 is chosen and its bridge made (several processes at once)
 LOCK = os.path.join(tempfile.gettempdir(), "kdn-netns.lock")
 MULTI_NODE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"   # Ray's switch for nodes on several addresses
+HEAD_TRIES = 3                  # starts of the Ray head, each on a port picked anew, before giving up
 
 
 def available() -> "str | None":
@@ -215,13 +216,24 @@ class HostCluster:
         common = ["--block", f"--num-cpus={cpus}", f"--object-store-memory={object_store_bytes}",
                   "--disable-usage-stats"]
         try:
-            port = _free_port(self.hosts.head)
-            self.address = f"{self.hosts.head}:{port}"
-            self._procs[self.regions[0]] = subprocess.Popen(
-                [self._ray, "start", "--head", f"--port={port}", f"--node-ip-address={self.hosts.head}",
-                 f"--labels=region={self.regions[0]}", "--include-dashboard=false", *common],
-                stdout=self._log(self.regions[0]), stderr=subprocess.STDOUT, start_new_session=True, env=self._env)
-            self._await_gcs(start_timeout_s)
+            for attempt in range(HEAD_TRIES):
+                # the port is free when picked, not when the head binds it: another process on
+                # this machine may take it first (the head exits, "Failed to start GCS"): again
+                port = _free_port(self.hosts.head)
+                self.address = f"{self.hosts.head}:{port}"
+                self._procs[self.regions[0]] = subprocess.Popen(
+                    [self._ray, "start", "--head", f"--port={port}", f"--node-ip-address={self.hosts.head}",
+                     f"--labels=region={self.regions[0]}", "--include-dashboard=false", *common],
+                    stdout=self._log(self.regions[0]), stderr=subprocess.STDOUT, start_new_session=True,
+                    env=self._env)
+                try:
+                    self._await_gcs(start_timeout_s)
+                    break
+                except HostsError:
+                    head = self._procs[self.regions[0]]
+                    if head.poll() is None or attempt == HEAD_TRIES - 1:
+                        raise
+                    del self._procs[self.regions[0]]    # exited: nothing of it to stop
             self._await_nodes(1, start_timeout_s)
             # one at a time: nodes of one machine share the session's folder, and two starting
             # at once can race for one socket name there (a raylet died of "bind: Address
@@ -327,7 +339,10 @@ class HostCluster:
                     procs = psutil.Process(head.pid).children(recursive=True)
                 except psutil.NoSuchProcess:
                     procs = []
-                os.killpg(head.pid, signal.SIGKILL)
+                try:
+                    os.killpg(head.pid, signal.SIGKILL)
+                except ProcessLookupError:            # it had exited already (a failed start)
+                    pass
                 for p in procs:
                     try:
                         p.kill()
