@@ -44,6 +44,17 @@ def origin_took(e):
     return [c.key for node, m, args in e.asked if node is None and m == "put_objects" for c in args]
 
 
+def gated(e, method):
+    """The origin's answer to method (a store) held until the Event returned is set."""
+    gate = asyncio.Event()
+
+    async def answer(items):
+        await gate.wait()
+        return {"received": len(items), "written": len(items), "pushing": 0}
+    e.answers[(None, method)] = answer
+    return gate
+
+
 async def settle(e, timeout_s=5.0):
     assert await e.stores.drain(timeout_s), e.stores.stats()
 
@@ -360,12 +371,7 @@ def test_a_key_stored_again_while_its_copy_waits_from_the_main_tier_is_answered_
     edge.tiers.put("main", obj.key, held)
 
     async def main():
-        gate = asyncio.Event()
-
-        async def slow(refs):
-            await gate.wait()
-            return {"received": len(refs), "written": len(refs), "pushing": 0}
-        edge.answers[(None, "put_object_refs")] = slow
+        gate = gated(edge, "put_object_refs")
         first = await edge.put_objects([obj])             # waits, as main's copy
         await asyncio.sleep(0.05)
         again = await edge.put_objects([other])
@@ -416,12 +422,7 @@ def test_a_key_stored_again_with_no_checksum_to_compare_is_answered_by_the_waiti
     obj, = objects(kit, 1, seed=95)
 
     async def main():
-        gate = asyncio.Event()
-
-        async def slow(cs):
-            await gate.wait()
-            return {"received": len(cs), "written": len(cs), "pushing": 0}
-        edge.answers[(None, "put_objects")] = slow
+        gate = gated(edge, "put_objects")
         await edge.put_objects([obj])
         await asyncio.sleep(0.05)
         again = await edge.put_objects([obj])
