@@ -15,11 +15,14 @@ from kdn.core.env import prepare_ray_env
 
 
 def _own_cores() -> None:
-    """Under pytest-xdist (`make test` runs two workers), give each worker its own share of the
-    cores, before torch or Ray starts: every process it starts (Ray's nodes and actors, vLLM's
-    engine, `kdn` commands) inherits the mask and sizes its threads by it
-    (kdn.core.env.usable_cpus). Two workers whose OpenMP threads shared both cores spun
-    against each other: an engine's setup took 3x longer beside another's prefill."""
+    """Under pytest-xdist (`make test` runs two workers), size every process's OpenMP threads by
+    the worker's share of the cores, before torch or Ray starts: every process a worker starts
+    (Ray's nodes and actors, vLLM's engine, `kdn` commands) inherits OMP_NUM_THREADS and sizes
+    its threads by it (kdn.core.env.compute_threads). Two workers whose OpenMP threads shared both
+    cores spun against each other: an engine's setup took 3x longer beside another's prefill.
+    KDN_TEST_CORES=pin also gives each worker its own cores by affinity mask; the default
+    ("share") leaves the mask alone, so a core that one worker leaves idle while it waits on
+    sockets and timeouts runs the other's processes."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if not worker or count < 2 or not hasattr(os, "sched_setaffinity"):
         return
@@ -27,7 +30,8 @@ def _own_cores() -> None:
     if len(cores) < count:                 # fewer cores than workers: nothing to share out
         return
     mine = cores[int(worker.removeprefix("gw")) % count::count]
-    os.sched_setaffinity(0, mine)
+    if os.environ.get("KDN_TEST_CORES", "share") == "pin":
+        os.sched_setaffinity(0, mine)
     os.environ["OMP_NUM_THREADS"] = str(len(mine))
 
 

@@ -45,6 +45,17 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def compute_threads(cap: int = 2) -> int:
+    """Intra-op threads for a model or engine in this process: at most `cap`, no more than the
+    usable cores, and no more than OMP_NUM_THREADS where the environment sets it (a scheduler
+    or a test runner sharing the cores out: threads past it spin against other processes)."""
+    n = min(cap, usable_cpus())
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        n = min(n, int(omp))
+    return max(1, n)
+
+
 def kdn_home() -> Path:
     """Where KDN keeps state by default: $KDN_HOME, else ~/.cache/kdn."""
     return Path(os.environ.get("KDN_HOME") or Path.home() / ".cache" / "kdn")

@@ -56,7 +56,7 @@ import logging
 import xxhash
 
 from kdn.core.emphasis import override_of
-from kdn.core.env import usable_cpus
+from kdn.core.env import compute_threads
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, ModelError, NetworkError
 from kdn.engines.sources import NARROW
 from kdn.serve.api import (DEFAULT_TENANT, ApiError, api_error, completion, completion_id, model_list,
@@ -91,7 +91,7 @@ class VllmRegionWorker:
         from kdn.engines.transformers.model import load_model
         self.network, self.region = network, region
         self.readers = dict(Tokens.from_dict(auth).readers)
-        self.model = load_model()              # tokenizer and chat template
+        self.model = load_model(warm=False)    # tokenizer and chat template
         self.fingerprint = fingerprints(self.model.cache_path)["vllm"]
         self.max_context = min(max_context or MAX_MODEL_LEN, MAX_MODEL_LEN)
         # vLLM's CPU backend binds its OpenMP threads in the thread that starts it and checks
@@ -125,7 +125,7 @@ class VllmRegionWorker:
     def _start_engine(self):
         import torch
         from kdn.engines.vllm.run import start_engine
-        torch.set_num_threads(min(2, usable_cpus()))
+        torch.set_num_threads(compute_threads())
         tenants = {salt_of(t): {"tenant": t, "token": tok}
                    for t, tok in self.readers.items() if t != DEFAULT_TENANT}
         return start_engine("kv_consumer", str(self.model.cache_path), network=self.network,

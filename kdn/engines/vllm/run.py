@@ -26,7 +26,7 @@ import itertools
 import os
 import time
 
-from kdn.core.env import usable_cpus
+from kdn.core.env import compute_threads
 from kdn.core.errors import KDNError, ModelError
 from kdn.engines.base import Answer
 from kdn.client.documents import model_context
@@ -52,7 +52,7 @@ def kv_transfer_config(role: str = "kv_consumer", **settings) -> dict:
 def model_folder() -> str:
     """The SmolLM2 folder kdn.engines.transformers.model converted (converting it on first use)."""
     from kdn.engines.transformers.model import load_model
-    return str(load_model().cache_path)
+    return str(load_model(warm=False).cache_path)
 
 
 def start_engine(role: str = "kv_consumer", model_path: str = None, engine: dict = None, **settings):
@@ -166,7 +166,7 @@ def publish_with_vllm(llm, kb: str, documents, model=None, salt: str = None, met
     scheduler one step after the capture, and goes out when the request finishes.
     """
     from kdn.engines.transformers.model import load_model
-    model = model or load_model()
+    model = model or load_model(warm=False)
     named = knowledge_documents(model, check_documents(documents))
     tokens = [t for _, toks in named for t in toks]
     spec = {"kb": kb, "documents": [[n, len(t)] for n, t in named], "meta": meta or {}}
@@ -194,7 +194,7 @@ def query_with_vllm(llm, client, kb: str, question: str, model=None, check: bool
     this engine computed it before.
     """
     from kdn.engines.transformers.model import load_model
-    model = model or load_model()
+    model = model or load_model(warm=False)
     prompt = client.manifest(kb).token_ids().tolist() + model.question_tokens(question)
     if check:    # warm against warm: the connector's first lookup and load, untimed
         generate(llm, prompt, 1, salt=salt)
@@ -283,9 +283,9 @@ class EngineWorker:
 
     def __init__(self, role: str = "kv_consumer", engine: dict = None, **settings):
         import torch
-        torch.set_num_threads(min(2, usable_cpus()))
+        torch.set_num_threads(compute_threads())
         from kdn.engines.transformers.model import load_model
-        self.model = load_model()
+        self.model = load_model(warm=False)      # tokenizer and chat template: vLLM computes
         self.llm = start_engine(role, str(self.model.cache_path), engine, **settings)
         self.settings = settings
 
