@@ -5,8 +5,11 @@ each in a Ray actor on a region's node: one in us-east with role kv_both (it pub
 vLLM computes), one in eu-west reading only. They are the only two engine start-ups of the
 module. Every answer through KDN is compared with vLLM's own full prefill of the same prompt
 (prefix cache skipped): the greedy tokens must be identical, for KBs of 644 tokens (the Bill
-of Rights: two full chunks and a partial one) and 4,520 tokens (every bundled document), and
-the connector must report matching exactly what the KB covers. Then tenants (a request's
+of Rights: two full chunks and a partial one) and 1,504 tokens (three documents: five full
+chunks and a partial one), and the connector must report matching exactly what the KB covers.
+(The README's KB of every bundled document, 4,520 tokens, goes through vLLM in its own vLLM
+blocks, KDN_README_ALL=1 in tests/test_readme.py: the mechanics here are the same at a third of
+the prefill.) Then tenants (a request's
 cache salt reaches only its tenant) and faults (an edge killed during a stream of requests,
 an edge hung, a corrupt copy): the answer is still the full prefill's, within a deadline.
 Both engines keep conversations (`conversations`): a plain chat's next turn reads its history
@@ -36,6 +39,7 @@ REGIONS = ("us-east", "eu-west", "ap-south")
 NEW_TOKENS = 12
 DEADLINES = {"lookup_deadline_s": 2.0, "fetch_deadline_s": 4.0}
 TENANTS = {"salt-acme": "acme", "salt-globex": "globex"}
+THREE = ("constitution-article-iii", "bill-of-rights", "gettysburg-address")
 Q = "Which amendment protects the freedom of speech, and what else does it protect?"
 
 
@@ -66,12 +70,13 @@ def engines(net):
 
 @pytest.fixture(scope="module")
 def published(net, engines):
-    """KBs published through vLLM: bill (644 tokens), founding (4,520), acme's secret."""
+    """KBs published through vLLM: bill (644 tokens), three (1,504: Article III, the Bill of
+    Rights and the Gettysburg Address), acme's secret."""
     docs = dict(bundled_documents())
     pub = engines["us-east"]
     receipts = {
         "bill": ray.get(pub.publish.remote("bill", [("bill-of-rights", docs["bill-of-rights"])]), timeout=600),
-        "founding": ray.get(pub.publish.remote("founding", bundled_documents()), timeout=900),
+        "three": ray.get(pub.publish.remote("three", [(n, docs[n]) for n in THREE]), timeout=900),
         "secret": ray.get(pub.publish.remote("secret", [("gettysburg", docs["gettysburg-address"])],
                                              salt="salt-acme"), timeout=600),
     }
@@ -88,13 +93,13 @@ def _full(engine, prompt, salt=None):
 
 
 def test_publishing_through_vllm_stores_the_kv_vllm_computed(published):
-    bill, founding = published["bill"], published["founding"]
+    bill, three = published["bill"], published["three"]
     assert (bill["tokens"], bill["chunks"], bill["version"], bill["engine"]) == (644, 3, 1, "vllm")
-    assert (founding["tokens"], founding["chunks"]) == (4520, 18)
-    assert founding["sent_chunks"] == 18
+    assert (three["tokens"], three["chunks"]) == (1504, 6)
+    assert three["sent_chunks"] == 6 and three["documents"] == list(THREE)
 
 
-@pytest.mark.parametrize("kb,tokens", [("bill", 644), ("founding", 4520)])
+@pytest.mark.parametrize("kb,tokens", [("bill", 644), ("three", 1504)])
 def test_answers_through_kdn_are_token_identical_to_vllm_alone_in_two_regions(net, engines, published,
                                                                               kb, tokens):
     east, west = engines["us-east"], engines["eu-west"]
