@@ -35,6 +35,9 @@ store_held_already (a copy held here kept instead of the arrival); a store of a 
 earlier copy waits in the backlog, answered by that copy and not sent: store_queued_already
 (the same bytes), store_kept_first (other bytes: a key keeps its first bytes, here as at the
 origin), store_queued_unchecked (copies without a checksum to compare);
+store_origin_kept_other (copies let go once durable because the origin answered that it holds
+other bytes under their keys: a key held here as durable and stored again with other bytes,
+or one the origin took from another writer first; readers then get the origin's bytes);
 store_kept_as_main (durable copies of keys this edge owns moved to its main tier); the
 backlog's objects and bytes in stats() (`kdn status`, /metrics).
 """
@@ -243,6 +246,7 @@ class WriteBehind:
             tries = 0
             await self._delete_again()
             hot = self.tiers.tier("hot")
+            other, wrong = set(got.get("kept_other") or ()), []
             for c, mine in zip(batch, self.owns([c.key for c in batch])):
                 self._queue.popleft()
                 self._pending -= c.nbytes
@@ -254,8 +258,18 @@ class WriteBehind:
                     if c.key in hot:         # not dropped meanwhile
                         hot.unpin(c.key)
                         cur = hot.peek(c.key)        # this copy, or one stored again meanwhile
-                        if mine and not cur.arrived:
+                        if mine and not cur.arrived and c.key not in other:
                             self._as_main(cur)
+                if c.key in other:      # the origin keeps other bytes under it: this copy goes,
+                    for tier in (hot, self.tiers.main):     # wherever it is (not another copy)
+                        if tier.peek(c.key) is c and tier.discard(c.key):
+                            wrong.append(c.key)
+                            self.tiers.note(c.key)
+            if wrong:
+                self.counters["store_origin_kept_other"] += len(wrong)
+                log.warning("edge: the origin holds other bytes under %d key(s) stored here (first "
+                            "%s): a key keeps its first bytes, so this edge's copies are let go and "
+                            "its readers get the origin's", len(wrong), wrong[0].hex()[:16])
             self.counters["store_forwarded"] += len(batch)
 
     async def _send(self, batch, by_ref: bool):
@@ -278,7 +292,9 @@ class WriteBehind:
             if got is None:
                 return None
             answers.append(got)
-        return {k: sum(a[k] for a in answers) for k in answers[0]}
+        merged = {k: sum(a.get(k, 0) for a in answers) for k in answers[0] if k != "kept_other"}
+        merged["kept_other"] = [k for a in answers for k in a.get("kept_other") or ()]
+        return merged
 
     def _as_main(self, held) -> None:
         """A durable copy of a key this edge owns on the ring moves from the hot tier to main,

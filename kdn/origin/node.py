@@ -302,18 +302,22 @@ class OriginNode:
         manifest names them, so storing is their commit, and the answer comes once they are
         (one fsync batch per call). Their push to the ring owners follows in the background
         (`_push_objects`); until an owner has one, an edge's pull-through reads it here.
-        {"received", "written", "pushing": objects whose push was queued}."""
+        {"received", "written", "pushing": objects whose push was queued, "kept_other": the keys
+        held here already with other bytes, which a key keeps (its first ones): an edge that
+        acknowledged such a store lets its own copy go (kdn/edge/stores.py)}."""
         self.tokens.check_admin(token, "put_objects")
         check_objects(chunks, MAX_CHUNKS_PER_CALL, "put_objects")
         if sum(c.nbytes for c in chunks) > MAX_BYTES_PER_CALL:
             raise BadRequest(f"put_objects carries more than {MAX_BYTES_PER_CALL} bytes: split it")
         results = await asyncio.to_thread(self.store.put_objects, chunks)
         new = [c for c, (w, _) in zip(chunks, results) if w]
+        other = [c.key for c, (w, stored) in zip(chunks, results) if not w and stored != c.digest()]
         self.counters["objects_received"] += len(chunks)
         self.counters["objects_written"] += len(new)
+        self.counters["objects_kept_other"] += len(other)
         # only what was written: a deduplicated key's owners were sent it when it was
         return {"received": len(chunks), "written": len(new),
-                "pushing": self._push_objects(new) if new else 0}
+                "pushing": self._push_objects(new) if new else 0, "kept_other": other}
 
     async def put_object_refs(self, refs, token=None) -> dict:
         """put_objects of objects an edge keeps in Ray's object store, handed over by reference

@@ -434,3 +434,72 @@ def test_a_key_stored_again_with_no_checksum_to_compare_is_answered_by_the_waiti
     assert again["pending"] == 1 and asked == 1
     st = edge.stores.stats()
     assert st["store_queued_unchecked"] == 1 and "store_kept_first" not in st and "store_queued_already" not in st
+
+
+def test_a_key_held_as_durable_and_stored_again_with_other_bytes_ends_with_the_origins_bytes(kit, edge, monkeypatch):
+    """The gap the backlog's own check leaves: the first copy is durable (out of the backlog,
+    held in the hot tier) when other bytes come under its key. The edge keeps and answers
+    them at once, as any store, and sends them; the origin keeps the key's first bytes and
+    names the key in its answer (kept_other, as OriginNode.put_objects does), and the edge lets
+    its copy go: its readers then get the origin's bytes, never the ones the origin refused."""
+    def checked(cls, obj):
+        held = cls.here(obj)
+        held.xxh = obj.digest()
+        return held
+    monkeypatch.setattr(Held, "arrival", classmethod(checked))
+    monkeypatch.setattr(edge.stores, "owns", lambda keys: [False] * len(keys))    # stays hot
+    first, = objects(kit, 1, seed=90)
+    other = pack(first.key, kit.NS, np.random.default_rng(91).integers(0, 255, 4096, dtype=np.uint8))
+    at_origin = {}
+
+    def origin(cs):                           # a key keeps its first bytes (kdn/origin/chunks.py)
+        kept = [c.key for c in cs if at_origin.setdefault(c.key, c.kv.tobytes()) != c.kv.tobytes()]
+        return {"received": len(cs), "written": len(cs) - len(kept), "pushing": 0, "kept_other": kept}
+    edge.answers[(None, "put_objects")] = origin
+
+    async def main():
+        await edge.put_objects([first])
+        await settle(edge)
+        durable = edge.tiers.peek(first.key).obj.kv.tobytes()
+        got = await edge.put_objects([other])
+        served_at_once = edge.tiers.peek(first.key).obj.kv.tobytes()
+        await settle(edge)
+        return durable, got, served_at_once
+    durable, got, served_at_once = asyncio.run(main())
+    assert durable == first.kv.tobytes() and got == {"received": 1, "kept": 1, "pending": 1}
+    assert served_at_once == other.kv.tobytes()          # acknowledged here, as any store
+    assert at_origin == {first.key: first.kv.tobytes()}
+    assert edge.tiers.peek(first.key) is None, "the refused bytes are not served here any more"
+    st = edge.stores.stats()
+    assert st["store_origin_kept_other"] == 1 and st["store_forwarded"] == 2 and st["backlog_objects"] == 0
+    # the same bytes stored again are nothing the origin names: the copy stays
+    edge.answers[(None, "put_objects")] = origin
+
+    async def again():
+        await edge.put_objects([first])
+        await settle(edge)
+    asyncio.run(again())
+    assert edge.tiers.peek(first.key).obj.kv.tobytes() == first.kv.tobytes()
+    assert edge.stores.stats()["store_origin_kept_other"] == 1
+
+
+def test_answers_in_two_calls_are_merged_with_the_keys_the_origin_kept_other_bytes_for(kit, edge, monkeypatch):
+    """A batch sent as references and as bytes is answered by two calls: the counts add up and
+    kept_other lists the keys of both."""
+    refs = {}
+
+    def kept(cls, obj):
+        held = cls.here(obj)
+        if obj.key.endswith(b"0") or len(refs) == 0:
+            held.ref = refs.setdefault(obj.key, f"ref-{len(refs)}")
+        return held
+    monkeypatch.setattr(Held, "kept", classmethod(kept))
+    objs = objects(kit, 2, seed=95)
+    edge.answers[(None, "put_object_refs")] = lambda rs: {"received": len(rs), "written": 0, "pushing": 0,
+                                                          "kept_other": [b"k-ref"]}
+    edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0,
+                                                      "kept_other": [b"k-val"]}
+    held = [Held.kept(o) for o in objs]
+    got = asyncio.run(edge.stores._send(held, by_ref=True))
+    assert [h.ref is not None for h in held].count(True) == 1
+    assert got == {"received": 2, "written": 1, "pushing": 0, "kept_other": [b"k-ref", b"k-val"]}

@@ -333,6 +333,26 @@ def opaque(n, seed=0) -> list:
             for i in range(n)]
 
 
+def test_put_objects_names_the_keys_it_holds_with_other_bytes_and_keeps_their_first(tmp_path, edges):
+    """A key keeps its first bytes: a second store of it with other bytes writes nothing and its
+    answer names the key (kept_other), so a write-behind edge that acknowledged those bytes lets
+    its copy go (kdn/edge/stores.py); the same bytes again are named by no one."""
+    async def go():
+        node, _ = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+        objs = opaque(3, seed=40)
+        first = await node.put_objects(objs, token=ADMIN)
+        assert (first["written"], first["kept_other"]) == (3, [])
+        other = Chunk(objs[1].key, OBJ_NS, np.full(3001, 7, dtype=np.uint8), "opaque")
+        again = await node.put_objects([objs[0], other], token=ADMIN)
+        assert (again["received"], again["written"], again["kept_other"]) == (2, 0, [objs[1].key])
+        got = await node.get_chunks([objs[1].key], token=ADMIN)
+        assert got[0].kv.tobytes() == objs[1].kv.tobytes()                 # the first bytes
+        assert (await node.stats(token=ADMIN))["counters"]["objects_kept_other"] == 1
+        await node.pushes_settled(token=ADMIN)
+    run(go())
+
+
 def test_objects_survive_an_origin_restart_and_its_collect(tmp_path, edges):
     async def go():
         node, fake = make_origin(tmp_path, edges)
