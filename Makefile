@@ -26,8 +26,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kdn demo
 
-# Two workers, one file at a time each, each on its own core (tests/conftest.py): most of the
-# suite waits on processes, sockets and timeouts, so two files overlap that waiting.
+# Two workers, one file at a time each, every process they start with one OpenMP thread
+# (tests/conftest.py): most of the suite waits on processes, sockets and timeouts, so two files
+# overlap that waiting.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
