@@ -214,6 +214,35 @@ def test_a_store_acknowledged_at_the_edge_is_served_there_at_once_and_everywhere
     east.submit_unlock(keys)
 
 
+def test_keys_durable_and_stored_again_with_other_bytes_load_the_first_bytes_everywhere(adapters, net):
+    """A key keeps its first bytes, also through an edge's write-behind: keys durable at the
+    origin, stored again through the same edge with other bytes (another batch shape computes
+    other KV for the same prefix), are acknowledged there; once the edge's backlog reaches the
+    origin, which keeps its bytes and says so (kept_other), the edge lets its copies go, and
+    every region loads the first bytes, that edge included."""
+    from kdn.core.rpc import Actors
+    east, south = adapters("us-east"), adapters("ap-south")
+    keys = [key(800 + i) for i in range(3)]
+    first = [memobj(1 << 16, seed=800 + i) for i in range(3)]
+    other = [memobj(1 << 16, seed=900 + i) for i in range(3)]
+    edge = Actors(net.name, ADMIN).edge("us-east-0", 30, "sync")
+    assert store(east, keys, first) == 3 << 18
+    assert edge.stores_durable(20.0)["durable"]
+    before = edge.stats()["stores"].get("store_origin_kept_other", 0)
+    assert store(east, keys, other) == 3 << 18            # acknowledged at the edge, as any store
+    assert edge.stores_durable(20.0)["durable"]
+    assert edge.stats()["stores"]["store_origin_kept_other"] - before == 3
+    for reader in (east, south):
+        outs = [memobj(1 << 16, fill=0.0) for _ in keys]
+        assert load(reader, keys, outs) == [True] * 3
+        assert [bytes(o.byte_array) for o in outs] == [bytes(w.byte_array) for w in first]
+    ns = east.objects.namespace("default", MODEL)
+    held = east.objects.view.origin().get_chunks([object_key(ns, host_key(k)) for k in keys])
+    assert [c.kv[:-8].tobytes() for c in held] == [bytes(o.byte_array) for o in first]
+    east.submit_unlock(keys)
+    south.submit_unlock(keys)
+
+
 def test_two_cache_salts_cannot_see_each_others_keys(adapters):
     a = adapters("eu-west", tenants={"alice": "tenant-a"})
     alice = [key(100 + i, salt="alice") for i in range(3)]
