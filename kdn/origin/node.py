@@ -309,9 +309,11 @@ class OriginNode:
         check_objects(chunks, MAX_CHUNKS_PER_CALL, "put_objects")
         if sum(c.nbytes for c in chunks) > MAX_BYTES_PER_CALL:
             raise BadRequest(f"put_objects carries more than {MAX_BYTES_PER_CALL} bytes: split it")
-        results = await asyncio.to_thread(self.store.put_objects, chunks)
+        def put():            # in a worker thread: the writes, the fsync and the checksums
+            done = self.store.put_objects(chunks)
+            return done, [c.key for c, (w, stored) in zip(chunks, done) if not w and stored != c.digest()]
+        results, other = await asyncio.to_thread(put)
         new = [c for c, (w, _) in zip(chunks, results) if w]
-        other = [c.key for c, (w, stored) in zip(chunks, results) if not w and stored != c.digest()]
         self.counters["objects_received"] += len(chunks)
         self.counters["objects_written"] += len(new)
         self.counters["objects_kept_other"] += len(other)
