@@ -60,6 +60,46 @@ LONGEST_FIRST = ("test_readme.py", "serve/test_serve.py", "engines/vllm/test_con
                  "cli/test_cli.py")
 
 
+def _cpu_jiffies() -> tuple:
+    """(busy, total) clock ticks of all cores since boot, from /proc/stat's first line."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)        # idle + iowait
+    return sum(ticks) - idle, sum(ticks)
+
+
+def _machine() -> str:
+    """The CPU model, its usable cores and vector extensions, from /proc/cpuinfo."""
+    model, flags = "?", set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    ext = [x for x in ("avx2", "avx512f", "amx_tile") if x in flags] or ["no avx2"]
+    return f"{model}, {len(os.sched_getaffinity(0))} usable cores, {' '.join(ext)}"
+
+
+def pytest_sessionstart(session):
+    if os.path.exists("/proc/stat"):
+        session.config._kdn_cpu_start = _cpu_jiffies()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config):
+    """The machine and how busy its cores were over the run (CI's logs show both; the suite's
+    time depends on them)."""
+    start = getattr(config, "_kdn_cpu_start", None)
+    if start is None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    busy, total = (a - b for a, b in zip(_cpu_jiffies(), start))
+    terminalreporter.write_line(f"machine: {_machine()}; cores busy {100 * busy / max(total, 1):.0f}% "
+                                f"of the run; workers' cores: {os.environ.get('KDN_TEST_CORES', 'share')}")
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
 
