@@ -5,7 +5,8 @@ from kdn.cli.common import network_args, network_client
 from kdn.core.errors import KDNError
 from kdn.engines.base import ENGINES
 
-VARIANTS = ("founding-docs", "founding-docs-light")   # kdn.engines.transformers.variant.RECIPES
+# kdn.engines.transformers.variant.RECIPES' names (named here: parsing never imports torch)
+VARIANTS = ("founding-docs", "founding-docs-light", "founding-docs-upper")
 
 
 def _model_fingerprint(engine: str = "transformers", variant=None):

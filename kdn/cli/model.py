@@ -17,6 +17,7 @@ how near the best came (exit 2): the variant prefills itself.
 import json
 from dataclasses import replace
 
+from kdn.cli.kb import VARIANTS
 from kdn.core.errors import KDNError
 
 
@@ -108,9 +109,10 @@ def add_parsers(sub) -> None:
     msub = m.add_subparsers(dest="model_cmd", required=True)
     v = msub.add_parser("variant", help="train the variant once (LoRA on the bundled documents) and "
                                         "print where it is")
-    v.add_argument("--recipe", default="founding-docs", choices=["founding-docs", "founding-docs-light"],
+    v.add_argument("--recipe", default="founding-docs", choices=VARIANTS,
                    help="the recipe the options below change (default founding-docs: LoRA r16 on every "
-                        "projection, 60 steps at 1e-3; -light: r8 on attention, 40 steps at 3e-4)")
+                        "projection, 60 steps at 1e-3; -light: r8 on attention, 40 steps at 3e-4; "
+                        "-upper: as the default, on layers 21-29 only)")
     v.add_argument("--name", default=None, help="the variant's name (default: the recipe's)")
     v.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's)")
     v.add_argument("--seed", type=int, default=None, help="seed (default 0)")
@@ -122,7 +124,7 @@ def add_parsers(sub) -> None:
     v.set_defaults(func=_variant)
     p = msub.add_parser("plan", help="profile a variant reading the base model's KV on the calibration "
                                      "split and store the recompute plan for the pair")
-    p.add_argument("--recipe", default="founding-docs", choices=["founding-docs", "founding-docs-light"],
+    p.add_argument("--recipe", default="founding-docs", choices=VARIANTS,
                    help="the variant (built first with `kdn model variant`)")
     p.add_argument("--target", type=float, default=0.95,
                    help="the share of calibration answers the plan must keep identical to the variant's "

@@ -3,7 +3,8 @@
 KDN's model is SmolLM2-135M-Instruct (kdn.engines.transformers.convert). Reusing KV across
 models of one family (issue 38) needs a second model with the same architecture and other
 weights, and nothing may come from a model hub, so this module makes one: a LoRA (peft) on
-every layer's attention and MLP projections, trained by next-token prediction on the bundled
+the attention and MLP projections of every layer (or of the recipe's `layers` only, the rest
+frozen: UPPER), trained by next-token prediction on the bundled
 public-domain documents (kdn/data: five founding documents of the United States; the
 variant's domain) for a fixed number of steps from a fixed seed, merged into the weights and
 saved as an ordinary model folder under cache_root()/variants/ (written to a temp folder,
@@ -43,8 +44,9 @@ FORMAT = 1                     # bump when a variant folder's layout changes
 
 @dataclass(frozen=True)
 class Recipe:
-    """How a variant is made: LoRA rank and alpha on target modules, AdamW at lr, steps
-    batches of batch windows of window tokens of the training text, from seed."""
+    """How a variant is made: LoRA rank and alpha on target modules (of the layers named, or
+    of every layer when layers is empty), AdamW at lr, steps batches of batch windows of
+    window tokens of the training text, from seed."""
     name: str = "founding-docs"
     rank: int = 16
     alpha: int = 32
@@ -54,6 +56,7 @@ class Recipe:
     batch: int = 4
     window: int = 128
     seed: int = 0
+    layers: tuple = ()
 
     def check(self) -> "Recipe":
         for name in ("rank", "alpha", "steps", "batch", "window"):
@@ -68,7 +71,20 @@ class Recipe:
             raise ModelError(f"variant recipe: name must be letters, digits, '-' or '_', got {self.name!r}")
         if not self.targets:
             raise ModelError("variant recipe: targets names no module")
+        if (not isinstance(self.layers, tuple) or any(not isinstance(i, int) or isinstance(i, bool) or i < 0
+                                                       for i in self.layers)
+                or list(self.layers) != sorted(set(self.layers))):
+            raise ModelError(f"variant recipe: layers must be a tuple of distinct layer numbers >= 0 in "
+                             f"ascending order (empty: every layer), got {self.layers!r}")
         return self
+
+    def digest_fields(self) -> dict:
+        """The recipe as its folder's digest names it: `layers` only where it names some, so
+        the recipes from before it existed keep their folders."""
+        d = asdict(self)
+        if not d["layers"]:
+            del d["layers"]
+        return d
 
 
 VARIANT = Recipe()                         # what `kdn model variant` builds
@@ -76,7 +92,10 @@ VARIANT = Recipe()                         # what `kdn model variant` builds
 # nearer its base, as many real adapters are; `kdn bench crossmodel --recipe` measures both.
 LIGHT = Recipe(name="founding-docs-light", rank=8, alpha=16, targets=("q_proj", "k_proj", "v_proj", "o_proj"),
                lr=3e-4, steps=40)
-RECIPES = {r.name: r for r in (VARIANT, LIGHT)}
+# The same fine-tune with the lower 21 of 30 layers frozen, a common way to adapt a model:
+# only layers 21-29 change, so the variant's KV and hidden states equal its base's below them.
+UPPER = Recipe(name="founding-docs-upper", layers=tuple(range(21, 30)))
+RECIPES = {r.name: r for r in (VARIANT, LIGHT, UPPER)}
 TINY = Recipe(name="tiny", rank=2, alpha=4, targets=("q_proj", "k_proj", "v_proj"), lr=5e-3,
               steps=2, batch=1, window=32)  # tests: the mechanics, in seconds
 
@@ -84,7 +103,7 @@ TINY = Recipe(name="tiny", rank=2, alpha=4, targets=("q_proj", "k_proj", "v_proj
 def variant_folder(recipe: Recipe, base_weights: str, texts, root: Path) -> Path:
     """root/<recipe name>-<digest of the recipe, the base weights and the training text>."""
     h = xxhash.xxh3_64()
-    h.update(json.dumps({"format": FORMAT, "recipe": asdict(recipe), "base": base_weights},
+    h.update(json.dumps({"format": FORMAT, "recipe": recipe.digest_fields(), "base": base_weights},
                         sort_keys=True, default=list).encode())
     for name, text in texts:
         h.update(name.encode() + b"\0" + text.encode() + b"\0")
@@ -187,8 +206,13 @@ def _train(base: Path, base_weights: str, recipe: Recipe, texts, out: Path, log)
     ids = np.array([t for _, text in texts for t in tok(text)["input_ids"] + [tok.eos_token_id]])
     if len(ids) <= recipe.window:
         raise ModelError(f"variant recipe: {len(ids)} training tokens do not fill one {recipe.window}-token window")
+    n_layers = hf.config.num_hidden_layers
+    if recipe.layers and recipe.layers[-1] >= n_layers:
+        raise ModelError(f"variant recipe: layers {list(recipe.layers)} name a layer past the model's "
+                         f"last ({n_layers - 1})")
     model = get_peft_model(hf, LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=0.0,
                                           target_modules=list(recipe.targets), bias="none",
+                                          layers_to_transform=list(recipe.layers) or None,
                                           task_type="CAUSAL_LM"))
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe.lr)

@@ -70,10 +70,53 @@ def test_a_folder_that_is_not_a_variant_is_never_loaded(tiny, tmp_path):
 @pytest.mark.parametrize("field,value,message", [
     ("steps", 0, "steps must be a positive int"), ("rank", True, "rank must be a positive int"),
     ("lr", 2.0, "lr must be a float in"), ("name", "../x", "name must be letters"),
-    ("seed", -1, "seed must be an int >= 0"), ("targets", (), "targets names no module")])
+    ("seed", -1, "seed must be an int >= 0"), ("targets", (), "targets names no module"),
+    ("layers", (3, 1), "layers must be a tuple of distinct"), ("layers", [21], "layers must be a tuple"),
+    ("layers", (-1,), "layers must be a tuple"), ("layers", (2, 2), "distinct layer numbers")])
 def test_a_bad_recipe_is_refused_by_its_field(field, value, message):
     with pytest.raises(ModelError, match=message):
         replace(Recipe(), **{field: value}).check()
+
+
+def test_recipes_name_their_folders_as_before_and_the_cli_offers_every_recipe():
+    """`layers` enters a folder's digest only where it names layers: the recipes from before
+    it keep their folders (a variant built then is found, not trained again)."""
+    import xxhash
+    from kdn.cli.kb import VARIANTS
+    from kdn.engines.transformers.variant import FORMAT, RECIPES, UPPER, VARIANT
+    h = xxhash.xxh3_64()
+    old = {k: v for k, v in VARIANT.__dict__.items() if k != "layers"}
+    h.update(json.dumps({"format": FORMAT, "recipe": old, "base": "w"}, sort_keys=True, default=list).encode())
+    h.update(b"a\0b\0")
+    assert variant_folder(VARIANT, "w", [("a", "b")], "/r").name == f"founding-docs-{h.hexdigest()}"
+    assert variant_folder(replace(UPPER, name=VARIANT.name), "w", [("a", "b")], "/r").name != f"founding-docs-{h.hexdigest()}"
+    assert VARIANTS == tuple(RECIPES) and UPPER.layers == tuple(range(21, 30))
+
+
+def test_a_variant_of_its_upper_layers_keeps_the_bases_kv_below_them_and_a_plan_from_there_is_its_own(
+        tiny, model, tmp_path):
+    """A fine-tune of layers 27-29 only (a common way to adapt a model: the lower layers
+    frozen): below 27 its KV is the base model's bit for bit, and the plan recomputing 27-30
+    from the base model's hidden states there gives its own KV and its own answers, where the
+    base model's KV raw does not give its own KV."""
+    from kdn.engines.transformers import crossmodel as X
+    root = tiny[0]
+    upper = replace(TINY, name="tiny-upper", layers=(27, 28, 29), lr=2e-2)
+    with pytest.raises(ModelError, match=r"past the model's last \(29\)"):
+        build(bundled_documents()[-1:], replace(upper, layers=(29, 30)), root=tmp_path)
+    folder, record, trained = build(bundled_documents()[-1:], upper, root=root)
+    assert trained and record["recipe"]["layers"] == [27, 28, 29]
+    variant = load_model(variant=folder, warm=False)
+    assert variant.weights_digest != model.weights_digest
+    tokens = model.knowledge_tokens(bundled_documents()[-1][1][:600])
+    kv, hidden = X.prefill_with_hidden(model, tokens, [24, 27])
+    own = variant.prefill(tokens).kv
+    assert np.array_equal(own[:27], kv[:27])                       # the frozen layers: the same bytes
+    assert not np.array_equal(own[27:], kv[27:])                   # raw reuse is not its own KV
+    assert np.abs(X.recompute(variant, hidden[27], 27, 30) - own[27:]).max() < 1e-3
+    rows = X.profile(variant, model, [(bundled_documents()[-1][1][:600], ["Who spoke these words?"])],
+                     starts=[24, 27], max_new_tokens=6)
+    assert {(r["start"], r["end"]): r["agree"] for r in rows if r["end"] == 30} == {(24, 30): 1.0, (27, 30): 1.0}
 
 
 def test_a_variant_needs_training_text(tmp_path):
