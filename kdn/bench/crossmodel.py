@@ -139,7 +139,8 @@ def main(argv=None):
     from kdn.engines.transformers.variant import RECIPES
     ap = argparse.ArgumentParser(prog="kdn bench crossmodel", description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="founding-docs", choices=sorted(RECIPES),
-                    help="the variant (default founding-docs; founding-docs-light is a lighter fine-tune)")
+                    help="the variant (default founding-docs; founding-docs-light is a lighter fine-tune; "
+                         "founding-docs-upper the default's on layers 21-29 only)")
     ap.add_argument("--window", type=int, default=600, help="tokens per KB (default 600)")
     ap.add_argument("--kbs", type=int, default=5, help="report KBs at most (default 5)")
     ap.add_argument("--block", type=int, default=3, help="plans recompute whole blocks of this many layers (default 3)")

@@ -500,7 +500,7 @@ def test_a_killed_router_is_no_outage(service, model):
         r = c.chat.completions.create(model=f"{MODEL_NAME}@rights", max_tokens=NEW_TOKENS,
                                       messages=[{"role": "user", "content": QUESTION}])
         assert r.choices[0].message.content == want
-    _wait_running(service, "router", ROUTERS, timeout_s=60)
+    _wait_replaced(service, "router", routers[0], n=ROUTERS, timeout_s=60)
 
 
 def test_a_stream_left_mid_answer_stops_and_the_next_is_answered(service, model):
@@ -638,17 +638,17 @@ def _wait_running(service, deployment, n, timeout_s=180):
         time.sleep(0.5)
 
 
-def _wait_replaced(service, deployment, victim, timeout_s=180):
+def _wait_replaced(service, deployment, victim, n=1, timeout_s=180):
     """Until the deployment's killed replica (its actor's name) is gone from Serve's replicas
-    and a replacement runs: right after a kill, Serve still counts the dead one as running."""
+    and n run: right after a kill, Serve still counts the dead one as running."""
     from ray.serve.context import _get_global_client
     from kdn.serve.app import app_name
     deadline = time.monotonic() + timeout_s
     while True:
-        apps = _get_global_client().get_serve_details().get("applications", {})
-        replicas = apps[app_name(service["network"])]["deployments"][deployment]["replicas"]
-        names = {r.get("actor_name") for r in replicas}
-        if victim not in names and any(str(r.get("state")).endswith("RUNNING") for r in replicas):
+        app = _get_global_client().get_serve_details().get("applications", {}).get(app_name(service["network"]), {})
+        replicas = app.get("deployments", {}).get(deployment, {}).get("replicas", [])
+        running = [r for r in replicas if str(r.get("state")).endswith("RUNNING")]
+        if victim not in {r.get("actor_name") for r in replicas} and len(running) == n:
             return
         assert time.monotonic() < deadline, replicas
         time.sleep(0.5)
