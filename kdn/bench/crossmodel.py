@@ -25,8 +25,10 @@ Time to first token (p50): for the KV ways the cache rebuild, the plan's recompu
 question's prefill (the KV and hidden states are local arrays here: no transfer; `KV MiB read`
 counts what a reader would fetch, hidden states included). Agreement with the reference: the
 same first answer token, the whole greedy answer token-identical, and the share of the
-reference's tokens reproduced before the first difference. No question has a gold answer, so
-there is no accuracy column.
+reference's tokens reproduced before the first difference. Accuracy (`gold %`): GOLD_QUESTIONS
+have a gold answer, each asked of the report KBs whose text holds its fact (`needle`); an answer
+is right when it names one of the accepted strings (case-insensitive). They count in the
+agreement columns too.
 """
 import argparse
 import statistics
@@ -42,6 +44,26 @@ REPORT_DOCS = ("declaration-of-independence", "constitution-article-ii")
 REPORT_QUESTIONS = ("What is the main idea of this passage?", "Who wrote this, and to whom?",
                     "List two things the passage says.", "Explain the passage to a child.",
                     "What does the last sentence say?")
+# (question, the fact in a KB's text that answers it, accepted answers): asked only of report KBs
+# that hold the fact; written before any run, never used to choose anything
+GOLD_QUESTIONS = (
+    ("For how many years does the President hold office?", "term of four years", ("four", "4")),
+    ("How old must a person be to be eligible to the Office of President?", "age of thirty five years",
+     ("thirty five", "thirty-five", "35")),
+    ("Who is the Commander in Chief of the Army and Navy?", "commander in chief", ("president",)),
+    ("Which unalienable Rights does the text name?", "unalienable rights", ("life", "liberty", "happiness")),
+    ("What do the united Colonies declare themselves to be?", "free and independent states", ("independent",)),
+)
+
+
+def gold_for(text: str) -> list:
+    """[(question, accepted answers)] of the GOLD_QUESTIONS whose fact is in text."""
+    flat = " ".join(text.lower().split())
+    return [(q, ok) for q, needle, ok in GOLD_QUESTIONS if needle in flat]
+
+
+def is_right(answer: str, accepted) -> bool:
+    return any(a in answer.lower() for a in accepted)
 
 
 def run(args, log) -> dict:
@@ -76,6 +98,7 @@ def run(args, log) -> dict:
     # --- report: every way on held-apart KBs and questions ---------------------------------
     ways = ["reference", "own KV", "base KV raw"] + [f"plan {a}-{b}" for a, b in plans] + ["base model"]
     got = {w: {"ttft": [], "tokens": [], "bytes": 0} for w in ways}
+    gold = []                                    # per item: its accepted answers, or None
     hidden_size = variant.hf.config.hidden_size
     for label, text in report:
         know = variant.knowledge_tokens(text)
@@ -83,7 +106,9 @@ def run(args, log) -> dict:
             raise RuntimeError("the two models tokenize the knowledge differently: not one family")
         base_kv, hidden = X.prefill_with_hidden(base, know, sorted({a for a, _ in plans}))
         own_kv = variant.prefill(know).kv
-        for q in REPORT_QUESTIONS:
+        asked = [(q, None) for q in REPORT_QUESTIONS] + gold_for(text)
+        for q, accepted in asked:
+            gold.append(accepted)
             tail = variant.question_tokens(q)
             prompt, spare = know + tail, len(tail) + args.max_new_tokens
             ref = variant.generate(prompt, max_new_tokens=args.max_new_tokens)
@@ -108,7 +133,7 @@ def run(args, log) -> dict:
             b_ = base.generate(prompt, max_new_tokens=args.max_new_tokens)
             got["base model"]["ttft"].append(b_.ttft_s)
             got["base model"]["tokens"].append(b_.tokens)
-        log(f"  {label}: {len(know)} tokens")
+        log(f"  {label}: {len(know)} tokens, {len(asked) - len(REPORT_QUESTIONS)} gold questions")
     refs = got["reference"]["tokens"]
     ref_ttft = statistics.median(got["reference"]["ttft"])
     rows = []
@@ -127,9 +152,13 @@ def run(args, log) -> dict:
             "calib answer %": "-" if cal is None else 100.0 * cal,
             "first token %": 100.0 * np.mean([bool(t[:1] == r[:1]) for t, r in zip(g["tokens"], refs)]),
             "answer %": 100.0 * np.mean([t == r for t, r in zip(g["tokens"], refs)]),
-            "prefix %": 100.0 * np.mean([matching_prefix(t, r) / max(1, len(r)) for t, r in zip(g["tokens"], refs)])})
+            "prefix %": 100.0 * np.mean([matching_prefix(t, r) / max(1, len(r)) for t, r in zip(g["tokens"], refs)]),
+            "gold %": (100.0 * np.mean([is_right(variant.tokenizer.decode(t, skip_special_tokens=True), ok)
+                                        for t, ok in zip(g["tokens"], gold) if ok])
+                       if any(gold) else "-")})
     return {"rows": rows, "profile": profile, "chosen": chosen.to_dict() if chosen else None,
-            "target": args.target, "questions": len(refs), "calibration_kbs": [n for n, _ in calib],
+            "target": args.target, "questions": len(refs), "gold_questions": sum(1 for ok in gold if ok),
+            "calibration_kbs": [n for n, _ in calib],
             "report_kbs": [n for n, _ in report], "variant": str(folder), "recipe": record["recipe"],
             "variant_fingerprint": variant.fingerprint, "base_fingerprint": base.fingerprint,
             "max_new_tokens": args.max_new_tokens, "block": block, "window": args.window}
@@ -153,7 +182,7 @@ def main(argv=None):
     log = (lambda m: None) if args.json else (lambda m: print(m, flush=True))
     out = run(args, log)
     table(out["rows"], ["way", "recomputed", "ttft p50 ms", "x reference", "KV MiB read", "calib answer %",
-                        "first token %", "answer %", "prefix %"])
+                        "first token %", "answer %", "prefix %", "gold %"])
     c = out["chosen"]
     print(f"\nchosen on calibration for >= {out['target']:.0%} identical answers: "
           + (f"recompute layers {c['start']}-{c['end']}" if c else

@@ -131,6 +131,10 @@ def build(texts, recipe: Recipe = VARIANT, cache_dir=None, log=None, root=None) 
     if not texts:
         raise ModelError("a variant needs training text: no document given")
     base, base_meta, _ = converted_folder(cache_dir, None, log)
+    n_layers = json.loads((Path(base) / "config.json").read_text())["num_hidden_layers"]
+    if recipe.layers and recipe.layers[-1] >= n_layers:
+        raise ModelError(f"variant recipe: layers {list(recipe.layers)} name a layer past the model's "
+                         f"last ({n_layers - 1})")
     root = Path(root) if root is not None else cache_root(cache_dir) / "variants"
     target = variant_folder(recipe, base_meta["weights_digest"], texts, root)
     meta = read_record(target)
@@ -206,10 +210,6 @@ def _train(base: Path, base_weights: str, recipe: Recipe, texts, out: Path, log)
     ids = np.array([t for _, text in texts for t in tok(text)["input_ids"] + [tok.eos_token_id]])
     if len(ids) <= recipe.window:
         raise ModelError(f"variant recipe: {len(ids)} training tokens do not fill one {recipe.window}-token window")
-    n_layers = hf.config.num_hidden_layers
-    if recipe.layers and recipe.layers[-1] >= n_layers:
-        raise ModelError(f"variant recipe: layers {list(recipe.layers)} name a layer past the model's "
-                         f"last ({n_layers - 1})")
     model = get_peft_model(hf, LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=0.0,
                                           target_modules=list(recipe.targets), bias="none",
                                           layers_to_transform=list(recipe.layers) or None,

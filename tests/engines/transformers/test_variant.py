@@ -111,7 +111,7 @@ def test_a_variant_of_its_upper_layers_keeps_the_bases_kv_below_them_and_a_plan_
     assert not np.array_equal(own[27:], kv[27:])                   # raw reuse is not its own KV
     assert np.abs(X.recompute(variant, hidden[27], 27, 30) - own[27:]).max() < 1e-3
     rows = X.profile(variant, model, [(bundled_documents()[-1][1][:600], ["Who spoke these words?"])],
-                     starts=[24, 27], max_new_tokens=6)
+                     starts=[24, 27], max_new_tokens=4)
     assert {(r["start"], r["end"]): r["agree"] for r in rows if r["end"] == 30} == {(24, 30): 1.0, (27, 30): 1.0}
 
 
