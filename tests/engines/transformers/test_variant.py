@@ -92,7 +92,9 @@ def test_recipes_name_their_folders_as_before_and_the_cli_offers_every_recipe():
 def test_a_variant_of_its_upper_layers_keeps_the_bases_kv_below_them_and_a_plan_from_there_is_its_own(
         tiny, model, tmp_path):
     """A fine-tune of layers 27-29 only (a common way to adapt a model: the lower layers
-    frozen): below 27 its KV is the base model's bit for bit, and the plan recomputing 27-30
+    frozen): below 27 its KV is the base model's (the same weights and kernels: equal to well
+    under float32's rounding of a layer, allowed for a BLAS whose path depends on where the
+    weights lie in memory), and the plan recomputing 27-30
     from the base model's hidden states there gives its own KV and its own answers, where the
     base model's KV raw does not give its own KV."""
     from kdn.engines.transformers import crossmodel as X
@@ -107,8 +109,8 @@ def test_a_variant_of_its_upper_layers_keeps_the_bases_kv_below_them_and_a_plan_
     tokens = model.knowledge_tokens(bundled_documents()[-1][1][:600])
     kv, hidden = X.prefill_with_hidden(model, tokens, [24, 27])
     own = variant.prefill(tokens).kv
-    assert np.array_equal(own[:27], kv[:27])                       # the frozen layers: the same bytes
-    assert not np.array_equal(own[27:], kv[27:])                   # raw reuse is not its own KV
+    assert np.abs(own[:27] - kv[:27]).max() < 1e-6                 # the frozen layers: the base's KV
+    assert np.abs(own[27:] - kv[27:]).max() > 1e-3                 # raw reuse is not its own KV
     assert np.abs(X.recompute(variant, hidden[27], 27, 30) - own[27:]).max() < 1e-3
     rows = X.profile(variant, model, [(bundled_documents()[-1][1][:600], ["Who spoke these words?"])],
                      starts=[24, 27], max_new_tokens=4)
