@@ -81,7 +81,7 @@ def status_rows(st: dict) -> list:
                              + (f" + {gib(cv['disk_bytes'])} disk" if cv.get("disk_bytes") else ""),
                              "conv tenants": len(cv["tenant_bytes"]), "conv hits": cv.get("conv_hits", 0),
                              "conv expired": cv.get("conv_expired", 0)})
-        if e.get("links"):    # what this edge measured of its links (kdn/edge/links.py)
+        if e.get("links"):    # what this edge measured of its links (kdn/placement/links.py)
             rows[-1]["links (rtt, GB/s)"] = "; ".join(
                 f"{n} {'-' if l['round_trip_ms'] is None else format(l['round_trip_ms'], '.1f') + ' ms'}"
                 f"{'' if l['gbps'] is None else format(l['gbps'], ' .2f')}"

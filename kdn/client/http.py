@@ -61,6 +61,7 @@ class _Page:
     edge: str
     more: bool
     ring: int = 0               # the edge's membership version (X-KDN-Ring): readers follow it
+    body_s: float = 0.0         # seconds from the answer's headers to its last byte: the link's share
 
     wire_bytes = property(lambda self: sum(self.sizes))
 
@@ -250,7 +251,9 @@ class EdgeHTTPClient:
                              "application/msgpack")
         if resp.status != 200:
             self._refuse(resp, "POST", "/v1/fetch")
+        t0 = time.perf_counter()
         buf, (chunks, used, exact, sizes) = self._receive(resp, lambda mv: _Frames(self.url, mv, keys, ns))
+        body_s = time.perf_counter() - t0
         try:
             sources = unpack_sources(resp.getheader("X-KDN-Sources"), len(keys))
         except BadRequest as e:
@@ -265,7 +268,7 @@ class EdgeHTTPClient:
             raise RemoteError(f"edge {self.url} sent X-KDN-Ring {resp.getheader('X-KDN-Ring')!r:.40}, "
                               f"not a number") from None
         return _Page(chunks, sources, used, exact, sizes, resp.getheader("X-KDN-Edge"),
-                     resp.getheader("X-KDN-More") == "1", ring)
+                     resp.getheader("X-KDN-More") == "1", ring, body_s)
 
     def peer_get(self, keys, region: str = None, drops=None, keep=None) -> tuple:
         """(objects, wire bytes): what this edge holds of keys, asked by another edge with the
@@ -456,7 +459,7 @@ def fetch_reply(client, keys, ns, region, codec, tenant=None, fingerprint=None) 
     claim = None if tenant is None and fingerprint is None else (tenant, fingerprint)
     p = client.fetch_page(keys, ns, region, codec, claim)
     return {"chunks": p.chunks, "sources": p.sources, "codecs": p.codecs, "wire": p.sizes,
-            "exact": p.exact, "more": p.more, "edge": p.edge, "ring": p.ring}
+            "exact": p.exact, "more": p.more, "edge": p.edge, "ring": p.ring, "move_s": p.body_s}
 
 
 class _Frames:

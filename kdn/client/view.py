@@ -2,7 +2,9 @@
 
 The view reads the membership and topology once (from the origin, else from any edge that
 answers) and from then on routes every call itself. A read goes to the nearest live edge
-from the client's region; a call that fails over (kdn.core.rpc.Unreachable: the edge died, is
+from the client's region: nearest by what this view measured of each edge (its calls' round
+trips and its fetches' throughput, kdn/placement/links.py `rank_by_region`, each region's
+measurement trusted for LINK_FRESH_S), by the topology's declared links until then; a call that fails over (kdn.core.rpc.Unreachable: the edge died, is
 restarting, is missing or too slow) moves to the next edge at once, so a dead edge costs
 one timeout, never Ray's ~15 s node-death detection, and is tried last for SUSPECT_S. An
 origin call is retried until its deadline while the origin restarts (Ray brings it back
@@ -16,6 +18,7 @@ from kdn.client.dataplane import ReaderPlane
 from kdn.core.codecs import LOSSLESS
 from kdn.core.errors import BadRequest, NetworkError, NoLiveEdge
 from kdn.core.names import NAMESPACE, ORIGIN_NODE, edge_actor_name
+from kdn.placement.links import Links, rank_by_region
 from kdn.placement.ring import Edge, Ring
 from kdn.placement.topology import Topology
 from kdn.core.interfaces import EdgeAPI, OriginAPI
@@ -25,6 +28,7 @@ CALL_TIMEOUT_S = 5.0          # a control call
 SUSPECT_S = 10.0              # a failed edge is tried last for this long
 RETRY_PAUSE_S = 0.2           # between tries of a restarting origin
 EDGE_MEMBERSHIP_TIMEOUT_S = 2.0
+LINK_FRESH_S = 60.0           # a link's measurement ranks edges this long after its last fetch
 
 
 def node_region() -> "str | None":
@@ -55,6 +59,7 @@ class NetworkView:
         self.admin_token = admin_token
         self.actors = Actors(network)
         self._suspect = {}           # edge -> monotonic time until which it is tried last
+        self.links = Links()         # what this view measured of the edges it called
         self.membership = self.topology = self.ring = None
         self.refresh()
         self.node_id = node_id()
@@ -125,10 +130,11 @@ class NetworkView:
             time.sleep(RETRY_PAUSE_S)
 
     def ranked_edges(self) -> list:
-        """Edge names nearest first from this process's region; recently failed ones last."""
+        """Edge names nearest first from this process's region (measured links where fresh,
+        declared ones otherwise); recently failed ones last."""
         now = time.monotonic()
         cands = [(e.name, e.region) for e in self.ring.edges]
-        ranked = self.topology.rank_sources(self.region, cands, 1 << 20)
+        ranked = rank_by_region(self.topology, self.region, cands, self.links, max_age_s=LINK_FRESH_S)
         return sorted(ranked, key=lambda n: self._suspect.get(n, 0) > now)
 
     def nearest(self, timeout: float = CALL_TIMEOUT_S, resolve_refs: bool = False) -> EdgeAPI:
@@ -150,18 +156,29 @@ class NetworkView:
                 if method == "fetch" and resolve_refs:
                     reply = self._fetch_over_http(edge, timeout, *args, **kw)
                     if reply is not None:
-                        return reply, edge, failed
+                        return self._measured(edge, t0, reply), edge, failed
                 reply = self.actors.call_sync(edge, method, *args, timeout=timeout, **dict(kw))
                 if resolve_refs:
-                    left = max(0.5, timeout - (time.monotonic() - t0))
+                    t1 = time.monotonic()
+                    left = max(0.5, timeout - (t1 - t0))
                     refs = reply.pop("refs")
                     reply["chunks"] = self.actors.get_sync(edge, refs, timeout=left) if refs else []
-                return reply, edge, failed
+                    reply["move_s"] = time.monotonic() - t1
+                return self._measured(edge, t0, reply), edge, failed
             except Unreachable:
                 failed.append(edge)
                 self._suspect[edge] = time.monotonic() + SUSPECT_S
         raise NoLiveEdge(f"no edge of network {self.network!r} answered {method} "
                          f"(tried {', '.join(failed) or 'none'})")
+
+    def _measured(self, edge: str, t0: float, reply):
+        """Note the call's time in `links`, and a fetch's bytes ("wire") over the time they
+        took to move ("move_s": after the edge answered, so an edge that first pulled them
+        from a slow source is not taken for a slow link); the reply."""
+        self.links.call(edge, time.monotonic() - t0)
+        if isinstance(reply, dict) and reply.get("wire") and reply.get("move_s"):
+            self.links.transfer(edge, sum(reply["wire"]), reply["move_s"])
+        return reply
 
     def _fetch_over_http(self, edge, timeout, keys, ns, region=None, resolve=False, token=None,
                          node=None, accept=None, tenant=None, fingerprint=None):

@@ -28,7 +28,7 @@ keys, each on its own keep-alive connection, received in a worker thread: the so
 release the GIL). A peer that does not answer (refused, reset, cut off, silent for
 PEER_TIMEOUT_S) is unreachable, as on Ray: its address is forgotten, and the caller moves to
 the next owner. A corrupt frame costs only its key (fetched elsewhere). Each pull's bytes
-over its wall time are noted in the edge's measured links (kdn/edge/links.py).
+over its wall time are noted in the edge's measured links (kdn/placement/links.py).
 """
 import asyncio
 import collections

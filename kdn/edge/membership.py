@@ -8,11 +8,11 @@ asks anyone where a key lives.
 """
 import collections
 
+from kdn.placement.links import RANK_BYTES
 from kdn.placement.ring import Edge, Ring
 from kdn.placement.topology import Topology
 
 
-RANK_BYTES = 1 << 20      # the transfer sources are ranked by: about a chunk
 
 
 class Membership:
@@ -53,7 +53,7 @@ class Membership:
 
     def sources(self, keys, me: str, region: str, links=None) -> dict:
         """key -> the other owners of key, nearest to region first: by the time a chunk
-        (RANK_BYTES) takes from each, measured where `links` (kdn/edge/links.py) has
+        (RANK_BYTES) takes from each, measured where `links` (kdn/placement/links.py) has
         measured the owner, the topology's declared link otherwise."""
         out, timed = {}, {}
         for k, owners in zip(keys, self.owners(keys)):

@@ -14,7 +14,7 @@ import logging
 import time
 
 from kdn.core.interfaces import EdgeAPI, OriginAPI
-from kdn.edge.links import Links
+from kdn.placement.links import Links
 from kdn.core.names import ORIGIN_NODE
 from kdn.core.rpc import Actors, Stub, Unreachable
 
@@ -52,7 +52,7 @@ class Peers:
     async def ask(self, node, method, *args, timeout: float, **kw):
         """node's answer to method, None when node is unreachable: the transport under the
         stubs (callers call origin() and edge(); a test stands in for the network here).
-        Each answered call's time is noted in `links` (its round trip, kdn/edge/links.py)."""
+        Each answered call's time is noted in `links` (its round trip, kdn/placement/links.py)."""
         t0 = time.perf_counter()
         try:
             got = await self.actors.call(node, method, *args, timeout=timeout, **kw)

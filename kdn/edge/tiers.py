@@ -131,7 +131,7 @@ class Held:
     @classmethod
     def from_wire(cls, w, src: str = None, links=None) -> "Held":
         """A peer's object as peer_get described it; src: the peer, links: where the time its
-        bytes take to arrive is noted (kdn/edge/links.py). An object carried in the answer (under
+        bytes take to arrive is noted (kdn/placement/links.py). An object carried in the answer (under
         INLINE_BYTES) has no reference: kept, it is verified and copied like any peer's object."""
         held = cls(*w, own=False)
         held.src, held.links = src, links

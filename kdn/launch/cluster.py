@@ -23,6 +23,7 @@ Ray restarts serves the same URL again and HTTP clients pinned to it keep workin
 """
 import json
 import os
+import random
 import socket
 import time
 from dataclasses import dataclass, field
@@ -209,15 +210,46 @@ def _edge_k(edge_options, k: int) -> dict:
     return opts
 
 
-def free_ports(n: int, host: str = LOOPBACK) -> list:
-    """n distinct TCP ports that are free on host now (the kernel picks them)."""
-    socks = []
+FIXED_PORTS = (20000, 32767)   # where free_ports draws: above Ray's worker ports (10002-19999 by
+                               # default), below Linux's ephemeral range (32768-60999 by default)
+
+
+def ephemeral_low() -> int:
+    """The lowest port the kernel gives outgoing connections (Linux's ip_local_port_range)."""
     try:
-        for _ in range(n):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int, host: str = LOOPBACK) -> list:
+    """n distinct TCP ports that are free on host now, for listeners that keep their port (an
+    edge serves the same URL after a restart). They are drawn at random below the kernel's
+    ephemeral range: a port the kernel picked (bind to 0) is one it also gives outgoing
+    connections, and one of those took an edge's port between the pick and its bind (seen
+    in the suite: EADDRINUSE). The kernel picks where that range is too small."""
+    lo, hi = FIXED_PORTS[0], min(FIXED_PORTS[1], ephemeral_low() - 1)
+    got, socks = [], []
+    try:
+        if hi - lo >= 64 * n:
+            for port in random.SystemRandom().sample(range(lo, hi + 1), 16 * n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    s.close()
+                    continue
+                socks.append(s)
+                got.append(port)
+                if len(got) == n:
+                    return got
+        while len(got) < n:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+            s.bind((host, 0))
+            got.append(s.getsockname()[1])
+        return got
     finally:
         for s in socks:
             s.close()

@@ -25,7 +25,7 @@ A chat request for a KB on /v1 may then be answered in another region, when that
 expected time to first token beats the caller's by more than the round trip between them
 (kdn.serve.regions; decided once, in the ingress, never again for that request). The round
 trips between regions and the origin's link to each are what the edges measured of their own
-links (kdn/edge/links.py, gathered every LINKS_PERIOD_S: measured_links), the topology's
+links (kdn/placement/links.py, gathered every LINKS_PERIOD_S: measured_links), the topology's
 declared figures only where nothing was measured yet. The answer's
 X-KDN-Region and X-KDN-Route headers say where it went and why. GET /metrics is the whole
 service's routing counters in Prometheus text (kdn.serve.metrics: every ingress replica's).
@@ -670,7 +670,7 @@ def links_of(topology, regions) -> dict:
 
 
 def measured_links(declared: dict, edges: dict) -> dict:
-    """links_of's answer with what the edges measured of their own links (kdn/edge/links.py)
+    """links_of's answer with what the edges measured of their own links (kdn/placement/links.py)
     standing in for the topology's declared figures wherever there is a measurement.
 
     edges: edge name -> {"region", "links": {node: {"round_trip_ms", "gbps"}}} (their stats).

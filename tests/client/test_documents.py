@@ -247,7 +247,7 @@ def test_a_bom_is_not_content():
 def test_this_repositorys_placement_folder_reads_as_its_modules():
     sel = D.select_documents([REPO / "kdn" / "placement"], include=["*.py"])
     names = [n for n, _ in sel.documents]
-    assert names == ["__init__.py", "replication.py", "ring.py", "sim.py", "topology.py"]
+    assert names == ["__init__.py", "links.py", "replication.py", "ring.py", "sim.py", "topology.py"]
     assert dict(sel.documents)["ring.py"] == (REPO / "kdn" / "placement" / "ring.py").read_text()
     assert not sel.skipped.get("binary"), "__pycache__ is never walked"
 

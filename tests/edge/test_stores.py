@@ -85,12 +85,19 @@ def test_an_origin_that_does_not_answer_is_tried_again_and_nothing_waiting_is_lo
     async def main():
         await edge.put_objects(objs)
         await asyncio.sleep(0.1)
-        waiting = edge.stores.stats()
+        waiting, shown = edge.stores.stats(), await edge.stats()
         edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs)}
         await settle(edge)
-        return waiting
-    waiting = asyncio.run(main())
+        return waiting, shown, await edge.stats()
+    waiting, shown, after = asyncio.run(main())
     assert waiting["backlog_objects"] == 2 and waiting["backlog_bytes"] == sum(c.nbytes for c in objs)
+    # `kdn status` prints what is not durable yet, from the edge's own stats
+    from kdn.cli.cluster import status_rows
+    from kdn.cli.common import gib
+    row, = status_rows({"edges": [shown]})
+    assert row["not durable"] == f"2 / {gib(sum(c.nbytes for c in objs))}", row
+    row, = status_rows({"edges": [after]})
+    assert row["not durable"] == f"0 / {gib(0)}", row
     assert waiting["store_forward_retries"] >= 2
     assert origin_took(edge)[-2:] == [c.key for c in objs]
 

@@ -153,6 +153,30 @@ def test_pages_stored_in_one_region_are_read_from_another_regions_edge(net):
     assert served == {"from_edge:ap-south-0"}, south.objects.counters
 
 
+def test_pages_acknowledged_at_the_edge_are_read_there_at_once_and_elsewhere_once_durable(net):
+    """The default (ack edge): us-east's edge answers the store, serves the pages at once, and
+    the origin holds them after; then another region's edge serves them too."""
+    from kdn.core.rpc import Actors
+    east, south = backend(net, region="us-east"), backend(net, region="ap-south")
+    assert east.objects.ack == "edge"
+    pool, buffer = create_mock_host_kv_cache(1 << 20, entries_per_page=2, page_elements=8192)
+    for b in (east, south):
+        b.register_mem_pool_host(pool)
+    edge = Actors(net.name, ADMIN).edge("us-east-0", 30, "sync")
+    acked = east.objects.counters["acked_at_edge"]
+    keys = [uuid.uuid4().hex for _ in range(4)]
+    assert all(east.batch_set_v1(keys, torch.arange(4)))
+    assert east.objects.counters["acked_at_edge"] - acked == 4 * 2      # an object per page entry (K, V)
+    assert all(east.batch_get_v1(keys, torch.arange(4, 8)))               # at once, from its edge
+    assert torch.equal(buffer[:4 * 2 * 8192], buffer[4 * 2 * 8192:8 * 2 * 8192])
+    durable = edge.stores_durable(20.0)
+    assert durable["durable"] and durable["backlog_objects"] == 0, durable
+    assert south.batch_exists(keys) == 4
+    assert all(south.batch_get_v1(keys, torch.arange(8, 12)))
+    assert torch.equal(buffer[:4 * 2 * 8192], buffer[8 * 2 * 8192:12 * 2 * 8192])
+    assert "from_edge:ap-south-0" in south.objects.counters, south.objects.counters
+
+
 def test_two_tenants_cannot_see_each_others_pages(net):
     a, b = backend(net, tenant="tenant-a"), backend(net, tenant="tenant-b")
     pool, buffer = create_mock_host_kv_cache(1 << 16, entries_per_page=2, page_elements=256)

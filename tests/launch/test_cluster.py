@@ -96,13 +96,24 @@ def test_a_corrupt_record_is_a_clear_error(home):
         cluster.read_state()
 
 
-def test_free_ports_are_distinct_and_bindable():
+def test_free_ports_are_distinct_bindable_and_outside_the_kernels_ephemeral_range(monkeypatch):
+    """Not where outgoing connections take their local ports (one took an edge's port between
+    the draw and the edge's bind), nor Ray's worker ports; a port in use is never given."""
     import socket
     ports = cluster.free_ports(5)
     assert len(set(ports)) == 5
+    lo, hi = cluster.FIXED_PORTS
+    assert all(lo <= p <= hi and p < cluster.ephemeral_low() for p in ports), ports
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+    with socket.socket() as taken:                 # every draw but one is in use: that one is given
+        taken.bind(("127.0.0.1", ports[0]))
+        draws = iter([[ports[0]] * 15 + [ports[1]]])
+        monkeypatch.setattr(cluster.random.SystemRandom, "sample", lambda self, pop, k: next(draws))
+        assert cluster.free_ports(1) == [ports[1]]
+    monkeypatch.setattr(cluster, "ephemeral_low", lambda: lo + 10)      # no room below it: the kernel's pick
+    assert all(p >= 1024 for p in cluster.free_ports(2))
 
 
 def test_sizes_read_binary_and_decimal_units():

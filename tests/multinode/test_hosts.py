@@ -153,7 +153,8 @@ def test_an_owner_behind_a_capped_link_is_chosen_less_once_measured(hosts, tmp_p
     """us-east's edge pulls the keys eu-west-0 and ap-south-0 both own (neither its own). The
     topology declares eu-west nearer (55 ms against 80); eu-west's link is capped to 40 Mbit/s.
     The first KB comes from eu-west, as declared; its pull is measured, and every later KB
-    comes from ap-south (measured too, then): the capped owner is chosen less."""
+    comes from ap-south (measured too, then): the capped owner is chosen less. A reader's own
+    choice of edge does the same with what its view measured."""
     from kdn.client import Client
     net = _start(hosts, tmp_path)
     try:
@@ -178,8 +179,29 @@ def test_an_owner_behind_a_capped_link_is_chosen_less_once_measured(hosts, tmp_p
         assert pulled[0] and set(pulled[0]) == {"peer:eu-west-0"}        # declared nearer
         later = [s for p in pulled[1:] for s in p]
         assert later and set(later) == {"peer:ap-south-0"}               # measured faster
-        links = ray.get(net.edges["us-east-0"].stats.remote(token=ADMIN), timeout=30)["links"]
+        stats = ray.get(net.edges["us-east-0"].stats.remote(token=ADMIN), timeout=30)
+        links = stats["links"]
         assert links["eu-west-0"]["gbps"] < 0.01 < links["ap-south-0"]["gbps"]
+        from kdn.cli.cluster import status_rows          # what `kdn status` prints of them
+        shown = dict(part.split(" ", 1) for part in status_rows({"edges": [stats]})[0]["links (rtt, GB/s)"].split("; "))
+        assert shown["eu-west-0"].endswith(" 0.00") and " ms " in shown["eu-west-0"], shown
+        assert float(shown["ap-south-0"].split()[-1]) == round(links["ap-south-0"]["gbps"], 2) > 0, shown
+        # a reader that declares itself in eu-west but runs here, behind eu-west's capped link:
+        # its first read goes to eu-west's edge, as declared; measured slow, the next ones go to
+        # another region's edge (kdn/client/view.py: the view's own measured links)
+        hosts.hosts.cap("eu-west", "40mbit", burst="64kb")
+        misplaced = Client(network=net.name, region="eu-west", tenant="acme", fingerprint=FP, token=ACME)
+        try:
+            got = []
+            for toks, kv in kbs[:3]:
+                f = misplaced.fetch(toks)
+                assert f.tokens == 3072 and np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
+                got.append(f.edge)
+        finally:
+            hosts.hosts.uncap("eu-west")
+        assert got[0] == "eu-west-0" and "eu-west-0" not in got[1:], got
+        seen = misplaced.view.links.stats()
+        assert seen["eu-west-0"]["gbps"] < 0.01 < seen[got[1]]["gbps"], seen
     finally:
         from kdn.launch.cluster import stop_network
         stop_network(net)

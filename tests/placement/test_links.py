@@ -1,4 +1,4 @@
-"""Links measured, not declared (kdn/edge/links.py): round trips are the least of the last
+"""Links measured, not declared (kdn/placement/links.py): round trips are the least of the last
 calls, throughput a weighted mean of real transfers; a peer's bytes are timed as they arrive;
 owners are ranked by what was measured where it was, by the topology where not."""
 import asyncio
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kdn.core.chunk import Chunk
-from kdn.edge.links import MIN_TRANSFER_BYTES, ROUND_TRIPS, Links
+from kdn.placement.links import MIN_TRANSFER_BYTES, RANK_BYTES, ROUND_TRIPS, Links, rank_by_region
 from kdn.edge.membership import Membership
 from kdn.edge.tiers import Held
 from kdn.placement.topology import Topology
@@ -64,3 +64,40 @@ def test_owners_are_ranked_by_what_was_measured_and_by_the_topology_until_then()
         links.call(node, rtt)
         links.transfer(node, 10**8, 10**8 / (gbps * 1e9))
     assert m.sources([key], "here-0", "here", links)[key] == ["far-0", "near-0"]
+
+
+def test_a_reader_ranks_edges_by_region_measured_where_fresh_declared_otherwise(monkeypatch):
+    """rank_by_region (a client's view): the declared order first; a region measured slower
+    than another's declared link goes behind it; two edges of one region keep the ring's order
+    whichever was measured; a measurement older than max_age_s stops counting."""
+    import kdn.placement.links as mod
+    topo = Topology.default_local(["us-east", "eu-west", "ap-south"])
+    cands = [("ap-south-0", "ap-south"), ("eu-west-1", "eu-west"), ("eu-west-0", "eu-west"),
+             ("us-east-0", "us-east")]
+    assert rank_by_region(topo, "eu-west", cands) == ["eu-west-1", "eu-west-0", "ap-south-0", "us-east-0"]
+    clock = [1000.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: clock[0])
+    links = Links()
+    # eu-west-0 measured fast: its region stays first, and eu-west-1 (unmeasured, first on the
+    # ring) stays before it: edges of one region are never reordered by a measurement
+    links.call("eu-west-0", 0.0005)
+    links.transfer("eu-west-0", 64 << 20, 0.03)
+    assert rank_by_region(topo, "eu-west", cands, links, max_age_s=60) == \
+        ["eu-west-1", "eu-west-0", "ap-south-0", "us-east-0"]
+    # measured at 5 MB/s: a chunk takes ~0.2 s there, more than a declared 55-80 ms elsewhere
+    links = Links()
+    links.call("eu-west-0", 0.001)
+    links.transfer("eu-west-0", 8 << 20, 1.6)
+    assert links.transfer_s("eu-west-0", RANK_BYTES) > topo.transfer_time("us-east", "eu-west", RANK_BYTES)
+    assert rank_by_region(topo, "eu-west", cands, links, max_age_s=60) == \
+        ["ap-south-0", "us-east-0", "eu-west-1", "eu-west-0"]
+    # us-east measured even slower than that: behind eu-west
+    links.call("us-east-0", 0.001)
+    links.transfer("us-east-0", 1 << 20, 1.0)
+    assert rank_by_region(topo, "eu-west", cands, links, max_age_s=60) == \
+        ["ap-south-0", "eu-west-1", "eu-west-0", "us-east-0"]
+    clock[0] += 61                               # stale: eu-west and us-east declared again
+    assert links.transfer_s("eu-west-0", RANK_BYTES, max_age_s=60) is None
+    assert links.transfer_s("eu-west-0", RANK_BYTES) is not None, "kept, only not trusted for ranking"
+    assert rank_by_region(topo, "eu-west", cands, links, max_age_s=60) == \
+        ["eu-west-1", "eu-west-0", "ap-south-0", "us-east-0"]

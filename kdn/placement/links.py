@@ -10,15 +10,21 @@ peer edge by name, or the origin):
 - throughput: an exponentially weighted mean (weight ALPHA) of bytes / seconds of its
   transfers of at least MIN_TRANSFER_BYTES (smaller ones measure the round trip, not the pipe).
 
-`transfer_s(node, nbytes)` is what ranking uses (kdn/edge/membership.py `sources`): half a
-round trip plus the bytes over the throughput, once both are measured; None before, and
-the topology's declared figures stand in. `kdn status` prints them (`links`).
+`transfer_s(node, nbytes)` is what ranking uses: half a round trip plus the bytes over the
+throughput, once both are measured; None before, and the topology's declared figures stand
+in. An edge ranks the owners it pulls from by it (kdn/edge/membership.py `sources`), and
+`kdn status` prints what each edge measured (`links`). A client's view ranks the edges it
+reads from with `rank_by_region` (kdn/client/view.py): by region, the least measured time of a
+region's edges, each measurement trusted for `max_age_s` after its last transfer, so a link
+that measured slow once is tried again later instead of shunned for good.
 """
 import collections
+import time
 
 ROUND_TRIPS = 16
 ALPHA = 0.3
 MIN_TRANSFER_BYTES = 256 << 10
+RANK_BYTES = 1 << 20      # sources are ranked by the time this takes from each: about a chunk
 
 
 class Links:
@@ -27,6 +33,7 @@ class Links:
         self._rate = {}                   # node -> bytes per second (EWMA)
         self._moved = collections.Counter()
         self._transfers = collections.Counter()
+        self._when = {}                   # node -> time.monotonic() of its last transfer
 
     def call(self, node: str, seconds: float) -> None:
         """A call to node took seconds (request and answer)."""
@@ -42,6 +49,7 @@ class Links:
         self._rate[node] = rate if old is None else ALPHA * rate + (1 - ALPHA) * old
         self._moved[node] += nbytes
         self._transfers[node] += 1
+        self._when[node] = time.monotonic()
 
     def round_trip_s(self, node: str):
         calls = self._calls.get(node)
@@ -51,11 +59,13 @@ class Links:
         rate = self._rate.get(node)
         return None if rate is None else rate / 1e9
 
-    def transfer_s(self, node: str, nbytes: int):
+    def transfer_s(self, node: str, nbytes: int, max_age_s: float = None):
         """Seconds to move nbytes from node by what was measured; None until both its round
-        trip and its throughput were."""
+        trip and its throughput were, or when its last transfer is older than max_age_s."""
         rtt, rate = self.round_trip_s(node), self._rate.get(node)
         if rtt is None or rate is None:
+            return None
+        if max_age_s is not None and time.monotonic() - self._when[node] > max_age_s:
             return None
         return rtt / 2 + nbytes / rate
 
@@ -64,3 +74,21 @@ class Links:
         return {str(n): {"round_trip_ms": None if self.round_trip_s(n) is None else self.round_trip_s(n) * 1e3,
                          "gbps": self.gbps(n), "calls": len(self._calls.get(n, ())),
                          "transfers": self._transfers[n], "bytes": self._moved[n]} for n in nodes}
+
+
+def rank_by_region(topology, reader_region: str, candidates, links=None, nbytes: int = RANK_BYTES,
+                   max_age_s: float = None) -> list:
+    """Candidate names, from (name, region) pairs, nearest region first. A region's time is the
+    least `links.transfer_s` of its candidates measured within max_age_s, else the topology's
+    declared transfer time from it to reader_region; equal times, and the candidates of one
+    region, keep the given order (a ring's preference): one edge measured beside an unmeasured
+    one of its own region never sends readers from it to the other and back."""
+    candidates = list(candidates)
+    measured = {}
+    for name, region in candidates:
+        t = None if links is None else links.transfer_s(name, nbytes, max_age_s)
+        if t is not None:
+            measured[region] = min(t, measured.get(region, t))
+    timed = {r: measured[r] if r in measured else topology.transfer_time(r, reader_region, nbytes)
+             for r in {region for _, region in candidates}}
+    return [name for _, _, name in sorted((timed[region], i, name) for i, (name, region) in enumerate(candidates))]
