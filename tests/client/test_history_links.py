@@ -41,6 +41,17 @@ def test_a_measured_link_replaces_the_declared_one_as_a_moving_average():
     assert h.worth_fetching(found(), CHUNK_BYTES, 1000.0)
 
 
+def test_regions_past_the_hints_are_looked_in_nearest_first_as_measured():
+    topo = Topology.default_local(["us-east", "eu-west", "ap-south"])     # from ap-south: eu-west 55 ms, us-east 80
+    h = History(types.SimpleNamespace(region="ap-south", topology=topo), "acme", "fp")
+    assert h.regions() == ["ap-south", "eu-west", "us-east"]              # declared
+    assert h.regions(hints=["us-east"]) == ["ap-south", "us-east", "eu-west"]
+    h._measured("eu-west", "rtt_s", 0.300)                               # measured: 150 ms one way
+    assert h.regions() == ["ap-south", "us-east", "eu-west"]
+    h._measured("us-east", "rtt_s", 0.400)
+    assert h.regions() == ["ap-south", "eu-west", "us-east"]
+
+
 def test_the_longest_tail_the_prompt_reproduces_is_taken_leaving_a_token_to_compute():
     """History._tail: of the tails the edge lists after the held chunks, the longest whose key
     the prompt's own tokens give, never one that would leave nothing to compute."""
