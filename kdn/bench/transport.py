@@ -236,16 +236,20 @@ def _ray_worker(network, tokens, digests, reps):
     return {"times": times, "ok": ok, "nbytes": f.nbytes, "sources": sorted(sources), "pid": os.getpid()}
 
 
-def _ray_cold_worker(network, token_sets, digests, region, token, data_plane="ray", link=None):
+def _ray_cold_worker(network, token_sets, digests, region, token, data_plane="ray", link=None, streams=None):
     """In a Ray worker: time Client.fetch of each KB once (token_sets: one per KB, the first
     a warm-up), so every fetch pulls objects this node has never held (Ray keeps a pulled
     copy: fetching one KB again would read it from this node's own store). data_plane: the
     reader's (kdn.client.dataplane; "auto" reads another node's edge over its HTTP frames).
     link: SocketLink's arguments (nbytes, piece, host, prefix): each fetch is then preceded by
-    one bare-socket transfer from the same host, timed ("socket": the ceiling beside it)."""
+    one bare-socket transfer from the same host, timed ("socket": the ceiling beside it).
+    streams: the parallel connections of a fetch over HTTP (kdn.client.dataplane; its default
+    when None)."""
     from kdn.client import Client
     cl = Client(network=network, region=region, tenant=TENANT, fingerprint=FINGERPRINT, token=token,
                 data_plane=data_plane)
+    if streams is not None:
+        cl.view.plane.streams = streams
     times, ok, sources, nbytes, sockets = [], True, set(), 0, []
     http = cl.stats()["data_plane"].get("http_fetches", 0)
     beside = None if link is None else SocketLink(*link[:2], host=link[2], prefix=link[3])
@@ -751,6 +755,15 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
         record("socket-beside-client", "recv_into (worker here)", got["socket"],
                "bare TCP in the same worker, one transfer before each of the client row's fetches: "
                "its ceiling in the same minute")
+        got = ray.get(worker.remote(net.name, token_sets, digests, "far", read, "auto",
+                                    (total, piece, far.address("far"), prefix), 1), timeout=600)
+        if not got["ok"] or got["nbytes"] != total or got["over_http"] < len(token_sets):
+            raise RuntimeError(f"the one-connection fetch across the link returned other bytes "
+                               f"({got['nbytes']} B) or went over Ray")
+        record("client-1stream", "Client.fetch (worker here)", got["times"],
+               "the same, each fetch over one connection instead of the default's 2")
+        record("socket-beside-client-1stream", "recv_into (worker here)", got["socket"],
+               "bare TCP in the same worker, one transfer before each of the row above's fetches")
         link = SocketLink(total, piece, host=far.address("far"), prefix=prefix)
         try:
             pulled = peer_pulls(net, peer_kbs, pub.ns, digests, read, admin, link)
@@ -804,6 +817,8 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
            "client_over_socket": res["client"] / res["socket"], "client_over_ray": res["client"] / res["ray"],
            # the reader against the socket timed beside it, rep by rep, in the same worker
            "client_over_socket_beside": res["client"] / res["socket-beside-client"],
+           "client_1stream_over_socket_beside": res["client-1stream"] / res["socket-beside-client-1stream"],
+           "client_over_client_1stream": res["client"] / res["client-1stream"],
            # peer pulls against the socket timed beside them, rep by rep
            **{f"{row.replace('-', '_')}_over_socket": res[row] / res["socket-beside"]
               for row in res if row.startswith("peer")},
@@ -815,6 +830,7 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
     if cap_bps:
         out.update(http_over_cap=res["http"] * 1e9 / cap_bps, ray_over_cap=res["ray"] * 1e9 / cap_bps,
                    client_over_cap=res["client"] * 1e9 / cap_bps,
+                   client_1stream_over_cap=res["client-1stream"] * 1e9 / cap_bps,
                    socket_over_cap=res["socket"] * 1e9 / cap_bps,
                    **{f"{row.replace('-', '_')}_over_cap": res[row] * 1e9 / cap_bps
                       for row in res if row.startswith(("peer", "origin"))})

@@ -18,13 +18,20 @@ carries only the fetches a reader can check as it would over Ray: frames in raw 
 codec chosen for the link ("auto"), so a reader that accepts lossy codecs reads over Ray. An
 edge that does not answer over HTTP is unreachable as over Ray (the caller fails over), and
 its address is asked again next time.
+
+A fetch of STREAM_MIN_KEYS keys or more is split over `streams` parallel connections
+(contiguous slices of its keys, as an edge's pulls from a peer are), so one connection's pace
+is not the ceiling where a link carries more than one stream. The answers are joined in key
+order; where a slice's answer is cut short (an edge bounds each answer: "more"), the slices
+after it are left out, so the reader still gets a prefix of its keys and asks for the rest.
 """
 import collections
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from kdn.core.codecs import LOSSLESS
-from kdn.core.dataplane import Addresses
+from kdn.core.dataplane import STREAM_MIN_KEYS, STREAMS, Addresses
 
 IDLE_CONNECTIONS = 4         # keep-alive connections kept per (URL, token)
 
@@ -33,13 +40,15 @@ class ReaderPlane:
     """For one reader process: the URL to fetch an edge's frames from (url_of), or None for
     Ray, and a pool of keep-alive HTTP connections per (URL, token) that threads share."""
 
-    def __init__(self, mode: str, node_id: str, node_ip: str, ask_address):
+    def __init__(self, mode: str, node_id: str, node_ip: str, ask_address, streams: int = STREAMS):
         self.addresses = Addresses(mode, node_id, node_ip)
         self.mode = self.addresses.mode
         self.ask_address = ask_address            # edge -> its data_address, or None (unreachable)
+        self.streams = max(1, int(streams))
         self.counters = collections.Counter()
         self._idle = collections.defaultdict(list)
         self._lock = threading.Lock()
+        self._pool = None                         # threads for a fetch's other slices, made on first use
 
     def url_of(self, edge: str, accept) -> "str | None":
         """The URL to fetch from edge over HTTP, or None to use Ray."""
@@ -59,9 +68,31 @@ class ReaderPlane:
     def fetch(self, url: str, timeout_s: float, token, keys, ns, region, accept, tenant=None,
               fingerprint=None) -> dict:
         """One fetch answer from url as the Ray transport's resolved reply
-        (kdn.client.http.fetch_reply); Unreachable when the edge gives none within timeout_s
-        (each wait on the socket). accept (lossless codecs only: url_of): the frames' forms,
-        raw alone or what pays on the link."""
+        (kdn.client.http.fetch_reply), its keys' slices over parallel connections (see the
+        module); Unreachable when the edge gives none within timeout_s (each wait on the
+        socket). accept (lossless codecs only: url_of): the frames' forms, raw alone or what
+        pays on the link."""
+        keys = list(keys)
+        n = self.streams if len(keys) >= STREAM_MIN_KEYS else 1
+        if n == 1:
+            return self._fetch(url, timeout_s, token, keys, ns, region, accept, tenant, fingerprint)
+        step = -(-len(keys) // n)
+        parts = [keys[i:i + step] for i in range(0, len(keys), step)]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=4 * (self.streams - 1),
+                                                thread_name_prefix="kdn-fetch")
+        others = [self._pool.submit(self._fetch, url, timeout_s, token, part, ns, region, accept, tenant,
+                                    fingerprint) for part in parts[1:]]
+        replies = [self._fetch(url, timeout_s, token, parts[0], ns, region, accept, tenant, fingerprint)]
+        replies += [f.result() for f in others]    # a slice Unreachable: the whole fetch is (failover)
+        with self._lock:
+            self.counters["http_split_fetches"] += 1
+            self.counters["http_streams"] += len(parts)
+        return join_replies(replies)
+
+    def _fetch(self, url: str, timeout_s: float, token, keys, ns, region, accept, tenant, fingerprint) -> dict:
+        """One slice's answer over one keep-alive connection."""
         from kdn.client.http import EdgeHTTPClient, fetch_reply
         with self._lock:
             idle = self._idle[(url, token)]
@@ -76,10 +107,10 @@ class ReaderPlane:
         except BaseException:        # a connection broken mid-answer is not reused: closed, re-raised
             client.close()
             raise
-        self.counters["http_fetches"] += 1
-        self.counters["http_bytes"] += sum(reply["wire"])
-        self.counters["http_us"] += int((time.perf_counter() - t0) * 1e6)
         with self._lock:
+            self.counters["http_fetches"] += 1
+            self.counters["http_bytes"] += sum(reply["wire"])
+            self.counters["http_us"] += int((time.perf_counter() - t0) * 1e6)
             if len(self._idle[(url, token)]) < IDLE_CONNECTIONS:
                 self._idle[(url, token)].append(client)
                 client = None
@@ -89,10 +120,30 @@ class ReaderPlane:
 
     def close(self) -> None:
         with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+                self._pool = None
             clients = [c for idle in self._idle.values() for c in idle]
             self._idle.clear()
         for c in clients:
             c.close()
 
     def stats(self) -> dict:
-        return {"mode": self.mode, **self.counters, "http_edges": self.addresses.with_http()}
+        return {"mode": self.mode, "streams": self.streams, **self.counters, "http_edges": self.addresses.with_http()}
+
+
+def join_replies(replies) -> dict:
+    """The answers to a fetch's key slices, in order, as one: each list joined, up to and
+    including the first answer cut short ("more"), whose rest the reader asks for again;
+    "move_s" the longest slice's (they moved side by side)."""
+    out = dict(replies[0])
+    for name in ("chunks", "sources", "codecs", "wire", "exact"):
+        out[name] = list(out[name])
+    for r in replies[1:]:
+        if out["more"]:
+            break
+        for name in ("chunks", "sources", "codecs", "wire", "exact"):
+            out[name] += r[name]
+        out["more"], out["ring"] = r["more"], max(out["ring"], r["ring"])
+    out["move_s"] = max(r.get("move_s", 0.0) for r in replies)
+    return out

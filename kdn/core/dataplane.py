@@ -20,6 +20,8 @@ MODES = ("auto", "http", "ray")
 NODE_HOST = "node"           # a node's http_host: bind the address of its Ray node
 UNSPECIFIED = ("0.0.0.0", "::")     # a server bound to every address names none
 ADDRESS_RETRY_S = 30.0       # an edge that served no HTTP is asked for its address again after this
+STREAMS = 2                  # parallel connections one pull or fetch over HTTP may use
+STREAM_MIN_KEYS = 4          # one of fewer keys takes one connection
 
 
 def check_data_plane(mode) -> str:

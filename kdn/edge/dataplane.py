@@ -35,15 +35,13 @@ import collections
 import concurrent.futures
 import time
 
-from kdn.core.dataplane import Addresses
+from kdn.core.dataplane import STREAM_MIN_KEYS, STREAMS, Addresses
 from kdn.core.errors import BadRequest
 from kdn.core.rpc import Unreachable
 from kdn.edge.peers import PEER_TIMEOUT_S
 from kdn.edge.tiers import Held, _ray_initialized
 
 ORIGIN = "origin"            # the origin's name as a node this edge pulls from (its pushes)
-STREAMS = 2                  # parallel connections one pull to one peer may use
-STREAM_MIN_KEYS = 4          # a pull of fewer keys takes one connection
 IDLE_CONNECTIONS = 4         # keep-alive connections kept per peer
 
 
