@@ -6,8 +6,8 @@ the conversation's home edge in the worker's region (rendezvous hashing on the
 conversation's first key among the region's edges). The next turn, wherever it lands:
 - `find` asks each region's home edge for the longest held prefix of the prompt's keys,
   the worker's own region first, then the regions it is told the conversation was in, then
-  the others nearest first (by its lookups' measured round trips, the declared latency
-  until measured), with a lookup (no KV moves) and stops at the first that holds
+  the others nearest first (declared latency, or its lookups' measured round trips where
+  those are longer), with a lookup (no KV moves) and stops at the first that holds
   any of it;
 - `worth_fetching` weighs fetching those chunks over the link against recomputing them
   (the worker's measured prefill rate; the link to that region as this History measured it,
@@ -88,12 +88,14 @@ class History:
 
     def regions(self, hints=()) -> list:
         """Regions to look in: this worker's, the hinted ones, then the rest nearest first (by
-        half the round trip this History measured to a region, the declared latency before)."""
+        the declared latency, or half the round trip this History measured to a region where
+        that is longer: as kdn.placement.links.rank_by_region, a measurement makes a region
+        farther than declared, never nearer)."""
         here = self.view.region
 
         def one_way_ms(r):
-            rtt_s = self._links.get(r, {}).get("rtt_s")
-            return self.view.topology.latency_ms(r, here) if rtt_s is None else rtt_s * 1000.0 / 2
+            rtt_s = self._links.get(r, {}).get("rtt_s", 0.0)
+            return max(self.view.topology.latency_ms(r, here), rtt_s * 1000.0 / 2)
         rest = sorted((r for r in self.view.topology.regions if r != here), key=one_way_ms)
         out = [here] + [r for r in hints if r in rest]
         return out + [r for r in rest if r not in out]

@@ -2,9 +2,10 @@
 
 The view reads the membership and topology once (from the origin, else from any edge that
 answers) and from then on routes every call itself. A read goes to the nearest live edge
-from the client's region: nearest by what this view measured of each edge (its calls' round
-trips and its fetches' throughput, kdn/placement/links.py `rank_by_region`, each region's
-measurement trusted for LINK_FRESH_S), by the topology's declared links until then; a call that fails over (kdn.core.rpc.Unreachable: the edge died, is
+from the client's region: nearest by the topology's declared links, or by what this view
+measured of an edge where that is slower (its calls' round trips and the throughput of its
+fetches over the edge's HTTP frames, once LINK_MIN_FETCHES were; kdn/placement/links.py
+`rank_by_region`, each measurement trusted for LINK_FRESH_S); a call that fails over (kdn.core.rpc.Unreachable: the edge died, is
 restarting, is missing or too slow) moves to the next edge at once, so a dead edge costs
 one timeout, never Ray's ~15 s node-death detection, and is tried last for SUSPECT_S. An
 origin call is retried until its deadline while the origin restarts (Ray brings it back
@@ -29,6 +30,7 @@ SUSPECT_S = 10.0              # a failed edge is tried last for this long
 RETRY_PAUSE_S = 0.2           # between tries of a restarting origin
 EDGE_MEMBERSHIP_TIMEOUT_S = 2.0
 LINK_FRESH_S = 60.0           # a link's measurement ranks edges this long after its last fetch
+LINK_MIN_FETCHES = 2          # fetches over an edge's HTTP frames measured before they rank it
 
 
 def node_region() -> "str | None":
@@ -134,7 +136,8 @@ class NetworkView:
         declared ones otherwise); recently failed ones last."""
         now = time.monotonic()
         cands = [(e.name, e.region) for e in self.ring.edges]
-        ranked = rank_by_region(self.topology, self.region, cands, self.links, max_age_s=LINK_FRESH_S)
+        ranked = rank_by_region(self.topology, self.region, cands, self.links, max_age_s=LINK_FRESH_S,
+                                min_transfers=LINK_MIN_FETCHES)
         return sorted(ranked, key=lambda n: self._suspect.get(n, 0) > now)
 
     def nearest(self, timeout: float = CALL_TIMEOUT_S, resolve_refs: bool = False) -> EdgeAPI:
@@ -159,11 +162,9 @@ class NetworkView:
                         return self._measured(edge, t0, reply), edge, failed
                 reply = self.actors.call_sync(edge, method, *args, timeout=timeout, **dict(kw))
                 if resolve_refs:
-                    t1 = time.monotonic()
-                    left = max(0.5, timeout - (t1 - t0))
+                    left = max(0.5, timeout - (time.monotonic() - t0))
                     refs = reply.pop("refs")
                     reply["chunks"] = self.actors.get_sync(edge, refs, timeout=left) if refs else []
-                    reply["move_s"] = time.monotonic() - t1
                 return self._measured(edge, t0, reply), edge, failed
             except Unreachable:
                 failed.append(edge)
@@ -172,9 +173,10 @@ class NetworkView:
                          f"(tried {', '.join(failed) or 'none'})")
 
     def _measured(self, edge: str, t0: float, reply):
-        """Note the call's time in `links`, and a fetch's bytes ("wire") over the time they
-        took to move ("move_s": after the edge answered, so an edge that first pulled them
-        from a slow source is not taken for a slow link); the reply."""
+        """Note the call's time in `links`, and a fetch's bytes over HTTP ("wire") over the
+        time they took to move ("move_s": the body, after the edge answered, so an edge that
+        first pulled them from a slow source is not taken for a slow link); the reply. A reply
+        over Ray is no measure of a link: Ray's object manager, zero-copy on the same node."""
         self.links.call(edge, time.monotonic() - t0)
         if isinstance(reply, dict) and reply.get("wire") and reply.get("move_s"):
             self.links.transfer(edge, sum(reply["wire"]), reply["move_s"])

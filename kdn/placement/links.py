@@ -14,9 +14,10 @@ peer edge by name, or the origin):
 throughput, once both are measured; None before, and the topology's declared figures stand
 in. An edge ranks the owners it pulls from by it (kdn/edge/membership.py `sources`), and
 `kdn status` prints what each edge measured (`links`). A client's view ranks the edges it
-reads from with `rank_by_region` (kdn/client/view.py): by region, the least measured time of a
-region's edges, each measurement trusted for `max_age_s` after its last transfer, so a link
-that measured slow once is tried again later instead of shunned for good.
+reads from with `rank_by_region` (kdn/client/view.py): by region, the declared time or, where
+longer, the least measured time of a region's edges, each measurement trusted for `max_age_s`
+after its last transfer, so a link that measured slow once is tried again later instead of
+shunned for good.
 """
 import collections
 import time
@@ -59,11 +60,12 @@ class Links:
         rate = self._rate.get(node)
         return None if rate is None else rate / 1e9
 
-    def transfer_s(self, node: str, nbytes: int, max_age_s: float = None):
+    def transfer_s(self, node: str, nbytes: int, max_age_s: float = None, min_transfers: int = 1):
         """Seconds to move nbytes from node by what was measured; None until both its round
-        trip and its throughput were, or when its last transfer is older than max_age_s."""
+        trip and its throughput (over min_transfers transfers at least) were, or when its last
+        transfer is older than max_age_s."""
         rtt, rate = self.round_trip_s(node), self._rate.get(node)
-        if rtt is None or rate is None:
+        if rtt is None or rate is None or self._transfers[node] < min_transfers:
             return None
         if max_age_s is not None and time.monotonic() - self._when[node] > max_age_s:
             return None
@@ -77,18 +79,24 @@ class Links:
 
 
 def rank_by_region(topology, reader_region: str, candidates, links=None, nbytes: int = RANK_BYTES,
-                   max_age_s: float = None) -> list:
+                   max_age_s: float = None, min_transfers: int = 1) -> list:
     """Candidate names, from (name, region) pairs, nearest region first. A region's time is the
-    least `links.transfer_s` of its candidates measured within max_age_s, else the topology's
-    declared transfer time from it to reader_region; equal times, and the candidates of one
-    region, keep the given order (a ring's preference): one edge measured beside an unmeasured
-    one of its own region never sends readers from it to the other and back."""
+    topology's declared transfer time from it to reader_region, or the least `links.transfer_s`
+    of its candidates measured within max_age_s where that is longer: a measurement makes a
+    region farther than declared (a capped or congested link), never nearer. A call's time
+    includes the callee's work (an edge pulling a chunk through first), so measured times of two
+    regions are no fair race: on one machine, where every region is as near as another, a
+    remote edge that answered from memory once would take the readers of a local edge that
+    pulled. An edge counts once min_transfers of its transfers were measured (a first one may
+    carry a connection's set-up). Equal times, and the candidates of one region, keep the given
+    order (a ring's preference): one edge measured beside an unmeasured one of its own region
+    never sends readers from it to the other and back."""
     candidates = list(candidates)
     measured = {}
     for name, region in candidates:
-        t = None if links is None else links.transfer_s(name, nbytes, max_age_s)
+        t = None if links is None else links.transfer_s(name, nbytes, max_age_s, min_transfers)
         if t is not None:
             measured[region] = min(t, measured.get(region, t))
-    timed = {r: measured[r] if r in measured else topology.transfer_time(r, reader_region, nbytes)
+    timed = {r: max(topology.transfer_time(r, reader_region, nbytes), measured.get(r, 0.0))
              for r in {region for _, region in candidates}}
     return [name for _, _, name in sorted((timed[region], i, name) for i, (name, region) in enumerate(candidates))]

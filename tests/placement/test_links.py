@@ -68,8 +68,9 @@ def test_owners_are_ranked_by_what_was_measured_and_by_the_topology_until_then()
 
 def test_a_reader_ranks_edges_by_region_measured_where_fresh_declared_otherwise(monkeypatch):
     """rank_by_region (a client's view): the declared order first; a region measured slower
-    than another's declared link goes behind it; two edges of one region keep the ring's order
-    whichever was measured; a measurement older than max_age_s stops counting."""
+    than another's declared link goes behind it, one measured faster than declared is not drawn
+    nearer; two edges of one region keep the ring's order whichever was measured; a
+    measurement older than max_age_s stops counting."""
     import kdn.placement.links as mod
     topo = Topology.default_local(["us-east", "eu-west", "ap-south"])
     cands = [("ap-south-0", "ap-south"), ("eu-west-1", "eu-west"), ("eu-west-0", "eu-west"),
@@ -96,6 +97,17 @@ def test_a_reader_ranks_edges_by_region_measured_where_fresh_declared_otherwise(
     links.transfer("us-east-0", 1 << 20, 1.0)
     assert rank_by_region(topo, "eu-west", cands, links, max_age_s=60) == \
         ["ap-south-0", "eu-west-1", "eu-west-0", "us-east-0"]
+    # a remote edge measured faster than its declared link is not drawn nearer than declared
+    fast = Links()
+    fast.call("ap-south-0", 0.0001)
+    fast.transfer("ap-south-0", 64 << 20, 0.01)
+    fast.call("eu-west-0", 0.004)
+    fast.transfer("eu-west-0", 64 << 20, 0.1)
+    assert fast.transfer_s("ap-south-0", RANK_BYTES) < fast.transfer_s("eu-west-0", RANK_BYTES)
+    assert rank_by_region(topo, "eu-west", cands, fast, max_age_s=60) == \
+        ["eu-west-1", "eu-west-0", "ap-south-0", "us-east-0"]
+    assert rank_by_region(topo, "eu-west", cands, links, max_age_s=60, min_transfers=2) == \
+        ["eu-west-1", "eu-west-0", "ap-south-0", "us-east-0"], "one transfer each: not yet"
     clock[0] += 61                               # stale: eu-west and us-east declared again
     assert links.transfer_s("eu-west-0", RANK_BYTES, max_age_s=60) is None
     assert links.transfer_s("eu-west-0", RANK_BYTES) is not None, "kept, only not trusted for ranking"
