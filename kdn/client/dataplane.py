@@ -22,8 +22,9 @@ its address is asked again next time.
 A fetch of STREAM_MIN_KEYS keys or more is split over `streams` parallel connections
 (contiguous slices of its keys, as an edge's pulls from a peer are), so one connection's pace
 is not the ceiling where a link carries more than one stream. The answers are joined in key
-order; where a slice's answer is cut short (an edge bounds each answer: "more"), the slices
-after it are left out, so the reader still gets a prefix of its keys and asks for the rest.
+order; where a slice's answer is short of its keys (an edge bounds each answer, "more", or
+stops at a key it does not hold), the slices after it are left out, so the reader gets a
+prefix of its keys, as from one answer.
 """
 import collections
 import threading
@@ -74,22 +75,34 @@ class ReaderPlane:
         pays on the link."""
         keys = list(keys)
         n = self.streams if len(keys) >= STREAM_MIN_KEYS else 1
-        if n == 1:
-            return self._fetch(url, timeout_s, token, keys, ns, region, accept, tenant, fingerprint)
         step = -(-len(keys) // n)
-        parts = [keys[i:i + step] for i in range(0, len(keys), step)]
+        parts = [keys[i:i + step] for i in range(0, len(keys), step)] or [keys]
+        t0 = time.perf_counter()
+        if len(parts) == 1:
+            reply = self._fetch(url, timeout_s, token, keys, ns, region, accept, tenant, fingerprint)
+        else:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=4 * (self.streams - 1),
+                                                    thread_name_prefix="kdn-fetch")
+                pool = self._pool
+            others = [pool.submit(self._fetch, url, timeout_s, token, part, ns, region, accept, tenant,
+                                  fingerprint) for part in parts[1:]]
+            try:
+                replies = [self._fetch(url, timeout_s, token, parts[0], ns, region, accept, tenant, fingerprint)]
+                replies += [f.result() for f in others]      # a slice Unreachable: the whole fetch is
+            except BaseException:       # (the caller fails over): slices not started yet are dropped
+                for f in others:
+                    f.cancel()
+                raise
+            reply = join_replies(replies, [len(p) for p in parts])
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=4 * (self.streams - 1),
-                                                thread_name_prefix="kdn-fetch")
-        others = [self._pool.submit(self._fetch, url, timeout_s, token, part, ns, region, accept, tenant,
-                                    fingerprint) for part in parts[1:]]
-        replies = [self._fetch(url, timeout_s, token, parts[0], ns, region, accept, tenant, fingerprint)]
-        replies += [f.result() for f in others]    # a slice Unreachable: the whole fetch is (failover)
-        with self._lock:
-            self.counters["http_split_fetches"] += 1
+            self.counters["http_fetches"] += 1
             self.counters["http_streams"] += len(parts)
-        return join_replies(replies)
+            self.counters["http_split_fetches"] += len(parts) > 1
+            self.counters["http_bytes"] += sum(reply["wire"])
+            self.counters["http_us"] += int((time.perf_counter() - t0) * 1e6)
+        return reply
 
     def _fetch(self, url: str, timeout_s: float, token, keys, ns, region, accept, tenant, fingerprint) -> dict:
         """One slice's answer over one keep-alive connection."""
@@ -101,16 +114,12 @@ class ReaderPlane:
             client = EdgeHTTPClient(url, timeout_s=timeout_s, allow_remote=True, token=token)
         client.set_timeout(timeout_s)
         try:
-            t0 = time.perf_counter()
             codec = "auto" if set(accept) >= set(LOSSLESS) else "raw"
             reply = fetch_reply(client, keys, ns, region, codec, tenant, fingerprint)
         except BaseException:        # a connection broken mid-answer is not reused: closed, re-raised
             client.close()
             raise
         with self._lock:
-            self.counters["http_fetches"] += 1
-            self.counters["http_bytes"] += sum(reply["wire"])
-            self.counters["http_us"] += int((time.perf_counter() - t0) * 1e6)
             if len(self._idle[(url, token)]) < IDLE_CONNECTIONS:
                 self._idle[(url, token)].append(client)
                 client = None
@@ -132,18 +141,23 @@ class ReaderPlane:
         return {"mode": self.mode, "streams": self.streams, **self.counters, "http_edges": self.addresses.with_http()}
 
 
-def join_replies(replies) -> dict:
-    """The answers to a fetch's key slices, in order, as one: each list joined, up to and
-    including the first answer cut short ("more"), whose rest the reader asks for again;
-    "move_s" the longest slice's (they moved side by side)."""
-    out = dict(replies[0])
-    for name in ("chunks", "sources", "codecs", "wire", "exact"):
-        out[name] = list(out[name])
-    for r in replies[1:]:
-        if out["more"]:
+def join_replies(replies, asked) -> dict:
+    """The answers to a fetch's key slices (asked[i] keys in slice i), in order, as one: each
+    list joined up to and including the first answer short of its slice, cut by the edge's
+    bound ("more": the reader asks for the rest) or at a key the edge does not hold (the
+    prefix ends there, as an answer to all the keys at once would); "move_s" the longest of
+    the kept slices' (they moved side by side)."""
+    names = ("chunks", "sources", "codecs", "wire", "exact")
+    out = dict(replies[0], **{name: list(replies[0][name]) for name in names})
+    kept = [replies[0]]
+    short = out["more"] or len(out["chunks"]) < asked[0]
+    for r, n in zip(replies[1:], asked[1:]):
+        if short:
             break
-        for name in ("chunks", "sources", "codecs", "wire", "exact"):
+        for name in names:
             out[name] += r[name]
         out["more"], out["ring"] = r["more"], max(out["ring"], r["ring"])
-    out["move_s"] = max(r.get("move_s", 0.0) for r in replies)
+        kept.append(r)
+        short = r["more"] or len(r["chunks"]) < n
+    out["move_s"] = max(r.get("move_s", 0.0) for r in kept)
     return out

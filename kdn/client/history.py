@@ -88,9 +88,9 @@ class History:
 
     def regions(self, hints=()) -> list:
         """Regions to look in: this worker's, the hinted ones, then the rest nearest first (by
-        the declared latency, or half the round trip this History measured to a region where
-        that is longer: as kdn.placement.links.rank_by_region, a measurement makes a region
-        farther than declared, never nearer)."""
+        the declared latency, or half the moving average of the lookups' round trips this History
+        measured to a region where that is longer: a measurement makes a region farther than
+        declared, never nearer)."""
         here = self.view.region
 
         def one_way_ms(r):

@@ -177,9 +177,10 @@ class NetworkView:
         time they took to move ("move_s": the body, after the edge answered, so an edge that
         first pulled them from a slow source is not taken for a slow link); the reply. A reply
         over Ray is no measure of a link: Ray's object manager, zero-copy on the same node."""
-        self.links.call(edge, time.monotonic() - t0)
-        if isinstance(reply, dict) and reply.get("wire") and reply.get("move_s"):
-            self.links.transfer(edge, sum(reply["wire"]), reply["move_s"])
+        moved = reply.get("move_s", 0.0) if isinstance(reply, dict) else 0.0
+        self.links.call(edge, time.monotonic() - t0 - moved)      # to the answer's headers
+        if moved and reply.get("wire"):
+            self.links.transfer(edge, sum(reply["wire"]), moved)
         return reply
 
     def _fetch_over_http(self, edge, timeout, keys, ns, region=None, resolve=False, token=None,

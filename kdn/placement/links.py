@@ -48,9 +48,9 @@ class Links:
         rate = nbytes / seconds
         old = self._rate.get(node)
         self._rate[node] = rate if old is None else ALPHA * rate + (1 - ALPHA) * old
+        self._when[node] = time.monotonic()      # (before the count: a reader in another thread)
         self._moved[node] += nbytes
         self._transfers[node] += 1
-        self._when[node] = time.monotonic()
 
     def round_trip_s(self, node: str):
         calls = self._calls.get(node)

@@ -201,7 +201,9 @@ def test_an_owner_behind_a_capped_link_is_chosen_less_once_measured(hosts, tmp_p
             hosts.hosts.uncap("eu-west")
         assert got[:2] == ["eu-west-0"] * 2 and "eu-west-0" not in got[2:], got
         seen = misplaced.view.links.stats()
-        assert seen["eu-west-0"]["gbps"] < 0.01 < seen[got[2]]["gbps"], seen
+        assert seen["eu-west-0"]["gbps"] < 0.01 and seen["eu-west-0"]["transfers"] == 2, seen
+        if got[2] != "us-east-0":                 # (the edge beside this reader is read over Ray: unmeasured)
+            assert seen[got[2]]["gbps"] > 0.01, seen
     finally:
         from kdn.launch.cluster import stop_network
         stop_network(net)
