@@ -78,34 +78,31 @@ def test_a_reader_ranks_edges_by_region_measured_where_fresh_declared_otherwise(
     assert rank_by_region(topo, "eu-west", cands) == ["eu-west-1", "eu-west-0", "ap-south-0", "us-east-0"]
     clock = [1000.0]
     monkeypatch.setattr(mod.time, "monotonic", lambda: clock[0])
-    links = Links()
+
+    def measured(**nodes):       # node=(round trip s, bytes, seconds) of one call and one transfer
+        out = Links()
+        for node, (rtt, nbytes, seconds) in nodes.items():
+            out.call(node.replace("_", "-"), rtt)
+            out.transfer(node.replace("_", "-"), nbytes, seconds)
+        return out
+
+    def ranked(links, **kw):
+        return rank_by_region(topo, "eu-west", cands, links, max_age_s=60, **kw)
     # eu-west-0 measured fast: its region stays first, and eu-west-1 (unmeasured, first on the
     # ring) stays before it: edges of one region are never reordered by a measurement
-    links.call("eu-west-0", 0.0005)
-    links.transfer("eu-west-0", 64 << 20, 0.03)
-    assert rank_by_region(topo, "eu-west", cands, links, max_age_s=60) == \
-        ["eu-west-1", "eu-west-0", "ap-south-0", "us-east-0"]
+    assert ranked(measured(eu_west_0=(0.0005, 64 << 20, 0.03))) == ["eu-west-1", "eu-west-0", "ap-south-0", "us-east-0"]
     # measured at 5 MB/s: a chunk takes ~0.2 s there, more than a declared 55-80 ms elsewhere
-    links = Links()
-    links.call("eu-west-0", 0.001)
-    links.transfer("eu-west-0", 8 << 20, 1.6)
+    links = measured(eu_west_0=(0.001, 8 << 20, 1.6))
     assert links.transfer_s("eu-west-0", RANK_BYTES) > topo.transfer_time("us-east", "eu-west", RANK_BYTES)
-    assert rank_by_region(topo, "eu-west", cands, links, max_age_s=60) == \
-        ["ap-south-0", "us-east-0", "eu-west-1", "eu-west-0"]
+    assert ranked(links) == ["ap-south-0", "us-east-0", "eu-west-1", "eu-west-0"]
     # us-east measured even slower than that: behind eu-west
     links.call("us-east-0", 0.001)
     links.transfer("us-east-0", 1 << 20, 1.0)
-    assert rank_by_region(topo, "eu-west", cands, links, max_age_s=60) == \
-        ["ap-south-0", "eu-west-1", "eu-west-0", "us-east-0"]
+    assert ranked(links) == ["ap-south-0", "eu-west-1", "eu-west-0", "us-east-0"]
     # a remote edge measured faster than its declared link is not drawn nearer than declared
-    fast = Links()
-    fast.call("ap-south-0", 0.0001)
-    fast.transfer("ap-south-0", 64 << 20, 0.01)
-    fast.call("eu-west-0", 0.004)
-    fast.transfer("eu-west-0", 64 << 20, 0.1)
+    fast = measured(ap_south_0=(0.0001, 64 << 20, 0.01), eu_west_0=(0.004, 64 << 20, 0.1))
     assert fast.transfer_s("ap-south-0", RANK_BYTES) < fast.transfer_s("eu-west-0", RANK_BYTES)
-    assert rank_by_region(topo, "eu-west", cands, fast, max_age_s=60) == \
-        ["eu-west-1", "eu-west-0", "ap-south-0", "us-east-0"]
+    assert ranked(fast) == ["eu-west-1", "eu-west-0", "ap-south-0", "us-east-0"]
     assert rank_by_region(topo, "eu-west", cands, links, max_age_s=60, min_transfers=2) == \
         ["eu-west-1", "eu-west-0", "ap-south-0", "us-east-0"], "one transfer each: not yet"
     clock[0] += 61                               # stale: eu-west and us-east declared again
