@@ -88,13 +88,12 @@ class ReaderPlane:
                 pool = self._pool
             others = [pool.submit(self._fetch, url, timeout_s, token, part, ns, region, accept, tenant,
                                   fingerprint) for part in parts[1:]]
-            try:
+            try:      # a slice Unreachable: the whole fetch is (the caller fails over)
                 replies = [self._fetch(url, timeout_s, token, parts[0], ns, region, accept, tenant, fingerprint)]
-                replies += [f.result() for f in others]      # a slice Unreachable: the whole fetch is
-            except BaseException:       # (the caller fails over): slices not started yet are dropped
+                replies += [f.result() for f in others]
+            finally:  # after a failure the slices not started yet are dropped (a done one is untouched)
                 for f in others:
                     f.cancel()
-                raise
             reply = join_replies(replies, [len(p) for p in parts])
         with self._lock:
             self.counters["http_fetches"] += 1
