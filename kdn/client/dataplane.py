@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kdn.core.codecs import LOSSLESS
-from kdn.core.dataplane import STREAM_MIN_KEYS, STREAMS, Addresses
+from kdn.core.dataplane import STREAMS, Addresses, slices
 
 IDLE_CONNECTIONS = 4         # keep-alive connections kept per (URL, token)
 
@@ -73,13 +73,10 @@ class ReaderPlane:
         module); Unreachable when the edge gives none within timeout_s (each wait on the
         socket). accept (lossless codecs only: url_of): the frames' forms, raw alone or what
         pays on the link."""
-        keys = list(keys)
-        n = self.streams if len(keys) >= STREAM_MIN_KEYS else 1
-        step = -(-len(keys) // n)
-        parts = [keys[i:i + step] for i in range(0, len(keys), step)] or [keys]
+        parts = slices(keys, self.streams)
         t0 = time.perf_counter()
         if len(parts) == 1:
-            reply = self._fetch(url, timeout_s, token, keys, ns, region, accept, tenant, fingerprint)
+            reply = self._fetch(url, timeout_s, token, parts[0], ns, region, accept, tenant, fingerprint)
         else:
             with self._lock:
                 if self._pool is None:

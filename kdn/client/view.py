@@ -5,12 +5,13 @@ answers) and from then on routes every call itself. A read goes to the nearest l
 from the client's region: nearest by the topology's declared links, or by what this view
 measured of an edge where that is slower (its calls' round trips and the throughput of its
 fetches over the edge's HTTP frames, once LINK_MIN_FETCHES were; kdn/placement/links.py
-`rank_by_region`, each measurement trusted for LINK_FRESH_S); a call that fails over (kdn.core.rpc.Unreachable: the edge died, is
-restarting, is missing or too slow) moves to the next edge at once, so a dead edge costs
-one timeout, never Ray's ~15 s node-death detection, and is tried last for SUSPECT_S. An
-origin call is retried until its deadline while the origin restarts (Ray brings it back
-from disk; every origin method is idempotent). Any other error raises: a KDNError the
-remote raised on purpose as itself, anything else as the bug it is.
+`rank_by_region`, each measurement trusted for LINK_FRESH_S); a call that fails over
+(kdn.core.rpc.Unreachable: the edge died, is restarting, is missing or too slow) moves to
+the next edge at once, so a dead edge costs one timeout, never Ray's ~15 s node-death
+detection, and is tried last for SUSPECT_S. An origin call is retried until its deadline
+while the origin restarts (Ray brings it back from disk; every origin method is idempotent).
+Any other error raises: a KDNError the remote raised on purpose as itself, anything else as
+the bug it is.
 """
 import functools
 import time

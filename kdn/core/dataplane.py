@@ -24,6 +24,15 @@ STREAMS = 2                  # parallel connections one pull or fetch over HTTP 
 STREAM_MIN_KEYS = 4          # one of fewer keys takes one connection
 
 
+def slices(keys, streams: int) -> list:
+    """keys cut into at most `streams` contiguous slices of near-equal length, one per parallel
+    connection (one slice when there are fewer than STREAM_MIN_KEYS keys)."""
+    keys = list(keys)
+    n = streams if len(keys) >= STREAM_MIN_KEYS else 1
+    step = max(1, -(-len(keys) // n))
+    return [keys[i:i + step] for i in range(0, len(keys), step)] or [keys]
+
+
 def check_data_plane(mode) -> str:
     if mode not in MODES:
         raise BadRequest(f"data_plane must be one of {', '.join(MODES)}, got {mode!r:.80}")

@@ -35,7 +35,7 @@ import collections
 import concurrent.futures
 import time
 
-from kdn.core.dataplane import STREAM_MIN_KEYS, STREAMS, Addresses
+from kdn.core.dataplane import STREAMS, Addresses, slices
 from kdn.core.errors import BadRequest
 from kdn.core.rpc import Unreachable
 from kdn.edge.peers import PEER_TIMEOUT_S
@@ -110,9 +110,7 @@ class PeerPulls:
 
     async def _http(self, peer: str, url: str, keys, region: str, drops, into: str = None,
                     counter: str = "peer_http"):
-        n = self.streams if len(keys) >= STREAM_MIN_KEYS else 1
-        step = -(-len(keys) // n)
-        parts = [keys[i:i + step] for i in range(0, len(keys), step)]
+        parts = slices(keys, self.streams)
         t0 = time.perf_counter()
         replies = await asyncio.gather(*(asyncio.to_thread(self._pull, peer, url, part, region, drops,
                                                            into or self.into)

@@ -1,8 +1,8 @@
-"""Links measured, not declared: what an edge saw of the nodes it talks to.
+"""Links measured, not declared: what an edge (or a client's view) saw of the nodes it talks to.
 
 The topology declares each link's latency and bandwidth; on real hosts the declared figures
 are a guess. An edge measures its own links from its own traffic, per node it talks to (a
-peer edge by name, or the origin):
+peer edge by name, or the origin), and a client's view its own to each edge:
 
 - round trip: the shortest of its last ROUND_TRIPS calls' times (a call's time is the link's
   round trip plus the callee's work; the least of several is the nearest to the link's own,

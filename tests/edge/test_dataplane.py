@@ -59,6 +59,10 @@ def test_peer_pulls_between_nodes_go_over_http_frames_and_bring_the_published_by
 
 def test_a_fetchs_slices_are_joined_in_key_order_up_to_the_first_one_cut_short():
     from kdn.client.dataplane import join_replies
+    from kdn.core.dataplane import slices
+    assert slices(list("abcdefg"), 2) == [list("abcd"), list("efg")]
+    assert slices(list("abc"), 2) == [list("abc")] and slices([], 2) == [[]]       # too few: one
+    assert slices(list("abcd"), 8) == [list("a"), list("b"), list("c"), list("d")]
 
     def reply(names, more, ring=1, move_s=0.1):
         return {"chunks": names, "sources": ["edge"] * len(names), "codecs": ["raw"] * len(names),
@@ -332,7 +336,7 @@ def test_a_reader_on_another_node_fetches_over_the_edges_http_frames(small_netwo
     one = Client(network=net.name, region="eu-west", tenant="acme", fingerprint=FP, token=READ)
     one.view.plane.streams = 1
     f = one.fetch(toks)
-    assert np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
+    assert np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)     # the published bytes, moved
     assert one.stats()["data_plane"]["http_fetches"] == one.stats()["data_plane"]["http_streams"] == 1
     assert one.stats()["data_plane"]["http_split_fetches"] == 0
     assert over_http["http_edges"] == ["eu-west-0"]

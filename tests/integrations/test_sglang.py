@@ -168,6 +168,7 @@ def test_pages_acknowledged_at_the_edge_are_read_there_at_once_and_elsewhere_onc
     assert all(east.batch_set_v1(keys, torch.arange(4)))
     assert east.objects.counters["acked_at_edge"] - acked == 4 * 2      # an object per page entry (K, V)
     assert all(east.batch_get_v1(keys, torch.arange(4, 8)))               # at once, from its edge
+    # the pages' bytes stored and read back, no arithmetic: equal on any CPU
     assert torch.equal(buffer[:4 * 2 * 8192], buffer[4 * 2 * 8192:8 * 2 * 8192])
     durable = edge.stores_durable(20.0)
     assert durable["durable"] and durable["backlog_objects"] == 0, durable
