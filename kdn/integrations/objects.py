@@ -50,6 +50,7 @@ import xxhash
 from kdn.core.chunk import Chunk
 from kdn.core.dtypes import OPAQUE
 from kdn.core.errors import AccessDenied, BadConfig, FrameError, NoLiveEdge
+from kdn.core.rpc import Unreachable
 from kdn.core.keys import namespace_digest
 from kdn.core.transfer import fetch_deadline_s
 
@@ -240,6 +241,7 @@ class Objects:
         if ack not in ACKS:
             raise BadConfig(f"ack must be one of {', '.join(ACKS)}, got {ack!r:.40}")
         self.view, self.layer, self.token, self.ack = view, layer, admin_token, ack
+        self._acked_at = set()         # edges that acknowledged stores of ours before the origin had them
         self.read_tokens = dict(read_tokens or {})
         # the object store's pages mapped ahead of the loads (kdn.integrations.prefault)
         self.prefaulter = None
@@ -334,11 +336,13 @@ class Objects:
         """Store at the nearest live edge (acknowledged in its memory, durable at the origin
         after: kdn/edge/stores.py); at the origin when no edge answers."""
         try:
-            got, _, _ = self.view.nearest(STORE_TIMEOUT_S).put_objects(chunks, token=self.token)
+            got, edge, _ = self.view.nearest(STORE_TIMEOUT_S).put_objects(chunks, token=self.token)
         except NoLiveEdge:
             self.counters["stored_at_origin_no_edge"] += 1
             return self.view.origin(STORE_TIMEOUT_S).put_objects(chunks, token=self.token)
         self.counters["acked_at_edge"] += got["pending"]
+        if got["pending"]:
+            self._acked_at.add(edge)
         self.counters["acked_at_origin"] += got["received"] - got["pending"]
         return {"received": got["received"], "written": got["received"]}
 
@@ -375,7 +379,18 @@ class Objects:
     # --- delete --------------------------------------------------------------------------
     def delete(self, ns: bytes, keys: list) -> int:
         """Delete objects of ns from the origin and every edge (the host's eviction); how
-        many the origin held. Raises AccessDenied without the admin token, Unreachable."""
+        many the origin held. Raises AccessDenied without the admin token, Unreachable.
+
+        The edges that acknowledged stores of ours are first waited for until those are durable
+        at the origin: a store still in an edge's backlog is unknown to the origin, which would
+        delete the rest and let that one reach it after (seen in the suite: a deleted key found
+        again). An edge that does not answer is passed over (restarted, it holds none)."""
+        for edge in sorted(self._acked_at):
+            try:
+                self.view.at(edge, STORE_TIMEOUT_S).stores_durable(STORE_TIMEOUT_S, token=self.token)
+            except Unreachable:
+                self.counters["delete_edge_unreachable"] += 1
+        self._acked_at.clear()
         n = 0
         for s in range(0, len(keys), BATCH_OBJECTS):
             try:
