@@ -640,6 +640,137 @@ def origin_pushes(args, cluster, kv, admin, read, link: SocketLink) -> dict:
     return out
 
 
+WRITE_BEHIND_PLANES = (("write-behind-http", {}, "http"),            # row, far-0's options, path
+                       ("write-behind-ray", {"data_plane": "ray"}, "ref"))
+
+
+def write_behind(args, kv, admin, read, link: SocketLink) -> dict:
+    """Stores acknowledged at the edge on the far host, made durable at the origin here, over
+    each path: {row: [seconds per rep]} and "socket": one bare-socket transfer timed before
+    each rep. One network per path (the origin here; one edge, far-0, serving HTTP; on the Ray
+    path its data_plane is "ray", so it hands the origin references instead of having it pull
+    its frames). Each rep stores the KB's bytes as --chunks new opaque objects at far-0 (ack
+    edge) and waits until they are durable; the time is the origin's own, from asking for the
+    bytes to holding them (object_pull_http_us: the frames received and verified;
+    object_ref_us: Ray's get of the references), scaled to the KB's bytes."""
+    from kdn.core.keys import namespace_digest
+    from kdn.integrations.objects import object_key, pack
+    from kdn.launch.cluster import start_network, stop_network
+    from kdn.placement.topology import Topology
+    import ray
+    near, far_region = HOST_REGIONS
+    ns = namespace_digest(TENANT, "bench/write-behind")
+    flat = np.ascontiguousarray(kv).reshape(-1).view(np.uint8)
+    piece = flat.size // args.chunks
+    nets, out, last = {}, {"socket": []}, {}
+    counter = {"http": ("object_pull_http_bytes", "object_pull_http_us"),
+               "ref": ("object_ref_bytes", "object_ref_us")}
+    try:
+        for row, options, _ in WRITE_BEHIND_PLANES:
+            topo = Topology({r: (0.2, 10.0) for r in HOST_REGIONS}, {(near, far_region): (1.0, 10.0)},
+                            [("far-0", far_region, int((args.reps + 2) * kv.nbytes / 0.7))], near,
+                            source="bench transport --hosts (write-behind)", options={"far-0": options})
+            nets[row] = start_network(topo, Path(scratch_dir("kdn-bench-wb-")) / "origin",
+                                      network=f"bench-wb-{uuid.uuid4().hex[:6]}", http=True, replicas=1,
+                                      auth={"admin": admin, "readers": {TENANT: read}},
+                                      edge_options={"http_host": "node"},
+                                      origin_options={"http_host": "node"})
+            out[row] = []
+        for i in range(args.reps + 1):               # the first rep warms up, untimed
+            sock = link.one()
+            for row, _, path in WRITE_BEHIND_PLANES:
+                objs = [pack(object_key(ns, f"{row}-{i}-{j}".encode()), ns, flat[j * piece:(j + 1) * piece])
+                        for j in range(args.chunks)]
+                origin, edge = nets[row].origin, nets[row].edges["far-0"]
+                before = ray.get(origin.stats.remote(token=admin))["counters"]
+                got = ray.get(edge.put_objects.remote(objs, token=admin), timeout=600)
+                if got["pending"] != len(objs):
+                    raise RuntimeError(f"{row}: far-0 acknowledged {got['pending']} of {len(objs)} stores early")
+                if not ray.get(edge.stores_durable.remote(600.0, token=admin), timeout=660)["durable"]:
+                    raise RuntimeError(f"{row}: the stores of rep {i} did not become durable")
+                after = ray.get(origin.stats.remote(token=admin))["counters"]
+                nbytes, us = (after.get(c, 0) - before.get(c, 0) for c in counter[path])
+                want = sum(o.nbytes for o in objs)
+                if nbytes < want:
+                    raise RuntimeError(f"{row}: the origin read {nbytes} bytes of rep {i} over {path}, "
+                                       f"not the {want} stored")
+                if i:
+                    out[row].append(us / 1e6 * want / nbytes)
+                last[row] = objs
+            if i:
+                out["socket"].append(sock)
+        for row, objs in last.items():     # the origin holds the very bytes far-0 acknowledged
+            back = ray.get(nets[row].origin.get_chunks.remote([o.key for o in objs], token=admin), timeout=600)
+            if [None if b is None else b.kv.tobytes() for b in back] != [o.kv.tobytes() for o in objs]:
+                raise RuntimeError(f"{row}: the origin does not hold the bytes stored at far-0")
+    finally:
+        for net in nets.values():
+            stop_network(net)
+    return out
+
+
+def _far_publish(network, admin, kv, seed: int, data_plane: str) -> dict:
+    """One publish of kv as a new KB from a worker on the far host, on data_plane: the
+    publisher's write counters (kdn/client/ingest.py) and its receipt's sent bytes."""
+    from kdn.client import Client
+    cl = Client(network=network, tenant=TENANT, fingerprint=FINGERPRINT, admin_token=admin,
+                data_plane=data_plane)
+    toks = np.random.default_rng(seed).integers(0, 49152, kv.shape[3]).tolist()
+    receipt = cl.publish(f"far-{data_plane}-{seed}", [("blob", toks)], kv)
+    return {"writes": cl.view.writes().stats(), "sent_bytes": receipt["sent_bytes"], "tokens": toks}
+
+
+PUBLISH_PLANES = (("publish-http", "auto", "http"), ("publish-ray", "ray", "ray"))   # row, data_plane, counters
+
+
+def far_publishes(args, kv, admin, read, link: SocketLink) -> dict:
+    """A publisher on the far host writing the KB's chunks to the origin here, over each path:
+    {row: [seconds per rep]} and "socket": one bare-socket transfer timed before each rep. One
+    network (the origin here, serving HTTP on this host's address; one edge on the far host);
+    each rep publishes a new KB from a worker on the far host on the default data plane (the
+    origin's HTTP server) and on "ray", alternately; the time is the publisher's own, from
+    sending the chunks to the origin's answer (they are durable then: kdn/client/ingest.py's
+    http_us and ray_us), scaled to the KB's bytes."""
+    from kdn.client import Client
+    from kdn.launch.cluster import start_network, stop_network
+    from kdn.placement.topology import Topology
+    import ray
+    near, far_region = HOST_REGIONS
+    topo = Topology({r: (0.2, 10.0) for r in HOST_REGIONS}, {(near, far_region): (1.0, 10.0)},
+                    [("far-0", far_region, int((args.reps + 2) * 2 * kv.nbytes / 0.7))], near,
+                    source="bench transport --hosts (publishes)")
+    net = start_network(topo, Path(scratch_dir("kdn-bench-pub-")) / "origin",
+                        network=f"bench-pub-{uuid.uuid4().hex[:6]}", http=True, replicas=1,
+                        auth={"admin": admin, "readers": {TENANT: read}},
+                        edge_options={"http_host": "node"}, origin_options={"http_host": "node"})
+    out = {"socket": [], **{row: [] for row, _, _ in PUBLISH_PLANES}}
+    worker = ray.remote(num_cpus=0)(_far_publish).options(label_selector={"region": far_region})
+    try:
+        last = None
+        for i in range(args.reps + 1):               # the first rep warms up, untimed
+            sock = link.one()
+            for row, plane, path in PUBLISH_PLANES:
+                got = ray.get(worker.remote(net.name, admin, kv, 1000 * i + len(row), plane), timeout=600)
+                w = got["writes"]
+                if w.get(f"{path}_bytes", 0) < kv.nbytes or w.get("http_failures", 0):
+                    raise RuntimeError(f"{row}: the publish of rep {i} wrote {w} , not the KB's "
+                                       f"{kv.nbytes} bytes over {path}")
+                if i:
+                    out[row].append(w[f"{path}_us"] / 1e6 * kv.nbytes / w[f"{path}_bytes"])
+                last = got["tokens"]
+            if i:
+                out["socket"].append(sock)
+        http = ray.get(net.origin.stats.remote(token=admin))["http"]
+        out["http_split"] = {k: http.get(f"ingest_chunks_{k}_us", 0) for k in ("receive", "store")}
+        f = Client(network=net.name, region=near, tenant=TENANT, fingerprint=FINGERPRINT, token=read,
+                   data_plane="ray").fetch(last)        # the last KB published reads back exact
+        if f.tokens != kv.shape[3] or not np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv):
+            raise RuntimeError("a KB published from the far host does not read back as published")
+    finally:
+        stop_network(net)
+    return out
+
+
 def across_hosts(args, kv, tokens, cap_bps) -> int:
     """The same KB read across a link between two hosts (kdn.testing.netns): the edge on the
     far host, the readers here. Rows: the bare socket from the far host (the link's ceiling
@@ -795,6 +926,35 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
         split = pushed["http_split"]
         print(f"origin-push-http, as far-0 timed it (all reps with the warm-up): pulling the frames "
               f"{split['pull_us'] / 1e3:.0f} ms, keeping the copies {split['keep_us'] / 1e3:.0f} ms")
+        link = SocketLink(total, piece, host=far.address("far"), prefix=prefix)
+        try:
+            behind = write_behind(args, kv, admin, read, link)
+        finally:
+            link.close()
+        record("socket-beside-write-behind", "recv_into", behind["socket"],
+               "bare TCP again, one transfer before each rep of the write-behind below: its ceiling")
+        link = SocketLink(total, piece, host=far.address("far"), prefix=prefix)
+        try:
+            published = far_publishes(args, kv, admin, read, link)
+        finally:
+            link.close()
+        record("socket-beside-publish", "recv_into", published["socket"],
+               "bare TCP again, one transfer before each rep of the publishes below: their ceiling")
+        split = published["http_split"]
+        print(f"publish-http, as the origin timed it (all reps with the warm-up): receiving and verifying the "
+              f"frames {split['receive'] / 1e3:.0f} ms, storing them durably {split['store'] / 1e3:.0f} ms")
+        for row, plane, _ in PUBLISH_PLANES:
+            record(row, "publisher on the far host", published[row],
+                   "a KB published from a worker on the far host to the origin here "
+                   + ("as frames to the origin's HTTP server (the default data plane)" if plane == "auto"
+                      else "over Ray (data_plane ray)")
+                   + "; the publisher's time from sending the chunks to the answer (durable)")
+        for row, _, path in WRITE_BEHIND_PLANES:
+            record(row, "origin takes far-0's stores", behind[row],
+                   "objects stored at the edge on the far host (ack edge), made durable here: "
+                   + ("the origin pulls them from far-0's HTTP frames, each verified"
+                      if path == "http" else "far-0 hands the origin references, Ray pulls them")
+                   + "; the origin's time from asking to holding them")
         for row, host in ORIGIN_PLANES:
             record(row, "origin pushes to far-0", pushed[row],
                    "a KB published here, pushed by the origin to the edge on the far host "
@@ -826,14 +986,22 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
            # the origin's pushes against the socket timed beside them, rep by rep
            **{f"{row.replace('-', '_')}_over_socket": res[row] / res["socket-beside-push"]
               for row, _ in ORIGIN_PLANES},
-           "origin_push_http_over_origin_push_ray": res["origin-push-http"] / res["origin-push-ray"]}
+           "origin_push_http_over_origin_push_ray": res["origin-push-http"] / res["origin-push-ray"],
+           # an edge's write-behind against the socket timed beside it, rep by rep
+           **{f"{row.replace('-', '_')}_over_socket": res[row] / res["socket-beside-write-behind"]
+              for row, _, _ in WRITE_BEHIND_PLANES},
+           "write_behind_http_over_write_behind_ray": res["write-behind-http"] / res["write-behind-ray"],
+           # a far publisher's writes against the socket timed beside them, rep by rep
+           **{f"{row.replace('-', '_')}_over_socket": res[row] / res["socket-beside-publish"]
+              for row, _, _ in PUBLISH_PLANES},
+           "publish_http_over_publish_ray": res["publish-http"] / res["publish-ray"]}
     if cap_bps:
         out.update(http_over_cap=res["http"] * 1e9 / cap_bps, ray_over_cap=res["ray"] * 1e9 / cap_bps,
                    client_over_cap=res["client"] * 1e9 / cap_bps,
                    client_1stream_over_cap=res["client-1stream"] * 1e9 / cap_bps,
                    socket_over_cap=res["socket"] * 1e9 / cap_bps,
                    **{f"{row.replace('-', '_')}_over_cap": res[row] * 1e9 / cap_bps
-                      for row in res if row.startswith(("peer", "origin"))})
+                      for row in res if row.startswith(("peer", "origin", "write-behind", "publish"))})
     print("; ".join(f"{k} {v:.2f}x" for k, v in out.items() if k.endswith(("_over_socket", "_over_ray", "_over_cap"))))
     if args.json:
         emit_json(out)

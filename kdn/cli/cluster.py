@@ -48,6 +48,25 @@ def push_line(counters: dict) -> str:
     return "origin pushes: " + "; ".join(parts) if parts else ""
 
 
+def writes_line(counters: dict, http: dict) -> str:
+    """How bulk writes reached the origin from other nodes (kdn/client/ingest.py, kdn/origin/intake.py),
+    or "" before any: clients' frames to its HTTP server, edges' write-behind pulled from their
+    frames or handed over as references (Ray), each with its pace at the origin."""
+    http, parts = http or {}, []
+    for what in ("chunks", "objects"):
+        n, nbytes = http.get(f"ingest_{what}_frames", 0), http.get(f"ingest_{what}_bytes", 0)
+        us = http.get(f"ingest_{what}_receive_us", 0) + http.get(f"ingest_{what}_store_us", 0)
+        if n:
+            parts.append(f"{n} {what} written to its HTTP server ({nbytes / max(us, 1) / 1e3:.2f} GB/s, durable)")
+    for how, n, nbytes, us in (("pulled from edges' frames", counters.get("objects_pulled_http", 0),
+                                counters.get("object_pull_http_bytes", 0), counters.get("object_pull_http_us", 0)),
+                               ("handed over by edges over Ray", counters.get("object_refs_read", 0),
+                                counters.get("object_ref_bytes", 0), counters.get("object_ref_us", 0))):
+        if n:
+            parts.append(f"{n} stored objects {how} ({nbytes / max(us, 1) / 1e3:.2f} GB/s)")
+    return "origin takes: " + "; ".join(parts) if parts else ""
+
+
 def status_rows(st: dict) -> list:
     """One row per edge: the table `kdn status` prints; per tier (main, hot, and disk where
     the edge has one) its chunks, bytes and hits, and the disk's write-backs."""
@@ -121,9 +140,9 @@ def _status(args, rest):
         print(f"origin: up, {s['versions']} KB versions{also}, {s['chunks']} chunks, {gib(s['bytes'])} "
               f"in {s.get('backend', 'its store')}, {o['members']} edges "
               f"(membership v{o['membership_version']})")
-        pushes = push_line(o.get("counters", {}))
-        if pushes:
-            print(pushes)
+        for line in (push_line(o.get("counters", {})), writes_line(o.get("counters", {}), o.get("http"))):
+            if line:
+                print(line)
     table(status_rows(st))
     by_tenant = {}
     for e in st["edges"]:

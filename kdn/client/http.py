@@ -35,9 +35,9 @@ from urllib.parse import urlencode, urlsplit
 import msgpack
 import numpy as np
 
-from kdn.core.chunk import Encoded, codecs, decode, frame_size, header_bytes, read_header
+from kdn.core.chunk import Encoded, codecs, decode, encode_parts, frame_size, header_bytes, read_header
 from kdn.core.codecs import LOSSY
-from kdn.core.wire import unpack_sources
+from kdn.core.wire import FRAMES_TYPE, unpack_sources
 from kdn.core.errors import AccessDenied, BadRequest, ChecksumMismatch, FrameError, KDNError, NoLiveEdge, RemoteError
 from kdn.core.rpc import Unreachable
 from kdn.core.keys import KEY_BYTES
@@ -125,9 +125,12 @@ class EdgeHTTPClient:
     def __exit__(self, *exc):
         self.close()
 
-    def _request(self, method: str, path: str, body: bytes = None, content_type: str = None):
-        """(response, connection) with the status line and headers read, the body not yet."""
+    def _request(self, method: str, path: str, body=None, content_type: str = None):
+        """(response, connection) with the status line and headers read, the body not yet.
+        body: bytes, or a list of buffers sent one after the other (no join copy)."""
         headers = {"Content-Type": content_type} if content_type else {}
+        if isinstance(body, list):
+            headers["Content-Length"] = str(sum(memoryview(b).nbytes for b in body))
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         for attempt in (0, 1):
@@ -269,6 +272,22 @@ class EdgeHTTPClient:
                               f"not a number") from None
         return _Page(chunks, sources, used, exact, sizes, resp.getheader("X-KDN-Edge"),
                      resp.getheader("X-KDN-More") == "1", ring, body_s)
+
+    def put_frames(self, what: str, chunks) -> dict:
+        """Chunks written to the origin's HTTP server (POST /v1/chunks: a publisher's
+        put_chunks; /v1/objects: put_objects; kdn/origin/http.py) as raw frames, each header and
+        payload sent as they are, with the network's admin token (this client's token): the
+        origin's answer, once they are durable there."""
+        parts = [p for c in chunks for p in encode_parts(c)]
+        path = f"/v1/{what}"
+        resp = self._request("POST", path, parts, FRAMES_TYPE)
+        if resp.status != 200:
+            self._refuse(resp, "POST", path)
+        raw = resp.read()
+        try:
+            return msgpack.unpackb(raw, raw=False)
+        except (ValueError, TypeError, msgpack.UnpackException) as e:
+            raise RemoteError(f"{self.url} answered POST {path} with no msgpack map: {type(e).__name__}") from None
 
     def peer_get(self, keys, region: str = None, drops=None, keep=None) -> tuple:
         """(objects, wire bytes): what this edge holds of keys, asked by another edge with the

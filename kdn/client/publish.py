@@ -177,7 +177,7 @@ class Publisher:
             batch.append(c)
             size += c.nbytes
             if size >= batch_bytes or len(batch) >= BATCH_CHUNKS or i == len(chunks) - 1:
-                sums += self.view.origin(timeout_s).put_chunks(batch)["sums"]
+                sums += self.view.writes().put("chunks", batch, timeout_s)["sums"]
                 sent, sent_bytes, batch, size = sent + len(batch), sent_bytes + size, [], 0
         return sent, sent_bytes, sums
 

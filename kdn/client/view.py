@@ -17,6 +17,7 @@ import functools
 import time
 
 from kdn.client.dataplane import ReaderPlane
+from kdn.client.ingest import OriginWrites
 from kdn.core.codecs import LOSSLESS
 from kdn.core.errors import BadRequest, NetworkError, NoLiveEdge
 from kdn.core.names import NAMESPACE, ORIGIN_NODE, edge_actor_name
@@ -69,6 +70,7 @@ class NetworkView:
         import ray
         self.plane = ReaderPlane(data_plane, self.node_id, ray.util.get_node_ip_address(),
                                  self._data_address)
+        self._writes = {}            # token -> OriginWrites
         self.region = region or node_region() or self.topology.origin_region
         if self.region not in self.topology.regions:
             raise BadRequest(f"region {self.region!r} is not in the network's topology "
@@ -113,6 +115,15 @@ class NetworkView:
                 pass
 
     # --- calls: stubs of kdn.core.interfaces ---------------------------------------------
+    def writes(self, token: str = None) -> OriginWrites:
+        """This process's bulk writes to the origin carrying token (None: the admin token): over
+        its HTTP server from another node, over Ray from its own (kdn/client/ingest.py)."""
+        got = self._writes.get(token)
+        if got is None:
+            got = self._writes[token] = OriginWrites(self, self.plane.mode, self.node_id,
+                                                     self.plane.addresses.node_ip, token)
+        return got
+
     def origin(self, timeout: float = CALL_TIMEOUT_S) -> OriginAPI:
         """The origin's interface, with the admin token; each call answers the origin's reply.
         While the origin is unreachable (it restarts from disk) a call is retried until

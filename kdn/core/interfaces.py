@@ -167,6 +167,14 @@ class OriginAPI(Protocol):
         """put_objects for objects already in Ray's object store, handed over by reference (an
         edge's write-behind: no copy is made to send them)."""
 
+    async def data_address(self) -> dict:
+        """Where clients on other nodes write over HTTP: {"url" (None: no server), "node", "ip"}."""
+
+    async def pull_objects(self, edge: str, keys) -> dict:
+        """put_objects of keys' objects pulled from edge's HTTP frames (its write-behind over
+        the data plane): with "pulled" and "missing"; {"pulled": None} when the origin reads
+        edge over Ray."""
+
     async def pushes_settled(self) -> dict:
         """Wait for the pushes queued so far; their counters."""
 

@@ -118,7 +118,8 @@ class EdgeNode:
         # other cache layers' stores acknowledged here, durable at the origin after
         self.stores = WriteBehind(self.tiers, self.forms, self.peers,
                                   check_int(store_backlog_bytes, "store_backlog_bytes", 0),
-                                  owns=lambda keys: [name in o for o in self.members.owners(keys)])
+                                  owns=lambda keys: [name in o for o in self.members.owners(keys)],
+                                  name=name, serves_http=lambda: self.http is not None and self.pulls.mode != "ray")
         self.counters = collections.Counter()
         self.started = time.time()
         self._bg = None

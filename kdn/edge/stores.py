@@ -4,8 +4,11 @@ durable at the origin after (write-behind).
 LMCache and SGLang store objects (kdn.integrations.objects) either through the origin, which
 answers once they are durable, or, with `ack = "edge"`, through their region's nearest edge:
 it verifies the objects, keeps them in its hot tier, pinned, answers, and sends them to the
-origin's `put_objects` in the background (the origin's one fsync batch a call, then its push
-to the ring owners). Once the origin has them they are unpinned: an ordinary hot copy.
+origin in the background (the origin's one fsync batch a call, then its push to the ring
+owners). Once the origin has them they are unpinned: an ordinary hot copy. Where this edge
+serves HTTP, the origin is handed only the keys and pulls the bytes from this edge's frames
+(OriginAPI.pull_objects, kdn/origin/intake.py: the data plane between nodes); else, or what
+it did not take that way, goes over Ray.
 
 The answer waits for no copy: each object is kept as it arrived (Held.arrival: a view into
 the caller's argument in this node's object store, which Ray keeps while this process maps
@@ -26,8 +29,10 @@ recomputes them on its next miss: never a wrong byte), and until they are durabl
 edge serves them (another region's load misses them).
 
 Counters (objects): store_acked_edge, store_acked_origin, store_forwarded (of which
-store_forwarded_by_ref: handed to the origin as references into this node's object store, so
-the copy kept here is the one the origin reads and the arriving bytes are freed at once),
+store_forwarded_http, with store_forwarded_http_bytes: pulled by the origin from this edge's
+frames; store_forwarded_by_ref: handed to the origin as references into this node's object
+store, so the copy kept here is the one the origin reads and the arriving bytes are freed at
+once), store_forward_http_declined (batches the origin would not pull over HTTP: over Ray),
 store_forward_retries, store_forgotten (deleted before sent), store_deleted_again (deleted
 while on their way), store_adopted and store_adopt_us (arrivals made this node's own, the
 time it took), store_adopt_errors (copies the object store refused: those stay arrivals),
@@ -54,6 +59,7 @@ log = logging.getLogger("kdn.edge")
 BACKLOG_BYTES = 1 << 30       # acknowledged here, not yet durable at the origin
 FORWARD_BATCH_BYTES = 64 << 20
 FORWARD_RETRY_S = 1.0
+HTTP_RETRY_S = 30.0           # an origin that reads this edge over Ray is asked to pull again after this
 MAX_OBJECTS_PER_CALL = 4096
 
 
@@ -76,8 +82,13 @@ def _put_all(objs) -> list:
 class WriteBehind:
     """One edge's objects acknowledged before they are durable, and their way to the origin."""
 
-    def __init__(self, tiers, forms, peers, backlog_bytes: int = BACKLOG_BYTES, owns=None):
+    def __init__(self, tiers, forms, peers, backlog_bytes: int = BACKLOG_BYTES, owns=None,
+                 name: str = None, serves_http=None):
+        """name and serves_http (whether this edge's frames may be read over HTTP now): the
+        origin is asked to pull the backlog from those frames (OriginAPI.pull_objects)."""
         self.tiers, self.forms, self.peers = tiers, forms, peers
+        self.name, self.serves_http = name, serves_http or (lambda: False)
+        self._ray_until = 0.0                  # the origin reads none of this edge's frames before
         self.owns = owns or (lambda keys: [False] * len(keys))   # keys -> whether this edge is a ring owner
         self.backlog_bytes = int(backlog_bytes)
         self._queue = collections.deque()      # copies kept here (Held) not yet at the origin, oldest first
@@ -213,7 +224,7 @@ class WriteBehind:
 
     def _start(self) -> None:
         if self._task is None or self._task.done():
-            self._wake = self._wake or asyncio.Event()
+            self._wake = asyncio.Event()     # of this loop (a test runs several, one at a time)
             self._task = asyncio.get_running_loop().create_task(self._forward())
 
     async def _forward(self) -> None:
@@ -274,13 +285,31 @@ class WriteBehind:
 
     async def _send(self, batch, by_ref: bool):
         """The origin's answer to a batch of the backlog (copies kept here: Held), None when it
-        is unreachable. by_ref: handed over as references into this node's object store (the
-        origin reads them, no copy made to send them); else, or for copies this process holds
-        outside the store (those under INLINE_BYTES), their bytes: a mixed batch goes in two
-        calls, answered when both are. A failed hand-over's retry sends every one's bytes."""
+        is unreachable. First, where this edge serves HTTP, the origin is asked to pull the
+        batch from its frames (the data plane: kdn/origin/intake.py); what it did not take that
+        way (it reads this edge over Ray: same node, out of reach, no answer; asked again after
+        HTTP_RETRY_S) goes over Ray. by_ref: handed over as references into this node's object
+        store (the origin reads them, no copy made to send them); else, or for copies this
+        process holds outside the store (those under INLINE_BYTES), their bytes: a mixed batch
+        goes in several calls, answered when all are. A failed hand-over's retry sends every
+        one's bytes over Ray."""
+        answers = []
+        if by_ref and self.name is not None and self.serves_http() and time.monotonic() >= self._ray_until:
+            got = await self.peers.origin().pull_objects(self.name, [h.key for h in batch])
+            if got is None:
+                return None
+            if got.get("pulled") is None:
+                self._ray_until = time.monotonic() + HTTP_RETRY_S
+                self.counters["store_forward_http_declined"] += 1
+            else:
+                missing = set(got.get("missing") or ())
+                taken = [h for h in batch if h.key not in missing]
+                self.counters["store_forwarded_http"] += len(taken)
+                self.counters["store_forwarded_http_bytes"] += sum(h.nbytes for h in taken)
+                answers.append(got)
+                batch = [h for h in batch if h.key in missing]
         refs = [h for h in batch if by_ref and h.ref is not None]
         values = [h for h in batch if not (by_ref and h.ref is not None)]
-        answers = []
         if refs:
             got = await self.peers.origin().put_object_refs([h.ref for h in refs])
             if got is None:
@@ -292,7 +321,9 @@ class WriteBehind:
             if got is None:
                 return None
             answers.append(got)
-        merged = {k: sum(a.get(k, 0) for a in answers) for k in answers[0] if k != "kept_other"}
+        if not answers:
+            return {"received": 0, "written": 0, "pushing": 0, "kept_other": []}
+        merged = {k: sum(a.get(k, 0) for a in answers) for k in ("received", "written", "pushing")}
         merged["kept_other"] = [k for a in answers for k in a.get("kept_other") or ()]
         return merged
 

@@ -16,7 +16,8 @@ Paths: a store goes, by the host's `ack` setting, to the nearest live edge (`ack
 the default, as LMCache's own adapters answer once their backend holds the bytes: the edge
 keeps them in memory and answers, and makes them durable at the origin after, with a bounded
 backlog: kdn/edge/stores.py) or to the origin (`ack = "origin"`: `put_objects` answers once
-they are durable there, one fsync batch a call); either way the origin pushes them to their
+they are durable there, one fsync batch a call; from another node than the origin's, over its
+HTTP server: kdn/client/ingest.py); either way the origin pushes them to their
 ring owners in the background; a lookup asks the nearest live edge, which answers for itself and asks the
 origin for the rest (`holds`); a load fetches from the nearest live edge (kdn.client.reader:
 failover, pull-through), which serves what it lacks from the ring owners and the origin, so
@@ -274,7 +275,7 @@ class Objects:
 
     def stats(self) -> dict:
         out = {"layer": self.layer, "region": self.view.region, "counters": dict(self.counters),
-               "data_plane": self.view.plane.stats()}
+               "data_plane": self.view.plane.stats(), "origin_writes": self.view.writes(self.token).stats()}
         if self.prefaulter is not None:
             out["prefault"] = self.prefaulter.stats()
         return out
@@ -321,7 +322,7 @@ class Objects:
             if self.ack == ACK_EDGE:
                 got = self._put_at_edge(chunks)
             else:
-                got = self.view.origin(STORE_TIMEOUT_S).put_objects(chunks, token=self.token)
+                got = self.view.writes(self.token).put("objects", chunks, STORE_TIMEOUT_S)
         except AccessDenied as e:
             self.counters["store_refused"] += 1
             raise AccessDenied(f"KDN {self.layer}: the origin refused a store ({e}): stores need the "
@@ -339,7 +340,7 @@ class Objects:
             got, edge, _ = self.view.nearest(STORE_TIMEOUT_S).put_objects(chunks, token=self.token)
         except NoLiveEdge:
             self.counters["stored_at_origin_no_edge"] += 1
-            return self.view.origin(STORE_TIMEOUT_S).put_objects(chunks, token=self.token)
+            return self.view.writes(self.token).put("objects", chunks, STORE_TIMEOUT_S)
         self.counters["acked_at_edge"] += got["pending"]
         if got["pending"]:
             self._acked_at.add(edge)

@@ -1,4 +1,5 @@
-"""The origin's stored frames over HTTP: what an edge on another node pulls a push from.
+"""The origin's HTTP server: its stored frames, which an edge on another node pulls a push
+from, and the bulk writes of clients on other nodes.
 
 A push to an edge on another Ray node than the origin goes over the data plane
 (kdn/origin/push.py): the origin's call over Ray (EdgeAPI.pull_chunks) names the keys and
@@ -15,6 +16,14 @@ streamed as they are read from the store, each read while the one before is sent
 verifies every frame as it arrives (a corrupt one costs only its key there). A frame that
 vanished or changed size after its size was announced ends the answer short: the edge then
 takes the push over Ray.
+POST /v1/chunks and POST /v1/objects take a client's bulk writes from another node (a
+publisher's put_chunks, a cache layer's put_objects acknowledged here: kdn/client/ingest.py),
+where Ray's object manager would carry a third of a socket's pace: with the admin token only,
+a body of raw frames back to back (FRAMES_TYPE, its Content-Length at most MAX_INGEST_BYTES,
+at most MAX_INGEST_FRAMES frames), received into one buffer, every frame checked and its
+checksum verified (a bad one refuses the whole body: 400 naming it, nothing stored), then
+stored as the same call over Ray would (OriginNode.put_chunks / put_objects: durable before
+the answer); the answer is that call's, in msgpack.
 GET /health answers anyone. Anything malformed is a 400, every error JSON {"error",
 "message", "status"}. The server binds 127.0.0.1 unless told the node's address ("node") or
 another (host "node", kdn.core.dataplane.NODE_HOST, is resolved by the caller), and off
@@ -22,21 +31,27 @@ loopback only with an admin token.
 """
 import asyncio
 import collections
+import functools
 import json
 import logging
+import time
 
 import msgpack
 from aiohttp import web
 
 from kdn.core.env import is_loopback
-from kdn.core.errors import AccessDenied, BadRequest
+from kdn.core.errors import AccessDenied, BadRequest, FrameError
 from kdn.core.serving import Served, bearer as _bearer, bind
 from kdn.core.keys import KEY_BYTES
-from kdn.core.wire import FRAMES_TYPE
+from kdn.core.chunk import decode, frame_size, read_header
+from kdn.core.wire import FRAMES_TYPE, MSGPACK_TYPE
 
 log = logging.getLogger(__name__)
 
 MAX_KEYS = 4096               # keys one pull may name (a push batch is at most 64 MiB of chunks)
+MAX_INGEST_BYTES = 512 << 20  # one write's body (a publisher's batch is 64 MiB, an object store's 256)
+MAX_INGEST_FRAMES = 4096      # frames in one write (OriginNode's MAX_CHUNKS_PER_CALL)
+INGEST = ("chunks", "objects")    # POST /v1/<what>: put_chunks, put_objects
 MAX_PULL_BYTES = MAX_KEYS * (KEY_BYTES + 2) + 64     # the largest body of a pull
 KEEPALIVE_S = 75.0            # an idle keep-alive connection is closed after this
 
@@ -60,20 +75,45 @@ def check_pull_keys(body) -> list:
     return keys
 
 
+def frames_of(buf, most: int) -> list:
+    """The chunks of a body of frames back to back (views of buf), each frame's header checked
+    and its checksum verified; BadRequest naming the first that is not a whole, intact frame,
+    or when there are more than `most`."""
+    out, off, mv = [], 0, memoryview(buf)
+    while off < len(mv):
+        if len(out) == most:
+            raise BadRequest(f"the body holds more than {most} frames: split it")
+        try:
+            header, start = read_header(mv[off:])
+            end = off + frame_size(header, start)
+            if end > len(mv):
+                raise BadRequest(f"frame {len(out)} runs past the body's end ({end} > {len(mv)} bytes)")
+            out.append(decode(mv[off:end], verify=True))
+        except FrameError as e:
+            raise BadRequest(f"frame {len(out)} (at byte {off}) is not an intact frame: {e}") from None
+        off = end
+    return out
+
+
 class OriginHTTP(Served):
     """The origin's HTTP server over `store` (kdn.origin.store.ChunkStore); start() binds,
     url tells where, stop() closes."""
 
-    def __init__(self, store, tokens, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, store, tokens, host: str = "127.0.0.1", port: int = 0, ingest: dict = None):
+        """ingest: what -> the origin's coroutine storing a list of Chunks (INGEST; None: no
+        writes served)."""
         if not is_loopback(host) and tokens.admin is None:
             raise BadRequest(f"the origin will not serve its frames on {host}, off loopback, without an "
                              "admin token: anyone who reaches the address would read every chunk")
         self.store, self.tokens, self.host, self.port_wanted = store, tokens, host, int(port)
+        self.ingest = dict(ingest or {})
         self.port, self._runner = None, None
         self.counters = collections.Counter()
         self.app = web.Application(middlewares=[self._errors], client_max_size=MAX_PULL_BYTES)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_post("/v1/peer", self._peer)
+        for what in self.ingest:
+            self.app.router.add_post(f"/v1/{what}", functools.partial(self._write, what))
 
     async def start(self) -> str:
         if self._runner is None:
@@ -93,18 +133,51 @@ class OriginHTTP(Served):
             resp = _error(401 if _bearer(request) is None else 403, "access_denied", str(e))
         except BadRequest as e:
             resp = _error(400, "bad_request", str(e))
-        except web.HTTPRequestEntityTooLarge:
-            resp = _error(413, "body_too_large", f"a request body is at most {MAX_PULL_BYTES} bytes")
+        except web.HTTPRequestEntityTooLarge as e:
+            resp = _error(413, "body_too_large", e.text or f"a request body is at most {MAX_PULL_BYTES} bytes")
         except web.HTTPMethodNotAllowed:
             resp = _error(405, "method_not_allowed", f"{request.method} is not allowed on {request.path}")
         except web.HTTPNotFound:
             resp = _error(404, "not_found", f"no endpoint {request.method} {request.path:.200}; "
-                                            "endpoints: GET /health, POST /v1/peer")
+                                            "endpoints: GET /health, POST /v1/peer"
+                                            + "".join(f", POST /v1/{w}" for w in self.ingest))
         self.counters[f"status_{resp.status}"] += 1
         return resp
 
     async def _health(self, request):
         return web.json_response({"role": "origin", "chunks": self.store.chunk_count})
+
+    async def _write(self, what: str, request):
+        """A client's chunks (what "chunks") or objects ("objects") as frames: stored, then the
+        storing call's answer in msgpack."""
+        self.tokens.check_admin(_bearer(request), f"POST /v1/{what}")
+        if request.content_type != FRAMES_TYPE:
+            raise BadRequest(f"POST /v1/{what} takes {FRAMES_TYPE}, got {request.content_type!r:.80}")
+        n = request.content_length
+        if n is None:
+            raise BadRequest(f"POST /v1/{what} needs a Content-Length")
+        if n > MAX_INGEST_BYTES:
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_INGEST_BYTES, actual_size=n,
+                                                text=f"POST /v1/{what} takes at most {MAX_INGEST_BYTES} bytes, "
+                                                     f"got {n}: split it")
+        buf, got, t0 = bytearray(n), 0, time.perf_counter()
+        async for piece in request.content.iter_any():     # as it arrives, into one buffer
+            if got + len(piece) > n:
+                raise BadRequest(f"the body runs past its Content-Length of {n} bytes")
+            buf[got:got + len(piece)] = piece
+            got += len(piece)
+        if got != n:
+            raise BadRequest(f"the body ended after {got} of its {n} bytes")
+        chunks = await asyncio.to_thread(frames_of, memoryview(buf).toreadonly(), MAX_INGEST_FRAMES)
+        t1 = time.perf_counter()
+        answer = await self.ingest[what](chunks)
+        # the write's time here: receiving and verifying its frames, then storing them (durable)
+        self.counters[f"ingest_{what}_receive_us"] += int((t1 - t0) * 1e6)
+        self.counters[f"ingest_{what}_store_us"] += int((time.perf_counter() - t1) * 1e6)
+        self.counters[f"ingest_{what}_calls"] += 1
+        self.counters[f"ingest_{what}_frames"] += len(chunks)
+        self.counters[f"ingest_{what}_bytes"] += n
+        return web.Response(body=msgpack.packb(answer, use_bin_type=True), content_type=MSGPACK_TYPE)
 
     async def _peer(self, request):
         self.tokens.check_admin(_bearer(request), "POST /v1/peer")

@@ -16,8 +16,8 @@ over a bucket it may restart on any node. With store_codec="zstd" its disk holds
 chunks losslessly compressed; lossy codecs are refused: the origin keeps the exact KV every
 copy is checked against.
 
-Every method takes `token=` (kdn.core.rpc's contract). All but ping, membership and stats need
-the admin token; those three answer anyone, but only the admin sees the operators'
+Every method takes `token=` (kdn.core.rpc's contract). All but ping, membership, stats and
+data_address need the admin token; those answer anyone, but only the admin sees the operators'
 overrides and quarantined manifests, which name tenants' KBs. The Ray cluster itself is the
 operator's trust boundary: tenants outside it read over HTTP with their read tokens.
 """
@@ -38,6 +38,7 @@ from kdn.core.names import check_node_name
 from kdn.origin import overrides
 from kdn.origin.drops import settled
 from kdn.origin.health import PERIOD_S, Health
+from kdn.origin.intake import Intake
 from kdn.origin.membership import Membership, check_members
 from kdn.origin.objects import open_objects
 from kdn.origin.push import Pusher, outgoing
@@ -121,6 +122,10 @@ class OriginNode:
         if http_host is not None and (not isinstance(http_host, str) or not http_host):
             raise BadRequest(f"http_host must be an address or \"node\", got {http_host!r:.80}")
         self.pusher = Pusher(self.store, self.actors, self.roster, self.tokens, http_host)
+        self.intake = Intake(self.tokens.admin)      # edges' write-behind over their frames
+        # clients' bulk writes over the origin's HTTP server (kdn/origin/http.py), which checked the token
+        self.pusher.ingest = {"chunks": lambda cs: self.put_chunks(cs, token=self.tokens.admin),
+                              "objects": lambda cs: self.put_objects(cs, token=self.tokens.admin)}
         self.counters = collections.Counter(chunks_received=0, chunks_written=0, versions_committed=0,
                                             chunks_served=0, rehomed_chunks=0, health_errors=0)
         self.started = time.time()
@@ -195,7 +200,7 @@ class OriginNode:
 
     async def stats(self, token=None) -> dict:
         counters = collections.Counter()
-        for part in (self, self.pusher, self.health, self.roster):
+        for part in (self, self.pusher, self.intake, self.health, self.roster):
             counters.update(part.counters)
         m = self.roster
         out = {"role": "origin", "network": self.network, "members": len(m.members),
@@ -333,13 +338,55 @@ class OriginNode:
                 or not all(isinstance(r, ray.ObjectRef) for r in refs)):
             raise BadRequest(f"put_object_refs takes a list of at most {MAX_CHUNKS_PER_CALL} object "
                              f"references, got {type(refs).__name__}")
+        t0 = time.perf_counter()
         try:
             chunks = await asyncio.to_thread(ray.get, list(refs), timeout=REF_READ_TIMEOUT_S)
         except (rex.GetTimeoutError, rex.ObjectLostError) as e:
             self.counters["object_ref_failures"] += 1
             raise Unreachable(f"put_object_refs: the objects handed over could not be read "
                               f"({type(e).__name__})") from None
+        # the pace of Ray's path, beside object_pull_http_* (kdn/origin/intake.py)
+        self.counters["object_refs_read"] += len(chunks)
+        self.counters["object_ref_bytes"] += sum(c.nbytes for c in chunks if isinstance(c, Chunk))
+        self.counters["object_ref_us"] += int((time.perf_counter() - t0) * 1e6)
         return await self.put_objects(chunks, token=token)
+
+    async def data_address(self, token=None) -> dict:
+        """Where a client on another node writes its chunks and objects over HTTP
+        (kdn/client/ingest.py): {"url": the origin's HTTP base URL (its server started now), or
+        None when it serves none (no http_host), "node": its Ray node id, "ip": its node's
+        address}. No token: an address is no secret, and the server checks every request's."""
+        import ray
+        on_ray = ray.is_initialized()
+        return {"url": await self.pusher.http_url(),
+                "node": ray.get_runtime_context().get_node_id() if on_ray else None,
+                "ip": ray.util.get_node_ip_address() if on_ray else None}
+
+    async def pull_objects(self, edge: str, keys, token=None) -> dict:
+        """put_objects of the objects of keys pulled from edge's own HTTP frames (its
+        write-behind over the data plane, kdn/origin/intake.py): put_objects' answer, with
+        "pulled" (objects received intact) and "missing" (the keys that were not: the edge
+        sends those over Ray); {"pulled": None} when this origin does not read edge over HTTP
+        (no data plane here, the edge not a member, on this node or out of reach, or its server
+        did not answer): the edge sends the batch over Ray."""
+        self.tokens.check_admin(token, "pull_objects")
+        check_node_name(edge)
+        keys = _keys(keys)
+        # an edge out of the ring (taken out as down, removed) may still hold a backlog: over Ray
+        url = await self.pusher.edge_url(edge) if edge in {m[0] for m in self.roster.members} else None
+        if url is None:
+            return {"pulled": None}
+        got = await self.intake.pull(url, keys)
+        if got is None:              # its server did not answer: asked for its address again later
+            self.pusher.data.forget(edge)
+            self.intake.forget(url)
+            return {"pulled": None}
+        objs = [o for o in got if o is not None]
+        if any(isinstance(o, Encoded) for o in objs):      # kept compressed there: stored as Chunks
+            objs = await asyncio.to_thread(lambda: [o.decode() if isinstance(o, Encoded) else o for o in objs])
+        answer = await self.put_objects(objs, token=token) if objs else {
+            "received": 0, "written": 0, "pushing": 0, "kept_other": []}
+        return {**answer, "pulled": len(objs), "missing": [k for k, o in zip(keys, got) if o is None]}
 
     def _push_objects(self, chunks) -> int:
         """Queue the push of chunks to their owners; how many were queued. Bounded: beyond

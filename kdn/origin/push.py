@@ -61,6 +61,7 @@ class Pusher:
         Ray node's address; kdn/origin/http.py), None: every push goes over Ray."""
         self.store, self.actors, self.membership = store, actors, membership
         self.tokens, self.http_host = tokens, http_host
+        self.ingest = None           # what -> the origin's store call its HTTP server takes writes for
         self.http, self.data, self._http_lock = None, None, asyncio.Lock()
         self.counters = collections.Counter(chunks_pushed=0, edge_call_failures=0)
 
@@ -76,7 +77,8 @@ class Pusher:
                 from kdn.origin.http import OriginHTTP
                 on_ray = ray.is_initialized()
                 ip = ray.util.get_node_ip_address() if on_ray else None
-                http = OriginHTTP(self.store, self.tokens, ip if self.http_host == NODE_HOST else self.http_host)
+                http = OriginHTTP(self.store, self.tokens, ip if self.http_host == NODE_HOST else self.http_host,
+                                  ingest=self.ingest)
                 await http.start()
                 self.http = http
                 self.data = Addresses("auto", ray.get_runtime_context().get_node_id() if on_ray else None, ip)
@@ -94,6 +96,12 @@ class Pusher:
                 return None
             self.data.note(edge, got)
         return url if self.data.url(edge) is not None else None
+
+    async def edge_url(self, edge: str):
+        """edge's own HTTP URL when the origin reads its frames (its write-behind:
+        kdn/origin/intake.py): as for a push, where edge serves HTTP on another Ray node that
+        this host reaches and this origin takes the data plane; else None (over Ray)."""
+        return None if await self._pull_url(edge) is None else self.data.url(edge)
 
     def edge(self, edge: str, timeout: float = BATCH_TIMEOUT_S) -> EdgeAPI:
         """edge's interface; a call answers None when it is dead, restarting or too slow (counted)."""

@@ -152,6 +152,17 @@ def test_status_says_how_the_origins_pushes_travelled():
         "18 chunks over Ray (0.25 GB/s)")
 
 
+def test_status_says_how_bulk_writes_reached_the_origin():
+    from kdn.cli.cluster import writes_line
+    assert writes_line({"objects_received": 3}, None) == ""
+    assert writes_line({"objects_pulled_http": 8, "object_pull_http_bytes": 10**9, "object_pull_http_us": 10**6,
+                        "object_refs_read": 4, "object_ref_bytes": 10**9, "object_ref_us": 4 * 10**6},
+                       {"ingest_chunks_frames": 32, "ingest_chunks_bytes": 10**9, "ingest_chunks_receive_us": 10**6,
+                        "ingest_chunks_store_us": 10**6}) == (
+        "origin takes: 32 chunks written to its HTTP server (0.50 GB/s, durable); 8 stored objects pulled "
+        "from edges' frames (1.00 GB/s); 4 stored objects handed over by edges over Ray (0.25 GB/s)")
+
+
 # --- a codebase: this repository's kdn/placement/ folder, with the real model --------------------
 @pytest.fixture(scope="module")
 def code_net(small_network, ray_cluster):

@@ -102,6 +102,37 @@ def test_an_origin_that_does_not_answer_is_tried_again_and_nothing_waiting_is_lo
     assert origin_took(edge)[-2:] == [c.key for c in objs]
 
 
+def test_an_edge_serving_http_has_the_origin_pull_its_backlog_and_sends_over_ray_what_was_not_pulled(kit, edge):
+    """Where the edge serves HTTP the origin is handed only the keys and pulls the bytes from
+    its frames (pull_objects); a key the origin did not receive intact goes over Ray; an
+    origin that reads this edge over Ray ({"pulled": None}) gets every batch over Ray, and
+    is not asked to pull again for HTTP_RETRY_S."""
+    first, second, third = objects(kit, 4, seed=20), objects(kit, 2, seed=21), objects(kit, 2, seed=22)
+    edge.stores.name, edge.stores.serves_http = "e0", lambda: True
+    asked_pull = []
+
+    def pull(name, keys):
+        asked_pull.append((name, list(keys)))
+        if len(asked_pull) > 1:
+            return {"pulled": None}
+        return {"received": 3, "written": 3, "pushing": 3, "kept_other": [], "pulled": 3, "missing": [first[1].key]}
+    edge.answers[(None, "pull_objects")] = pull
+    edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0}
+
+    async def main():
+        for objs in (first, second, third):
+            await edge.put_objects(objs)
+            await settle(edge)
+    asyncio.run(main())
+    assert asked_pull == [("e0", [c.key for c in first]), ("e0", [c.key for c in second])]
+    # over Ray: the key not pulled, then the declined batch, then the next without asking
+    assert origin_took(edge) == [first[1].key] + [c.key for c in second + third]
+    st = edge.stores.stats()
+    assert st["store_forwarded_http"] == 3 and st["store_forwarded_http_bytes"] == sum(
+        c.nbytes for i, c in enumerate(first) if i != 1)
+    assert st["store_forward_http_declined"] == 1 and st["store_forwarded"] == 8 and st["backlog_objects"] == 0
+
+
 def test_the_backlog_goes_to_the_origin_as_references_to_the_kept_copies_and_as_bytes_when_those_fail(kit, edge, monkeypatch):
     """In Ray each kept copy has a reference: the origin is handed those (no copy made to
     send them); a hand-over the origin could not read (None: unreachable) is retried with

@@ -235,6 +235,11 @@ class RecordingEdge:
     def nearest(self, timeout, resolve_refs=False):
         return Stub(EdgeAPI, self.call, "the nearest edge")
 
+    def writes(self, token=None):
+        """Writes to the origin over Ray (kdn/client/ingest.py): this view's origin()."""
+        from kdn.client.ingest import OriginWrites
+        return OriginWrites(self, "ray", None, None, token)
+
     def call(self, method, args, kw):
         assert method == "put_objects"
         chunks = args[0]

@@ -267,6 +267,85 @@ def test_the_service_answers_from_each_regions_host_with_the_kv_of_that_regions_
         stop_network(net)
 
 
+def test_stores_acknowledged_on_another_host_reach_the_origin_over_that_edges_frames(hosts, tmp_path):
+    """An edge's write-behind crosses hosts over the data plane: the origin is handed the keys
+    over Ray and pulls the bytes from that edge's HTTP frames. The edge on the origin's own
+    host hands its stores over by reference (Ray, one node). The origin holds the very bytes
+    each edge acknowledged."""
+    from kdn.core.keys import namespace_digest
+    from kdn.integrations.objects import object_key, pack
+    net = _start(hosts, tmp_path)
+    try:
+        ns, rng, stored = namespace_digest("acme", "lmcache/hosts"), np.random.default_rng(5), []
+        for region in ("eu-west", "us-east"):
+            objs = [pack(object_key(ns, f"{region}-{i}".encode()), ns,
+                         rng.integers(0, 255, 1 << 20, dtype=np.uint8)) for i in range(6)]
+            edge = net.edges[f"{region}-0"]
+            assert ray.get(edge.put_objects.remote(objs, token=ADMIN), timeout=60) == {
+                "received": 6, "kept": 6, "pending": 6}
+            assert ray.get(edge.stores_durable.remote(60.0, token=ADMIN), timeout=90)["durable"]
+            stored += objs
+        eu, us = (ray.get(net.edges[e].stats.remote(token=ADMIN), timeout=30)["stores"]
+                  for e in ("eu-west-0", "us-east-0"))
+        assert eu["store_forwarded_http"] == 6 and eu.get("store_forwarded_by_ref", 0) == 0, eu
+        assert eu["store_forwarded_http_bytes"] == sum(c.nbytes for c in stored[:6])
+        assert us.get("store_forwarded_http", 0) == 0 and us["store_forwarded_by_ref"] == 6, us
+        assert us["store_forward_http_declined"] == 1
+        counters = ray.get(net.origin.stats.remote(token=ADMIN), timeout=30)["counters"]
+        assert counters["objects_pulled_http"] == 6 and counters.get("object_pull_http_missing", 0) == 0
+        assert counters["objects_written"] == 12
+        back = ray.get(net.origin.get_chunks.remote([c.key for c in stored], token=ADMIN), timeout=60)
+        assert [b.kv.tobytes() for b in back] == [c.kv.tobytes() for c in stored]    # the bytes acknowledged
+    finally:
+        from kdn.launch.cluster import stop_network
+        stop_network(net)
+
+
+@ray.remote(num_cpus=0)
+def _write_from_host(network, toks, kv, ns, keys, datas):
+    """A publisher and a cache layer's stores acknowledged at the origin, on some region's host:
+    how their bytes went, and the view's own counters."""
+    from kdn.client import Client
+    from kdn.integrations.objects import Objects
+    cl = Client(network=network, tenant="acme", fingerprint=FP, admin_token=ADMIN)
+    receipt = cl.publish("written", [("d", toks)], kv)
+    objects = Objects(cl.view, "hosts", admin_token=ADMIN, ack="origin")
+    sent = objects.store([(ns, k) for k in keys], datas)
+    return {"node_ip": ray.util.get_node_ip_address(), "publish": cl.view.writes().stats(),
+            "objects": objects.stats()["origin_writes"], "sent": sent, "version": receipt["version"]}
+
+
+def test_a_publish_and_stores_at_the_origin_from_another_host_go_over_its_http_server(hosts, tmp_path, synth):
+    """Bulk writes from another host than the origin's go as frames to the origin's own HTTP
+    server, verified there, not through Ray's object manager: a publish's chunks and a cache
+    layer's objects acknowledged at the origin. The origin holds the very bytes, and a reader
+    gets the published KV."""
+    from kdn.core.keys import namespace_digest
+    from kdn.integrations.objects import object_key
+    net = _start(hosts, tmp_path)
+    try:
+        toks, kv = synth.tokens(600, seed=17), synth.kv(600, seed=17)
+        ns, rng = namespace_digest("acme", "hosts/written"), np.random.default_rng(17)
+        datas = [rng.integers(0, 255, 300_000, dtype=np.uint8) for _ in range(4)]
+        keys = [object_key(ns, f"w{i}".encode()) for i in range(4)]
+        got = ray.get(_write_from_host.options(label_selector={"region": "ap-south"}).remote(
+            net.name, toks, kv, ns, keys, datas), timeout=120)
+        assert got["node_ip"] == hosts.address_of("ap-south")
+        assert got["publish"]["http_writes"] >= 1 and got["publish"].get("ray_writes", 0) == 0, got
+        assert got["objects"]["http_frames"] == 4 and got["objects"].get("ray_writes", 0) == 0, got
+        http = ray.get(net.origin.stats.remote(token=ADMIN), timeout=30)["http"]
+        assert http["ingest_chunks_frames"] == got["publish"]["http_frames"] > 0
+        assert http["ingest_objects_frames"] == 4
+        back = ray.get(net.origin.get_chunks.remote(keys, token=ADMIN), timeout=60)
+        assert [b.kv[:-8].tobytes() for b in back] == [d.tobytes() for d in datas]    # less the trailer
+        from kdn.client import Client
+        f = Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP, token=ACME).fetch(toks + [1])
+        assert f.tokens == 600 and np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
+    finally:
+        from kdn.launch.cluster import stop_network
+        stop_network(net)
+
+
 def test_a_killed_host_costs_its_readers_one_failover(hosts, tmp_path, synth):
     """Last in the module: the host's node is gone for good. Its origin serves its frames on
     loopback, which only its own host reaches: the edges on the other hosts say so and get its

@@ -166,7 +166,8 @@ def test_every_method_but_ping_membership_and_stats_needs_the_admin_token(tmp_pa
                  "collect": (), "set_members": (MEMBERS,), "add_edge": ("x-1", "us-east"),
                  "remove_edge": ("us-east-0",), "set_override": ("acme", "handbook"),
                  "warm": ("acme", "handbook", "us-east"), "auth_config": (),
-                 "put_objects": ([],), "delete_objects": ([], m.ns), "pushes_settled": ()}
+                 "put_objects": ([],), "delete_objects": ([], m.ns), "pushes_settled": (),
+                 "pull_objects": ("us-east-0", [])}
         for method, args in calls.items():
             for token in (None, "wrong-token-0123456789"):
                 with pytest.raises(AccessDenied, match="needs the network's admin token"):
@@ -350,6 +351,26 @@ def test_put_objects_names_the_keys_it_holds_with_other_bytes_and_keeps_their_fi
         assert got[0].kv.tobytes() == objs[1].kv.tobytes()                 # the first bytes
         assert (await node.stats(token=ADMIN))["counters"]["objects_kept_other"] == 1
         await node.pushes_settled(token=ADMIN)
+    run(go())
+
+
+def test_pull_objects_refuses_bad_keys_and_declines_a_stranger_or_without_a_data_plane(tmp_path, edges):
+    """An edge's write-behind over its HTTP frames (kdn/origin/intake.py), with keys; an edge
+    out of the ring (it may still hold a backlog), and every edge of an origin with no data
+    plane (no http_host), are read over Ray: the origin says so ({"pulled": None}), storing
+    nothing."""
+    async def go():
+        node, _ = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+        assert await node.pull_objects("nobody-0", [bytes(16)], token=ADMIN) == {"pulled": None}
+        with pytest.raises(BadRequest, match="edge name"):
+            await node.pull_objects("../etc", [bytes(16)], token=ADMIN)
+        with pytest.raises(BadRequest, match="keys must be a list"):
+            await node.pull_objects("us-east-0", "not-keys", token=ADMIN)
+        with pytest.raises(BadRequest, match="a key"):
+            await node.pull_objects("us-east-0", [b"short"], token=ADMIN)
+        assert await node.pull_objects("us-east-0", [bytes(16)], token=ADMIN) == {"pulled": None}
+        assert (await node.stats(token=ADMIN))["counters"].get("objects_received", 0) == 0
     run(go())
 
 
