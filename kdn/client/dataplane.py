@@ -102,7 +102,28 @@ class ReaderPlane:
 
     def _fetch(self, url: str, timeout_s: float, token, keys, ns, region, accept, tenant, fingerprint) -> dict:
         """One slice's answer over one keep-alive connection."""
-        from kdn.client.http import EdgeHTTPClient, fetch_reply
+        from kdn.client.http import fetch_reply
+        codec = "auto" if set(accept) >= set(LOSSLESS) else "raw"
+        return self._on_connection(url, timeout_s, token,
+                                   lambda client: fetch_reply(client, keys, ns, region, codec, tenant, fingerprint))
+
+    def conversation(self, url: str, timeout_s: float, token, keys, ns, tenant, fingerprint, scope) -> tuple:
+        """(objects, wire bytes): a conversation's held prefix at its home edge over HTTP (see
+        EdgeHTTPClient.conversation_get), on one keep-alive connection; Unreachable when the
+        edge gives none within timeout_s."""
+        t0 = time.perf_counter()
+        objs, nbytes = self._on_connection(url, timeout_s, token, lambda client: client.conversation_get(
+            keys, ns, tenant, fingerprint, scope))
+        with self._lock:
+            self.counters["http_conversation_fetches"] += 1
+            self.counters["http_conversation_bytes"] += nbytes
+            self.counters["http_conversation_us"] += int((time.perf_counter() - t0) * 1e6)
+        return objs, nbytes
+
+    def _on_connection(self, url: str, timeout_s: float, token, call):
+        """call(client) on a keep-alive connection to url from the pool (made if none is idle),
+        given back after it unless the call failed (a connection broken mid-answer is closed)."""
+        from kdn.client.http import EdgeHTTPClient
         with self._lock:
             idle = self._idle[(url, token)]
             client = idle.pop() if idle else None
@@ -110,8 +131,7 @@ class ReaderPlane:
             client = EdgeHTTPClient(url, timeout_s=timeout_s, allow_remote=True, token=token)
         client.set_timeout(timeout_s)
         try:
-            codec = "auto" if set(accept) >= set(LOSSLESS) else "raw"
-            reply = fetch_reply(client, keys, ns, region, codec, tenant, fingerprint)
+            reply = call(client)
         except BaseException:        # a connection broken mid-answer is not reused: closed, re-raised
             client.close()
             raise

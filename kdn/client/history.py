@@ -14,7 +14,10 @@ conversation's first key among the region's edges). The next turn, wherever it l
   its lookups' round trips and its fetches' throughput, each an EWMA, or the topology's
   declared latency and bandwidth until it has measured one: `links()`);
 - `fetch` brings the held prefix from that edge, every chunk's frame verified and its key
-  and namespace the ones asked for (no manifest vouches for conversation KV: its frame does).
+  and namespace the ones asked for (no manifest vouches for conversation KV: its frame does),
+  over the edge's HTTP frames where it is on another node that serves them (the reader's
+  data plane, kdn.client.dataplane; POST /v1/conversation with the tenant's read token), else
+  over Ray.
 With tails=True (a transformers worker: its cache takes any number of tokens), `find` also
 takes the conversation's tail after the held chunks (kdn.core.conversation.tail_key), the
 longest one the edge lists whose key the prompt's own tokens give, leaving at least one
@@ -177,20 +180,24 @@ class History:
         unreachable). A tail is the last chunk, of fewer tokens."""
         keys = found.keys[:found.held] + ([found.tail[0]] if found.tail else [])
         t0 = time.perf_counter()
-        try:
-            reply = self.view.at(found.edge, fetch_deadline_s(len(keys))).conversation_fetch(
-                keys, found.ns, self.tenant, self.fingerprint, found.scope, token=self.token)
-            refs = reply["refs"]
-            t1 = time.perf_counter()
-            objs = self.view.actors.get_sync(found.edge, refs, timeout=fetch_deadline_s(
-                len(refs), reply["bytes"])) if refs else []
-        except Unreachable:
-            self.counters["fetch_unreachable"] += 1
-            return []
-        if reply["bytes"]:      # the bytes' move alone (the reply's round trip is the rtt's)
-            self._measured(found.region, "bytes_per_s", reply["bytes"] / max(time.perf_counter() - t1, 1e-6))
+        objs = self._over_http(found, keys)
+        if objs is None:
+            try:
+                reply = self.view.at(found.edge, fetch_deadline_s(len(keys))).conversation_fetch(
+                    keys, found.ns, self.tenant, self.fingerprint, found.scope, token=self.token)
+                refs = reply["refs"]
+                t1 = time.perf_counter()
+                objs = self.view.actors.get_sync(found.edge, refs, timeout=fetch_deadline_s(
+                    len(refs), reply["bytes"])) if refs else []
+            except Unreachable:
+                self.counters["fetch_unreachable"] += 1
+                return []
+            if reply["bytes"]:      # the bytes' move alone (the reply's round trip is the rtt's)
+                self._measured(found.region, "bytes_per_s", reply["bytes"] / max(time.perf_counter() - t1, 1e-6))
         chunks = []
         for key, obj in zip(keys, objs):
+            if obj is None:         # over HTTP: the held prefix ends here (or a frame arrived corrupt)
+                break
             if obj.key != key or obj.ns != found.ns:
                 raise RemoteError(f"edge {found.edge} answered a conversation chunk that is not "
                                    "the one asked for")
@@ -205,6 +212,28 @@ class History:
         self.counters["chunks_fetched"] += len(chunks)
         self.counters["fetch_s"] += time.perf_counter() - t0
         return chunks
+
+    def _over_http(self, found: Found, keys):
+        """The home edge's answer over its HTTP frames (per key the verified object, None after
+        the held prefix) where it is on another node that serves them (kdn.client.dataplane:
+        the reader's data plane), else None (Ray). An edge that gives no answer over HTTP is
+        asked over Ray in turn, its address asked again next time."""
+        plane = self.view.plane
+        url = plane.url_of(found.edge, ())         # frames as held: raw, or a lossless codec
+        if url is None or not keys:
+            return None
+        t0 = time.perf_counter()
+        try:
+            objs, nbytes = plane.conversation(url, fetch_deadline_s(len(keys)), self.token, keys, found.ns,
+                                              self.tenant, self.fingerprint, found.scope)
+        except Unreachable:
+            plane.forget(found.edge)
+            self.counters["fetch_http_unreachable"] += 1
+            return None
+        self.counters["fetches_http"] += 1
+        if nbytes:              # request to the last frame: the link's pace as this reader sees it
+            self._measured(found.region, "bytes_per_s", nbytes / max(time.perf_counter() - t0, 1e-6))
+        return objs
 
     def store(self, tokens, kv, start_chunk: int, first_new_chunk: int, salt: str = None,
               retention: str = None, tails: bool = False) -> dict:

@@ -283,11 +283,34 @@ class EdgeHTTPClient:
         resp = self._request("POST", path, parts, FRAMES_TYPE)
         if resp.status != 200:
             self._refuse(resp, "POST", path)
-        raw = resp.read()
+        try:
+            raw = resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            self.close()
+            raise Unreachable(f"{self.url}: the answer to POST {path} broke off: {e}") from None
         try:
             return msgpack.unpackb(raw, raw=False)
         except (ValueError, TypeError, msgpack.UnpackException) as e:
             raise RemoteError(f"{self.url} answered POST {path} with no msgpack map: {type(e).__name__}") from None
+
+    def conversation_get(self, keys, ns: bytes, tenant: str, fingerprint: str, scope: str) -> tuple:
+        """(objects, wire bytes): the held prefix of a conversation's keys at its home edge (POST
+        /v1/conversation, with this client's token: the tenant's read token), as
+        conversation_fetch answers over Ray: per key the verified object (a Chunk, or an
+        Encoded in its codec) up to the first the edge does not hold, None from there (and
+        for a frame that arrived corrupt)."""
+        keys = [bytes(k) for k in keys]
+        body = {"keys": keys, "ns": bytes(ns), "tenant": tenant, "fingerprint": fingerprint, "scope": scope}
+        resp = self._request("POST", "/v1/conversation", msgpack.packb(body, use_bin_type=True),
+                             "application/msgpack")
+        if resp.status != 200:
+            self._refuse(resp, "POST", "/v1/conversation")
+        made = []
+        buf, (objs, corrupt) = self._receive(
+            resp, lambda mv: made.append(_PeerFrames(self.url, mv, keys)) or made[0])
+        self.counters["bytes"] += buf.nbytes
+        self.counters["conversation_corrupt"] += corrupt
+        return objs, buf.nbytes
 
     def peer_get(self, keys, region: str = None, drops=None, keep=None) -> tuple:
         """(objects, wire bytes): what this edge holds of keys, asked by another edge with the

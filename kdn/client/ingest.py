@@ -14,8 +14,9 @@ mode (the view's `data_plane`): kdn.core.dataplane's. The origin's address (its 
 and node address: OriginAPI.data_address) is asked once and kept; an origin without an HTTP
 server (started without http_host) is asked again after a while. A write that gets no answer
 over HTTP (refused, reset, silent past the timeout) is sent again over Ray (the origin
-deduplicates what it stored already) and the address is asked again next time; a refusal
-(a bad token, bad input) raises as over Ray.
+deduplicates what it stored already), and so do the writes after it for ADDRESS_RETRY_S,
+when the address is asked again; a refusal (a bad token, bad input) raises as over Ray. A
+write larger than the server takes at once (its data address says how much) goes over Ray.
 
 Counters (stats()): http_writes, http_frames, http_bytes, http_us (from the request to the
 answer), http_failures (writes sent again over Ray); ray_writes, ray_bytes, ray_us (likewise).
@@ -24,11 +25,12 @@ import collections
 import threading
 import time
 
-from kdn.core.dataplane import Addresses
+from kdn.core.dataplane import ADDRESS_RETRY_S, Addresses
 from kdn.core.rpc import Unreachable
 
 ORIGIN = "origin"               # the origin's entry in the address book
 IDLE_CONNECTIONS = 2
+FRAME_BYTES = 512               # a frame's header, at most, beside its payload
 
 
 class OriginWrites:
@@ -41,16 +43,19 @@ class OriginWrites:
         self.view, self.token = view, token
         self.addresses = Addresses(mode, node_id, node_ip)
         self.counters = collections.Counter()
+        self._ray_until = 0.0        # after a write the server did not answer: Ray until then
+        self._most = 0               # the most one write over HTTP carries (the origin says)
         self._idle = []
         self._lock = threading.Lock()
 
     def put(self, what: str, chunks, timeout_s: float) -> dict:
         url = self._url(timeout_s)
-        if url is not None and chunks:
+        if url is not None and chunks and sum(c.nbytes for c in chunks) + FRAME_BYTES * len(chunks) <= self._most:
             t0 = time.perf_counter()
             try:
                 got = self._http(url, what, chunks, timeout_s)
             except Unreachable:
+                self._ray_until = time.monotonic() + ADDRESS_RETRY_S
                 self.addresses.forget(ORIGIN)
                 self.counters["http_failures"] += 1
             else:
@@ -69,7 +74,7 @@ class OriginWrites:
 
     def _url(self, timeout_s: float):
         """The origin's URL when this process writes over HTTP, else None (Ray)."""
-        if self.addresses.mode == "ray":
+        if self.addresses.mode == "ray" or time.monotonic() < self._ray_until:
             return None
         if self.addresses.stale(ORIGIN):
             try:
@@ -77,6 +82,7 @@ class OriginWrites:
             except Unreachable:             # the write over Ray says so in turn
                 return None
             self.addresses.note(ORIGIN, got)
+            self._most = int(got.get("max_write_bytes") or 0)
         return self.addresses.url(ORIGIN)
 
     def _http(self, url: str, what: str, chunks, timeout_s: float) -> dict:

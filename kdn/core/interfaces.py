@@ -170,10 +170,10 @@ class OriginAPI(Protocol):
     async def data_address(self) -> dict:
         """Where clients on other nodes write over HTTP: {"url" (None: no server), "node", "ip"}."""
 
-    async def pull_objects(self, edge: str, keys) -> dict:
+    async def pull_objects(self, edge: str, keys, sums=None) -> dict:
         """put_objects of keys' objects pulled from edge's HTTP frames (its write-behind over
-        the data plane): with "pulled" and "missing"; {"pulled": None} when the origin reads
-        edge over Ray."""
+        the data plane), each only if of its checksum in sums: with "pulled" and "missing";
+        {"pulled": None} when the origin reads edge over Ray."""
 
     async def pushes_settled(self) -> dict:
         """Wait for the pushes queued so far; their counters."""

@@ -26,6 +26,10 @@ holds in the order asked (never pulling through), each in the form chosen for th
 the asker's region, or X-KDN-Behind: 1 with no frames when the asker applied more of the
 origin's drop log than this edge.
 
+A worker on another node reads the history of a conversation homed here over POST
+/v1/conversation (kdn/client/history.py): with the tenant's read token (or the admin's), the
+held prefix of its keys as frames, each as held, exactly as conversation_fetch answers over Ray.
+
 Input is untrusted: bodies over max_body_bytes are refused before they are read (413), so
 are requests over max_keys keys (413); a repeated key, bad gzip, a transfer coding other than
 chunked, anything malformed is a 400; every error is JSON {"error", "message"}; only a fault
@@ -68,7 +72,7 @@ BIND_RETRY_S = 10.0             # a restarted edge waits this long for its old p
 ENCODERS = 2                    # fetch answers encoded at once (each holds its frames in memory)
 FRAME_OVERHEAD = 256            # a frame's bytes beyond its payload, about (its header)
 ENDPOINTS = ("GET /health", "GET /v1/kbs", "POST /v1/lookup", "POST /v1/fetch", "POST /v1/peer",
-             "GET /metrics")
+             "POST /v1/conversation", "GET /metrics")
 
 
 class RequestError(Exception):
@@ -116,6 +120,7 @@ class EdgeHTTP(Served):
         self.app.router.add_post("/v1/lookup", self._lookup)
         self.app.router.add_post("/v1/fetch", self._fetch)
         self.app.router.add_post("/v1/peer", self._peer)
+        self.app.router.add_post("/v1/conversation", self._conversation)
         self.app.router.add_get("/metrics", self._metrics)
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -363,6 +368,43 @@ class EdgeHTTP(Served):
         resp.content_length = total
         await resp.prepare(request)
         self.counters["peer_bytes_sent"] += total
+        for p in parts:
+            if len(p):
+                await resp.write(p)
+        await resp.write_eof()
+        return resp
+
+    async def _conversation(self, request):
+        """A worker's read of a conversation homed here from another node (kdn/client/history.py):
+        conversation_fetch's held prefix of its keys as frames, in order, each as held; with
+        the tenant's read token (or the admin's), as over Ray. A copy failing its checks ends
+        the answer (the worker recomputes from there)."""
+        body = await self._body(request, {"keys", "ns", "tenant", "fingerprint", "scope"})
+        ns, keys = self._keys(body)
+        tenant, fingerprint = self._claim(body)
+        scope = body.get("scope")
+        if tenant is None or not isinstance(scope, str) or not 0 < len(scope) <= 1024:
+            raise RequestError(400, "bad_claim", "fields 'tenant', 'fingerprint' and 'scope' name the "
+                                                 "conversation: strings, each of 1 to 256 characters "
+                                                 "(scope up to 1024)")
+        helds = await self.edge.conversation_prefix(check_keys(keys), ns, tenant, fingerprint, scope,
+                                                    token=_bearer(request))
+        forms, objs = self.edge.forms, await resolve_all(helds)
+        want = [o.codec for o in objs]
+        if forms.nothing_to_compute(objs, want):
+            got, bad = forms.frames(objs, want)
+        else:
+            async with self._encoders:
+                got, bad = await asyncio.to_thread(forms.frames, objs, want)
+        if bad is not None:
+            self.counters["conversation_corrupt_ended"] += 1
+        parts = [p for frame in got for p in frame]
+        total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        resp = web.StreamResponse(status=200, headers={"X-KDN-Edge": self.edge.name})
+        resp.content_type = FRAMES_TYPE
+        resp.content_length = total
+        await resp.prepare(request)
+        self.counters["conversation_bytes_sent"] += total
         for p in parts:
             if len(p):
                 await resp.write(p)

@@ -769,15 +769,22 @@ class EdgeNode:
                                  token=None) -> dict:
         """{"refs", "bytes"}: the held prefix of a conversation's keys, as object references
         (zero-copy beside this edge), each read renewing its idle TTL."""
+        helds = await self.conversation_prefix(keys, ns, tenant, fingerprint, scope, token)
+        return {"refs": [h.ref if h.ref is not None else h.obj for h in helds],
+                "bytes": sum(h.nbytes for h in helds)}
+
+    async def conversation_prefix(self, keys, ns: bytes, tenant: str, fingerprint: str, scope: str,
+                                  token=None) -> list:
+        """conversation_fetch's answer for either transport (Ray; HTTP frames, POST
+        /v1/conversation: kdn/edge/http.py): the Held of the held prefix of keys, checked
+        as conversation_fetch checks them."""
         ns = self._conversation(tenant, fingerprint, scope, token, "conversation_fetch", ns)
         keys = check_keys(keys)     # the pull: half of what the worker waits for this fetch
         await self._pull_pinned(tenant, ns, keys, time.monotonic() + fetch_deadline_s(len(keys)) / 2)
         helds = await asyncio.to_thread(self.conversations.get_prefix, keys, ns)
-        refs = [h.ref if h.ref is not None else h.obj for h in helds]
-        nbytes = sum(h.nbytes for h in helds)
         self.counters["conversation_fetches"] += 1
-        self.counters["conversation_chunks_served"] += len(refs)
-        return {"refs": refs, "bytes": nbytes}
+        self.counters["conversation_chunks_served"] += len(helds)
+        return helds
 
     async def conversations_of(self, tenant: str, token=None) -> dict:
         """A tenant's conversations here and its settings (its read token or the admin's)."""

@@ -52,7 +52,7 @@ import logging
 import time
 
 from kdn.core.chunk import check_objects
-from kdn.core.errors import NetworkError
+from kdn.core.errors import KDNError, NetworkError
 
 log = logging.getLogger("kdn.edge")
 
@@ -238,7 +238,7 @@ class WriteBehind:
                 continue
             batch, size = [], 0
             for c in self._queue:
-                if batch and size + c.nbytes > FORWARD_BATCH_BYTES:
+                if batch and (size + c.nbytes > FORWARD_BATCH_BYTES or len(batch) == MAX_OBJECTS_PER_CALL):
                     break
                 batch.append(c)
                 size += c.nbytes
@@ -286,24 +286,35 @@ class WriteBehind:
     async def _send(self, batch, by_ref: bool):
         """The origin's answer to a batch of the backlog (copies kept here: Held), None when it
         is unreachable. First, where this edge serves HTTP, the origin is asked to pull the
-        batch from its frames (the data plane: kdn/origin/intake.py); what it did not take that
-        way (it reads this edge over Ray: same node, out of reach, no answer; asked again after
-        HTTP_RETRY_S) goes over Ray. by_ref: handed over as references into this node's object
+        batch from its frames (the data plane: kdn/origin/intake.py), each key once with the
+        checksum of the copy queued here (the origin takes a frame only of those bytes: the
+        edge may hold another copy of the key in its main tier); what it did not take that way
+        (it reads this edge over Ray: same node, out of reach, no answer, a refusal; asked again
+        after HTTP_RETRY_S) goes over Ray. by_ref: handed over as references into this node's object
         store (the origin reads them, no copy made to send them); else, or for copies this
         process holds outside the store (those under INLINE_BYTES), their bytes: a mixed batch
         goes in several calls, answered when all are. A failed hand-over's retry sends every
         one's bytes over Ray."""
         answers = []
         if by_ref and self.name is not None and self.serves_http() and time.monotonic() >= self._ray_until:
-            got = await self.peers.origin().pull_objects(self.name, [h.key for h in batch])
-            if got is None:
-                return None
-            if got.get("pulled") is None:
+            first = {}                       # each key once, with the checksum of its queued copy
+            for h in batch:
+                first.setdefault(h.key, h)
+            try:
+                got = await self.peers.origin().pull_objects(self.name, list(first),
+                                                             [h.xxh for h in first.values()])
+            except KDNError as e:            # refused (a bug, a stale origin): Ray takes the batch
+                log.warning("edge: the origin refused to pull stores from this edge's frames (%s); "
+                            "they go over Ray", e)
+                got = {"pulled": None}
+            if got is None or got.get("pulled") is None:     # unreachable or declined: Ray for a while
                 self._ray_until = time.monotonic() + HTTP_RETRY_S
                 self.counters["store_forward_http_declined"] += 1
+                if got is None:
+                    return None
             else:
                 missing = set(got.get("missing") or ())
-                taken = [h for h in batch if h.key not in missing]
+                taken = [h for h in first.values() if h.key not in missing]
                 self.counters["store_forwarded_http"] += len(taken)
                 self.counters["store_forwarded_http_bytes"] += sum(h.nbytes for h in taken)
                 answers.append(got)

@@ -40,7 +40,7 @@ import msgpack
 from aiohttp import web
 
 from kdn.core.env import is_loopback
-from kdn.core.errors import AccessDenied, BadRequest, FrameError
+from kdn.core.errors import AccessDenied, BadRequest, FrameError, KDNError
 from kdn.core.serving import Served, bearer as _bearer, bind
 from kdn.core.keys import KEY_BYTES
 from kdn.core.chunk import decode, frame_size, read_header
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 MAX_KEYS = 4096               # keys one pull may name (a push batch is at most 64 MiB of chunks)
 MAX_INGEST_BYTES = 512 << 20  # one write's body (a publisher's batch is 64 MiB, an object store's 256)
 MAX_INGEST_FRAMES = 4096      # frames in one write (OriginNode's MAX_CHUNKS_PER_CALL)
+INGESTS_AT_ONCE = 2           # write bodies held at once (each up to MAX_INGEST_BYTES); the rest wait
+INGEST_READ_S = 30.0          # a write whose body sends nothing for this long is dropped
 INGEST = ("chunks", "objects")    # POST /v1/<what>: put_chunks, put_objects
 MAX_PULL_BYTES = MAX_KEYS * (KEY_BYTES + 2) + 64     # the largest body of a pull
 KEEPALIVE_S = 75.0            # an idle keep-alive connection is closed after this
@@ -107,6 +109,7 @@ class OriginHTTP(Served):
                              "admin token: anyone who reaches the address would read every chunk")
         self.store, self.tokens, self.host, self.port_wanted = store, tokens, host, int(port)
         self.ingest = dict(ingest or {})
+        self._ingests = asyncio.Semaphore(INGESTS_AT_ONCE)     # memory: bodies held at once
         self.port, self._runner = None, None
         self.counters = collections.Counter()
         self.app = web.Application(middlewares=[self._errors], client_max_size=MAX_PULL_BYTES)
@@ -135,12 +138,17 @@ class OriginHTTP(Served):
             resp = _error(400, "bad_request", str(e))
         except web.HTTPRequestEntityTooLarge as e:
             resp = _error(413, "body_too_large", e.text or f"a request body is at most {MAX_PULL_BYTES} bytes")
+        except web.HTTPRequestTimeout as e:
+            resp = _error(408, "body_timeout", e.text)
         except web.HTTPMethodNotAllowed:
             resp = _error(405, "method_not_allowed", f"{request.method} is not allowed on {request.path}")
         except web.HTTPNotFound:
             resp = _error(404, "not_found", f"no endpoint {request.method} {request.path:.200}; "
                                             "endpoints: GET /health, POST /v1/peer"
                                             + "".join(f", POST /v1/{w}" for w in self.ingest))
+        except KDNError as e:           # the store's own fault (kdn.core.errors.StoreError): said, not hidden
+            log.warning("origin: %s %s failed: %s", request.method, request.path, e)
+            resp = _error(500, "store_error", str(e))
         self.counters[f"status_{resp.status}"] += 1
         return resp
 
@@ -160,17 +168,23 @@ class OriginHTTP(Served):
             raise web.HTTPRequestEntityTooLarge(max_size=MAX_INGEST_BYTES, actual_size=n,
                                                 text=f"POST /v1/{what} takes at most {MAX_INGEST_BYTES} bytes, "
                                                      f"got {n}: split it")
-        buf, got, t0 = bytearray(n), 0, time.perf_counter()
-        async for piece in request.content.iter_any():     # as it arrives, into one buffer
-            if got + len(piece) > n:
-                raise BadRequest(f"the body runs past its Content-Length of {n} bytes")
-            buf[got:got + len(piece)] = piece
-            got += len(piece)
-        if got != n:
-            raise BadRequest(f"the body ended after {got} of its {n} bytes")
-        chunks = await asyncio.to_thread(frames_of, memoryview(buf).toreadonly(), MAX_INGEST_FRAMES)
-        t1 = time.perf_counter()
-        answer = await self.ingest[what](chunks)
+        async with self._ingests:
+            buf, got, t0 = bytearray(n), 0, time.perf_counter()
+            while got < n:                                   # as it arrives, into one buffer
+                try:
+                    piece = await asyncio.wait_for(request.content.readany(), INGEST_READ_S)
+                except asyncio.TimeoutError:
+                    raise web.HTTPRequestTimeout(text=f"POST /v1/{what}: the body sent nothing for "
+                                                      f"{INGEST_READ_S:.0f} s") from None
+                if not piece:
+                    raise BadRequest(f"the body ended after {got} of its {n} bytes")
+                if got + len(piece) > n:
+                    raise BadRequest(f"the body runs past its Content-Length of {n} bytes")
+                buf[got:got + len(piece)] = piece
+                got += len(piece)
+            chunks = await asyncio.to_thread(frames_of, memoryview(buf).toreadonly(), MAX_INGEST_FRAMES)
+            t1 = time.perf_counter()
+            answer = await self.ingest[what](chunks)
         # the write's time here: receiving and verifying its frames, then storing them (durable)
         self.counters[f"ingest_{what}_receive_us"] += int((t1 - t0) * 1e6)
         self.counters[f"ingest_{what}_store_us"] += int((time.perf_counter() - t1) * 1e6)

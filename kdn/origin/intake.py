@@ -13,23 +13,34 @@ received in a worker thread; idle connections are kept per edge for the next bat
 This path is taken where the origin's pushes take the data plane (the origin was started with
 http_host) and the edge serves HTTP on another Ray node that this host reaches (the same
 address book as the pushes: Pusher.edge_url). Else, or when the edge's server does not answer
-(its address is then asked again later), the answer says so ({"pulled": None}) and the edge
-sends the batch over Ray. A key the edge no longer holds, or whose frame arrived corrupt, is
-named in the answer's "missing": the edge sends those over Ray.
+(connect or a read waiting PULL_TIMEOUT_S, or the whole pull past PULL_DEADLINE_S: well inside
+the edge's own wait for the call, so nothing is stored for a call the edge gave up on), the
+answer says so ({"pulled": None}) and the edge sends the batch over Ray; its address is asked
+again later. A frame stands only if its bytes are those the edge acknowledged (the checksum it
+sent for the key: the edge's server answers with the copy it holds, which may be another);
+a key the edge no longer holds, whose frame arrived corrupt or with other bytes, is named in
+the answer's "missing": the edge sends those over Ray. The pulls run in threads of their own
+(THREADS), not the loop's default pool the origin's disk work uses.
 
 Counters: objects_pulled_http (objects received), object_pull_http_bytes,
 object_pull_http_us (the pulls' wall time), object_pull_http_calls, object_pull_http_missing,
-object_pull_http_failures (an edge's server that did not answer).
+object_pull_http_other (frames of other bytes than acknowledged), object_pull_http_failures
+(an edge's server that did not answer in time).
 """
 import asyncio
 import collections
+import concurrent.futures
 import time
 
+from kdn.core.chunk import Encoded
 from kdn.core.dataplane import STREAMS, slices
 from kdn.core.rpc import Unreachable
 
-PULL_TIMEOUT_S = 30.0        # a socket read that waits longer: the edge's server is not answering
+PULL_TIMEOUT_S = 5.0         # connect, or a socket read, waiting longer: the edge's server is not answering
+PULL_DEADLINE_S = 12.0       # a whole pull (the edge waits 20 s for the call, kdn/edge/peers.py)
 IDLE_CONNECTIONS = 2         # keep-alive connections kept per edge
+THREADS = 4
+_POOL = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="kdn-intake")
 
 
 class Intake:
@@ -42,33 +53,41 @@ class Intake:
         self.counters = collections.Counter()
         self._idle = collections.defaultdict(list)    # url -> idle EdgeHTTPClients
 
-    async def pull(self, url: str, keys):
+    async def pull(self, url: str, keys, sums):
+        """Per key the Chunk pulled whose checksum is sums[i] (None otherwise), or None when
+        the edge's server did not answer in time."""
         parts = slices(keys, self.streams)
         t0 = time.perf_counter()
-        replies = await asyncio.gather(*(asyncio.to_thread(self._pull, url, part) for part in parts),
-                                       return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        replies = await asyncio.gather(*(loop.run_in_executor(_POOL, self._pull, url, part, t0 + PULL_DEADLINE_S)
+                                         for part in parts), return_exceptions=True)
         failed = [r for r in replies if isinstance(r, BaseException)]
-        if failed:
+        if failed or time.perf_counter() - t0 > PULL_DEADLINE_S:
             if any(not isinstance(r, Unreachable) for r in failed):    # a bug or a refusal
                 raise next(r for r in failed if not isinstance(r, Unreachable))
             self.counters["object_pull_http_failures"] += 1
             return None
-        out = [o for objs, _ in replies for o in objs]
+        got = [o for objs, _ in replies for o in objs]
+        out = await loop.run_in_executor(_POOL, _as_acknowledged, got, sums)
         self.counters["object_pull_http_calls"] += 1
         self.counters["objects_pulled_http"] += sum(o is not None for o in out)
-        self.counters["object_pull_http_missing"] += sum(o is None for o in out)
+        self.counters["object_pull_http_missing"] += sum(o is None for o in got)
+        self.counters["object_pull_http_other"] += sum(g is not None and o is None for g, o in zip(got, out))
         self.counters["object_pull_http_bytes"] += sum(n for _, n in replies)
         self.counters["object_pull_http_us"] += int((time.perf_counter() - t0) * 1e6)
         return out
 
-    def _pull(self, url: str, keys) -> tuple:
+    def _pull(self, url: str, keys, deadline: float) -> tuple:
         """(object per key or None, bytes received) over one connection (a worker thread)."""
         from kdn.client.http import EdgeHTTPClient
+        if time.perf_counter() > deadline:
+            raise Unreachable(f"edge {url}: the pull of its stores ran past {PULL_DEADLINE_S} s")
         idle = self._idle[url]
         try:
             client = idle.pop()                 # (threads share the list: pop is atomic)
-        except IndexError:
-            client = EdgeHTTPClient(url, timeout_s=PULL_TIMEOUT_S, allow_remote=True, token=self.token)
+        except IndexError:                      # (no buffer kept between pulls: memory stays bounded)
+            client = EdgeHTTPClient(url, timeout_s=PULL_TIMEOUT_S, allow_remote=True, token=self.token,
+                                    reuse_buffer=False)
         try:
             got, nbytes = client.peer_get(keys)
         except BaseException:
@@ -80,7 +99,26 @@ class Intake:
             client.close()
         return got, nbytes
 
+    def forget_all(self) -> None:
+        """Close every kept connection (the membership changed: edges may be gone)."""
+        for url in list(self._idle):
+            self.forget(url)
+
     def forget(self, url: str) -> None:
         """Close the connections kept to url (its edge did not answer)."""
         for client in self._idle.pop(url, []):
             client.close()
+
+
+def _as_acknowledged(objs, sums) -> list:
+    """Each pulled object as a Chunk (a compressed frame decoded) if its checksum is the one
+    acknowledged for its key, else None (other bytes, or no checksum to compare)."""
+    out = []
+    for obj, want in zip(objs, sums):
+        if obj is None or want is None:
+            out.append(None)
+            continue
+        chunk = obj.decode() if isinstance(obj, Encoded) else obj
+        have = chunk._xxh if chunk._xxh is not None else chunk.digest()
+        out.append(chunk if have == want else None)
+    return out

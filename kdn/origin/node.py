@@ -227,6 +227,7 @@ class OriginNode:
         async with self._changing:
             view = await self._apply_members(self.health.in_ring(members))
         self.health.keep_only(m[0] for m in members)
+        self.intake.forget_all()         # no connection kept to an edge that left
         return view
 
     async def _apply_members(self, members) -> dict:
@@ -355,35 +356,44 @@ class OriginNode:
         """Where a client on another node writes its chunks and objects over HTTP
         (kdn/client/ingest.py): {"url": the origin's HTTP base URL (its server started now), or
         None when it serves none (no http_host), "node": its Ray node id, "ip": its node's
-        address}. No token: an address is no secret, and the server checks every request's."""
+        address, "max_write_bytes": the most one write's body may carry}. No token: an address is no secret, and the server checks every request's."""
         import ray
+        from kdn.origin.http import MAX_INGEST_BYTES
         on_ray = ray.is_initialized()
         return {"url": await self.pusher.http_url(),
                 "node": ray.get_runtime_context().get_node_id() if on_ray else None,
-                "ip": ray.util.get_node_ip_address() if on_ray else None}
+                "ip": ray.util.get_node_ip_address() if on_ray else None, "max_write_bytes": MAX_INGEST_BYTES}
 
-    async def pull_objects(self, edge: str, keys, token=None) -> dict:
+    async def pull_objects(self, edge: str, keys, sums=None, token=None) -> dict:
         """put_objects of the objects of keys pulled from edge's own HTTP frames (its
         write-behind over the data plane, kdn/origin/intake.py): put_objects' answer, with
         "pulled" (objects received intact) and "missing" (the keys that were not: the edge
         sends those over Ray); {"pulled": None} when this origin does not read edge over HTTP
         (no data plane here, the edge not a member, on this node or out of reach, or its server
-        did not answer): the edge sends the batch over Ray."""
+        did not answer within intake.PULL_DEADLINE_S): the edge sends the batch over Ray.
+        sums: per key the checksum (xxh3_64) of the copy the edge acknowledged, None where it
+        has none: a frame of other bytes (the edge holds another copy of the key), or one with
+        no checksum to compare, is missing, so only the bytes acknowledged are stored."""
         self.tokens.check_admin(token, "pull_objects")
         check_node_name(edge)
         keys = _keys(keys)
+        if len(set(keys)) != len(keys):
+            raise BadRequest("pull_objects: a key is named twice")
+        if sums is None:
+            sums = [None] * len(keys)
+        if (not isinstance(sums, (list, tuple)) or len(sums) != len(keys)
+                or not all(x is None or (type(x) is int and 0 <= x < 1 << 64) for x in sums)):
+            raise BadRequest("pull_objects: sums must be a list of one 64-bit checksum (or None) per key")
         # an edge out of the ring (taken out as down, removed) may still hold a backlog: over Ray
         url = await self.pusher.edge_url(edge) if edge in {m[0] for m in self.roster.members} else None
         if url is None:
             return {"pulled": None}
-        got = await self.intake.pull(url, keys)
+        got = await self.intake.pull(url, keys, sums)
         if got is None:              # its server did not answer: asked for its address again later
             self.pusher.data.forget(edge)
             self.intake.forget(url)
             return {"pulled": None}
         objs = [o for o in got if o is not None]
-        if any(isinstance(o, Encoded) for o in objs):      # kept compressed there: stored as Chunks
-            objs = await asyncio.to_thread(lambda: [o.decode() if isinstance(o, Encoded) else o for o in objs])
         answer = await self.put_objects(objs, token=token) if objs else {
             "received": 0, "written": 0, "pushing": 0, "kept_other": []}
         return {**answer, "pulled": len(objs), "missing": [k for k, o in zip(keys, got) if o is None]}

@@ -27,7 +27,7 @@ class Origin:
 
     def __init__(self, tmp_path, node="node-1"):
         self.store, self.node, self.ray_calls = ChunkStore(tmp_path / "store"), node, []
-        self.admin_token = ADMIN
+        self.admin_token, self.most = ADMIN, 1 << 29
 
         async def put_chunks(chunks):
             results = await asyncio.to_thread(self.store.put_chunks, chunks)
@@ -41,7 +41,7 @@ class Origin:
     def origin(self, timeout):
         def call(method, args, kw):
             if method == "data_address":
-                return {"url": self.url, "node": self.node, "ip": "127.0.0.1"}
+                return {"url": self.url, "node": self.node, "ip": "127.0.0.1", "max_write_bytes": self.most}
             assert method == "put_chunks"
             self.ray_calls.append([c.key for c in args[0]])
             return {"received": len(args[0]), "written": 0, "sums": [c.digest() for c in args[0]]}
@@ -79,6 +79,17 @@ def test_writes_go_to_the_origins_server_and_a_silent_server_sends_them_over_ray
     assert origin.ray_calls == [[c.key for c in second]]
     st = writes.stats()
     assert st["http_failures"] == 1 and st["ray_writes"] == 1 and writes.addresses.stale("origin")
+    writes.put("chunks", first, 5.0)                       # Ray for a while: the server is not asked
+    assert len(origin.ray_calls) == 2 and writes.stats()["http_failures"] == 1
+
+
+def test_a_write_larger_than_the_server_takes_goes_over_ray(origin):
+    origin.most = 10_000                                   # the origin's bound on one body
+    writes = OriginWrites(origin, "http", "node-1", "127.0.0.1")
+    small, large = chunks(1, seed=4), chunks(3, seed=5)   # 2 KiB each: 3 of them pass the bound
+    writes.put("chunks", small, 30.0)
+    writes.put("chunks", large, 30.0)
+    assert origin.ray_calls == [[c.key for c in large]] and writes.stats()["http_frames"] == 1
 
 
 def test_a_refused_write_raises_and_is_not_sent_again_over_ray(origin):

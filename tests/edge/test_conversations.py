@@ -212,6 +212,33 @@ def samples(edge) -> dict:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+def test_a_worker_on_another_node_reads_the_history_over_http_as_over_ray(kit, serve, loop):
+    """POST /v1/conversation (kdn/client/history.py's path from another node): the held prefix
+    as verified frames, in order, the bytes kept; the same checks as conversation_fetch: another
+    tenant's token is 403, none 401, a scope homed elsewhere or a wrong namespace 400."""
+    from kdn.client.http import EdgeHTTPClient
+    from kdn.core.errors import AccessDenied, BadRequest
+    edge = kit.local_edge([], auth=AUTH)
+    server = serve(edge)
+    scope, ns, chunks = conversation(kit)
+    keys = [c.key for c in chunks]
+    assert loop.run(edge.put_conversation(chunks[:2], "acme", "fp", scope, token=ACME)) == 2
+    with EdgeHTTPClient(server.url, token=ACME) as c:
+        objs, nbytes = c.conversation_get(keys, ns, "acme", "fp", scope)      # the third is not held
+        assert [o.kv.tobytes() for o in objs[:2]] == [ch.kv.tobytes() for ch in chunks[:2]]
+        assert objs[2] is None and [o.key for o in objs[:2]] == keys[:2] and nbytes > 0
+        with pytest.raises(BadRequest, match="ns is not the namespace"):
+            c.conversation_get(keys, ns, "beta", "fp", scope)
+        away_scope, away_ns, _ = conversation(kit, home="far-0")
+        with pytest.raises(BadRequest, match="home is edge 'far-0'"):
+            c.conversation_get(keys, away_ns, "acme", "fp", away_scope)
+    with pytest.raises(AccessDenied, match="403"):
+        EdgeHTTPClient(server.url, token=BETA).conversation_get(keys, ns, "acme", "fp", scope)
+    with pytest.raises(AccessDenied, match="401"):
+        EdgeHTTPClient(server.url).conversation_get(keys, ns, "acme", "fp", scope)
+    assert edge.counters["conversation_chunks_served"] == 2
+
+
 def resolved(obj):
     import ray
     return ray.get(obj) if isinstance(obj, ray.ObjectRef) else obj

@@ -111,8 +111,9 @@ def test_an_edge_serving_http_has_the_origin_pull_its_backlog_and_sends_over_ray
     edge.stores.name, edge.stores.serves_http = "e0", lambda: True
     asked_pull = []
 
-    def pull(name, keys):
+    def pull(name, keys, sums):
         asked_pull.append((name, list(keys)))
+        assert len(sums) == len(keys)         # the checksum of each copy queued (None: none known)
         if len(asked_pull) > 1:
             return {"pulled": None}
         return {"received": 3, "written": 3, "pushing": 3, "kept_other": [], "pulled": 3, "missing": [first[1].key]}
@@ -131,6 +132,48 @@ def test_an_edge_serving_http_has_the_origin_pull_its_backlog_and_sends_over_ray
     assert st["store_forwarded_http"] == 3 and st["store_forwarded_http_bytes"] == sum(
         c.nbytes for i, c in enumerate(first) if i != 1)
     assert st["store_forward_http_declined"] == 1 and st["store_forwarded"] == 8 and st["backlog_objects"] == 0
+
+
+def test_an_origin_that_refuses_to_pull_gets_the_backlog_over_ray_and_a_key_is_asked_once(kit, edge):
+    """A refusal of pull_objects (an error the origin raised on purpose) costs the HTTP path,
+    not the backlog: the batch goes over Ray and the forwarder goes on; a key queued twice in
+    one store is asked for once, and more objects than one call takes go in several."""
+    from kdn.core.errors import BadRequest
+    edge.stores.name, edge.stores.serves_http = "e0", lambda: True
+    objs = objects(kit, 3, seed=30)
+    asked_pull = []
+
+    def refuse(name, keys, sums):
+        asked_pull.append(list(keys))
+        raise BadRequest("pull_objects: a key is named twice")
+    edge.answers[(None, "pull_objects")] = refuse
+    edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0}
+
+    async def main():
+        await edge.put_objects(objs + [objs[0]])          # the first key twice in one store
+        await settle(edge)
+        await edge.put_objects(objects(kit, 2, seed=31))   # Ray for a while: not asked to pull
+        await settle(edge)
+    asyncio.run(main())
+    assert asked_pull == [[c.key for c in objs]]
+    st = edge.stores.stats()
+    assert st["store_forward_http_declined"] == 1 and st["backlog_objects"] == 0
+    assert sorted(origin_took(edge)[:4]) == sorted([c.key for c in objs] + [objs[0].key])
+
+
+def test_a_backlog_of_more_objects_than_one_call_takes_goes_in_several(kit, edge, monkeypatch):
+    monkeypatch.setattr(stores, "MAX_OBJECTS_PER_CALL", 3)
+    edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0}
+    calls = []
+    edge.answers[(None, "put_objects")] = lambda cs: calls.append(len(cs)) or {
+        "received": len(cs), "written": len(cs), "pushing": 0}
+
+    async def main():
+        await edge.put_objects(objects(kit, 3, seed=32))
+        await edge.put_objects(objects(kit, 3, seed=33))
+        await settle(edge)
+    asyncio.run(main())
+    assert max(calls) <= 3 and sum(calls) == 6
 
 
 def test_the_backlog_goes_to_the_origin_as_references_to_the_kept_copies_and_as_bytes_when_those_fail(kit, edge, monkeypatch):

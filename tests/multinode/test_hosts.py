@@ -346,6 +346,42 @@ def test_a_publish_and_stores_at_the_origin_from_another_host_go_over_its_http_s
         stop_network(net)
 
 
+@ray.remote(num_cpus=0)
+def _keep_conversation(network, toks, kv):
+    """A worker on some region's host keeps a conversation's whole chunks at its home edge there."""
+    from kdn.client import Client
+    from kdn.client.history import History
+    cl = Client(network=network, tenant="acme", fingerprint=FP, token=ACME)
+    return History(cl.view, "acme", FP, token=ACME).store(toks, kv, 0, 0)
+
+
+def test_a_conversation_kept_on_one_host_is_read_from_another_over_its_home_edges_frames(hosts, tmp_path, synth):
+    """A conversation's next turn in another region reads its history from the home edge on
+    the other host over that edge's HTTP frames (POST /v1/conversation, the tenant's read
+    token), not Ray's object manager: the bytes kept, verified."""
+    from kdn.client import Client
+    from kdn.client.history import History
+    net = _start(hosts, tmp_path)
+    try:
+        toks, kv = synth.tokens(700, seed=19), synth.kv(700, seed=19)
+        kept = ray.get(_keep_conversation.options(label_selector={"region": "ap-south"}).remote(
+            net.name, toks, kv), timeout=120)
+        assert kept["edge"] == "ap-south-0" and kept["chunks"] == 2
+        history = History(Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP,
+                                 token=ACME).view, "acme", FP, token=ACME)   # here: us-east's host
+        found = history.find(toks + [7], 0, hints=["ap-south"])
+        assert (found.edge, found.held) == ("ap-south-0", 2)
+        chunks = history.fetch(found)
+        assert history.counters["fetches_http"] == 1 and "fetch_http_unreachable" not in history.counters
+        assert history.view.plane.stats()["http_conversation_fetches"] == 1
+        assert np.array_equal(np.concatenate([c.kv for c in chunks], axis=3), kv[:, :, :, :512])
+        served = ray.get(net.edges["ap-south-0"].stats.remote(token=ADMIN), timeout=30)
+        assert served["counters"]["conversation_chunks_served"] == 2
+    finally:
+        from kdn.launch.cluster import stop_network
+        stop_network(net)
+
+
 def test_a_killed_host_costs_its_readers_one_failover(hosts, tmp_path, synth):
     """Last in the module: the host's node is gone for good. Its origin serves its frames on
     loopback, which only its own host reaches: the edges on the other hosts say so and get its
