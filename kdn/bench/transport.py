@@ -771,6 +771,65 @@ def far_publishes(args, kv, admin, read, link: SocketLink) -> dict:
     return out
 
 
+def _keep_conversations(network, read, kv, seeds) -> list:
+    """In a worker on the far host: keep one conversation of kv per seed at its home edge
+    there (kdn.client.history); the token ids of each."""
+    from kdn.client import Client
+    from kdn.client.history import History
+    cl = Client(network=network, tenant=TENANT, fingerprint=FINGERPRINT, token=read)
+    history, out = History(cl.view, TENANT, FINGERPRINT, token=read), []
+    for seed in seeds:
+        toks = np.random.default_rng(seed).integers(0, 49152, kv.shape[3]).tolist()
+        kept = history.store(toks, kv, 0, 0)
+        if kept["chunks"] * TOKENS != kv.shape[3]:
+            raise RuntimeError(f"the far host kept {kept['chunks']} chunks of a conversation, not all")
+        out.append(toks)
+    return out
+
+
+CONVERSATION_PLANES = (("conversation-http", "auto"), ("conversation-ray", "ray"))   # row, data_plane
+
+
+def conversation_reads(args, net, kv, admin, read, link: SocketLink) -> dict:
+    """A conversation's next turn here reading its history from its home edge on the far host
+    (kdn.client.history: find, then fetch), over each path: {row: [seconds per rep]} and
+    "socket": one bare-socket transfer timed before each rep. Each rep a worker on the far host
+    keeps two new conversations of the KB's size there, one per path, read here once each
+    (fetch's time: the home edge's answer to the verified chunks), then dropped."""
+    from kdn.client import Client
+    from kdn.client.history import History
+    import ray
+    near, far_region = HOST_REGIONS
+    keeper = ray.remote(num_cpus=0)(_keep_conversations).options(label_selector={"region": far_region})
+    histories = {row: History(Client(network=net.name, region=near, tenant=TENANT, fingerprint=FINGERPRINT,
+                                     token=read, data_plane=plane).view, TENANT, FINGERPRINT, token=read)
+                 for row, plane in CONVERSATION_PLANES}
+    out = {"socket": [], **{row: [] for row, _ in CONVERSATION_PLANES}}
+    want = np.ascontiguousarray(kv).tobytes()
+    for i in range(args.reps + 1):               # the first rep warms up, untimed
+        token_sets = ray.get(keeper.remote(net.name, read, kv, [2 * i, 2 * i + 1]), timeout=600)
+        sock = link.one()
+        for (row, _), toks in zip(CONVERSATION_PLANES, token_sets):
+            history = histories[row]
+            found = history.find(toks + [1], 0, hints=[far_region])
+            if found is None or found.held * TOKENS != kv.shape[3]:
+                raise RuntimeError(f"{row}: the far edge does not hold the conversation kept there")
+            t0 = time.perf_counter()
+            chunks = history.fetch(found)
+            seconds = time.perf_counter() - t0
+            if np.concatenate([c.kv for c in chunks], axis=3).tobytes() != want:
+                raise RuntimeError(f"{row}: the history read is not the KV kept")
+            if i:
+                out[row].append(seconds)
+        if i:
+            out["socket"].append(sock)
+        ray.get(net.edges["far-0"].drop_conversations.remote(TENANT, token=admin), timeout=60)
+    if histories["conversation-http"].counters["fetches_http"] != args.reps + 1 or \
+            histories["conversation-ray"].counters.get("fetches_http", 0):
+        raise RuntimeError("the conversation rows did not read over the paths they are named for")
+    return out
+
+
 def across_hosts(args, kv, tokens, cap_bps) -> int:
     """The same KB read across a link between two hosts (kdn.testing.netns): the edge on the
     far host, the readers here. Rows: the bare socket from the far host (the link's ceiling
@@ -781,6 +840,8 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
     rep by rep with one bare-socket transfer each (socket-beside: the peer pulls' ratios are
     to it, so a noisy minute hits both alike); the client row likewise, each fetch preceded by
     one bare-socket transfer in the same worker (socket-beside-client: client_over_socket_beside);
+    then a conversation's history kept at the far edge, read here for its next turn over each
+    path (conversation_reads), after one bare-socket transfer each (socket-beside-conversation);
     last, the origin (on this host) pushing a KB to an edge on the far host, pulled from the
     origin's HTTP frames and over Ray, alternately, after one bare-socket transfer each
     (socket-beside-push; origin_pushes)."""
@@ -914,6 +975,18 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
                              "max_ms": None, "note": "the same pulls, as the edge timed them: "
                                                      "request sent to last frame verified, all reps; "
                                                      f"{waited:.0%} of it before the first byte"})
+        link = SocketLink(total, piece, host=far.address("far"), prefix=prefix)
+        try:
+            conversed = conversation_reads(args, net, kv, admin, read, link)
+        finally:
+            link.close()
+        record("socket-beside-conversation", "recv_into", conversed["socket"],
+               "bare TCP again, one transfer before each rep of the conversation reads below: their ceiling")
+        for row, plane in CONVERSATION_PLANES:
+            record(row, "History.fetch (here)", conversed[row],
+                   "a conversation kept at the far edge, its history read here for the next turn "
+                   + ("over the far edge's HTTP frames (the default data plane)" if plane == "auto"
+                      else "over Ray (data_plane ray)") + ", every chunk verified")
         stop_network(net)                    # its far edge's memory, for the pushes' networks
         net = None
         link = SocketLink(total, piece, host=far.address("far"), prefix=prefix)
@@ -994,14 +1067,18 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
            # a far publisher's writes against the socket timed beside them, rep by rep
            **{f"{row.replace('-', '_')}_over_socket": res[row] / res["socket-beside-publish"]
               for row, _, _ in PUBLISH_PLANES},
-           "publish_http_over_publish_ray": res["publish-http"] / res["publish-ray"]}
+           "publish_http_over_publish_ray": res["publish-http"] / res["publish-ray"],
+           # a conversation's history read across hosts against the socket timed beside it
+           **{f"{row.replace('-', '_')}_over_socket": res[row] / res["socket-beside-conversation"]
+              for row, _ in CONVERSATION_PLANES},
+           "conversation_http_over_conversation_ray": res["conversation-http"] / res["conversation-ray"]}
     if cap_bps:
         out.update(http_over_cap=res["http"] * 1e9 / cap_bps, ray_over_cap=res["ray"] * 1e9 / cap_bps,
                    client_over_cap=res["client"] * 1e9 / cap_bps,
                    client_1stream_over_cap=res["client-1stream"] * 1e9 / cap_bps,
                    socket_over_cap=res["socket"] * 1e9 / cap_bps,
                    **{f"{row.replace('-', '_')}_over_cap": res[row] * 1e9 / cap_bps
-                      for row in res if row.startswith(("peer", "origin", "write-behind", "publish"))})
+                      for row in res if row.startswith(("peer", "origin", "write-behind", "publish", "conversation"))})
     print("; ".join(f"{k} {v:.2f}x" for k, v in out.items() if k.endswith(("_over_socket", "_over_ray", "_over_cap"))))
     if args.json:
         emit_json(out)

@@ -6,6 +6,7 @@ namespaces cannot be made (not root, no iproute2).
 This module's driver leaves the session's loopback cluster for the host cluster and joins it
 again afterwards (a process is one Ray cluster's driver at a time).
 """
+import functools
 import time
 import uuid
 
@@ -267,38 +268,53 @@ def test_the_service_answers_from_each_regions_host_with_the_kv_of_that_regions_
         stop_network(net)
 
 
-def test_stores_acknowledged_on_another_host_reach_the_origin_over_that_edges_frames(hosts, tmp_path):
+@pytest.fixture(scope="module")
+def carrier(hosts, tmp_path_factory):
+    """One network for the tests of bulk bytes between hosts below (each reads the deltas of
+    the counters it checks, and its own keys)."""
+    from kdn.launch.cluster import stop_network
+    net = _start(hosts, tmp_path_factory.mktemp("carrier"))
+    yield net
+    stop_network(net)
+
+
+def _stats(net, node):
+    return ray.get((net.origin if node == "origin" else net.edges[node]).stats.remote(token=ADMIN), timeout=30)
+
+
+def _grew(before: dict, after: dict, name: str) -> int:
+    return after.get(name, 0) - before.get(name, 0)
+
+
+def test_stores_acknowledged_on_another_host_reach_the_origin_over_that_edges_frames(carrier):
     """An edge's write-behind crosses hosts over the data plane: the origin is handed the keys
     over Ray and pulls the bytes from that edge's HTTP frames. The edge on the origin's own
     host hands its stores over by reference (Ray, one node). The origin holds the very bytes
     each edge acknowledged."""
     from kdn.core.keys import namespace_digest
     from kdn.integrations.objects import object_key, pack
-    net = _start(hosts, tmp_path)
-    try:
-        ns, rng, stored = namespace_digest("acme", "lmcache/hosts"), np.random.default_rng(5), []
-        for region in ("eu-west", "us-east"):
-            objs = [pack(object_key(ns, f"{region}-{i}".encode()), ns,
-                         rng.integers(0, 255, 1 << 20, dtype=np.uint8)) for i in range(6)]
-            edge = net.edges[f"{region}-0"]
-            assert ray.get(edge.put_objects.remote(objs, token=ADMIN), timeout=60) == {
-                "received": 6, "kept": 6, "pending": 6}
-            assert ray.get(edge.stores_durable.remote(60.0, token=ADMIN), timeout=90)["durable"]
-            stored += objs
-        eu, us = (ray.get(net.edges[e].stats.remote(token=ADMIN), timeout=30)["stores"]
-                  for e in ("eu-west-0", "us-east-0"))
-        assert eu["store_forwarded_http"] == 6 and eu.get("store_forwarded_by_ref", 0) == 0, eu
-        assert eu["store_forwarded_http_bytes"] == sum(c.nbytes for c in stored[:6])
-        assert us.get("store_forwarded_http", 0) == 0 and us["store_forwarded_by_ref"] == 6, us
-        assert us["store_forward_http_declined"] == 1
-        counters = ray.get(net.origin.stats.remote(token=ADMIN), timeout=30)["counters"]
-        assert counters["objects_pulled_http"] == 6 and counters.get("object_pull_http_missing", 0) == 0
-        assert counters["objects_written"] == 12
-        back = ray.get(net.origin.get_chunks.remote([c.key for c in stored], token=ADMIN), timeout=60)
-        assert [b.kv.tobytes() for b in back] == [c.kv.tobytes() for c in stored]    # the bytes acknowledged
-    finally:
-        from kdn.launch.cluster import stop_network
-        stop_network(net)
+    net = carrier
+    before = {n: _stats(net, n) for n in ("origin", "eu-west-0", "us-east-0")}
+    ns, rng, stored = namespace_digest("acme", "lmcache/hosts"), np.random.default_rng(5), []
+    for region in ("eu-west", "us-east"):
+        objs = [pack(object_key(ns, f"{region}-{i}".encode()), ns,
+                     rng.integers(0, 255, 1 << 20, dtype=np.uint8)) for i in range(6)]
+        edge = net.edges[f"{region}-0"]
+        assert ray.get(edge.put_objects.remote(objs, token=ADMIN), timeout=60) == {
+            "received": 6, "kept": 6, "pending": 6}
+        assert ray.get(edge.stores_durable.remote(60.0, token=ADMIN), timeout=90)["durable"]
+        stored += objs
+    after = {n: _stats(net, n) for n in before}
+    eu, us = (functools.partial(_grew, before[e]["stores"], after[e]["stores"]) for e in ("eu-west-0", "us-east-0"))
+    assert eu("store_forwarded_http") == 6 and eu("store_forwarded_by_ref") == 0, after["eu-west-0"]["stores"]
+    assert eu("store_forwarded_http_bytes") == sum(c.nbytes for c in stored[:6])
+    assert us("store_forwarded_http") == 0 and us("store_forwarded_by_ref") == 6, after["us-east-0"]["stores"]
+    assert us("store_forward_http_declined") == 1
+    origin = functools.partial(_grew, before["origin"]["counters"], after["origin"]["counters"])
+    assert origin("objects_pulled_http") == 6 and origin("object_pull_http_missing") == 0
+    assert origin("objects_written") == 12
+    back = ray.get(net.origin.get_chunks.remote([c.key for c in stored], token=ADMIN), timeout=60)
+    assert [b.kv.tobytes() for b in back] == [c.kv.tobytes() for c in stored]    # the bytes acknowledged
 
 
 @ray.remote(num_cpus=0)
@@ -315,35 +331,32 @@ def _write_from_host(network, toks, kv, ns, keys, datas):
             "objects": objects.stats()["origin_writes"], "sent": sent, "version": receipt["version"]}
 
 
-def test_a_publish_and_stores_at_the_origin_from_another_host_go_over_its_http_server(hosts, tmp_path, synth):
+def test_a_publish_and_stores_at_the_origin_from_another_host_go_over_its_http_server(carrier, hosts, synth):
     """Bulk writes from another host than the origin's go as frames to the origin's own HTTP
     server, verified there, not through Ray's object manager: a publish's chunks and a cache
     layer's objects acknowledged at the origin. The origin holds the very bytes, and a reader
     gets the published KV."""
+    from kdn.client import Client
     from kdn.core.keys import namespace_digest
     from kdn.integrations.objects import object_key
-    net = _start(hosts, tmp_path)
-    try:
-        toks, kv = synth.tokens(600, seed=17), synth.kv(600, seed=17)
-        ns, rng = namespace_digest("acme", "hosts/written"), np.random.default_rng(17)
-        datas = [rng.integers(0, 255, 300_000, dtype=np.uint8) for _ in range(4)]
-        keys = [object_key(ns, f"w{i}".encode()) for i in range(4)]
-        got = ray.get(_write_from_host.options(label_selector={"region": "ap-south"}).remote(
-            net.name, toks, kv, ns, keys, datas), timeout=120)
-        assert got["node_ip"] == hosts.address_of("ap-south")
-        assert got["publish"]["http_writes"] >= 1 and got["publish"].get("ray_writes", 0) == 0, got
-        assert got["objects"]["http_frames"] == 4 and got["objects"].get("ray_writes", 0) == 0, got
-        http = ray.get(net.origin.stats.remote(token=ADMIN), timeout=30)["http"]
-        assert http["ingest_chunks_frames"] == got["publish"]["http_frames"] > 0
-        assert http["ingest_objects_frames"] == 4
-        back = ray.get(net.origin.get_chunks.remote(keys, token=ADMIN), timeout=60)
-        assert [b.kv[:-8].tobytes() for b in back] == [d.tobytes() for d in datas]    # less the trailer
-        from kdn.client import Client
-        f = Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP, token=ACME).fetch(toks + [1])
-        assert f.tokens == 600 and np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
-    finally:
-        from kdn.launch.cluster import stop_network
-        stop_network(net)
+    net = carrier
+    toks, kv = synth.tokens(600, seed=17), synth.kv(600, seed=17)
+    ns, rng = namespace_digest("acme", "hosts/written"), np.random.default_rng(17)
+    datas = [rng.integers(0, 255, 300_000, dtype=np.uint8) for _ in range(4)]
+    keys = [object_key(ns, f"w{i}".encode()) for i in range(4)]
+    before = _stats(net, "origin")["http"]
+    got = ray.get(_write_from_host.options(label_selector={"region": "ap-south"}).remote(
+        net.name, toks, kv, ns, keys, datas), timeout=120)
+    assert got["node_ip"] == hosts.address_of("ap-south")
+    assert got["publish"]["http_writes"] >= 1 and got["publish"].get("ray_writes", 0) == 0, got
+    assert got["objects"]["http_frames"] == 4 and got["objects"].get("ray_writes", 0) == 0, got
+    http = functools.partial(_grew, before, _stats(net, "origin")["http"])
+    assert http("ingest_chunks_frames") == got["publish"]["http_frames"] > 0
+    assert http("ingest_objects_frames") == 4
+    back = ray.get(net.origin.get_chunks.remote(keys, token=ADMIN), timeout=60)
+    assert [b.kv[:-8].tobytes() for b in back] == [d.tobytes() for d in datas]    # less the trailer
+    f = Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP, token=ACME).fetch(toks + [1])
+    assert f.tokens == 600 and np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
 
 
 @ray.remote(num_cpus=0)
@@ -355,31 +368,27 @@ def _keep_conversation(network, toks, kv):
     return History(cl.view, "acme", FP, token=ACME).store(toks, kv, 0, 0)
 
 
-def test_a_conversation_kept_on_one_host_is_read_from_another_over_its_home_edges_frames(hosts, tmp_path, synth):
+def test_a_conversation_kept_on_one_host_is_read_from_another_over_its_home_edges_frames(carrier, synth):
     """A conversation's next turn in another region reads its history from the home edge on
     the other host over that edge's HTTP frames (POST /v1/conversation, the tenant's read
     token), not Ray's object manager: the bytes kept, verified."""
     from kdn.client import Client
     from kdn.client.history import History
-    net = _start(hosts, tmp_path)
-    try:
-        toks, kv = synth.tokens(700, seed=19), synth.kv(700, seed=19)
-        kept = ray.get(_keep_conversation.options(label_selector={"region": "ap-south"}).remote(
-            net.name, toks, kv), timeout=120)
-        assert kept["edge"] == "ap-south-0" and kept["chunks"] == 2
-        history = History(Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP,
-                                 token=ACME).view, "acme", FP, token=ACME)   # here: us-east's host
-        found = history.find(toks + [7], 0, hints=["ap-south"])
-        assert (found.edge, found.held) == ("ap-south-0", 2)
-        chunks = history.fetch(found)
-        assert history.counters["fetches_http"] == 1 and "fetch_http_unreachable" not in history.counters
-        assert history.view.plane.stats()["http_conversation_fetches"] == 1
-        assert np.array_equal(np.concatenate([c.kv for c in chunks], axis=3), kv[:, :, :, :512])
-        served = ray.get(net.edges["ap-south-0"].stats.remote(token=ADMIN), timeout=30)
-        assert served["counters"]["conversation_chunks_served"] == 2
-    finally:
-        from kdn.launch.cluster import stop_network
-        stop_network(net)
+    net = carrier
+    toks, kv = synth.tokens(700, seed=19), synth.kv(700, seed=19)
+    before = _stats(net, "ap-south-0")["counters"]
+    kept = ray.get(_keep_conversation.options(label_selector={"region": "ap-south"}).remote(
+        net.name, toks, kv), timeout=120)
+    assert kept["edge"] == "ap-south-0" and kept["chunks"] == 2
+    history = History(Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP,
+                             token=ACME).view, "acme", FP, token=ACME)   # here: us-east's host
+    found = history.find(toks + [7], 0, hints=["ap-south"])
+    assert (found.edge, found.held) == ("ap-south-0", 2)
+    chunks = history.fetch(found)
+    assert history.counters["fetches_http"] == 1 and "fetch_http_unreachable" not in history.counters
+    assert history.view.plane.stats()["http_conversation_fetches"] == 1
+    assert np.array_equal(np.concatenate([c.kv for c in chunks], axis=3), kv[:, :, :, :512])
+    assert _grew(before, _stats(net, "ap-south-0")["counters"], "conversation_chunks_served") == 2
 
 
 def test_a_killed_host_costs_its_readers_one_failover(hosts, tmp_path, synth):
