@@ -181,6 +181,8 @@ class History:
         keys = found.keys[:found.held] + ([found.tail[0]] if found.tail else [])
         t0 = time.perf_counter()
         objs = self._over_http(found, keys)
+        if objs == [] and keys:             # over HTTP, no answer (counted): recomputed
+            return []
         if objs is None:
             try:
                 reply = self.view.at(found.edge, fetch_deadline_s(len(keys))).conversation_fetch(
@@ -216,8 +218,9 @@ class History:
     def _over_http(self, found: Found, keys):
         """The home edge's answer over its HTTP frames (per key the verified object, None after
         the held prefix) where it is on another node that serves them (kdn.client.dataplane:
-        the reader's data plane), else None (Ray). An edge that gives no answer over HTTP is
-        asked over Ray in turn, its address asked again next time."""
+        the reader's data plane), else None (Ray). An edge that gives no answer over HTTP, or
+        answers with a fault of its own, costs this one timeout as over Ray: nothing is
+        fetched (the turn is recomputed) and its address is asked again next time."""
         plane = self.view.plane
         url = plane.url_of(found.edge, ())         # frames as held: raw, or a lossless codec
         if url is None or not keys:
@@ -226,10 +229,10 @@ class History:
         try:
             objs, nbytes = plane.conversation(url, fetch_deadline_s(len(keys)), self.token, keys, found.ns,
                                               self.tenant, self.fingerprint, found.scope)
-        except Unreachable:
+        except (Unreachable, RemoteError) as e:
             plane.forget(found.edge)
-            self.counters["fetch_http_unreachable"] += 1
-            return None
+            self.counters["fetch_unreachable" if isinstance(e, Unreachable) else "fetch_http_errors"] += 1
+            return []
         self.counters["fetches_http"] += 1
         if nbytes:              # request to the last frame: the link's pace as this reader sees it
             self._measured(found.region, "bytes_per_s", nbytes / max(time.perf_counter() - t0, 1e-6))

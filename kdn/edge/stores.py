@@ -23,7 +23,8 @@ What the edge has acknowledged and the origin does not hold yet is the backlog, 
 `backlog_bytes`: a store that would pass the bound is not acknowledged early; it waits until
 the origin holds it (an origin-acknowledged store: `durable` in the answer), so memory stays
 bounded and a slow origin slows its writers instead of losing their bytes. An origin that
-does not answer is tried again (FORWARD_RETRY_S apart); nothing in the backlog is dropped.
+does not answer, or refuses a batch (an error it raised on purpose: its disk full), is tried
+again (FORWARD_RETRY_S apart); nothing in the backlog is dropped.
 The risk, said in the README: an edge that dies with a backlog loses those objects (the host
 recomputes them on its next miss: never a wrong byte), and until they are durable only this
 edge serves them (another region's load misses them).
@@ -33,7 +34,8 @@ store_forwarded_http, with store_forwarded_http_bytes: pulled by the origin from
 frames; store_forwarded_by_ref: handed to the origin as references into this node's object
 store, so the copy kept here is the one the origin reads and the arriving bytes are freed at
 once), store_forward_http_declined (batches the origin would not pull over HTTP: over Ray),
-store_forward_retries, store_forgotten (deleted before sent), store_deleted_again (deleted
+store_forward_retries (of which store_forward_errors: batches the origin refused, its disk
+full say: tried again like one it did not answer), store_forgotten (deleted before sent), store_deleted_again (deleted
 while on their way), store_adopted and store_adopt_us (arrivals made this node's own, the
 time it took), store_adopt_errors (copies the object store refused: those stay arrivals),
 store_held_already (a copy held here kept instead of the arrival); a store of a key whose
@@ -246,42 +248,54 @@ class WriteBehind:
             self._flight_ids = {id(c) for c in batch}
             try:
                 await self.adopt([c for c in batch if c.arrived])
-                got = await self._send(batch, by_ref=not tries % 2)
+                try:
+                    got = await self._send(batch, by_ref=not tries % 2)
+                    if got is not None:      # still in flight here: a delete meanwhile is redone,
+                        await self._delete_again()    # never taken out of the queue under the pops
+                except KDNError as e:        # the origin refused (its disk full: StoreError): again later
+                    log.warning("edge: the origin refused a batch of %d stores (%s); trying again", len(batch), e)
+                    self.counters["store_forward_errors"] += 1
+                    got = None
+                if got is None:              # unreachable (counted by Peers) or refused: try again
+                    self.counters["store_forward_retries"] += 1
+                    tries += 1
+                    await asyncio.sleep(FORWARD_RETRY_S)
+                    continue
+                tries = 0
+                self._landed(batch, got)
             finally:
                 self._flight, self._flight_ids = {}, set()
-            if got is None:                      # unreachable (counted by Peers): try again
-                self.counters["store_forward_retries"] += 1
-                tries += 1
-                await asyncio.sleep(FORWARD_RETRY_S)
-                continue
-            tries = 0
-            await self._delete_again()
-            hot = self.tiers.tier("hot")
-            other, wrong = set(got.get("kept_other") or ()), []
-            for c, mine in zip(batch, self.owns([c.key for c in batch])):
-                self._queue.popleft()
-                self._pending -= c.nbytes
-                self._queued[c.key] -= 1
-                if self._queued[c.key] <= 0:
-                    del self._queued[c.key]
-                if c.key in self._pinned and c.key not in self._queued:
-                    self._pinned.discard(c.key)
-                    if c.key in hot:         # not dropped meanwhile
-                        hot.unpin(c.key)
-                        cur = hot.peek(c.key)        # this copy, or one stored again meanwhile
-                        if mine and not cur.arrived and c.key not in other:
-                            self._as_main(cur)
-                if c.key in other:      # the origin keeps other bytes under it: this copy goes,
-                    for tier in (hot, self.tiers.main):     # wherever it is (not another copy)
-                        if tier.peek(c.key) is c and tier.discard(c.key):
-                            wrong.append(c.key)
-                            self.tiers.note(c.key)
-            if wrong:
-                self.counters["store_origin_kept_other"] += len(wrong)
-                log.warning("edge: the origin holds other bytes under %d key(s) stored here (first "
-                            "%s): a key keeps its first bytes, so this edge's copies are let go and "
-                            "its readers get the origin's", len(wrong), wrong[0].hex()[:16])
-            self.counters["store_forwarded"] += len(batch)
+
+    def _landed(self, batch, got) -> None:
+        """The batch at the head of the queue is durable at the origin (its answer got): out of
+        the queue, unpinned, kept as main where this edge owns the key, let go where the origin
+        keeps other bytes under it."""
+        hot = self.tiers.tier("hot")
+        other, wrong = set(got.get("kept_other") or ()), []
+        for c, mine in zip(batch, self.owns([c.key for c in batch])):
+            self._queue.popleft()
+            self._pending -= c.nbytes
+            self._queued[c.key] -= 1
+            if self._queued[c.key] <= 0:
+                del self._queued[c.key]
+            if c.key in self._pinned and c.key not in self._queued:
+                self._pinned.discard(c.key)
+                if c.key in hot:         # not dropped meanwhile
+                    hot.unpin(c.key)
+                    cur = hot.peek(c.key)        # this copy, or one stored again meanwhile
+                    if mine and not cur.arrived and c.key not in other:
+                        self._as_main(cur)
+            if c.key in other:      # the origin keeps other bytes under it: this copy goes,
+                for tier in (hot, self.tiers.main):     # wherever it is (not another copy)
+                    if tier.peek(c.key) is c and tier.discard(c.key):
+                        wrong.append(c.key)
+                        self.tiers.note(c.key)
+        if wrong:
+            self.counters["store_origin_kept_other"] += len(wrong)
+            log.warning("edge: the origin holds other bytes under %d key(s) stored here (first "
+                        "%s): a key keeps its first bytes, so this edge's copies are let go and "
+                        "its readers get the origin's", len(wrong), wrong[0].hex()[:16])
+        self.counters["store_forwarded"] += len(batch)
 
     async def _send(self, batch, by_ref: bool):
         """The origin's answer to a batch of the backlog (copies kept here: Held), None when it
@@ -296,10 +310,12 @@ class WriteBehind:
         goes in several calls, answered when all are. A failed hand-over's retry sends every
         one's bytes over Ray."""
         answers = []
-        if by_ref and self.name is not None and self.serves_http() and time.monotonic() >= self._ray_until:
-            first = {}                       # each key once, with the checksum of its queued copy
-            for h in batch:
+        first = {}                           # each key once, with the checksum of its queued copy
+        for h in batch:                      # (a copy with none known, Held.here's, goes over Ray)
+            if h.xxh is not None:
                 first.setdefault(h.key, h)
+        if (first and by_ref and self.name is not None and self.serves_http()
+                and time.monotonic() >= self._ray_until):
             try:
                 got = await self.peers.origin().pull_objects(self.name, list(first),
                                                              [h.xxh for h in first.values()])
@@ -314,11 +330,11 @@ class WriteBehind:
                     return None
             else:
                 missing = set(got.get("missing") or ())
-                taken = [h for h in first.values() if h.key not in missing]
+                taken = {k for k in first if k not in missing}
                 self.counters["store_forwarded_http"] += len(taken)
-                self.counters["store_forwarded_http_bytes"] += sum(h.nbytes for h in taken)
+                self.counters["store_forwarded_http_bytes"] += sum(first[k].nbytes for k in taken)
                 answers.append(got)
-                batch = [h for h in batch if h.key in missing]
+                batch = [h for h in batch if h.key not in taken]
         refs = [h for h in batch if by_ref and h.ref is not None]
         values = [h for h in batch if not (by_ref and h.ref is not None)]
         if refs:

@@ -13,10 +13,11 @@ received in a worker thread; idle connections are kept per edge for the next bat
 This path is taken where the origin's pushes take the data plane (the origin was started with
 http_host) and the edge serves HTTP on another Ray node that this host reaches (the same
 address book as the pushes: Pusher.edge_url). Else, or when the edge's server does not answer
-(connect or a read waiting PULL_TIMEOUT_S, or the whole pull past PULL_DEADLINE_S: well inside
-the edge's own wait for the call, so nothing is stored for a call the edge gave up on), the
-answer says so ({"pulled": None}) and the edge sends the batch over Ray; its address is asked
-again later. A frame stands only if its bytes are those the edge acknowledged (the checksum it
+(connect or a read waiting PULL_TIMEOUT_S, or the whole pull past PULL_DEADLINE_S, well
+inside the edge's own wait for the call; the store after it is not bounded, and a call the
+edge gave up on and sent again over Ray is deduplicated there), or answers with a fault of its
+own (RemoteError, logged), the answer says so ({"pulled": None}) and the edge sends the batch
+over Ray; its address is asked again later. A frame stands only if its bytes are those the edge acknowledged (the checksum it
 sent for the key: the edge's server answers with the copy it holds, which may be another);
 a key the edge no longer holds, whose frame arrived corrupt or with other bytes, is named in
 the answer's "missing": the edge sends those over Ray. The pulls run in threads of their own
@@ -30,16 +31,20 @@ object_pull_http_other (frames of other bytes than acknowledged), object_pull_ht
 import asyncio
 import collections
 import concurrent.futures
+import logging
 import time
 
 from kdn.core.chunk import Encoded
 from kdn.core.dataplane import STREAMS, slices
+from kdn.core.errors import KDNError
 from kdn.core.rpc import Unreachable
+
+log = logging.getLogger(__name__)
 
 PULL_TIMEOUT_S = 5.0         # connect, or a socket read, waiting longer: the edge's server is not answering
 PULL_DEADLINE_S = 12.0       # a whole pull (the edge waits 20 s for the call, kdn/edge/peers.py)
 IDLE_CONNECTIONS = 2         # keep-alive connections kept per edge
-THREADS = 4
+THREADS = 8                  # slices pulled at once, across edges (STREAMS each)
 _POOL = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="kdn-intake")
 
 
@@ -54,8 +59,18 @@ class Intake:
         self._idle = collections.defaultdict(list)    # url -> idle EdgeHTTPClients
 
     async def pull(self, url: str, keys, sums):
-        """Per key the Chunk pulled whose checksum is sums[i] (None otherwise), or None when
-        the edge's server did not answer in time."""
+        """Per key the Chunk pulled whose checksum is sums[i] (None otherwise: a key without
+        one is not asked for), or None when the edge's server did not answer in time."""
+        wanted = [(k, x) for k, x in zip(keys, sums) if x is not None]
+        if not wanted:
+            return [None] * len(keys)
+        got = await self._pulled(url, [k for k, _ in wanted], [x for _, x in wanted])
+        if got is None:
+            return None
+        by_key = {k: o for (k, _), o in zip(wanted, got)}
+        return [by_key.get(k) for k in keys]
+
+    async def _pulled(self, url: str, keys, sums):
         parts = slices(keys, self.streams)
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
@@ -63,8 +78,12 @@ class Intake:
                                          for part in parts), return_exceptions=True)
         failed = [r for r in replies if isinstance(r, BaseException)]
         if failed or time.perf_counter() - t0 > PULL_DEADLINE_S:
-            if any(not isinstance(r, Unreachable) for r in failed):    # a bug or a refusal
-                raise next(r for r in failed if not isinstance(r, Unreachable))
+            bug = next((r for r in failed if not isinstance(r, KDNError)), None)
+            if bug is not None:
+                raise bug
+            if any(not isinstance(r, Unreachable) for r in failed):    # the edge's own fault or refusal
+                log.warning("origin: a pull of stores from edge %s failed: %s", url,
+                            next(r for r in failed if not isinstance(r, Unreachable)))
             self.counters["object_pull_http_failures"] += 1
             return None
         got = [o for objs, _ in replies for o in objs]

@@ -11,7 +11,8 @@ from kdn.edge.node import EdgeNode
 from kdn.origin.node import OriginNode
 
 # Public methods of the node classes that only the actor itself calls.
-LOCAL = {EdgeNode: {"store_codec", "all_counters", "http_address", "peer_held"}, OriginNode: set()}
+LOCAL = {EdgeNode: {"store_codec", "all_counters", "http_address", "peer_held", "conversation_prefix"},
+         OriginNode: set()}
 
 
 def _class(actor):

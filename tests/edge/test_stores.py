@@ -102,18 +102,26 @@ def test_an_origin_that_does_not_answer_is_tried_again_and_nothing_waiting_is_lo
     assert origin_took(edge)[-2:] == [c.key for c in objs]
 
 
-def test_an_edge_serving_http_has_the_origin_pull_its_backlog_and_sends_over_ray_what_was_not_pulled(kit, edge):
+def checked(cls, obj):
+    """Held.arrival with the copy's checksum known, as the edge's verification leaves it."""
+    held = cls.here(obj)
+    held.xxh = obj.digest()
+    return held
+
+
+def test_an_edge_serving_http_has_the_origin_pull_its_backlog_and_sends_over_ray_what_was_not_pulled(kit, edge, monkeypatch):
     """Where the edge serves HTTP the origin is handed only the keys and pulls the bytes from
     its frames (pull_objects); a key the origin did not receive intact goes over Ray; an
     origin that reads this edge over Ray ({"pulled": None}) gets every batch over Ray, and
     is not asked to pull again for HTTP_RETRY_S."""
+    monkeypatch.setattr(Held, "arrival", classmethod(checked))
     first, second, third = objects(kit, 4, seed=20), objects(kit, 2, seed=21), objects(kit, 2, seed=22)
     edge.stores.name, edge.stores.serves_http = "e0", lambda: True
     asked_pull = []
 
     def pull(name, keys, sums):
         asked_pull.append((name, list(keys)))
-        assert len(sums) == len(keys)         # the checksum of each copy queued (None: none known)
+        assert sums == [c.digest() for c in first + second if c.key in keys]   # of each copy queued
         if len(asked_pull) > 1:
             return {"pulled": None}
         return {"received": 3, "written": 3, "pushing": 3, "kept_other": [], "pulled": 3, "missing": [first[1].key]}
@@ -134,11 +142,51 @@ def test_an_edge_serving_http_has_the_origin_pull_its_backlog_and_sends_over_ray
     assert st["store_forward_http_declined"] == 1 and st["store_forwarded"] == 8 and st["backlog_objects"] == 0
 
 
-def test_an_origin_that_refuses_to_pull_gets_the_backlog_over_ray_and_a_key_is_asked_once(kit, edge):
+def test_copies_with_no_checksum_known_are_not_offered_to_the_pull_and_go_over_ray(kit, edge):
+    edge.stores.name, edge.stores.serves_http = "e0", lambda: True     # (the fixture's copies: none known)
+    edge.answers[(None, "pull_objects")] = lambda *a: pytest.fail("asked to pull copies it cannot check")
+    edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0}
+    objs = objects(kit, 2, seed=34)
+
+    async def main():
+        await edge.put_objects(objs)
+        await settle(edge)
+    asyncio.run(main())
+    assert origin_took(edge) == [c.key for c in objs]
+    assert edge.stores.stats().get("store_forward_http_declined", 0) == 0
+
+
+def test_a_batch_the_origin_refuses_is_tried_again_and_the_forwarder_goes_on(kit, edge):
+    """An error the origin raised on purpose (its disk full: StoreError) is not the end of the
+    backlog: the batch is tried again, and stores after it still become durable."""
+    from kdn.core.errors import StoreError
+    calls = []
+
+    def origin(cs):
+        calls.append([c.key for c in cs])
+        if len(calls) == 1:
+            raise StoreError("no space left on the origin's disk")
+        return {"received": len(cs), "written": len(cs), "pushing": 0}
+    edge.answers[(None, "put_objects")] = origin
+    objs, later = objects(kit, 2, seed=35), objects(kit, 1, seed=36)
+
+    async def main():
+        await edge.put_objects(objs)
+        await settle(edge)
+        await edge.put_objects(later)
+        await settle(edge)
+    asyncio.run(main())
+    assert calls[0] == calls[1] == [c.key for c in objs] and calls[2] == [later[0].key]
+    st = edge.stores.stats()
+    assert st["store_forward_errors"] == 1 and st["store_forwarded"] == 3 and st["backlog_objects"] == 0
+
+
+def test_an_origin_that_refuses_to_pull_gets_the_backlog_over_ray_and_a_key_is_asked_once(kit, edge, monkeypatch):
     """A refusal of pull_objects (an error the origin raised on purpose) costs the HTTP path,
     not the backlog: the batch goes over Ray and the forwarder goes on; a key queued twice in
     one store is asked for once, and more objects than one call takes go in several."""
     from kdn.core.errors import BadRequest
+    monkeypatch.setattr(Held, "arrival", classmethod(checked))
     edge.stores.name, edge.stores.serves_http = "e0", lambda: True
     objs = objects(kit, 3, seed=30)
     asked_pull = []
