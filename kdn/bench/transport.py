@@ -909,6 +909,18 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
         if digests != want:
             raise RuntimeError("HTTP fetch across the link returned other bytes than published")
 
+        def beside(name, what, measure):
+            """measure(link) with a bare-socket link of its own to the far host, its transfers
+            recorded as row `name`: the ceiling of `what` in the same minutes."""
+            link = SocketLink(total, piece, host=far.address("far"), prefix=prefix)
+            try:
+                got = measure(link)
+            finally:
+                link.close()
+            record(name, "recv_into", got["socket"],
+                   f"bare TCP again, one transfer before each rep of {what} below: their ceiling")
+            return got
+
         def record(name, client, times, note):
             med = median(times)
             res[name] = gbps(total, med)
@@ -956,13 +968,8 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
                "the same, each fetch over one connection instead of the default's 2")
         record("socket-beside-client-1stream", "recv_into (worker here)", got["socket"],
                "bare TCP in the same worker, one transfer before each of the row above's fetches")
-        link = SocketLink(total, piece, host=far.address("far"), prefix=prefix)
-        try:
-            pulled = peer_pulls(net, peer_kbs, pub.ns, digests, read, admin, link)
-        finally:
-            link.close()
-        record("socket-beside", "recv_into", pulled["socket"],
-               "bare TCP again, one transfer before each rep of the peer pulls below: their ceiling")
+        pulled = beside("socket-beside", "the peer pulls",
+                        lambda link: peer_pulls(net, peer_kbs, pub.ns, digests, read, admin, link))
         for name, _, row in PEER_EDGES:
             times, measured, waited = pulled[name]
             record(row, f"edge {name} pulls from far-0", times,
@@ -975,13 +982,8 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
                              "max_ms": None, "note": "the same pulls, as the edge timed them: "
                                                      "request sent to last frame verified, all reps; "
                                                      f"{waited:.0%} of it before the first byte"})
-        link = SocketLink(total, piece, host=far.address("far"), prefix=prefix)
-        try:
-            conversed = conversation_reads(args, net, kv, admin, read, link)
-        finally:
-            link.close()
-        record("socket-beside-conversation", "recv_into", conversed["socket"],
-               "bare TCP again, one transfer before each rep of the conversation reads below: their ceiling")
+        conversed = beside("socket-beside-conversation", "the conversation reads",
+                           lambda link: conversation_reads(args, net, kv, admin, read, link))
         for row, plane in CONVERSATION_PLANES:
             record(row, "History.fetch (here)", conversed[row],
                    "a conversation kept at the far edge, its history read here for the next turn "
@@ -989,30 +991,15 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
                       else "over Ray (data_plane ray)") + ", every chunk verified")
         stop_network(net)                    # its far edge's memory, for the pushes' networks
         net = None
-        link = SocketLink(total, piece, host=far.address("far"), prefix=prefix)
-        try:
-            pushed = origin_pushes(args, cluster, kv, admin, read, link)
-        finally:
-            link.close()
-        record("socket-beside-push", "recv_into", pushed["socket"],
-               "bare TCP again, one transfer before each rep of the pushes below: their ceiling")
+        pushed = beside("socket-beside-push", "the pushes",
+                        lambda link: origin_pushes(args, cluster, kv, admin, read, link))
         split = pushed["http_split"]
         print(f"origin-push-http, as far-0 timed it (all reps with the warm-up): pulling the frames "
               f"{split['pull_us'] / 1e3:.0f} ms, keeping the copies {split['keep_us'] / 1e3:.0f} ms")
-        link = SocketLink(total, piece, host=far.address("far"), prefix=prefix)
-        try:
-            behind = write_behind(args, kv, admin, read, link)
-        finally:
-            link.close()
-        record("socket-beside-write-behind", "recv_into", behind["socket"],
-               "bare TCP again, one transfer before each rep of the write-behind below: its ceiling")
-        link = SocketLink(total, piece, host=far.address("far"), prefix=prefix)
-        try:
-            published = far_publishes(args, kv, admin, read, link)
-        finally:
-            link.close()
-        record("socket-beside-publish", "recv_into", published["socket"],
-               "bare TCP again, one transfer before each rep of the publishes below: their ceiling")
+        behind = beside("socket-beside-write-behind", "the write-behind",
+                        lambda link: write_behind(args, kv, admin, read, link))
+        published = beside("socket-beside-publish", "the publishes",
+                           lambda link: far_publishes(args, kv, admin, read, link))
         split = published["http_split"]
         print(f"publish-http, as the origin timed it (all reps with the warm-up): receiving and verifying the "
               f"frames {split['receive'] / 1e3:.0f} ms, storing them durably {split['store'] / 1e3:.0f} ms")

@@ -360,14 +360,19 @@ class EdgeHTTP(Served):
         keys, region = check_keys(self._key_list(body)), self._region(body)
         held = await self.edge.peer_held(keys, region, body.get("drops"), token=_bearer(request))
         parts = [] if held is None else await self._peer_frames([h for h in held if h is not None])
-        total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
-        resp = web.StreamResponse(status=200, headers={
+        return await self._send_frames(request, parts, "peer_bytes_sent", {
             "X-KDN-Edge": self.edge.name, "X-KDN-Behind": str(int(held is None)),
             "X-KDN-Ring": str(self.edge.members.version)})
+
+    async def _send_frames(self, request, parts, counter: str, headers: dict):
+        """An answer of frame parts (bytes and views, sent as they are), its length exact;
+        its bytes counted under counter."""
+        total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        resp = web.StreamResponse(status=200, headers=headers)
         resp.content_type = FRAMES_TYPE
         resp.content_length = total
         await resp.prepare(request)
-        self.counters["peer_bytes_sent"] += total
+        self.counters[counter] += total
         for p in parts:
             if len(p):
                 await resp.write(p)
@@ -398,18 +403,8 @@ class EdgeHTTP(Served):
                 got, bad = await asyncio.to_thread(forms.frames, objs, want)
         if bad is not None:
             self.counters["conversation_corrupt_ended"] += 1
-        parts = [p for frame in got for p in frame]
-        total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
-        resp = web.StreamResponse(status=200, headers={"X-KDN-Edge": self.edge.name})
-        resp.content_type = FRAMES_TYPE
-        resp.content_length = total
-        await resp.prepare(request)
-        self.counters["conversation_bytes_sent"] += total
-        for p in parts:
-            if len(p):
-                await resp.write(p)
-        await resp.write_eof()
-        return resp
+        return await self._send_frames(request, [p for frame in got for p in frame], "conversation_bytes_sent",
+                                       {"X-KDN-Edge": self.edge.name})
 
     async def _peer_frames(self, helds) -> list:
         """The frame parts of helds, each in its own form; a copy failing its checks is left
