@@ -96,11 +96,13 @@ class OriginWrites:
             client = EdgeHTTPClient(url, timeout_s=timeout_s, allow_remote=True,
                                     token=self.token or self.view.admin_token)
         client.set_timeout(timeout_s)
+        done = False
         try:
             got = client.put_frames(what, chunks)
-        except BaseException:
-            client.close()
-            raise
+            done = True
+        finally:
+            if not done:                 # a connection broken mid-answer is not reused
+                client.close()
         with self._lock:
             if len(self._idle) < IDLE_CONNECTIONS:
                 self._idle.append(client)

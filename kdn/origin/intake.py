@@ -107,11 +107,13 @@ class Intake:
         except IndexError:                      # (no buffer kept between pulls: memory stays bounded)
             client = EdgeHTTPClient(url, timeout_s=PULL_TIMEOUT_S, allow_remote=True, token=self.token,
                                     reuse_buffer=False)
+        done = False
         try:
             got, nbytes = client.peer_get(keys)
-        except BaseException:
-            client.close()
-            raise
+            done = True
+        finally:
+            if not done:                 # a connection broken mid-answer is not reused
+                client.close()
         if len(idle) < IDLE_CONNECTIONS:
             idle.append(client)
         else:
