@@ -764,6 +764,7 @@ def far_publishes(args, kv, admin, read, link: SocketLink) -> dict:
         out["http_split"] = {k: http.get(f"ingest_chunks_{k}_us", 0) for k in ("receive", "store")}
         f = Client(network=net.name, region=near, tenant=TENANT, fingerprint=FINGERPRINT, token=read,
                    data_plane="ray").fetch(last)        # the last KB published reads back exact
+        # moved, not computed: the published bytes themselves, on any CPU
         if f.tokens != kv.shape[3] or not np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv):
             raise RuntimeError("a KB published from the far host does not read back as published")
     finally:
@@ -817,7 +818,7 @@ def conversation_reads(args, net, kv, admin, read, link: SocketLink) -> dict:
             t0 = time.perf_counter()
             chunks = history.fetch(found)
             seconds = time.perf_counter() - t0
-            if np.concatenate([c.kv for c in chunks], axis=3).tobytes() != want:
+            if np.concatenate([c.kv for c in chunks], axis=3).tobytes() != want:   # moved: the bytes kept
                 raise RuntimeError(f"{row}: the history read is not the KV kept")
             if i:
                 out[row].append(seconds)

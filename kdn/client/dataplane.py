@@ -104,7 +104,7 @@ class ReaderPlane:
         """One slice's answer over one keep-alive connection."""
         from kdn.client.http import fetch_reply
         codec = "auto" if set(accept) >= set(LOSSLESS) else "raw"
-        return self._on_connection(url, timeout_s, token,
+        return self.on_connection(url, timeout_s, token,
                                    lambda client: fetch_reply(client, keys, ns, region, codec, tenant, fingerprint))
 
     def conversation(self, url: str, timeout_s: float, token, keys, ns, tenant, fingerprint, scope) -> tuple:
@@ -112,7 +112,7 @@ class ReaderPlane:
         EdgeHTTPClient.conversation_get), on one keep-alive connection; Unreachable when the
         edge gives none within timeout_s."""
         t0 = time.perf_counter()
-        objs, nbytes = self._on_connection(url, timeout_s, token, lambda client: client.conversation_get(
+        objs, nbytes = self.on_connection(url, timeout_s, token, lambda client: client.conversation_get(
             keys, ns, tenant, fingerprint, scope))
         with self._lock:
             self.counters["http_conversation_fetches"] += 1
@@ -120,8 +120,9 @@ class ReaderPlane:
             self.counters["http_conversation_us"] += int((time.perf_counter() - t0) * 1e6)
         return objs, nbytes
 
-    def _on_connection(self, url: str, timeout_s: float, token, call):
-        """call(client) on a keep-alive connection to url from the pool (made if none is idle),
+    def on_connection(self, url: str, timeout_s: float, token, call):
+        """call(client) on a keep-alive connection to url from the pool (a fetch's, a
+        conversation read's, an origin write's: kdn/client/ingest.py) (made if none is idle),
         given back after it unless the call failed (a connection broken mid-answer is closed)."""
         from kdn.client.http import EdgeHTTPClient
         with self._lock:

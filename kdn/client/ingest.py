@@ -22,14 +22,12 @@ Counters (stats()): http_writes, http_frames, http_bytes, http_us (from the requ
 answer), http_failures (writes sent again over Ray); ray_writes, ray_bytes, ray_us (likewise).
 """
 import collections
-import threading
 import time
 
 from kdn.core.dataplane import ADDRESS_RETRY_S, Addresses
 from kdn.core.rpc import Unreachable
 
 ORIGIN = "origin"               # the origin's entry in the address book
-IDLE_CONNECTIONS = 2
 FRAME_BYTES = 512               # a frame's header, at most, beside its payload
 
 
@@ -45,8 +43,6 @@ class OriginWrites:
         self.counters = collections.Counter()
         self._ray_until = 0.0        # after a write the server did not answer: Ray until then
         self._most = 0               # the most one write over HTTP carries (the origin says)
-        self._idle = []
-        self._lock = threading.Lock()
 
     def put(self, what: str, chunks, timeout_s: float) -> dict:
         url = self._url(timeout_s)
@@ -86,30 +82,9 @@ class OriginWrites:
         return self.addresses.url(ORIGIN)
 
     def _http(self, url: str, what: str, chunks, timeout_s: float) -> dict:
-        from kdn.client.http import EdgeHTTPClient
-        with self._lock:
-            client = self._idle.pop() if self._idle else None
-        if client is not None and client.url != url.rstrip("/"):     # the origin moved
-            client.close()
-            client = None
-        if client is None:
-            client = EdgeHTTPClient(url, timeout_s=timeout_s, allow_remote=True,
-                                    token=self.token or self.view.admin_token)
-        client.set_timeout(timeout_s)
-        done = False
-        try:
-            got = client.put_frames(what, chunks)
-            done = True
-        finally:
-            if not done:                 # a connection broken mid-answer is not reused
-                client.close()
-        with self._lock:
-            if len(self._idle) < IDLE_CONNECTIONS:
-                self._idle.append(client)
-                client = None
-        if client is not None:
-            client.close()
-        return got
+        """The write on a keep-alive connection of the view's pool (kdn.client.dataplane)."""
+        return self.view.plane.on_connection(url, timeout_s, self.token or self.view.admin_token,
+                                             lambda client: client.put_frames(what, chunks))
 
     def stats(self) -> dict:
         return {"mode": self.addresses.mode, **self.counters}

@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+from kdn.client.dataplane import ReaderPlane
 from kdn.client.ingest import OriginWrites
 from kdn.core.auth import Tokens
 from kdn.core.chunk import Chunk
@@ -28,6 +29,7 @@ class Origin:
     def __init__(self, tmp_path, node="node-1"):
         self.store, self.node, self.ray_calls = ChunkStore(tmp_path / "store"), node, []
         self.admin_token, self.most = ADMIN, 1 << 29
+        self.plane = ReaderPlane("auto", None, None, None)     # its pool of connections
 
         async def put_chunks(chunks):
             results = await asyncio.to_thread(self.store.put_chunks, chunks)
