@@ -642,6 +642,8 @@ def origin_pushes(args, cluster, kv, admin, read, link: SocketLink) -> dict:
 
 WRITE_BEHIND_PLANES = (("write-behind-http", {}, "http"),            # row, far-0's options, path
                        ("write-behind-ray", {"data_plane": "ray"}, "ref"))
+EDGE_STORE_ROWS = {"write-behind-http": ("edge-store-http", "auto"),   # the writer's row, its data_plane
+                   "write-behind-ray": ("edge-store-ray", "ray")}
 
 
 def write_behind(args, kv, admin, read, link: SocketLink) -> dict:
@@ -652,7 +654,11 @@ def write_behind(args, kv, admin, read, link: SocketLink) -> dict:
     its frames). Each rep stores the KB's bytes as --chunks new opaque objects at far-0 (ack
     edge) and waits until they are durable; the time is the origin's own, from asking for the
     bytes to holding them (object_pull_http_us: the frames received and verified;
-    object_ref_us: Ray's get of the references), scaled to the KB's bytes."""
+    object_ref_us: Ray's get of the references), scaled to the KB's bytes.
+    The stores themselves are a writer's here (EDGE_STORE_ROWS: a view of far's region on the
+    default data plane, which writes them to far-0's HTTP server, and on "ray"): timed from
+    the call to far-0's answer (acknowledged, in its memory)."""
+    from kdn.client.view import NetworkView
     from kdn.core.keys import namespace_digest
     from kdn.integrations.objects import object_key, pack
     from kdn.launch.cluster import start_network, stop_network
@@ -676,6 +682,9 @@ def write_behind(args, kv, admin, read, link: SocketLink) -> dict:
                                       edge_options={"http_host": "node"},
                                       origin_options={"http_host": "node"})
             out[row] = []
+        writers = {row: NetworkView(nets[row].name, region=far_region, admin_token=admin, data_plane=plane)
+                   for row, (_, plane) in EDGE_STORE_ROWS.items()}
+        out.update({store_row: [] for store_row, _ in EDGE_STORE_ROWS.values()})
         for i in range(args.reps + 1):               # the first rep warms up, untimed
             sock = link.one()
             for row, _, path in WRITE_BEHIND_PLANES:
@@ -683,7 +692,13 @@ def write_behind(args, kv, admin, read, link: SocketLink) -> dict:
                         for j in range(args.chunks)]
                 origin, edge = nets[row].origin, nets[row].edges["far-0"]
                 before = ray.get(origin.stats.remote(token=admin))["counters"]
-                got = ray.get(edge.put_objects.remote(objs, token=admin), timeout=600)
+                puts = writers[row].plane.stats().get("http_puts", 0)
+                t0 = time.perf_counter()
+                got, at, _ = writers[row].nearest(600.0).put_objects(objs, token=admin)
+                took = time.perf_counter() - t0
+                store_row, plane = EDGE_STORE_ROWS[row]
+                if at != "far-0" or (writers[row].plane.stats().get("http_puts", 0) - puts) != (plane == "auto"):
+                    raise RuntimeError(f"{store_row}: the stores of rep {i} went to {at}, not over {plane}")
                 if got["pending"] != len(objs):
                     raise RuntimeError(f"{row}: far-0 acknowledged {got['pending']} of {len(objs)} stores early")
                 if not ray.get(edge.stores_durable.remote(600.0, token=admin), timeout=660)["durable"]:
@@ -696,9 +711,12 @@ def write_behind(args, kv, admin, read, link: SocketLink) -> dict:
                                        f"not the {want} stored")
                 if i:
                     out[row].append(us / 1e6 * want / nbytes)
+                    out[store_row].append(took)
                 last[row] = objs
             if i:
                 out["socket"].append(sock)
+        c = ray.get(nets["write-behind-http"].edges["far-0"].stats.remote(token=admin))["counters"]
+        out["store_split"] = {k: c.get(f"store_http_{k}_us", 0) for k in ("receive", "keep")}
         for row, objs in last.items():     # the origin holds the very bytes far-0 acknowledged
             back = ray.get(nets[row].origin.get_chunks.remote([o.key for o in objs], token=admin), timeout=600)
             if [None if b is None else b.kv.tobytes() for b in back] != [o.kv.tobytes() for o in objs]:
@@ -999,6 +1017,9 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
               f"{split['pull_us'] / 1e3:.0f} ms, keeping the copies {split['keep_us'] / 1e3:.0f} ms")
         behind = beside("socket-beside-write-behind", "the write-behind",
                         lambda link: write_behind(args, kv, admin, read, link))
+        split = behind["store_split"]
+        print(f"edge-store-http, as far-0 timed it (all reps with the warm-up): receiving and verifying the "
+              f"frames {split['receive'] / 1e3:.0f} ms, keeping them {split['keep'] / 1e3:.0f} ms")
         published = beside("socket-beside-publish", "the publishes",
                            lambda link: far_publishes(args, kv, admin, read, link))
         split = published["http_split"]
@@ -1010,6 +1031,12 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
                    + ("as frames to the origin's HTTP server (the default data plane)" if plane == "auto"
                       else "over Ray (data_plane ray)")
                    + "; the publisher's time from sending the chunks to the answer (durable)")
+        for store_row, plane in EDGE_STORE_ROWS.values():
+            record(store_row, "writer here, ack edge", behind[store_row],
+                   "the same objects stored from this host at the edge on the far host "
+                   + ("as frames to far-0's HTTP server (the default data plane)" if plane == "auto"
+                      else "over Ray (data_plane ray)")
+                   + "; the writer's time from the call to far-0's answer (held in its memory)")
         for row, _, path in WRITE_BEHIND_PLANES:
             record(row, "origin takes far-0's stores", behind[row],
                    "objects stored at the edge on the far host (ack edge), made durable here: "
@@ -1052,6 +1079,10 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
            **{f"{row.replace('-', '_')}_over_socket": res[row] / res["socket-beside-write-behind"]
               for row, _, _ in WRITE_BEHIND_PLANES},
            "write_behind_http_over_write_behind_ray": res["write-behind-http"] / res["write-behind-ray"],
+           # a writer's stores at the far edge against the same socket
+           **{f"{row.replace('-', '_')}_over_socket": res[row] / res["socket-beside-write-behind"]
+              for row, _ in EDGE_STORE_ROWS.values()},
+           "edge_store_http_over_edge_store_ray": res["edge-store-http"] / res["edge-store-ray"],
            # a far publisher's writes against the socket timed beside them, rep by rep
            **{f"{row.replace('-', '_')}_over_socket": res[row] / res["socket-beside-publish"]
               for row, _, _ in PUBLISH_PLANES},
@@ -1066,7 +1097,8 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
                    client_1stream_over_cap=res["client-1stream"] * 1e9 / cap_bps,
                    socket_over_cap=res["socket"] * 1e9 / cap_bps,
                    **{f"{row.replace('-', '_')}_over_cap": res[row] * 1e9 / cap_bps
-                      for row in res if row.startswith(("peer", "origin", "write-behind", "publish", "conversation"))})
+                      for row in res if row.startswith(("peer", "origin", "write-behind", "edge-store", "publish",
+                                                        "conversation"))})
     print("; ".join(f"{k} {v:.2f}x" for k, v in out.items() if k.endswith(("_over_socket", "_over_ray", "_over_cap"))))
     if args.json:
         emit_json(out)

@@ -7,7 +7,9 @@ Ray node (another host: LMCache's or SGLang's server reading another region's ed
 fetch` cross-node) fetches over that edge's HTTP frames; Ray stays the control plane (lookups,
 membership, reports of corrupt copies) and carries what sits on the reader's own node, read
 zero-copy from the shared store, which no socket beats. Edges pulling from each other use the
-same rule (kdn/edge/dataplane.py).
+same rule (kdn/edge/dataplane.py), and so does a cache layer's store acknowledged at an edge
+on another node (put_objects: its objects written as frames to the edge's server, POST
+/v1/objects; kdn.client.view), on this pool's connections.
 
 mode (`data_plane`): kdn.core.dataplane's, as for edges.
 
@@ -120,9 +122,21 @@ class ReaderPlane:
             self.counters["http_conversation_us"] += int((time.perf_counter() - t0) * 1e6)
         return objs, nbytes
 
+    def put_objects(self, url: str, timeout_s: float, token, chunks) -> dict:
+        """An edge's put_objects answer to chunks written to its HTTP server as raw frames
+        (POST /v1/objects: EdgeHTTPClient.put_frames), on one keep-alive connection;
+        Unreachable when the edge gives none within timeout_s."""
+        t0 = time.perf_counter()
+        got = self.on_connection(url, timeout_s, token, lambda client: client.put_frames("objects", chunks))
+        with self._lock:
+            self.counters["http_puts"] += 1
+            self.counters["http_put_bytes"] += sum(c.nbytes for c in chunks)
+            self.counters["http_put_us"] += int((time.perf_counter() - t0) * 1e6)
+        return got
+
     def on_connection(self, url: str, timeout_s: float, token, call):
         """call(client) on a keep-alive connection to url from the pool (a fetch's, a
-        conversation read's, an origin write's: kdn/client/ingest.py) (made if none is idle),
+        conversation read's, an edge write's, an origin write's: kdn/client/ingest.py) (made if none is idle),
         given back after it unless the call failed (a connection broken mid-answer is closed)."""
         from kdn.client.http import EdgeHTTPClient
         with self._lock:

@@ -275,9 +275,10 @@ class EdgeHTTPClient:
 
     def put_frames(self, what: str, chunks) -> dict:
         """Chunks written to the origin's HTTP server (POST /v1/chunks: a publisher's
-        put_chunks; /v1/objects: put_objects; kdn/origin/http.py) as raw frames, each header and
+        put_chunks; /v1/objects: put_objects; kdn/origin/http.py), or objects to an edge's
+        (POST /v1/objects: put_objects, kdn/edge/http.py), as raw frames, each header and
         payload sent as they are, with the network's admin token (this client's token): the
-        origin's answer, once they are durable there."""
+        node's answer, as its call over Ray gives it."""
         parts = [p for c in chunks for p in encode_parts(c)]
         path = f"/v1/{what}"
         resp = self._request("POST", path, parts, FRAMES_TYPE)

@@ -11,7 +11,9 @@ the next edge at once, so a dead edge costs one timeout, never Ray's ~15 s node-
 detection, and is tried last for SUSPECT_S. An origin call is retried until its deadline
 while the origin restarts (Ray brings it back from disk; every origin method is idempotent).
 Any other error raises: a KDNError the remote raised on purpose as itself, anything else as
-the bug it is.
+the bug it is. Bulk bytes to or from an edge on another node (a fetch, a cache layer's
+put_objects) take that edge's HTTP frames where the data plane says so (kdn.client.dataplane),
+inside the same failover.
 """
 import functools
 import time
@@ -172,6 +174,10 @@ class NetworkView:
                     reply = self._fetch_over_http(edge, timeout, *args, **kw)
                     if reply is not None:
                         return self._measured(edge, t0, reply), edge, failed
+                if method == "put_objects":
+                    reply = self._put_over_http(edge, timeout, *args, **kw)
+                    if reply is not None:
+                        return self._measured(edge, t0, reply), edge, failed
                 reply = self.actors.call_sync(edge, method, *args, timeout=timeout, **dict(kw))
                 if resolve_refs:
                     left = max(0.5, timeout - (time.monotonic() - t0))
@@ -205,6 +211,23 @@ class NetworkView:
             return None
         try:
             return self.plane.fetch(url, timeout, token, keys, ns, region, accept, tenant, fingerprint)
+        except Unreachable:
+            self.plane.forget(edge)
+            raise
+
+    def _put_over_http(self, edge, timeout, chunks, token=None):
+        """edge's put_objects answer over its HTTP server (POST /v1/objects, raw frames) when
+        the data plane says so (an edge on another node), else None (Ray carries it, as it
+        does a write larger than one body takes: kdn.core.serving.MAX_INGEST_BYTES)."""
+        from kdn.client.ingest import FRAME_BYTES
+        from kdn.core.serving import MAX_INGEST_BYTES
+        if not chunks or sum(c.nbytes + FRAME_BYTES for c in chunks) > MAX_INGEST_BYTES:
+            return None
+        url = self.plane.url_of(edge, LOSSLESS)
+        if url is None:
+            return None
+        try:
+            return self.plane.put_objects(url, timeout, token, chunks)
         except Unreachable:
             self.plane.forget(edge)
             raise

@@ -1,9 +1,22 @@
 """What every KDN HTTP server shares (an edge's, kdn/edge/http.py; the origin's,
-kdn/origin/http.py): its listening socket, serving an aiohttp app on it, its base URL and the
-caller's bearer token."""
+kdn/origin/http.py): its listening socket, serving an aiohttp app on it, its base URL, the
+caller's bearer token, and bulk writes received as bodies of raw frames (FrameWrites: the
+origin's POST /v1/chunks and /v1/objects, an edge's POST /v1/objects)."""
+import asyncio
+import contextlib
 import socket
+import time
 
 from aiohttp import web
+
+from kdn.core.chunk import decode, frame_size, read_header
+from kdn.core.errors import BadRequest, FrameError
+from kdn.core.wire import FRAMES_TYPE
+
+MAX_INGEST_BYTES = 512 << 20  # one write's body (a publisher's batch is 64 MiB, an object store's 256)
+MAX_INGEST_FRAMES = 4096      # frames in one write (the nodes' MAX_CHUNKS_PER_CALL)
+INGESTS_AT_ONCE = 2           # write bodies a server holds at once (each up to MAX_INGEST_BYTES); the rest wait
+INGEST_READ_S = 30.0          # a write whose body sends nothing for this long is dropped
 
 
 class Served:
@@ -50,3 +63,68 @@ def bearer(request):
     """The token of a request's `Authorization: Bearer <token>` header (None without one)."""
     h = request.headers.get("Authorization", "")
     return h[7:].strip() if h[:7].lower() == "bearer " else None
+
+
+def frames_of(buf, most: int) -> list:
+    """The chunks of a body of frames back to back (views of buf), each frame's header checked
+    and its checksum verified; BadRequest naming the first that is not a whole, intact frame,
+    or when there are more than `most`."""
+    out, off, mv = [], 0, memoryview(buf)
+    while off < len(mv):
+        if len(out) == most:
+            raise BadRequest(f"the body holds more than {most} frames: split it")
+        try:
+            header, start = read_header(mv[off:])
+            end = off + frame_size(header, start)
+            if end > len(mv):
+                raise BadRequest(f"frame {len(out)} runs past the body's end ({end} > {len(mv)} bytes)")
+            out.append(decode(mv[off:end], verify=True))
+        except FrameError as e:
+            raise BadRequest(f"frame {len(out)} (at byte {off}) is not an intact frame: {e}") from None
+        off = end
+    return out
+
+
+class FrameWrites:
+    """A server's bulk writes: bodies of raw frames back to back (FRAMES_TYPE, a Content-Length
+    of at most MAX_INGEST_BYTES, at most MAX_INGEST_FRAMES frames), each received into one
+    buffer as it arrives, then every frame checked and its checksum verified (a bad one refuses
+    the whole body: BadRequest naming it, nothing stored). At most INGESTS_AT_ONCE bodies are
+    held at once (the rest wait); a body that sends nothing for INGEST_READ_S is dropped (408).
+    The caller checks the token first and stores the chunks inside `received`, so a body's
+    memory is held until it is stored."""
+
+    def __init__(self):
+        self._slots = None          # made in the server's loop, on first use
+
+    @contextlib.asynccontextmanager
+    async def received(self, request, what: str):
+        """(chunks, body bytes, seconds spent receiving and verifying them) of request, a write
+        to what ("POST /v1/objects"), while its slot is held."""
+        if request.content_type != FRAMES_TYPE:
+            raise BadRequest(f"{what} takes {FRAMES_TYPE}, got {request.content_type!r:.80}")
+        n = request.content_length
+        if n is None:
+            raise BadRequest(f"{what} needs a Content-Length")
+        if n > MAX_INGEST_BYTES:
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_INGEST_BYTES, actual_size=n,
+                                                text=f"{what} takes at most {MAX_INGEST_BYTES} bytes, "
+                                                     f"got {n}: split it")
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(INGESTS_AT_ONCE)
+        async with self._slots:
+            buf, got, t0 = bytearray(n), 0, time.perf_counter()
+            while got < n:                                   # as it arrives, into one buffer
+                try:
+                    piece = await asyncio.wait_for(request.content.readany(), INGEST_READ_S)
+                except asyncio.TimeoutError:
+                    raise web.HTTPRequestTimeout(text=f"{what}: the body sent nothing for "
+                                                      f"{INGEST_READ_S:.0f} s") from None
+                if not piece:
+                    raise BadRequest(f"the body ended after {got} of its {n} bytes")
+                if got + len(piece) > n:
+                    raise BadRequest(f"the body runs past its Content-Length of {n} bytes")
+                buf[got:got + len(piece)] = piece
+                got += len(piece)
+            chunks = await asyncio.to_thread(frames_of, memoryview(buf).toreadonly(), MAX_INGEST_FRAMES)
+            yield chunks, n, time.perf_counter() - t0

@@ -26,6 +26,12 @@ holds in the order asked (never pulling through), each in the form chosen for th
 the asker's region, or X-KDN-Behind: 1 with no frames when the asker applied more of the
 origin's drop log than this edge.
 
+A writer on another node (LMCache's or SGLang's server storing at this region's edge,
+`ack` "edge": kdn.integrations.objects) stores objects over POST /v1/objects: with the
+network's admin token only, a body of raw frames (kdn.core.serving.FrameWrites: every frame
+verified, a bad one refuses the whole body), kept exactly as put_objects over Ray keeps them
+(kdn/edge/stores.py), its answer in msgpack.
+
 A worker on another node reads the history of a conversation homed here over POST
 /v1/conversation (kdn/client/history.py): with the tenant's read token (or the admin's), the
 held prefix of its keys as frames, each as held, exactly as conversation_fetch answers over Ray.
@@ -55,10 +61,10 @@ from aiohttp import http_exceptions, web
 
 from kdn.core.chunk import codecs
 from kdn.edge.metrics import EdgeMetrics
-from kdn.core.wire import FRAMES_TYPE, MAX_SOURCE_RUNS, METRICS_TYPE, pack_sources
+from kdn.core.wire import FRAMES_TYPE, MAX_SOURCE_RUNS, METRICS_TYPE, MSGPACK_TYPE, pack_sources
 from kdn.core.env import is_loopback
-from kdn.core.serving import Served, bearer as _bearer, bind as _bind
-from kdn.core.errors import AccessDenied, BadRequest, BadTokens
+from kdn.core.serving import FrameWrites, Served, bearer as _bearer, bind as _bind
+from kdn.core.errors import AccessDenied, BadRequest, BadTokens, NetworkError
 from kdn.core.keys import KEY_BYTES, MAX_FETCH_KEYS, namespace_digest
 from kdn.edge.reads import check_keys
 from kdn.edge.tiers import resolve_all
@@ -72,7 +78,7 @@ BIND_RETRY_S = 10.0             # a restarted edge waits this long for its old p
 ENCODERS = 2                    # fetch answers encoded at once (each holds its frames in memory)
 FRAME_OVERHEAD = 256            # a frame's bytes beyond its payload, about (its header)
 ENDPOINTS = ("GET /health", "GET /v1/kbs", "POST /v1/lookup", "POST /v1/fetch", "POST /v1/peer",
-             "POST /v1/conversation", "GET /metrics")
+             "POST /v1/conversation", "POST /v1/objects", "GET /metrics")
 
 
 class RequestError(Exception):
@@ -114,6 +120,7 @@ class EdgeHTTP(Served):
         self.metrics = EdgeMetrics(edge, self)
         self._encoders = None
         self._runner = None
+        self.writes = FrameWrites()               # POST /v1/objects
         self.app = web.Application(middlewares=[self._errors], client_max_size=self.max_body_bytes)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/kbs", self._kbs)
@@ -121,6 +128,7 @@ class EdgeHTTP(Served):
         self.app.router.add_post("/v1/fetch", self._fetch)
         self.app.router.add_post("/v1/peer", self._peer)
         self.app.router.add_post("/v1/conversation", self._conversation)
+        self.app.router.add_post("/v1/objects", self._objects)
         self.app.router.add_get("/metrics", self._metrics)
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -171,8 +179,8 @@ class EdgeHTTP(Served):
         except web.HTTPNotFound:
             resp = _error(404, "not_found", f"no endpoint {request.method} {request.path:.200}; "
                                             f"endpoints: {', '.join(ENDPOINTS)}")
-        except web.HTTPRequestEntityTooLarge as e:
-            resp = _error(413, "body_too_large",
+        except web.HTTPRequestEntityTooLarge as e:    # a write's bound says itself (FrameWrites)
+            resp = _error(413, "body_too_large", e.text if request.path == "/v1/objects" else
                           f"request body is larger than the limit of {self.max_body_bytes} bytes: {e.text}")
         except web.HTTPException as e:
             if e.status < 400:
@@ -405,6 +413,26 @@ class EdgeHTTP(Served):
             self.counters["conversation_corrupt_ended"] += 1
         return await self._send_frames(request, [p for frame in got for p in frame], "conversation_bytes_sent",
                                        {"X-KDN-Edge": self.edge.name})
+
+    async def _objects(self, request):
+        """A writer's objects from another node, as frames: kept as put_objects over Ray keeps
+        them, its answer in msgpack. Only with the network's admin token, checked before the
+        body is read."""
+        token = _bearer(request)
+        self.edge.tokens.check_admin(token, "POST /v1/objects")
+        async with self.writes.received(request, "POST /v1/objects") as (chunks, n, receive_s):
+            t1 = time.perf_counter()
+            try:
+                answer = await self.edge.put_objects(chunks, token=token)
+            except NetworkError as e:    # some had to wait for the origin, which did not answer
+                raise RequestError(503, "origin_unreachable", str(e)) from None
+        counted = self.edge.stores.counters     # beside the stores' own (kdn/edge/stores.py)
+        counted["store_http_writes"] += 1
+        counted["store_http_objects"] += len(chunks)
+        counted["store_http_bytes"] += n
+        counted["store_http_receive_us"] += int(receive_s * 1e6)
+        counted["store_http_keep_us"] += int((time.perf_counter() - t1) * 1e6)
+        return web.Response(body=msgpack.packb(answer, use_bin_type=True), content_type=MSGPACK_TYPE)
 
     async def _peer_frames(self, helds) -> list:
         """The frame parts of helds, each in its own form; a copy failing its checks is left

@@ -38,7 +38,10 @@ store_forward_retries (of which store_forward_errors: batches the origin refused
 full say: tried again like one it did not answer), store_forgotten (deleted before sent), store_deleted_again (deleted
 while on their way), store_adopted and store_adopt_us (arrivals made this node's own, the
 time it took), store_adopt_errors (copies the object store refused: those stay arrivals),
-store_held_already (a copy held here kept instead of the arrival); a store of a key whose
+store_held_already (a copy held here kept instead of the arrival); stores written to this
+edge's HTTP server by writers on other nodes (POST /v1/objects, kdn/edge/http.py):
+store_http_writes, store_http_objects, store_http_bytes, store_http_receive_us (receiving and
+verifying their frames), store_http_keep_us (then keeping them, as put does); a store of a key whose
 earlier copy waits in the backlog, answered by that copy and not sent: store_queued_already
 (the same bytes), store_kept_first (other bytes: a key keeps its first bytes, here as at the
 origin), store_queued_unchecked (copies without a checksum to compare);

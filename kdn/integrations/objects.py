@@ -15,7 +15,8 @@ reads around its tenant, and two salts never share a namespace.
 Paths: a store goes, by the host's `ack` setting, to the nearest live edge (`ack = "edge"`,
 the default, as LMCache's own adapters answer once their backend holds the bytes: the edge
 keeps them in memory and answers, and makes them durable at the origin after, with a bounded
-backlog: kdn/edge/stores.py) or to the origin (`ack = "origin"`: `put_objects` answers once
+backlog: kdn/edge/stores.py; an edge on another node than the host's is written over its
+HTTP frames, POST /v1/objects: kdn.client.view) or to the origin (`ack = "origin"`: `put_objects` answers once
 they are durable there, one fsync batch a call; from another node than the origin's, over its
 HTTP server: kdn/client/ingest.py); either way the origin pushes them to their
 ring owners in the background; a lookup asks the nearest live edge, which answers for itself and asks the

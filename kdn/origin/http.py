@@ -19,9 +19,8 @@ takes the push over Ray.
 POST /v1/chunks and POST /v1/objects take a client's bulk writes from another node (a
 publisher's put_chunks, a cache layer's put_objects acknowledged here: kdn/client/ingest.py),
 where Ray's object manager would carry a third of a socket's pace: with the admin token only,
-a body of raw frames back to back (FRAMES_TYPE, its Content-Length at most MAX_INGEST_BYTES,
-at most MAX_INGEST_FRAMES frames), received into one buffer, every frame checked and its
-checksum verified (a bad one refuses the whole body: 400 naming it, nothing stored), then
+a body of raw frames back to back, received and verified by kdn.core.serving.FrameWrites
+(a bad frame refuses the whole body: 400 naming it, nothing stored; its bounds there), then
 stored as the same call over Ray would (OriginNode.put_chunks / put_objects: durable before
 the answer); the answer is that call's, in msgpack.
 GET /health answers anyone. Anything malformed is a 400, every error JSON {"error",
@@ -40,19 +39,14 @@ import msgpack
 from aiohttp import web
 
 from kdn.core.env import is_loopback
-from kdn.core.errors import AccessDenied, BadRequest, FrameError, KDNError
-from kdn.core.serving import Served, bearer as _bearer, bind
+from kdn.core.errors import AccessDenied, BadRequest, KDNError
+from kdn.core.serving import FrameWrites, Served, bearer as _bearer, bind
 from kdn.core.keys import KEY_BYTES
-from kdn.core.chunk import decode, frame_size, read_header
 from kdn.core.wire import FRAMES_TYPE, MSGPACK_TYPE
 
 log = logging.getLogger(__name__)
 
 MAX_KEYS = 4096               # keys one pull may name (a push batch is at most 64 MiB of chunks)
-MAX_INGEST_BYTES = 512 << 20  # one write's body (a publisher's batch is 64 MiB, an object store's 256)
-MAX_INGEST_FRAMES = 4096      # frames in one write (OriginNode's MAX_CHUNKS_PER_CALL)
-INGESTS_AT_ONCE = 2           # write bodies held at once (each up to MAX_INGEST_BYTES); the rest wait
-INGEST_READ_S = 30.0          # a write whose body sends nothing for this long is dropped
 INGEST = ("chunks", "objects")    # POST /v1/<what>: put_chunks, put_objects
 MAX_PULL_BYTES = MAX_KEYS * (KEY_BYTES + 2) + 64     # the largest body of a pull
 KEEPALIVE_S = 75.0            # an idle keep-alive connection is closed after this
@@ -77,26 +71,6 @@ def check_pull_keys(body) -> list:
     return keys
 
 
-def frames_of(buf, most: int) -> list:
-    """The chunks of a body of frames back to back (views of buf), each frame's header checked
-    and its checksum verified; BadRequest naming the first that is not a whole, intact frame,
-    or when there are more than `most`."""
-    out, off, mv = [], 0, memoryview(buf)
-    while off < len(mv):
-        if len(out) == most:
-            raise BadRequest(f"the body holds more than {most} frames: split it")
-        try:
-            header, start = read_header(mv[off:])
-            end = off + frame_size(header, start)
-            if end > len(mv):
-                raise BadRequest(f"frame {len(out)} runs past the body's end ({end} > {len(mv)} bytes)")
-            out.append(decode(mv[off:end], verify=True))
-        except FrameError as e:
-            raise BadRequest(f"frame {len(out)} (at byte {off}) is not an intact frame: {e}") from None
-        off = end
-    return out
-
-
 class OriginHTTP(Served):
     """The origin's HTTP server over `store` (kdn.origin.store.ChunkStore); start() binds,
     url tells where, stop() closes."""
@@ -109,7 +83,7 @@ class OriginHTTP(Served):
                              "admin token: anyone who reaches the address would read every chunk")
         self.store, self.tokens, self.host, self.port_wanted = store, tokens, host, int(port)
         self.ingest = dict(ingest or {})
-        self._ingests = asyncio.Semaphore(INGESTS_AT_ONCE)     # memory: bodies held at once
+        self.writes = FrameWrites()                             # POST /v1/chunks, /v1/objects
         self.port, self._runner = None, None
         self.counters = collections.Counter()
         self.app = web.Application(middlewares=[self._errors], client_max_size=MAX_PULL_BYTES)
@@ -159,34 +133,11 @@ class OriginHTTP(Served):
         """A client's chunks (what "chunks") or objects ("objects") as frames: stored, then the
         storing call's answer in msgpack."""
         self.tokens.check_admin(_bearer(request), f"POST /v1/{what}")
-        if request.content_type != FRAMES_TYPE:
-            raise BadRequest(f"POST /v1/{what} takes {FRAMES_TYPE}, got {request.content_type!r:.80}")
-        n = request.content_length
-        if n is None:
-            raise BadRequest(f"POST /v1/{what} needs a Content-Length")
-        if n > MAX_INGEST_BYTES:
-            raise web.HTTPRequestEntityTooLarge(max_size=MAX_INGEST_BYTES, actual_size=n,
-                                                text=f"POST /v1/{what} takes at most {MAX_INGEST_BYTES} bytes, "
-                                                     f"got {n}: split it")
-        async with self._ingests:
-            buf, got, t0 = bytearray(n), 0, time.perf_counter()
-            while got < n:                                   # as it arrives, into one buffer
-                try:
-                    piece = await asyncio.wait_for(request.content.readany(), INGEST_READ_S)
-                except asyncio.TimeoutError:
-                    raise web.HTTPRequestTimeout(text=f"POST /v1/{what}: the body sent nothing for "
-                                                      f"{INGEST_READ_S:.0f} s") from None
-                if not piece:
-                    raise BadRequest(f"the body ended after {got} of its {n} bytes")
-                if got + len(piece) > n:
-                    raise BadRequest(f"the body runs past its Content-Length of {n} bytes")
-                buf[got:got + len(piece)] = piece
-                got += len(piece)
-            chunks = await asyncio.to_thread(frames_of, memoryview(buf).toreadonly(), MAX_INGEST_FRAMES)
+        async with self.writes.received(request, f"POST /v1/{what}") as (chunks, n, receive_s):
             t1 = time.perf_counter()
             answer = await self.ingest[what](chunks)
         # the write's time here: receiving and verifying its frames, then storing them (durable)
-        self.counters[f"ingest_{what}_receive_us"] += int((t1 - t0) * 1e6)
+        self.counters[f"ingest_{what}_receive_us"] += int(receive_s * 1e6)
         self.counters[f"ingest_{what}_store_us"] += int((time.perf_counter() - t1) * 1e6)
         self.counters[f"ingest_{what}_calls"] += 1
         self.counters[f"ingest_{what}_frames"] += len(chunks)

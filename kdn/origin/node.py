@@ -358,7 +358,7 @@ class OriginNode:
         None when it serves none (no http_host), "node": its Ray node id, "ip": its node's
         address, "max_write_bytes": the most one write's body may carry}. No token: an address is no secret, and the server checks every request's."""
         import ray
-        from kdn.origin.http import MAX_INGEST_BYTES
+        from kdn.core.serving import MAX_INGEST_BYTES
         on_ray = ray.is_initialized()
         return {"url": await self.pusher.http_url(),
                 "node": ray.get_runtime_context().get_node_id() if on_ray else None,

@@ -27,7 +27,7 @@ from kdn.launch.cluster import start_network, stop_network
 from kdn.core.keys import MAX_FETCH_KEYS
 from kdn.edge.http import IDLE_S, MAX_BODY_BYTES, EdgeHTTP, is_loopback
 from kdn.edge.reads import MAX_REPLY_BYTES
-from kdn.core.wire import unpack_sources
+from kdn.core.wire import FRAMES_TYPE, unpack_sources
 from kdn.core.errors import BadRequest, ChecksumMismatch, ManifestError, RemoteError
 from kdn.client.http import EdgeHTTPClient, HTTPEdges
 from kdn.client.reader import Reader
@@ -277,6 +277,87 @@ def test_client_verifies_frames_and_keys(net):
     body[-100] ^= 1
     with pytest.raises(RemoteError, match="not the key asked for"):
         frames(bytes(body), t["keys"][1:])
+
+
+def _objects(obj, n_bytes, seed):
+    """(namespace, keys, datas, their opaque chunks) of a cache layer's objects, for obj (an
+    Objects, which then knows the namespace)."""
+    from kdn.integrations.objects import pack
+    ns = obj.namespace("default", f"http-objects-{seed}")
+    rng = np.random.default_rng(seed)
+    datas = [rng.integers(0, 256, n, dtype=np.uint8) for n in n_bytes]
+    keys = [bytes([seed, i]) * 8 for i in range(len(datas))]
+    return ns, keys, datas, [pack(k, ns, d) for k, d in zip(keys, datas)]
+
+
+def _loaded(obj, ns, keys, datas) -> list:
+    """Per key, whether a load of it gives exactly its bytes (the load verifies its checksum)."""
+    outs = [np.zeros(d.size, np.uint8) for d in datas]
+    ok = obj.load(ns, keys, outs)
+    return [bool(o) and np.array_equal(out, d) for o, out, d in zip(ok, outs, datas)]
+
+
+def _store_counters(net, edge) -> dict:
+    c = ray.get(net.edges[edge].stats.remote(), timeout=30)["counters"]
+    return {k: c.get(k, 0) for k in ("store_http_writes", "store_http_objects", "store_acked_edge")}
+
+
+def test_objects_written_over_http_are_kept_as_over_ray_and_a_bad_body_keeps_nothing(net):
+    """POST /v1/objects: a body with one bad frame, or a frame that is no object, is refused
+    whole naming it and leaves nothing stored; a good one is answered as put_objects over
+    Ray is, and its bytes load back exactly (compared: moved, never computed)."""
+    from kdn.integrations.objects import Objects
+    edge = "eu-west-0"
+    url, head = net.test["urls"][edge], {"Content-Type": FRAMES_TYPE}
+    obj = Objects.connect(net.name, "eu-west", "lmcache")
+    ns, keys, datas, chunks = _objects(obj, (70_000, 1 << 20, 333), seed=41)
+    frames = [bytearray(encode(c)) for c in chunks]
+    frames[1][-5] ^= 0xFF                                              # a payload byte flipped
+    status, _, body = _raw(url, "POST", "/v1/objects", b"".join(frames), head)
+    assert status == 400 and "frame 1 " in json.loads(body)["message"] and "checksum" in json.loads(body)["message"]
+    kv = Chunk(net.test["keys"][0], net.test["ns"], _make_kv(8), "float32")   # a KB's chunk
+    status, _, body = _raw(url, "POST", "/v1/objects", encode(chunks[0]) + encode(kv), head)
+    assert status == 400 and "opaque" in json.loads(body)["message"], body
+    status, _, body = _raw(url, "POST", "/v1/objects", bytes(encode(chunks[0])), {"Content-Type": "text/plain"})
+    assert status == 400 and FRAMES_TYPE in json.loads(body)["message"]
+    try:
+        assert obj.lookup(ns, keys) == [False] * 3                     # nothing of any body was kept
+        before = _store_counters(net, edge)
+        got = EdgeHTTPClient(url, allow_remote=True).put_frames("objects", chunks)
+        assert got == {"received": 3, "kept": 3, "pending": 3}, got
+        after = _store_counters(net, edge)
+        assert after["store_http_writes"] - before["store_http_writes"] == 1
+        assert after["store_http_objects"] - before["store_http_objects"] == 3
+        assert after["store_acked_edge"] - before["store_acked_edge"] == 3
+        assert _loaded(obj, ns, keys, datas) == [True] * 3
+        assert ray.get(net.edges[edge].stores_durable.remote(30.0), timeout=60)["durable"]
+    finally:
+        obj.close()
+
+
+def test_a_store_at_an_edge_on_another_node_goes_over_its_frames_and_one_on_this_node_over_ray(net):
+    """Objects (LMCache's and SGLang's store path, ack "edge") from this process: to the edge
+    of a region on another Ray node over that edge's HTTP server, to the edge on this
+    process's own node over Ray (zero-copy there); the same bytes load back either way."""
+    from kdn.integrations.objects import Objects
+    here = ray.get_runtime_context().get_node_id()
+    nodes = {e: ray.get(h.stats.remote(), timeout=30)["node_id"] for e, h in net.edges.items()}
+    far = next(e for e, n in nodes.items() if n != here)
+    near = next(e for e, n in nodes.items() if n == here)
+    for edge, seed, over_http in ((far, 42, True), (near, 43, False)):
+        obj = Objects.connect(net.name, edge.rsplit("-", 1)[0], "lmcache")
+        try:
+            ns, keys, datas, _ = _objects(obj, (3 << 20, 1 << 20, 5000), seed=seed)
+            before = _store_counters(net, edge)
+            assert obj.store(list(zip([ns] * 3, keys)), datas) == sum(d.size for d in datas)
+            after = _store_counters(net, edge)
+            plane = obj.view.plane.stats()
+            assert plane.get("http_puts", 0) == int(over_http), (edge, plane)
+            assert after["store_http_objects"] - before["store_http_objects"] == (3 if over_http else 0)
+            assert after["store_acked_edge"] - before["store_acked_edge"] == 3
+            assert _loaded(obj, ns, keys, datas) == [True] * 3
+        finally:
+            obj.close()
 
 
 def test_receive_buffer_is_reused_only_when_no_chunk_views_it(net):

@@ -318,6 +318,51 @@ def test_stores_acknowledged_on_another_host_reach_the_origin_over_that_edges_fr
 
 
 @ray.remote(num_cpus=0)
+def _store_at_a_far_edge(network, region, datas):
+    """A cache layer's stores acknowledged at `region`'s edge, from this host (another one):
+    its namespace and keys, the view's data plane counters, and the refusal a wrong token gets."""
+    from kdn.core.errors import AccessDenied
+    from kdn.integrations.objects import Objects, object_key
+    obj = Objects.connect(network, region, "hosts", admin_token=ADMIN)
+    ns = obj.namespace("acme", "far-stores")
+    keys = [object_key(ns, f"far-{i}".encode()) for i in range(len(datas))]
+    sent = obj.store([(ns, k) for k in keys], datas)
+    plane = obj.view.plane.stats()
+    obj.close()
+    wrong = Objects.connect(network, region, "hosts", admin_token="not-the-admin-token")
+    try:
+        wrong.store([(ns, object_key(ns, b"refused"))], datas[:1])
+        refused = None
+    except AccessDenied as e:
+        refused = str(e)
+    wrong.close()
+    return {"sent": sent, "plane": plane, "refused": refused, "ns": ns, "keys": keys}
+
+
+def test_stores_at_an_edge_on_another_host_go_over_its_http_server(carrier):
+    """A cache layer's store acknowledged at an edge on another host than the writer's goes
+    as frames to that edge's HTTP server (with the admin token, off loopback), not through Ray's
+    object manager; a wrong token is refused; the origin ends up with the very bytes."""
+    from kdn.integrations.objects import unpack_into
+    net = carrier
+    datas = [np.random.default_rng(23 + i).integers(0, 255, n, dtype=np.uint8)
+             for i, n in enumerate((2 << 20, 700_000, 4096))]
+    before = _stats(net, "eu-west-0")["counters"]
+    got = ray.get(_store_at_a_far_edge.options(label_selector={"region": "ap-south"}).remote(
+        net.name, "eu-west", datas), timeout=120)
+    after = _stats(net, "eu-west-0")["counters"]
+    assert got["sent"] == sum(d.size for d in datas)
+    assert got["plane"]["http_puts"] == 1 and got["plane"]["http_put_bytes"] >= got["sent"], got["plane"]
+    assert _grew(before, after, "store_http_objects") == 3 and _grew(before, after, "store_acked_edge") == 3
+    assert got["refused"] is not None and "admin token" in got["refused"] and "403" in got["refused"], got
+    assert ray.get(net.edges["eu-west-0"].stores_durable.remote(60.0, token=ADMIN), timeout=90)["durable"]
+    back = ray.get(net.origin.get_chunks.remote(got["keys"], token=ADMIN), timeout=60)
+    outs = [np.zeros(d.size, np.uint8) for d in datas]
+    assert all(unpack_into(b, o) for b, o in zip(back, outs))
+    assert all(np.array_equal(o, d) for o, d in zip(outs, datas))      # moved bytes, none computed
+
+
+@ray.remote(num_cpus=0)
 def _write_from_host(network, toks, kv, ns, keys, datas):
     """A publisher and a cache layer's stores acknowledged at the origin, on some region's host:
     how their bytes went, and the view's own counters."""

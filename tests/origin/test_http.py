@@ -135,7 +135,7 @@ def test_a_clients_chunks_and_objects_written_over_http_are_stored_verified_and_
 
 def test_a_bad_write_is_refused_whole_naming_the_problem_and_stores_nothing(ingesting, monkeypatch):
     from kdn.core.chunk import encode
-    from kdn.origin import http as origin_http
+    from kdn.core import serving
     store, server, url = ingesting
     rng = np.random.default_rng(9)
     chunks = [Chunk(bytes([i]) * 16, NS, rng.standard_normal((2, 2, 2, 8, 16)).astype(np.float32), "float32")
@@ -152,7 +152,7 @@ def test_a_bad_write_is_refused_whole_naming_the_problem_and_stores_nothing(inge
     assert status == 401
     status, err = _post(url, "/v1/objects", encode(chunks[0]))            # not an opaque object
     assert status == 400 and "opaque" in err["message"]
-    monkeypatch.setattr(origin_http, "MAX_INGEST_BYTES", 1000)
+    monkeypatch.setattr(serving, "MAX_INGEST_BYTES", 1000)
     status, err = _post(url, "/v1/chunks", encode(chunks[0]))
     assert status == 413 and "at most 1000 bytes" in err["message"]
     assert store.chunk_count == 0                                          # nothing of any was kept
