@@ -37,8 +37,9 @@ import numpy as np
 
 from kdn.core.chunk import Encoded, codecs, decode, encode_parts, frame_size, header_bytes, read_header
 from kdn.core.codecs import LOSSY
-from kdn.core.wire import FRAMES_TYPE, unpack_sources
-from kdn.core.errors import AccessDenied, BadRequest, ChecksumMismatch, FrameError, KDNError, NoLiveEdge, RemoteError
+from kdn.core.wire import FRAMES_TYPE, ORIGIN_UNREACHABLE, unpack_sources
+from kdn.core.errors import (AccessDenied, BadRequest, ChecksumMismatch, FrameError, KDNError, NetworkError,
+                             NoLiveEdge, RemoteError)
 from kdn.core.rpc import Unreachable
 from kdn.core.keys import KEY_BYTES
 from kdn.core.env import is_loopback
@@ -155,9 +156,11 @@ class EdgeHTTPClient:
     def _refuse(self, resp, method, path):
         raw = resp.read()
         try:
-            message = json.loads(raw)["message"]
-        except (ValueError, KeyError, TypeError):
-            message = raw[:200].decode("utf-8", "replace")
+            message, error = json.loads(raw)["message"], json.loads(raw).get("error")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            message, error = raw[:200].decode("utf-8", "replace"), None
+        if resp.status == 503 and error == ORIGIN_UNREACHABLE:   # as over Ray: not a failover
+            raise NetworkError(f"edge {self.url} answered {method} {path}: {message}")
         if resp.status in (401, 403):
             raise AccessDenied(f"edge {self.url} refused {method} {path}: {resp.status} {message}")
         if 400 <= resp.status < 500:

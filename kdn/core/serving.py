@@ -10,6 +10,7 @@ import time
 from aiohttp import web
 
 from kdn.core.chunk import decode, frame_size, read_header
+from kdn.core.dtypes import OPAQUE
 from kdn.core.errors import BadRequest, FrameError
 from kdn.core.wire import FRAMES_TYPE
 
@@ -65,10 +66,12 @@ def bearer(request):
     return h[7:].strip() if h[:7].lower() == "bearer " else None
 
 
-def frames_of(buf, most: int) -> list:
+def frames_of(buf, most: int, raw_objects: bool = False) -> list:
     """The chunks of a body of frames back to back (views of buf), each frame's header checked
     and its checksum verified; BadRequest naming the first that is not a whole, intact frame,
-    or when there are more than `most`."""
+    or when there are more than `most`. raw_objects: every frame must be an opaque object
+    stored raw, refused from its header before anything is decoded (an edge's writes: no
+    compressed frame is inflated only to be refused)."""
     out, off, mv = [], 0, memoryview(buf)
     while off < len(mv):
         if len(out) == most:
@@ -78,6 +81,10 @@ def frames_of(buf, most: int) -> list:
             end = off + frame_size(header, start)
             if end > len(mv):
                 raise BadRequest(f"frame {len(out)} runs past the body's end ({end} > {len(mv)} bytes)")
+            if raw_objects and (header["dtype"] != OPAQUE or header["codec"] != "raw"):
+                raise BadRequest(f"frame {len(out)} is not an opaque object stored raw (dtype "
+                                 f"{header['dtype']!r:.40}, codec {header['codec']!r:.40}): this "
+                                 f"endpoint takes only those")
             out.append(decode(mv[off:end], verify=True))
         except FrameError as e:
             raise BadRequest(f"frame {len(out)} (at byte {off}) is not an intact frame: {e}") from None
@@ -90,12 +97,16 @@ class FrameWrites:
     of at most MAX_INGEST_BYTES, at most MAX_INGEST_FRAMES frames), each received into one
     buffer as it arrives, then every frame checked and its checksum verified (a bad one refuses
     the whole body: BadRequest naming it, nothing stored). At most INGESTS_AT_ONCE bodies are
-    held at once (the rest wait); a body that sends nothing for INGEST_READ_S is dropped (408).
-    The caller checks the token first and stores the chunks inside `received`, so a body's
-    memory is held until it is stored."""
+    held at once (the rest wait) while they are received and stored; a body that sends
+    nothing for INGEST_READ_S is dropped (408). The caller checks the token first and stores
+    the chunks inside `received`. A store that keeps views of the chunks (an edge keeps the
+    objects it acknowledged as they arrived until it has copied them into its node's object
+    store, kdn/edge/stores.py) keeps the body's memory past its slot, bounded there by what
+    that store may keep. raw_objects: frames_of's."""
 
-    def __init__(self):
+    def __init__(self, raw_objects: bool = False):
         self._slots = None          # made in the server's loop, on first use
+        self.raw_objects = raw_objects
 
     @contextlib.asynccontextmanager
     async def received(self, request, what: str):
@@ -126,5 +137,6 @@ class FrameWrites:
                     raise BadRequest(f"the body runs past its Content-Length of {n} bytes")
                 buf[got:got + len(piece)] = piece
                 got += len(piece)
-            chunks = await asyncio.to_thread(frames_of, memoryview(buf).toreadonly(), MAX_INGEST_FRAMES)
+            chunks = await asyncio.to_thread(frames_of, memoryview(buf).toreadonly(), MAX_INGEST_FRAMES,
+                                             self.raw_objects)
             yield chunks, n, time.perf_counter() - t0

@@ -10,6 +10,7 @@ from kdn.core.errors import BadRequest
 
 FRAMES_TYPE = "application/x-kdn-frames"
 MSGPACK_TYPE = "application/msgpack"
+ORIGIN_UNREACHABLE = "origin_unreachable"   # an edge's 503 error: a store the origin had to take got no answer
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"   # Prometheus text 0.0.4: /metrics of
                                                             # an edge and of `kdn serve` alike
 MAX_SOURCE_RUNS = 512            # runs of ~20 characters: ~10 KiB of header at most

@@ -61,7 +61,7 @@ from aiohttp import http_exceptions, web
 
 from kdn.core.chunk import codecs
 from kdn.edge.metrics import EdgeMetrics
-from kdn.core.wire import FRAMES_TYPE, MAX_SOURCE_RUNS, METRICS_TYPE, MSGPACK_TYPE, pack_sources
+from kdn.core.wire import FRAMES_TYPE, MAX_SOURCE_RUNS, METRICS_TYPE, MSGPACK_TYPE, ORIGIN_UNREACHABLE, pack_sources
 from kdn.core.env import is_loopback
 from kdn.core.serving import FrameWrites, Served, bearer as _bearer, bind as _bind
 from kdn.core.errors import AccessDenied, BadRequest, BadTokens, NetworkError
@@ -120,7 +120,7 @@ class EdgeHTTP(Served):
         self.metrics = EdgeMetrics(edge, self)
         self._encoders = None
         self._runner = None
-        self.writes = FrameWrites()               # POST /v1/objects
+        self.writes = FrameWrites(raw_objects=True)   # POST /v1/objects
         self.app = web.Application(middlewares=[self._errors], client_max_size=self.max_body_bytes)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/kbs", self._kbs)
@@ -424,8 +424,8 @@ class EdgeHTTP(Served):
             t1 = time.perf_counter()
             try:
                 answer = await self.edge.put_objects(chunks, token=token)
-            except NetworkError as e:    # some had to wait for the origin, which did not answer
-                raise RequestError(503, "origin_unreachable", str(e)) from None
+            except NetworkError as e:    # some had to wait for the origin, which did not answer:
+                raise RequestError(503, ORIGIN_UNREACHABLE, str(e)) from None   # the writer's NetworkError
         counted = self.edge.stores.counters     # beside the stores' own (kdn/edge/stores.py)
         counted["store_http_writes"] += 1
         counted["store_http_objects"] += len(chunks)

@@ -161,3 +161,30 @@ def test_a_body_that_ends_inside_a_frame_is_refused(edge, cut, message):
     edge.damage = staticmethod(lambda data: data[:at])    # Content-Length says so, too
     with EdgeHTTPClient(edge.url) as h, pytest.raises(RemoteError, match=message):
         h.fetch([c.key for c in cs], NS)
+
+
+class _Answer:
+    """An HTTP answer's status and JSON body, as _refuse reads them."""
+
+    def __init__(self, status, error, message):
+        import json
+        self.status, self._raw = status, json.dumps({"error": error, "message": message}).encode()
+
+    def read(self):
+        return self._raw
+
+
+@pytest.mark.parametrize("status, error, raised", [
+    (503, "origin_unreachable", "NetworkError"),      # a store the edge's origin did not take: as over Ray
+    (503, "overloaded", "RemoteError"),               # any other fault of the node: its own
+    (500, "internal", "RemoteError"),
+    (403, "forbidden", "AccessDenied"),
+    (400, "bad_request", "BadRequest")])
+def test_a_refusal_is_raised_as_the_ray_path_raises_it(status, error, raised):
+    from kdn.core import errors
+    from kdn.core.rpc import Unreachable
+    client = EdgeHTTPClient("http://127.0.0.1:1")
+    with pytest.raises(errors.KDNError) as got:
+        client._refuse(_Answer(status, error, "the words"), "POST", "/v1/objects")
+    assert type(got.value).__name__ == raised and "the words" in str(got.value)
+    assert not isinstance(got.value, Unreachable)          # none of these is a failover

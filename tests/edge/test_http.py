@@ -320,6 +320,8 @@ def test_objects_written_over_http_are_kept_as_over_ray_and_a_bad_body_keeps_not
     assert status == 400 and "opaque" in json.loads(body)["message"], body
     status, _, body = _raw(url, "POST", "/v1/objects", bytes(encode(chunks[0])), {"Content-Type": "text/plain"})
     assert status == 400 and FRAMES_TYPE in json.loads(body)["message"]
+    status, _, body = _raw(url, "POST", "/v1/objects", encode(chunks[0]) + encode(chunks[1], "zstd"), head)
+    assert status == 400 and "frame 1 is not an opaque object stored raw" in json.loads(body)["message"], body
     try:
         assert obj.lookup(ns, keys) == [False] * 3                     # nothing of any body was kept
         before = _store_counters(net, edge)
