@@ -291,7 +291,8 @@ def _objects(obj, n_bytes, seed):
 
 
 def _loaded(obj, ns, keys, datas) -> list:
-    """Per key, whether a load of it gives exactly its bytes (the load verifies its checksum)."""
+    """Per key, whether a load of it gives exactly its bytes (the load verifies its checksum).
+    Byte equality holds on any CPU: the bytes were stored and moved, never computed."""
     outs = [np.zeros(d.size, np.uint8) for d in datas]
     ok = obj.load(ns, keys, outs)
     return [bool(o) and np.array_equal(out, d) for o, out, d in zip(ok, outs, datas)]
