@@ -668,7 +668,7 @@ def write_behind(args, kv, admin, read, link: SocketLink) -> dict:
     ns = namespace_digest(TENANT, "bench/write-behind")
     flat = np.ascontiguousarray(kv).reshape(-1).view(np.uint8)
     piece = flat.size // args.chunks
-    nets, out, last = {}, {"socket": []}, {}
+    nets, out, last, writers = {}, {"socket": []}, {}, {}
     counter = {"http": ("object_pull_http_bytes", "object_pull_http_us"),
                "ref": ("object_ref_bytes", "object_ref_us")}
     try:
@@ -722,6 +722,8 @@ def write_behind(args, kv, admin, read, link: SocketLink) -> dict:
             if [None if b is None else b.kv.tobytes() for b in back] != [o.kv.tobytes() for o in objs]:
                 raise RuntimeError(f"{row}: the origin does not hold the bytes stored at far-0")
     finally:
+        for w in writers.values():          # their keep-alive connections to far-0
+            w.plane.close()
         for net in nets.values():
             stop_network(net)
     return out

@@ -156,7 +156,8 @@ class EdgeHTTPClient:
     def _refuse(self, resp, method, path):
         raw = resp.read()
         try:
-            message, error = json.loads(raw)["message"], json.loads(raw).get("error")
+            body = json.loads(raw)
+            message, error = body["message"], body.get("error")
         except (ValueError, KeyError, TypeError, AttributeError):
             message, error = raw[:200].decode("utf-8", "replace"), None
         if resp.status == 503 and error == ORIGIN_UNREACHABLE:   # as over Ray: not a failover
