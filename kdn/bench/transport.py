@@ -889,6 +889,7 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
         far = cluster.hosts
         if args.cap:
             far.cap("far", args.cap)
+        resent = {"here": far.retransmitted(), "far": far.retransmitted("far")}
         # one edge, on the far host: it owns every chunk, so every byte read here crosses the link
         near, far_region = HOST_REGIONS
         # ... and edges on this host that pull from it (peer pulls), one per data plane; out of
@@ -1050,6 +1051,7 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
                    "a KB published here, pushed by the origin to the edge on the far host "
                    + ("that pulls it from the origin's HTTP frames" if host else "over Ray")
                    + ", timed by the origin from its call to the edge's answer")
+        resent = {"here": far.retransmitted() - resent["here"], "far": far.retransmitted("far") - resent["far"]}
     finally:
         if net is not None:
             stop_network(net)
@@ -1057,9 +1059,12 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"between hosts {cluster.hosts.head} (here) and {cluster.address_of('far')} (far edge)"
-          + (f", the far link capped at {args.cap} ({cap_bps / 1e9:.3f} GB/s)" if cap_bps else ", no cap"))
+          + (f", the far link capped at {args.cap} ({cap_bps / 1e9:.3f} GB/s)" if cap_bps else ", no cap")
+          + f"; TCP segments retransmitted during the run: {resent['here']} from here (every process "
+            f"here, loopback too), {resent['far']} from the far host")
     table(rows, ["transport", "client", "GB/s", "median_ms", "min_ms", "max_ms", "note"])
     out = {"bench": "transport", "hosts": True, "cap": args.cap, "cap_gbps": cap_bps / 1e9 if cap_bps else None,
+           "retransmitted_here": resent["here"], "retransmitted_far": resent["far"],
            "bytes": total, "chunks": args.chunks, "reps": args.reps,
            **{f"{k.replace('+', '_')}_gbps": v for k, v in res.items()},
            "http_over_socket": res["http"] / res["socket"], "ray_over_socket": res["ray"] / res["socket"],

@@ -1,6 +1,7 @@
 """Namespaced hosts (kdn.testing.netns) without Ray: each host has its own address and reaches
 the head through the bridge, a cap puts a token bucket on both ends of its link, a cut link
 carries nothing, and down() leaves no namespace, veth or bridge behind."""
+import os
 import socket
 import subprocess
 import sys
@@ -15,6 +16,14 @@ why = netns.available()
 CONNECT = ("import socket, sys\n"
            "s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2)\n"
            "s.sendall(sys.argv[3].encode()); s.close()")
+
+
+SEND = ("import socket, sys\n"
+        "s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)\n"
+        "block = bytes(64 << 20)\n"
+        "for _ in range(4):\n"
+        "    s.sendall(block)\n"
+        "s.close()")
 
 
 def _serve(host):
@@ -38,6 +47,23 @@ def test_hosts_have_their_own_addresses_caps_and_cuts_and_leave_nothing_behind()
             conn, (peer, _) = srv.accept()
             assert peer == hosts.address(name) and conn.recv(16) == name.encode()   # seen from its own address
             conn.close()
+        # each flow is steered to one CPU at both ends, so a bulk send arrives in order: a veth
+        # without it reorders a sender that moves CPUs, and TCP retransmits what was not lost
+        def cpus(out):
+            return int(out.stdout.replace(",", ""), 16)
+        steer, every = "cat /sys/class/net/{}/queues/rx-0/rps_cpus", (1 << os.cpu_count()) - 1
+        assert cpus(hosts.run("a", ["sh", "-c", steer.format("eth0")], capture_output=True, text=True)) == every
+        assert cpus(subprocess.run(["sh", "-c", steer.format(hosts._veth["a"])], capture_output=True,
+                                   text=True)) == every
+        before = hosts.retransmitted("a")
+        sender = hosts.popen("a", [sys.executable, "-c", SEND, hosts.head, str(port)], stderr=subprocess.PIPE)
+        conn, _ = srv.accept()
+        got, buf = 0, bytearray(1 << 20)
+        while n := conn.recv_into(buf):
+            got += n
+        conn.close()
+        assert sender.wait(timeout=60) == 0 and got == 256 << 20
+        assert hosts.retransmitted("a") == before      # 256 MiB, not one segment sent twice
         hosts.cap("a", "800mbit")
         shown = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
         inside = hosts.run("a", ["tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True).stdout
