@@ -240,7 +240,8 @@ def run(args, log) -> dict:
         t0 = time.perf_counter()
         if args.hosts:       # each region a host of its own: the far one in a network namespace
             from kdn.testing.netns import HostCluster
-            cluster = HostCluster(REGIONS, cpus=2, object_store_bytes=args.object_store_mib << 20)
+            cluster = HostCluster(REGIONS, cpus=2, object_store_bytes=args.object_store_mib << 20,
+                              cores="own" if args.own_cores else None)
             if args.cap:
                 cluster.hosts.cap("far", args.cap)
         else:
@@ -288,7 +289,7 @@ def run(args, log) -> dict:
         edge = net.edge("near-0")
         link = None
         if args.hosts:      # the link's ceiling, one bare-TCP transfer from the far host each rep
-            link = (total, arrays[0].nbytes, cluster.address_of("far"), cluster.hosts.command("far", []))
+            link = (total, arrays[0].nbytes, cluster.address_of("far"), cluster.command("far", []))
         tp = ray.get(worker.throughput.remote(args.reps, link))
         mid = ray.get(edge.stats.remote(token=admin))["counters"]
         lat = ray.get(worker.latency.remote(args.calls))
@@ -371,12 +372,23 @@ def main(argv=None):
                          "needed), with the bare-socket ceiling between the same two hosts")
     ap.add_argument("--cap", default=None, metavar="RATE",
                     help="with --hosts: cap the far host's link with tc (e.g. 2gbit, 800mbit)")
+    ap.add_argument("--own-cores", action="store_true",
+                    help="with --hosts: each host's processes, and the receive work for packets "
+                         "arriving at it, on CPUs of its own (this machine's split among the hosts)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     if args.reps < 5:
         ap.error(f"--reps must be >= 5 (a median of fewer is noise), got {args.reps}")
     if args.cap is not None and not args.hosts:
         ap.error("--cap needs --hosts")
+    if args.own_cores and not args.hosts:
+        ap.error("--own-cores needs --hosts")
+    if args.own_cores:
+        from kdn.testing.netns import own_cores
+        try:
+            own_cores(REGIONS)
+        except ValueError as e:
+            ap.error(f"--own-cores: {e}")
     if args.cap is not None:
         from kdn.bench.transport import link_rate
         try:

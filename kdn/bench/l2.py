@@ -132,6 +132,9 @@ def main(argv=None):
                          f"{REMOTE}'s")
     ap.add_argument("--cap", default=None, metavar="RATE",
                     help=f"with --hosts: cap {REMOTE}'s link with tc (e.g. 2gbit, 800mbit)")
+    ap.add_argument("--own-cores", action="store_true",
+                    help="with --hosts: each host's processes, and the receive work for packets "
+                         "arriving at it, on CPUs of its own (this machine's split among the hosts)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     want = args.only or ["kdn-local", "kdn-ack-origin", "kdn-remote", "fs", "resp"]
@@ -139,6 +142,14 @@ def main(argv=None):
         want.insert(want.index("kdn-remote") + 1, "kdn-remote-ray")
     if args.cap is not None and not args.hosts:
         ap.error("--cap needs --hosts")
+    if args.own_cores and not args.hosts:
+        ap.error("--own-cores needs --hosts")
+    if args.own_cores:
+        from kdn.testing.netns import own_cores
+        try:
+            own_cores(REGIONS)
+        except ValueError as e:
+            ap.error(f"--own-cores: {e}")
     if args.hosts:
         from kdn.testing.netns import available
         why = available()
@@ -159,7 +170,8 @@ def main(argv=None):
         topo = Topology.default_local(list(REGIONS), capacity_bytes=int(1.6 * run_bytes))
         if args.hosts:           # every region but the reader's in a network namespace
             from kdn.testing.netns import HostCluster
-            cluster = HostCluster(REGIONS, cpus=2, object_store_bytes=object_store_bytes(int(1.6 * run_bytes)))
+            cluster = HostCluster(REGIONS, cpus=2, object_store_bytes=object_store_bytes(int(1.6 * run_bytes)),
+                              cores="own" if args.own_cores else None)
             if args.cap:
                 cluster.hosts.cap(REMOTE, args.cap)
         elif any(n.startswith("kdn") for n in want):
@@ -274,7 +286,7 @@ def link_times(cluster, args, round_bytes: int) -> list:
     reader's (kdn.bench.transport.bare_socket; after one warm-up)."""
     from kdn.bench.transport import bare_socket
     return bare_socket(round_bytes, args.rounds, args.data_size_kb * 1024,
-                       host=cluster.address_of(REMOTE), prefix=cluster.hosts.command(REMOTE, []))
+                       host=cluster.address_of(REMOTE), prefix=cluster.command(REMOTE, []))
 
 
 def bracketed(on: bool, cluster, args, round_bytes: int, name: str, measure) -> list:

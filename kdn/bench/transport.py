@@ -330,12 +330,23 @@ def main(argv=None):
                          "and Ray between the same two addresses")
     ap.add_argument("--cap", default=None, metavar="RATE",
                     help="with --hosts: cap the other host's link with tc (e.g. 2gbit, 800mbit)")
+    ap.add_argument("--own-cores", action="store_true",
+                    help="with --hosts: each host's processes, and the receive work for packets "
+                         "arriving at it, on CPUs of its own (this machine's split among the hosts)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     if args.reps < 5 or args.chunks < 1 or args.chunk_mib < 1:
         ap.error("--reps must be >= 5, --chunks and --chunk-mib >= 1")
     if args.cap is not None and not args.hosts:
         ap.error("--cap needs --hosts")
+    if args.own_cores and not args.hosts:
+        ap.error("--own-cores needs --hosts")
+    if args.own_cores:
+        from kdn.testing.netns import own_cores
+        try:
+            own_cores(HOST_REGIONS)
+        except ValueError as e:
+            ap.error(f"--own-cores: {e}")
     cap_bps = link_rate(args.cap) if args.cap else None
 
     layers = (args.chunk_mib << 20) // (2 * HEADS * TOKENS * HEAD_DIM * 2)
@@ -883,7 +894,8 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
     tmp = tempfile.mkdtemp(prefix="kdn-bench-transport-")
     # the far edge holds every KB published (a KB per rep for each reader), all in its main tier
     far_bytes = int(((len(PEER_EDGES) + 1) * (args.reps + 1) + 2) * total / 0.7)
-    cluster = HostCluster(HOST_REGIONS, cpus=1, object_store_bytes=far_bytes + 4 * total)
+    cluster = HostCluster(HOST_REGIONS, cpus=1, object_store_bytes=far_bytes + 4 * total,
+                              cores="own" if args.own_cores else None)
     net, rows, res = None, [], {}
     try:
         far = cluster.hosts
@@ -950,7 +962,7 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
                          "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3, "note": note})
 
         piece = total // args.chunks
-        prefix = far.command("far", [])
+        prefix = cluster.command("far", [])
         record("socket", "recv_into", bare_socket(total, args.reps, piece, host=far.address("far"), prefix=prefix),
                "bare TCP from the far host: one connection's ceiling on this link")
         record("socket+xxh3", "recv_into + xxh3",
@@ -1060,11 +1072,14 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"between hosts {cluster.hosts.head} (here) and {cluster.address_of('far')} (far edge)"
           + (f", the far link capped at {args.cap} ({cap_bps / 1e9:.3f} GB/s)" if cap_bps else ", no cap")
+          + ("; each host on CPUs of its own (" + ", ".join(f"{r} {sorted(c)}" for r, c in cluster.cores.items())
+             + ")" if cluster.cores else "")
           + f"; TCP segments retransmitted during the run: {resent['here']} from here (every process "
             f"here, loopback too), {resent['far']} from the far host")
     table(rows, ["transport", "client", "GB/s", "median_ms", "min_ms", "max_ms", "note"])
     out = {"bench": "transport", "hosts": True, "cap": args.cap, "cap_gbps": cap_bps / 1e9 if cap_bps else None,
            "retransmitted_here": resent["here"], "retransmitted_far": resent["far"],
+           "cores": {r: sorted(c) for r, c in cluster.cores.items()} if cluster.cores else None,
            "bytes": total, "chunks": args.chunks, "reps": args.reps,
            **{f"{k.replace('+', '_')}_gbps": v for k, v in res.items()},
            "http_over_socket": res["http"] / res["socket"], "ray_over_socket": res["ray"] / res["socket"],

@@ -73,10 +73,12 @@ def _free_subnet() -> ipaddress.IPv4Network:
     raise HostsError(f"every /24 of {SUBNETS} is in use on this machine")
 
 
-def _cpu_mask() -> str:
-    """Every CPU of this machine as `rps_cpus` takes it: hex words of 32 CPUs, comma-separated."""
-    n = os.cpu_count() or 1
-    mask = (1 << n) - 1
+def _cpu_mask(cpus=None) -> str:
+    """CPUs (default: every CPU of this machine) as `rps_cpus` takes them: hex words of 32
+    CPUs, comma-separated."""
+    mask = 0
+    for c in (range(os.cpu_count() or 1) if cpus is None else cpus):
+        mask |= 1 << c
     words = []
     while True:
         words.append(f"{mask & 0xFFFFFFFF:08x}")
@@ -86,10 +88,11 @@ def _cpu_mask() -> str:
     return ",".join(reversed(words))
 
 
-def _steer(prefix, dev: str) -> None:
-    """Receive packet steering on `dev`'s receive queues: each flow's packets to one CPU (see
-    the module's docstring: without it the veth reorders a flow when its sender moves CPUs)."""
-    mask = _cpu_mask()
+def _steer(prefix, dev: str, cpus=None) -> None:
+    """Receive packet steering on `dev`'s receive queues: each flow's packets to one CPU of
+    `cpus` (default: any CPU; see the module's docstring: without it the veth reorders a flow
+    when its sender moves CPUs)."""
+    mask = _cpu_mask(cpus)
     _sh(*prefix, "sh", "-c", f'for q in /sys/class/net/{dev}/queues/rx-*; do echo {mask} > "$q/rps_cpus"; done')
 
 
@@ -180,6 +183,12 @@ class Hosts:
             _sh(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)
         self.caps.pop(name, None)
 
+    def steer(self, name: str, host_cpus, head_cpus) -> None:
+        """Receive work where each end's own CPUs are: packets arriving in host `name` are
+        handled on host_cpus, packets from it arriving here on head_cpus (HostCluster's cores)."""
+        _steer(("ip", "netns", "exec", self.namespaces[name]), "eth0", host_cpus)
+        _steer((), self._veth[name], head_cpus)
+
     def retransmitted(self, name: "str | None" = None) -> int:
         """TCP segments sent twice so far by host `name` (None: this namespace, the head), from
         its own /proc/net/snmp: a bench prints the difference over its run, so a lossy minute
@@ -215,6 +224,17 @@ class Hosts:
         _sh("ip", "link", "del", self.bridge, check=False)
 
 
+def own_cores(regions) -> dict:
+    """{region: CPUs}: this process's CPUs split among the regions, round robin (HostCluster's
+    cores="own"); a ValueError when there are fewer CPUs than regions."""
+    mine = sorted(os.sched_getaffinity(0))
+    regions = list(regions)
+    if len(mine) < len(regions):
+        raise ValueError(f"{len(regions)} hosts with cores of their own need as many CPUs; this process "
+                         f"may use {len(mine)}")
+    return {r: {c for j, c in enumerate(mine) if j % len(regions) == i} for i, r in enumerate(regions)}
+
+
 def _free_port(host: str) -> int:
     import socket
     with socket.socket() as s:
@@ -230,10 +250,16 @@ class HostCluster:
     `region=<name>`, as LocalCluster's are, so `start_network` places edges the same way.
 
     `kill(region)` ends a region's node as a crashed host would; `hosts` caps and cuts links.
+
+    cores ({region: CPUs}, or "own" to split this machine's CPUs among the regions, round
+    robin): each region's node, everything it starts, and the receive work for packets arriving
+    at that host run on those CPUs only, as on hosts with cores of their own. The head's CPUs
+    hold this process too (its driver) from then until shutdown(). Default: every process
+    on every CPU, as the machine schedules it.
     """
 
     def __init__(self, regions, cpus: int = 1, object_store_bytes: int = 512 << 20,
-                 start_timeout_s: float = 90.0):
+                 start_timeout_s: float = 90.0, cores=None):
         import sys
         from pathlib import Path
         from kdn.client.join import ensure_ray_token
@@ -241,9 +267,13 @@ class HostCluster:
         self.regions = list(regions)
         if len(self.regions) < 2:
             raise ValueError("a host cluster needs at least two regions (the head's and one more)")
+        self.cores = own_cores(self.regions) if cores == "own" else (dict(cores) if cores else None)
+        if self.cores is not None and set(self.cores) != set(self.regions):
+            raise ValueError(f"cores names regions {sorted(self.cores)}, the cluster has {sorted(self.regions)}")
         prepare_ray_env()
         ensure_ray_token()
         self.hosts = Hosts(self.regions[1:]).up()
+        self._affinity = None
         self._ray = str(Path(sys.executable).parent / "ray")
         self._procs = {}
         # KDN keeps Ray to one address (kdn.core.env): these nodes have addresses of their own
@@ -253,6 +283,11 @@ class HostCluster:
         common = ["--block", f"--num-cpus={cpus}", f"--object-store-memory={object_store_bytes}",
                   "--disable-usage-stats"]
         try:
+            if self.cores is not None:
+                for r in self.regions[1:]:
+                    self.hosts.steer(r, self.cores[r], self.cores[self.regions[0]])
+                self._affinity = os.sched_getaffinity(0)
+                os.sched_setaffinity(0, self.cores[self.regions[0]])   # the driver, the head: inherited
             for attempt in range(HEAD_TRIES):
                 # the port is free when picked, not when the head binds it: another process on
                 # this machine may take it first (the head exits, "Failed to start GCS"): again
@@ -276,10 +311,12 @@ class HostCluster:
             # at once can race for one socket name there (a raylet died of "bind: Address
             # already in use" on a busy machine)
             for i, r in enumerate(self.regions[1:], start=2):
+                pin = self.cores and (lambda cpus=self.cores[r]: os.sched_setaffinity(0, cpus))
                 self._procs[r] = self.hosts.popen(
                     r, [self._ray, "start", f"--address={self.address}",
                         f"--node-ip-address={self.hosts.address(r)}", f"--labels=region={r}", *common],
-                    stdout=self._log(r), stderr=subprocess.STDOUT, start_new_session=True, env=self._env)
+                    stdout=self._log(r), stderr=subprocess.STDOUT, start_new_session=True, env=self._env,
+                    preexec_fn=pin or None)
                 self._await_nodes(i, start_timeout_s)
         except BaseException:
             self.shutdown()
@@ -287,6 +324,13 @@ class HostCluster:
 
     def address_of(self, region: str) -> str:
         return self.hosts.head if region == self.regions[0] else self.hosts.address(region)
+
+    def command(self, region: str, argv) -> list:
+        """argv run on region's host: in its namespace (none for the head's), on its cores
+        when the cluster has them (`taskset`)."""
+        pinned = ["taskset", "-c", ",".join(map(str, sorted(self.cores[region])))] if self.cores else []
+        argv = [*pinned, *argv]
+        return argv if region == self.regions[0] else self.hosts.command(region, argv)
 
     def _await_gcs(self, timeout_s: float) -> None:
         import socket
@@ -388,3 +432,6 @@ class HostCluster:
                 head.wait(timeout=30)
             self.hosts.down()
             shutil.rmtree(self.logs, ignore_errors=True)
+            if self._affinity is not None:
+                os.sched_setaffinity(0, self._affinity)
+                self._affinity = None

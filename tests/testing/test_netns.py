@@ -64,6 +64,10 @@ def test_hosts_have_their_own_addresses_caps_and_cuts_and_leave_nothing_behind()
         conn.close()
         assert sender.wait(timeout=60) == 0 and got == 256 << 20
         assert hosts.retransmitted("a") == before      # 256 MiB, not one segment sent twice
+        hosts.steer("a", {0}, {0})           # a host's receive work on its own cores (HostCluster's cores)
+        assert cpus(hosts.run("a", ["sh", "-c", steer.format("eth0")], capture_output=True, text=True)) == 1
+        assert cpus(subprocess.run(["sh", "-c", steer.format(hosts._veth["a"])], capture_output=True,
+                                   text=True)) == 1
         hosts.cap("a", "800mbit")
         shown = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
         inside = hosts.run("a", ["tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True).stdout
@@ -85,6 +89,18 @@ def test_a_link_rate_is_read_in_tcs_units_and_anything_else_is_refused():
     for bad in ("2gb", "fast", "", "-1gbit"):
         with pytest.raises(ValueError, match="--cap takes a rate"):
             link_rate(bad)
+
+
+def test_own_cores_split_this_processes_cpus_among_the_hosts_or_say_there_are_too_few():
+    mine = os.sched_getaffinity(0)
+    alone = netns.own_cores(["near"])
+    assert alone == {"near": mine}
+    if len(mine) >= 2:
+        split = netns.own_cores(["near", "far"])
+        assert split["near"] | split["far"] == mine and split["near"] and split["far"]
+        assert not split["near"] & split["far"]
+    with pytest.raises(ValueError, match=f"{len(mine) + 1} hosts with cores of their own need as many CPUs"):
+        netns.own_cores([f"h{i}" for i in range(len(mine) + 1)])
 
 
 def test_hosts_need_distinct_names():
