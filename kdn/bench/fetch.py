@@ -241,7 +241,7 @@ def run(args, log) -> dict:
         if args.hosts:       # each region a host of its own: the far one in a network namespace
             from kdn.testing.netns import HostCluster
             cluster = HostCluster(REGIONS, cpus=2, object_store_bytes=args.object_store_mib << 20,
-                              cores="own" if args.own_cores else None)
+                                  cores="own" if args.own_cores else None)
             if args.cap:
                 cluster.hosts.cap("far", args.cap)
         else:

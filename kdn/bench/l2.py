@@ -171,7 +171,7 @@ def main(argv=None):
         if args.hosts:           # every region but the reader's in a network namespace
             from kdn.testing.netns import HostCluster
             cluster = HostCluster(REGIONS, cpus=2, object_store_bytes=object_store_bytes(int(1.6 * run_bytes)),
-                              cores="own" if args.own_cores else None)
+                                  cores="own" if args.own_cores else None)
             if args.cap:
                 cluster.hosts.cap(REMOTE, args.cap)
         elif any(n.startswith("kdn") for n in want):

@@ -895,7 +895,7 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
     # the far edge holds every KB published (a KB per rep for each reader), all in its main tier
     far_bytes = int(((len(PEER_EDGES) + 1) * (args.reps + 1) + 2) * total / 0.7)
     cluster = HostCluster(HOST_REGIONS, cpus=1, object_store_bytes=far_bytes + 4 * total,
-                              cores="own" if args.own_cores else None)
+                          cores="own" if args.own_cores else None)
     net, rows, res = None, [], {}
     try:
         far = cluster.hosts

@@ -11,7 +11,10 @@ Each veth end steers a flow's packets to one CPU (receive packet steering, `rps_
 veth without it queues a packet on the sending thread's CPU; a sender moved between CPUs
 mid-stream reorders its own segments, and TCP takes the reordering for loss: about 900
 needless retransmissions per 640 MiB here, seen as duplicate data dropped at the receiver
-(`kfree_skb` reason TCP_OLD_DATA) with no packet lost anywhere. With steering: none.
+(`kfree_skb` reason TCP_OLD_DATA) with no packet lost anywhere. With steering: a handful per
+minute at most (tail loss probes). Where `rps_cpus` cannot be written (a read-only /sys, a
+container without the host's CAP_NET_ADMIN), hosts still come up, unsteered, with a warning
+(`Hosts.steered` says which).
 
 Nothing leaves the machine: the subnet is private, namespaces have no route but the bridge,
 and `Hosts.down()` (also at interpreter exit) deletes every namespace, veth and the bridge.
@@ -23,6 +26,7 @@ Root is needed; `available()` says why not where it is not.
 """
 import atexit
 import ipaddress
+import logging
 import os
 import shutil
 import subprocess
@@ -31,6 +35,7 @@ import uuid
 
 from kdn.core.errors import KDNError
 
+log = logging.getLogger("kdn.testing.netns")
 
 class HostsError(KDNError):
     """A namespace, veth, bridge or tc command failed (the command and its stderr are named)."""
@@ -74,10 +79,10 @@ def _free_subnet() -> ipaddress.IPv4Network:
 
 
 def _cpu_mask(cpus=None) -> str:
-    """CPUs (default: every CPU of this machine) as `rps_cpus` takes them: hex words of 32
-    CPUs, comma-separated."""
+    """CPUs (default: every CPU this process may run on) as `rps_cpus` takes them: hex words
+    of 32 CPUs, most significant first, comma-separated."""
     mask = 0
-    for c in (range(os.cpu_count() or 1) if cpus is None else cpus):
+    for c in (os.sched_getaffinity(0) if cpus is None else cpus):
         mask |= 1 << c
     words = []
     while True:
@@ -93,7 +98,7 @@ def _steer(prefix, dev: str, cpus=None) -> None:
     `cpus` (default: any CPU; see the module's docstring: without it the veth reorders a flow
     when its sender moves CPUs)."""
     mask = _cpu_mask(cpus)
-    _sh(*prefix, "sh", "-c", f'for q in /sys/class/net/{dev}/queues/rx-*; do echo {mask} > "$q/rps_cpus"; done')
+    _sh(*prefix, "sh", "-c", f'for q in /sys/class/net/{dev}/queues/rx-*; do echo {mask} > "$q/rps_cpus" || exit 1; done')
 
 
 def _sh(*argv, check: bool = True) -> str:
@@ -120,6 +125,7 @@ class Hosts:
         self._veth = {n: f"kv{self.tag}{i}" for i, n in enumerate(names)}   # root side; <= 15 chars
         self.bridge = f"kb{self.tag}"
         self.caps = {}
+        self.steered = None        # up(): whether every veth end steers its flows (rps_cpus)
         self._up = False
 
     def __enter__(self):
@@ -161,8 +167,15 @@ class Hosts:
                 _sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
                 _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
                 _sh("ip", "netns", "exec", ns, "ip", "route", "add", "default", "via", self.head)
-                _steer((), veth)
-                _steer(("ip", "netns", "exec", ns), "eth0")
+                if self.steered is not False:
+                    try:
+                        _steer((), veth)
+                        _steer(("ip", "netns", "exec", ns), "eth0")
+                        self.steered = True
+                    except HostsError as e:      # a read-only /sys, no CAP_NET_ADMIN of the host
+                        self.steered = False
+                        log.warning("hosts' links left unsteered, so a flow may arrive out of order "
+                                    "and be retransmitted needlessly: %s", e)
         except BaseException:
             self.down()
             raise
@@ -224,6 +237,28 @@ class Hosts:
         _sh("ip", "link", "del", self.bridge, check=False)
 
 
+def _check_cores(regions, cores) -> "dict | None":
+    """HostCluster's cores as {region: set of CPUs}, each a non-empty set of CPUs this process
+    may use, for exactly the cluster's regions; ValueError naming what is wrong."""
+    if cores is None:
+        return None
+    if cores == "own":
+        cores = own_cores(regions)
+    if not isinstance(cores, dict):
+        raise ValueError(f'cores must be "own" or {{region: CPUs}}, got {cores!r}')
+    if set(cores) != set(regions):
+        raise ValueError(f"cores names regions {sorted(cores)}, the cluster has {sorted(regions)}")
+    mine = os.sched_getaffinity(0)
+    out = {r: set(c) for r, c in cores.items()}
+    for r, c in out.items():
+        if not c or not c <= mine:
+            raise ValueError(f"region {r}'s cores {sorted(c)} must be a non-empty subset of the CPUs this "
+                             f"process may use, {sorted(mine)}")
+    if shutil.which("taskset") is None:
+        raise ValueError("hosts with cores of their own need the `taskset` command (util-linux), not found on PATH")
+    return out
+
+
 def own_cores(regions) -> dict:
     """{region: CPUs}: this process's CPUs split among the regions, round robin (HostCluster's
     cores="own"); a ValueError when there are fewer CPUs than regions."""
@@ -251,11 +286,13 @@ class HostCluster:
 
     `kill(region)` ends a region's node as a crashed host would; `hosts` caps and cuts links.
 
-    cores ({region: CPUs}, or "own" to split this machine's CPUs among the regions, round
-    robin): each region's node, everything it starts, and the receive work for packets arriving
-    at that host run on those CPUs only, as on hosts with cores of their own. The head's CPUs
-    hold this process too (its driver) from then until shutdown(). Default: every process
-    on every CPU, as the machine schedules it.
+    cores ({region: CPUs}, or "own" to split this process's CPUs among the regions, round
+    robin, siblings of one physical core not told apart): each region's node, everything it
+    starts, and the receive work for packets arriving at that host run on those CPUs only, as
+    on hosts with cores of their own (`taskset`). The head's CPUs also hold the thread that
+    made the cluster, and every thread it starts, from then until shutdown() (threads already
+    running keep theirs). Packets between two namespaced hosts are forwarded by the bridge on
+    the head's CPUs. Default: every process on every CPU, as the machine schedules it.
     """
 
     def __init__(self, regions, cpus: int = 1, object_store_bytes: int = 512 << 20,
@@ -267,9 +304,7 @@ class HostCluster:
         self.regions = list(regions)
         if len(self.regions) < 2:
             raise ValueError("a host cluster needs at least two regions (the head's and one more)")
-        self.cores = own_cores(self.regions) if cores == "own" else (dict(cores) if cores else None)
-        if self.cores is not None and set(self.cores) != set(self.regions):
-            raise ValueError(f"cores names regions {sorted(self.cores)}, the cluster has {sorted(self.regions)}")
+        self.cores = _check_cores(self.regions, cores)
         prepare_ray_env()
         ensure_ray_token()
         self.hosts = Hosts(self.regions[1:]).up()
@@ -294,8 +329,9 @@ class HostCluster:
                 port = _free_port(self.hosts.head)
                 self.address = f"{self.hosts.head}:{port}"
                 self._procs[self.regions[0]] = subprocess.Popen(
-                    [self._ray, "start", "--head", f"--port={port}", f"--node-ip-address={self.hosts.head}",
-                     f"--labels=region={self.regions[0]}", "--include-dashboard=false", *common],
+                    self.command(self.regions[0], [
+                        self._ray, "start", "--head", f"--port={port}", f"--node-ip-address={self.hosts.head}",
+                        f"--labels=region={self.regions[0]}", "--include-dashboard=false", *common]),
                     stdout=self._log(self.regions[0]), stderr=subprocess.STDOUT, start_new_session=True,
                     env=self._env)
                 try:
@@ -311,12 +347,11 @@ class HostCluster:
             # at once can race for one socket name there (a raylet died of "bind: Address
             # already in use" on a busy machine)
             for i, r in enumerate(self.regions[1:], start=2):
-                pin = self.cores and (lambda cpus=self.cores[r]: os.sched_setaffinity(0, cpus))
-                self._procs[r] = self.hosts.popen(
-                    r, [self._ray, "start", f"--address={self.address}",
-                        f"--node-ip-address={self.hosts.address(r)}", f"--labels=region={r}", *common],
-                    stdout=self._log(r), stderr=subprocess.STDOUT, start_new_session=True, env=self._env,
-                    preexec_fn=pin or None)
+                self._procs[r] = subprocess.Popen(
+                    self.command(r, [self._ray, "start", f"--address={self.address}",
+                                     f"--node-ip-address={self.hosts.address(r)}", f"--labels=region={r}",
+                                     *common]),
+                    stdout=self._log(r), stderr=subprocess.STDOUT, start_new_session=True, env=self._env)
                 self._await_nodes(i, start_timeout_s)
         except BaseException:
             self.shutdown()
@@ -404,6 +439,9 @@ class HostCluster:
 
     def shutdown(self) -> None:
         import signal
+        if self._affinity is not None:        # first: nothing below may skip it
+            os.sched_setaffinity(0, self._affinity)
+            self._affinity = None
         try:
             import ray
             if ray.is_initialized():
@@ -432,6 +470,3 @@ class HostCluster:
                 head.wait(timeout=30)
             self.hosts.down()
             shutil.rmtree(self.logs, ignore_errors=True)
-            if self._affinity is not None:
-                os.sched_setaffinity(0, self._affinity)
-                self._affinity = None

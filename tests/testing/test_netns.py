@@ -51,7 +51,8 @@ def test_hosts_have_their_own_addresses_caps_and_cuts_and_leave_nothing_behind()
         # without it reorders a sender that moves CPUs, and TCP retransmits what was not lost
         def cpus(out):
             return int(out.stdout.replace(",", ""), 16)
-        steer, every = "cat /sys/class/net/{}/queues/rx-0/rps_cpus", (1 << os.cpu_count()) - 1
+        assert hosts.steered, "this machine's /sys takes rps_cpus: the links must be steered"
+        steer, every = "cat /sys/class/net/{}/queues/rx-0/rps_cpus", sum(1 << c for c in os.sched_getaffinity(0))
         assert cpus(hosts.run("a", ["sh", "-c", steer.format("eth0")], capture_output=True, text=True)) == every
         assert cpus(subprocess.run(["sh", "-c", steer.format(hosts._veth["a"])], capture_output=True,
                                    text=True)) == every
@@ -63,7 +64,9 @@ def test_hosts_have_their_own_addresses_caps_and_cuts_and_leave_nothing_behind()
             got += n
         conn.close()
         assert sender.wait(timeout=60) == 0 and got == 256 << 20
-        assert hosts.retransmitted("a") == before      # 256 MiB, not one segment sent twice
+        # unsteered, about 1,500 segments of 256 MiB were sent twice here; steered, a few tail
+        # loss probes at most
+        assert hosts.retransmitted("a") - before < 64
         hosts.steer("a", {0}, {0})           # a host's receive work on its own cores (HostCluster's cores)
         assert cpus(hosts.run("a", ["sh", "-c", steer.format("eth0")], capture_output=True, text=True)) == 1
         assert cpus(subprocess.run(["sh", "-c", steer.format(hosts._veth["a"])], capture_output=True,
@@ -101,6 +104,16 @@ def test_own_cores_split_this_processes_cpus_among_the_hosts_or_say_there_are_to
         assert not split["near"] & split["far"]
     with pytest.raises(ValueError, match=f"{len(mine) + 1} hosts with cores of their own need as many CPUs"):
         netns.own_cores([f"h{i}" for i in range(len(mine) + 1)])
+
+
+def test_a_clusters_cores_are_checked_before_anything_starts():
+    mine = sorted(os.sched_getaffinity(0))
+    assert netns._check_cores(["a", "b"], None) is None
+    assert netns._check_cores(["a"], {"a": [mine[0]]}) == {"a": {mine[0]}}
+    for cores, says in (({"a": {mine[0]}}, "cores names regions"), ({"a": set(), "b": {mine[0]}}, "non-empty subset"),
+                        ({"a": {mine[0]}, "b": {max(mine) + 1}}, "non-empty subset"), ("mine", 'must be "own"')):
+        with pytest.raises(ValueError, match=says):
+            netns._check_cores(["a", "b"], cores)
 
 
 def test_hosts_need_distinct_names():
