@@ -40,7 +40,7 @@ import uuid
 import numpy as np
 
 from kdn.bench import emit_json, median, p, table
-from kdn.bench.harness import scratch_dir
+from kdn.bench.harness import add_own_cores, check_host_flags, scratch_dir
 from kdn.core.errors import BadRequest, NetworkError
 from kdn.core.keys import CHUNK_TOKENS
 
@@ -372,23 +372,12 @@ def main(argv=None):
                          "needed), with the bare-socket ceiling between the same two hosts")
     ap.add_argument("--cap", default=None, metavar="RATE",
                     help="with --hosts: cap the far host's link with tc (e.g. 2gbit, 800mbit)")
-    ap.add_argument("--own-cores", action="store_true",
-                    help="with --hosts: each host's processes, and the receive work for packets "
-                         "arriving at it, on CPUs of its own (this machine's split among the hosts)")
+    add_own_cores(ap)
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     if args.reps < 5:
         ap.error(f"--reps must be >= 5 (a median of fewer is noise), got {args.reps}")
-    if args.cap is not None and not args.hosts:
-        ap.error("--cap needs --hosts")
-    if args.own_cores and not args.hosts:
-        ap.error("--own-cores needs --hosts")
-    if args.own_cores:
-        from kdn.testing.netns import own_cores
-        try:
-            own_cores(REGIONS)
-        except ValueError as e:
-            ap.error(f"--own-cores: {e}")
+    check_host_flags(ap, args, REGIONS)
     if args.cap is not None:
         from kdn.bench.transport import link_rate
         try:

@@ -86,3 +86,24 @@ def ttft_table(rows, limit: str, extra: dict) -> None:
 def row_at(rows, knowledge_tokens: int) -> "dict | None":
     """The row measured at a length (a goal's), if the run measured it."""
     return next((r for r in rows if r["knowledge_tokens"] == knowledge_tokens), None)
+
+
+def add_own_cores(ap) -> None:
+    """The --own-cores flag of the benches that take --hosts (kdn.testing.netns.HostCluster's cores)."""
+    ap.add_argument("--own-cores", action="store_true",
+                    help="with --hosts: each host's processes, and the receive work for packets "
+                         "arriving at it, on CPUs of its own (this machine's split among the hosts)")
+
+
+def check_host_flags(ap, args, regions) -> None:
+    """--cap and --own-cores need --hosts, and --own-cores a CPU for each of `regions`: an
+    argparse error naming the flag otherwise."""
+    for flag, given in (("--cap", args.cap is not None), ("--own-cores", args.own_cores)):
+        if given and not args.hosts:
+            ap.error(f"{flag} needs --hosts")
+    if args.own_cores:
+        from kdn.testing.netns import own_cores
+        try:
+            own_cores(regions)
+        except ValueError as e:
+            ap.error(f"--own-cores: {e}")

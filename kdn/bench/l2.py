@@ -50,7 +50,7 @@ import time
 import uuid
 
 from kdn.bench import emit_json, table
-from kdn.bench.harness import REGIONS, scratch_dir, start_redis, stop_process
+from kdn.bench.harness import REGIONS, add_own_cores, check_host_flags, scratch_dir, start_redis, stop_process
 
 MIB = 1 << 20        # LMCache's "mbps" are MiB/s (the mean of its rounds'); the table gives GB/s (1e9 B/s)
 READER, REMOTE = "us-east", "eu-west"      # the bench process runs on the head node: us-east
@@ -132,24 +132,13 @@ def main(argv=None):
                          f"{REMOTE}'s")
     ap.add_argument("--cap", default=None, metavar="RATE",
                     help=f"with --hosts: cap {REMOTE}'s link with tc (e.g. 2gbit, 800mbit)")
-    ap.add_argument("--own-cores", action="store_true",
-                    help="with --hosts: each host's processes, and the receive work for packets "
-                         "arriving at it, on CPUs of its own (this machine's split among the hosts)")
+    add_own_cores(ap)
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     want = args.only or ["kdn-local", "kdn-ack-origin", "kdn-remote", "fs", "resp"]
     if args.hosts and "kdn-remote" in want and "kdn-remote-ray" not in want:
         want.insert(want.index("kdn-remote") + 1, "kdn-remote-ray")
-    if args.cap is not None and not args.hosts:
-        ap.error("--cap needs --hosts")
-    if args.own_cores and not args.hosts:
-        ap.error("--own-cores needs --hosts")
-    if args.own_cores:
-        from kdn.testing.netns import own_cores
-        try:
-            own_cores(REGIONS)
-        except ValueError as e:
-            ap.error(f"--own-cores: {e}")
+    check_host_flags(ap, args, REGIONS)
     if args.hosts:
         from kdn.testing.netns import available
         why = available()

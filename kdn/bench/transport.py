@@ -40,7 +40,7 @@ import numpy as np
 import xxhash
 
 from kdn.bench import emit_json, median, table
-from kdn.bench.harness import scratch_dir, start_redis, stop_process
+from kdn.bench.harness import add_own_cores, check_host_flags, scratch_dir, start_redis, stop_process
 from kdn.core.chunk import decode, encode
 from kdn.client.http import RECV_STEP
 
@@ -330,23 +330,12 @@ def main(argv=None):
                          "and Ray between the same two addresses")
     ap.add_argument("--cap", default=None, metavar="RATE",
                     help="with --hosts: cap the other host's link with tc (e.g. 2gbit, 800mbit)")
-    ap.add_argument("--own-cores", action="store_true",
-                    help="with --hosts: each host's processes, and the receive work for packets "
-                         "arriving at it, on CPUs of its own (this machine's split among the hosts)")
+    add_own_cores(ap)
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     if args.reps < 5 or args.chunks < 1 or args.chunk_mib < 1:
         ap.error("--reps must be >= 5, --chunks and --chunk-mib >= 1")
-    if args.cap is not None and not args.hosts:
-        ap.error("--cap needs --hosts")
-    if args.own_cores and not args.hosts:
-        ap.error("--own-cores needs --hosts")
-    if args.own_cores:
-        from kdn.testing.netns import own_cores
-        try:
-            own_cores(HOST_REGIONS)
-        except ValueError as e:
-            ap.error(f"--own-cores: {e}")
+    check_host_flags(ap, args, HOST_REGIONS)
     cap_bps = link_rate(args.cap) if args.cap else None
 
     layers = (args.chunk_mib << 20) // (2 * HEADS * TOKENS * HEAD_DIM * 2)
