@@ -37,6 +37,7 @@ from kdn.core.errors import KDNError
 
 log = logging.getLogger("kdn.testing.netns")
 
+
 class HostsError(KDNError):
     """A namespace, veth, bridge or tc command failed (the command and its stderr are named)."""
 
