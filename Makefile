@@ -28,9 +28,11 @@ demo: $(STAMP)
 
 # Two workers, one file at a time each, every process they start with one OpenMP thread
 # (tests/conftest.py): most of the suite waits on processes, sockets and timeouts, so two files
-# overlap that waiting.
+# overlap that waiting. Bytecode is written even where the environment says not to
+# (PYTHONDONTWRITEBYTECODE): the suite starts hundreds of processes (Ray actors, `kdn`
+# commands) that would each compile KDN's modules again (~35 CPU-seconds of a run).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV)

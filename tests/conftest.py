@@ -5,6 +5,7 @@ region=us-east / eu-west / ap-south. It is started once per session, only when a
 for it, and shut down at the end; each test module starts its own KDN network on it (its own
 actor names and origin directory), so tests never see each other's state.
 """
+import gc
 import os
 import uuid
 
@@ -86,6 +87,16 @@ def _machine() -> str:
 def pytest_sessionstart(session):
     if os.path.exists("/proc/stat"):
         session.config._kdn_cpu_start = _cpu_jiffies()
+    # Collection imports torch, transformers, vLLM and Ray: about a million long-lived objects,
+    # through which Python's cyclic collector would run again and again while they load and in
+    # every full collection after. It is off while they load and they are frozen after
+    # (pytest_collection_finish): collections then scan only what the tests make.
+    gc.disable()
+
+
+def pytest_collection_finish(session):
+    gc.enable()
+    gc.freeze()
 
 
 @pytest.hookimpl(trylast=True)
@@ -113,7 +124,9 @@ def pytest_collection_modifyitems(config, items):
 def ray_cluster():
     from kdn.launch.cluster import LocalCluster
     from kdn.client.join import init_ray
-    cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=768 << 20)
+    # no log monitor: the tests' drivers do not take workers' logs (init_ray), and tailing every
+    # worker's files cost it 12-15 CPU-seconds per session cluster (a worker's whole run)
+    cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=768 << 20, log_monitor=False)
     init_ray(cluster.address)
     yield cluster
     cluster.shutdown()

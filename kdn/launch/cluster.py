@@ -47,10 +47,15 @@ class LocalCluster:
     The head node carries the first region (put the origin's region first). Each node gets
     `cpus` logical CPUs and its own object store; actors of KDN ask for num_cpus=0, so the
     logical CPUs are left for workers (tasks that run a model).
+
+    log_monitor=False starts the head without Ray's log monitor, the process that tails every
+    worker's log files to forward them to drivers. KDN's drivers do not take them
+    (kdn.client.join.init_ray: log_to_driver=False); the files stay under the session's logs
+    folder. The default keeps it for drivers of one's own that print their workers' output.
     """
 
     def __init__(self, regions=DEFAULT_REGIONS, cpus: int = 2, object_store_bytes: int = 1 << 30,
-                 shutdown_at_exit: bool = True):
+                 shutdown_at_exit: bool = True, log_monitor: bool = True):
         if not regions:
             raise KDNError("a local cluster needs at least one region")
         ensure_ray_token()
@@ -60,7 +65,8 @@ class LocalCluster:
                           node_ip_address=LOOPBACK)
         self.cluster = Cluster(initialize_head=True, shutdown_at_exit=shutdown_at_exit,
                                head_node_args=dict(labels={"region": self.regions[0]},
-                                                   include_dashboard=False, **self._opts))
+                                                   include_dashboard=False,
+                                                   include_log_monitor=bool(log_monitor), **self._opts))
         self.nodes = {self.regions[0]: [self.cluster.head_node]}
         for r in self.regions[1:]:
             self.add_node(r)

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -173,3 +174,22 @@ def test_edges_bigger_than_their_nodes_object_store_are_named_with_the_size_to_g
     assert len(lines) == 1 and lines[0].startswith(f"region {regions[0]}: ")
     assert "1.59 GiB in memory" in lines[0] and "0.75 GiB object store" in lines[0]   # 1.0625 GiB x 1.5
     assert "at least 2.30 GiB" in lines[0] and "--object-store-memory" in lines[0]
+
+
+def test_a_cluster_without_a_log_monitor_starts_none_and_its_workers_still_log_to_files(ray_cluster):
+    """LocalCluster(log_monitor=False) (the suite's cluster): no process tails the workers'
+    files to forward them (KDN's drivers take none), and those files are still written."""
+    import ray
+    from ray._private import ray_constants
+    head = ray_cluster.cluster.head_node
+    assert ray_constants.PROCESS_TYPE_LOG_MONITOR not in head.all_processes
+    assert ray_constants.PROCESS_TYPE_RAYLET in head.all_processes        # the node itself runs
+
+    @ray.remote(num_cpus=0)
+    def shout():
+        import sys
+        print("kdn-log-check", file=sys.stderr, flush=True)
+        return 1
+    assert ray.get(shout.remote(), timeout=60) == 1
+    logs = Path(head.get_logs_dir_path())
+    assert any("kdn-log-check" in p.read_text(errors="replace") for p in logs.glob("worker-*.err"))
