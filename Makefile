@@ -30,7 +30,7 @@ demo: $(STAMP)
 # (tests/conftest.py): most of the suite waits on processes, sockets and timeouts, so two files
 # overlap that waiting. Bytecode is written even where the environment says not to
 # (PYTHONDONTWRITEBYTECODE): the suite starts hundreds of processes (Ray actors, `kdn`
-# commands) that would each compile KDN's modules again (~35 CPU-seconds of a run).
+# commands) that would each compile KDN's modules again (~24 CPU-seconds of a run).
 test: $(STAMP)
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 

@@ -87,16 +87,24 @@ def _machine() -> str:
 def pytest_sessionstart(session):
     if os.path.exists("/proc/stat"):
         session.config._kdn_cpu_start = _cpu_jiffies()
-    # Collection imports torch, transformers, vLLM and Ray: about a million long-lived objects,
-    # through which Python's cyclic collector would run again and again while they load and in
-    # every full collection after. It is off while they load and they are frozen after
-    # (pytest_collection_finish): collections then scan only what the tests make.
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    """Collection imports torch, transformers, vLLM and Ray: about a million long-lived objects,
+    through which Python's cyclic collector would run again and again while they load and in
+    every full collection after. It is off while they load; then one collection frees what
+    they left, and what remains is frozen (gc.freeze), so later collections scan only what
+    the tests make. In every process that collects (xdist's workers, a plain run) and in
+    xdist's controller, whose collection is the workers'; on in all of them after, whatever
+    collection raised."""
     gc.disable()
-
-
-def pytest_collection_finish(session):
-    gc.enable()
-    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.collect()
+        gc.enable()
+        gc.freeze()
 
 
 @pytest.hookimpl(trylast=True)
