@@ -3,9 +3,9 @@ it was Python's cyclic garbage collector and Python compiling source.
 
 Record beside the run, then read the samples:
 
-    perf record -e cpu-clock -a -F 49 -o /tmp/suite.perf -- sleep 830 &   # as long as the run; no -g
+    perf record -e cpu-clock -a -F 49 -o suite.perf -- sleep 830 &   # as long as the run; no -g
     make test
-    python3 tools/suite_profile.py /tmp/suite.perf
+    python3 tools/suite_profile.py suite.perf
 
 A process is named by the most specific name it took (a Ray actor's `ray::EdgeNode`, a
 `kdn` command, a pytest worker), so a Ray worker's start-up counts for the actor it became.
