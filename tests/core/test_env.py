@@ -78,3 +78,76 @@ def test_compute_threads_takes_the_least_of_its_cap_the_cores_and_omp_num_thread
     for bad in ("", "0", "two", "-3"):             # unset, or not a count: the cores decide
         monkeypatch.setenv("OMP_NUM_THREADS", bad)
         assert compute_threads(cap=64) == cores
+
+
+def _collections():
+    """A list that gc.callbacks fills with the generation of each collection that starts."""
+    import gc
+    seen = []
+
+    def cb(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+    gc.callbacks.append(cb)
+    return seen, lambda: gc.callbacks.remove(cb)
+
+
+def test_the_collector_is_off_inside_collector_paused_and_one_full_collection_frees_what_it_left():
+    import gc
+    import weakref
+    from kdn.core.env import collector_paused
+
+    class Node:
+        pass
+    assert gc.isenabled()
+    done = None
+    try:
+        with collector_paused():
+            seen, done = _collections()            # registered with the collector already off
+            assert not gc.isenabled()
+            with collector_paused():               # nested: the inner block neither resumes nor collects
+                a, b = Node(), Node()
+                a.other, b.other = b, a            # a cycle: only the collector frees it
+                gone = weakref.ref(a)
+                del a, b
+                for _ in range(20000):             # far past the youngest generation's threshold (700)
+                    Node()
+            assert not gc.isenabled() and gone() is not None and seen == []
+        assert gc.isenabled() and gone() is None   # one collection at the end freed the cycle
+        assert seen[:1] == [2]                     # (other threads may collect after it)
+    finally:
+        if done:
+            done()
+
+
+def test_collector_paused_resumes_after_an_error_and_leaves_an_off_collector_off():
+    import gc
+    from kdn.core.env import collector_paused
+    with pytest.raises(ValueError, match="boom"):
+        with collector_paused():
+            raise ValueError("boom")
+    assert gc.isenabled()
+    gc.disable()                                   # a host that runs with the collector off
+    try:
+        seen, done = _collections()
+        with collector_paused():
+            pass
+        done()
+        assert not gc.isenabled() and seen == []   # left as it was, and nothing collected
+    finally:
+        gc.enable()
+
+
+def test_loading_a_model_pauses_the_collector():
+    """load_model makes a million objects: it runs in collector_paused (a bad argument, refused
+    at once, shows it without loading anything)."""
+    import gc
+    from kdn.core.errors import ModelError
+    from kdn.engines.transformers.model import load_model
+    seen, done = _collections()
+    try:
+        with pytest.raises(ModelError, match="dtype must be one of"):
+            load_model(dtype="float7")
+    finally:
+        done()
+    assert gc.isenabled() and 2 in seen            # the paused block's one collection, at its end

@@ -19,6 +19,7 @@ from kdn.core.errors import AccessDenied, BadRequest, RemoteError
 
 ADMIN = "admin-token-dataplane-0123456789"
 READ = "acme-read-token-dataplane-0123"
+BETA = "beta-read-token-dataplane-01"
 AUTH = {"admin": ADMIN, "readers": {"acme": READ}}
 FP = "synthetic-dataplane"
 
@@ -36,6 +37,23 @@ def _read_everywhere(net, toks, kv):
         assert np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
         sources.update(f.sources)
     return sources
+
+
+@pytest.fixture(scope="module")
+def shared(small_network):
+    """One network for the tests below that need no settings of their own (HTTP frames, one
+    owner per key, corruption injectable): each publishes a KB of its own and reads the growth
+    of the counters it checks, so they hold in any order."""
+    return small_network(auth={"admin": ADMIN, "readers": {"acme": READ, "beta": BETA}}, http=True,
+                         replicas=1, edge_options={"fault_injection": True})
+
+
+def _counters(net, edge: str, part: str = "counters") -> dict:
+    return ray.get(net.edges[edge].stats.remote(token=ADMIN), timeout=30)[part]
+
+
+def _grew(before: dict, after: dict, name: str) -> int:
+    return after.get(name, 0) - before.get(name, 0)
 
 
 @pytest.mark.parametrize("plane,into", [("auto", "store"), ("auto", "process"), ("ray", "store")])
@@ -124,12 +142,12 @@ def test_the_origins_pushes_to_edges_on_other_nodes_are_pulled_over_its_http_fra
         ray.get(edge.pull_chunks.remote("file:///etc/passwd", keys, token=ADMIN), timeout=30)
 
 
-def test_the_peer_endpoint_answers_only_the_admin_and_never_past_a_drop_the_asker_applied(small_network, synth):
-    net = small_network(auth=AUTH, http=True, replicas=1)
+def test_the_peer_endpoint_answers_only_the_admin_and_never_past_a_drop_the_asker_applied(shared, synth):
+    net = shared
     toks, kv = synth.tokens(1024, seed=32), synth.kv(1024, seed=32)
     pub = Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP, admin_token=ADMIN)
-    pub.publish("kb", [("d", toks)], kv)
-    keys = pub.manifest("kb").keys
+    pub.publish("kb-peer", [("d", toks)], kv)
+    keys = pub.manifest("kb-peer").keys
     url = ray.get(net.edges["eu-west-0"].ping.remote(), timeout=30)["http"]
     held = ray.get(net.edges["eu-west-0"].have.remote(keys, token=ADMIN), timeout=30)
     assert any(held) and not all(held)           # replicas=1: eu-west-0 owns some keys only
@@ -161,18 +179,19 @@ def test_the_peer_endpoint_answers_only_the_admin_and_never_past_a_drop_the_aske
         assert [o is not None for o in objs] == held and c.counters["reconnects"] == 0
 
 
-def test_an_owner_leaves_a_corrupt_copy_out_of_its_answer_and_the_reader_gets_the_published_bytes(small_network, synth):
+def test_an_owner_leaves_a_corrupt_copy_out_of_its_answer_and_the_reader_gets_the_published_bytes(shared, synth):
     """A copy that fails its checks never leaves its edge: the owner's peer answer leaves it
     out and the owner drops it; the puller takes that chunk from the origin and sends the
     owner the origin's copy (read repair)."""
-    net = small_network(auth=AUTH, http=True, replicas=1, edge_options={"fault_injection": True})
+    net = shared
     toks, kv = synth.tokens(1024, seed=34), synth.kv(1024, seed=34)
     pub = Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP, admin_token=ADMIN)
-    pub.publish("kb", [("d", toks)], kv)
-    keys = pub.manifest("kb").keys
+    pub.publish("kb-owner", [("d", toks)], kv)
+    keys = pub.manifest("kb-owner").keys
     owner = next(e for e in ("eu-west-0", "ap-south-0")
                  if any(ray.get(net.edges[e].have.remote(keys, token=ADMIN), timeout=30)))
     k = keys[ray.get(net.edges[owner].have.remote(keys, token=ADMIN), timeout=30).index(True)]
+    before = _counters(net, owner)
     assert ray.get(net.edges[owner].inject_corruption.remote(k, token=ADMIN), timeout=30)
     f = Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP, token=READ).fetch(toks)
     assert f.tokens == 1024 and np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
@@ -185,7 +204,8 @@ def test_an_owner_leaves_a_corrupt_copy_out_of_its_answer_and_the_reader_gets_th
         while (got := c.peer_get([k])[0][0]) is None and time.monotonic() < deadline:
             time.sleep(0.1)
     assert got is not None and np.array_equal(got.kv, kv[:, :, :, 256 * i:256 * (i + 1)])
-    assert st["counters"]["peer_corrupt_skipped"] == 1 and st["counters"]["corrupt_detected"] >= 1
+    assert _grew(before, st["counters"], "peer_corrupt_skipped") == 1
+    assert _grew(before, st["counters"], "corrupt_detected") >= 1
 
 
 def _frame_body(chunks, codecs):
@@ -308,18 +328,17 @@ def test_a_peer_on_loopback_is_pulled_over_http_only_from_its_own_host():
     assert asyncio.run(PeerPulls(peers(bound), "n1", "ray", "10.0.0.1")._url("p")) is None
 
 
-def test_a_reader_on_another_node_fetches_over_the_edges_http_frames(small_network, synth):
+def test_a_reader_on_another_node_fetches_over_the_edges_http_frames(shared, synth):
     """This process runs on us-east's node: reading eu-west's edge (another node) goes over that
     edge's HTTP frames (kdn.client.dataplane), reading us-east's own edge and data_plane "ray"
     over Ray; the bytes are the published ones every way. LMCache's objects (no manifest: the
     reader names their tenant) go the same way, and a token not the tenant's is refused."""
     from kdn.client.view import NetworkView
     from kdn.integrations.objects import Objects
-    net = small_network(auth={"admin": ADMIN, "readers": {"acme": READ, "beta": "beta-read-token-dataplane-01"}},
-                        http=True, replicas=1)
-    toks, kv = synth.tokens(1024, seed=35), synth.kv(1024, seed=35)
+    net = shared
+    toks, kv = synth.tokens(1024, seed=37), synth.kv(1024, seed=37)
     Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP,
-           admin_token=ADMIN).publish("kb", [("d", toks)], kv)
+           admin_token=ADMIN).publish("kb-reader", [("d", toks)], kv)
     planes = {}
     for region, plane in (("eu-west", "auto"), ("eu-west", "ray"), ("us-east", "auto")):
         c = Client(network=net.name, region=region, tenant="acme", fingerprint=FP, token=READ,
@@ -356,28 +375,29 @@ def test_a_reader_on_another_node_fetches_over_the_edges_http_frames(small_netwo
     assert all(np.array_equal(o, d) for o, d in zip(outs, datas))
     assert reader.stats()["data_plane"]["http_fetches"] >= 1
     other = Objects(NetworkView(net.name, region="eu-west"), "lmcache",
-                    read_tokens={"acme": "beta-read-token-dataplane-01"})
+                    read_tokens={"acme": BETA})
     other.namespace("acme", "m")
     with pytest.raises(AccessDenied):
         other.load(ns, keys, [np.zeros(3 << 20, np.uint8) for _ in keys])
 
 
-def test_a_copy_gone_bad_after_its_check_costs_one_refetch_and_its_holder_drops_it(small_network, synth):
+def test_a_copy_gone_bad_after_its_check_costs_one_refetch_and_its_holder_drops_it(shared, synth):
     """An edge frames a copy with the checksum it found on arrival (Held.xxh). If the copy went
     bad since, the receiver finds the mismatch: a reader over HTTP frames reports it and gets
     the key elsewhere, as over Ray; an edge pulling it over HTTP tells the owner. Either way
     the holder rereads its copy and drops it, and the bytes read are the published ones."""
-    net = small_network(auth=AUTH, http=True, replicas=1, edge_options={"fault_injection": True})
+    net = shared
     toks, kv = synth.tokens(2048, seed=36), synth.kv(2048, seed=36)
     pub = Client(network=net.name, region="us-east", tenant="acme", fingerprint=FP, admin_token=ADMIN)
-    pub.publish("kb", [("d", toks)], kv)
-    keys = pub.manifest("kb").keys
+    pub.publish("kb-gone-bad", [("d", toks)], kv)
+    keys = pub.manifest("kb-gone-bad").keys
     have = {e: ray.get(net.edges[e].have.remote(keys, token=ADMIN), timeout=30) for e in ("eu-west-0", "ap-south-0")}
     name = max(have, key=lambda e: sum(have[e]))           # replicas=1: it owns some keys only
     other = next(e for e in have if e != name)
     held = have[name]
     assert sum(held) >= 2
     k, k2 = [key for key, h in zip(keys, held) if h][:2]
+    before, pulled = _counters(net, name), _counters(net, other, "data_plane")
     assert ray.get(net.edges[name].inject_corruption.remote(k, stale_checksum=True, token=ADMIN), timeout=30)
     # a reader on another node reads the owner over its HTTP frames
     c = Client(network=net.name, region=name[:-2], tenant="acme", fingerprint=FP, token=READ)
@@ -385,13 +405,11 @@ def test_a_copy_gone_bad_after_its_check_costs_one_refetch_and_its_holder_drops_
     assert f.tokens == 2048 and np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
     st = c.stats()
     assert st["counters"]["corrupt_chunks"] == 1 and st["data_plane"]["http_fetches"] >= 2
-    owner = ray.get(net.edges[name].stats.remote(token=ADMIN), timeout=30)["counters"]
-    assert owner["corrupt_reported"] == 1 and owner["corrupt_detected"] >= 1
+    owner = _counters(net, name)
+    assert _grew(before, owner, "corrupt_reported") == 1 and _grew(before, owner, "corrupt_detected") >= 1
     # the same with an edge pulling: the other region's edge asks the owner, over HTTP
     assert ray.get(net.edges[name].inject_corruption.remote(k2, stale_checksum=True, token=ADMIN), timeout=30)
     f = Client(network=net.name, region=other[:-2], tenant="acme", fingerprint=FP, token=READ).fetch(toks)
     assert np.array_equal(np.concatenate(f.kv_parts(), axis=3), kv)
-    puller = ray.get(net.edges[other].stats.remote(token=ADMIN), timeout=30)["data_plane"]
-    assert puller["peer_http_corrupt"] == 1
-    owner = ray.get(net.edges[name].stats.remote(token=ADMIN), timeout=30)["counters"]
-    assert owner["corrupt_reported"] == 2
+    assert _grew(pulled, _counters(net, other, "data_plane"), "peer_http_corrupt") == 1
+    assert _grew(before, _counters(net, name), "corrupt_reported") == 2

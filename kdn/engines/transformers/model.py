@@ -37,6 +37,7 @@ import torch
 
 from kdn.core.checks import check_int
 from kdn.core.dtypes import DTYPES, name_of
+from kdn.core.env import collector_paused
 from kdn.core.errors import ModelError
 from kdn.engines.fingerprint import fingerprint_fields, model_fingerprint, weights_digest
 from kdn.engines.transformers import attention, convert
@@ -45,6 +46,7 @@ from kdn.engines.transformers.cache import CacheAdapter
 from kdn.engines.transformers.convert import MODEL_NAME, converted_folder, quiet_transformers
 from kdn.engines.transformers.prompts import Prompts
 
+@collector_paused()      # a million objects made: walked once, not at every collection on the way
 def load_model(cache_dir=None, dtype=torch.float32, gguf=None, log=None, warm: bool = True,
                variant=None) -> "Model":
     """SmolLM2-135M-Instruct ready for KDN: converted once, then loaded from the cache in seconds.

@@ -26,7 +26,7 @@ import itertools
 import os
 import time
 
-from kdn.core.env import compute_threads
+from kdn.core.env import collector_paused, compute_threads
 from kdn.core.errors import KDNError, ModelError
 from kdn.engines.base import Answer
 from kdn.client.documents import model_context
@@ -55,6 +55,7 @@ def model_folder() -> str:
     return str(load_model(warm=False).cache_path)
 
 
+@collector_paused()      # vLLM's import and engine: walked once by the collector, not at every step
 def start_engine(role: str = "kv_consumer", model_path: str = None, engine: dict = None, **settings):
     """A vLLM LLM with KDNConnector in this process; engine: LLM arguments over ENGINE_DEFAULTS."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
