@@ -1,0 +1,89 @@
+"""Which tests start Ray actors, and how much CPU each test takes in its own pytest process: a
+pytest plugin for a suite run, and a reader of what it wrote.
+
+Every actor a test's process starts costs a Ray worker's start-up (about 1 CPU-s here: `import
+ray`, KDN's modules, the actor), so a module that starts a network per test pays that several
+times over. Run the suite with the plugin, then read the log:
+
+    KDN_ACTOR_LOG=actors.jsonl PYTHONPATH=tools .venv/bin/python -m pytest -p actor_count ...
+    .venv/bin/python tools/actor_count.py actors.jsonl
+
+Counted: actors created through `ray.actor.ActorClass` in the pytest processes (the networks
+tests start, Serve's controller, vLLM's engines), not those that `kdn` commands or other actors
+start. Per test: CPU time of its own process (setup, call and teardown), not of the actors.
+"""
+import collections
+import json
+import os
+import sys
+import time
+
+import pytest
+
+LOG_ENV = "KDN_ACTOR_LOG"
+
+
+def _write(record: dict) -> None:
+    with open(os.environ[LOG_ENV], "a") as f:        # one line per record: workers append side by side
+        f.write(json.dumps(record) + "\n")
+
+
+def _count_actor_starts() -> None:
+    import ray.actor
+    remote = ray.actor.ActorClass._remote
+    if getattr(remote, "_kdn_counted", False):
+        return
+
+    def counted(self, *args, **kwargs):
+        meta = getattr(self, "__ray_metadata__", None)
+        _write({"test": os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0],
+                "actor": getattr(meta, "class_name", type(self).__name__)})
+        return remote(self, *args, **kwargs)
+    counted._kdn_counted = True
+    ray.actor.ActorClass._remote = counted
+
+
+def pytest_configure(config):
+    if not os.environ.get(LOG_ENV):
+        raise RuntimeError(f"actor_count: set {LOG_ENV} to the file to write")
+    _count_actor_starts()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    start = time.process_time()
+    yield
+    _write({"test": item.nodeid, "cpu": time.process_time() - start})
+
+
+def main(argv) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    actors, cpu, module_cpu = collections.Counter(), collections.Counter(), collections.Counter()
+    for line in open(argv[0]):
+        r = json.loads(line)
+        module = r["test"].split("::")[0]
+        if "actor" in r:
+            actors[(module, r["actor"])] += 1
+        else:
+            cpu[r["test"]] += r["cpu"]
+            module_cpu[module] += r["cpu"]
+    kinds = collections.Counter()
+    for (_, actor), n in actors.items():
+        kinds[actor] += n
+    print("actors started:", ", ".join(f"{a} {n}" for a, n in kinds.most_common()))
+    per_module = collections.Counter()
+    for (module, _), n in actors.items():
+        per_module[module] += n
+    print(f"{'actors':>6}  module (most first)")
+    for module, n in per_module.most_common(20):
+        print(f"{n:6d}  {module}")
+    print(f"{'CPU-s':>6}  module, in its pytest process (most first; {sum(module_cpu.values()):.0f} in all)")
+    for module, s in module_cpu.most_common(20):
+        print(f"{s:6.1f}  {module}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
