@@ -8,9 +8,11 @@ times over. Run the suite with the plugin, then read the log:
     KDN_ACTOR_LOG=actors.jsonl PYTHONPATH=tools .venv/bin/python -m pytest -p actor_count ...
     .venv/bin/python tools/actor_count.py actors.jsonl
 
-Counted: actors created through `ray.actor.ActorClass` in the pytest processes (the networks
-tests start, Serve's controller, vLLM's engines), not those that `kdn` commands or other actors
-start. Per test: CPU time of its own process (setup, call and teardown), not of the actors.
+Counted: calls that create actors through `ray.actor.ActorClass` in the processes that run
+tests (the networks tests start, Serve's controller, vLLM's engines), not those that `kdn`
+commands or other actors start (a `get_if_exists` call is counted whether it creates one or
+not). Per test: CPU time of its own process (setup, call and teardown), not of the actors.
+Each run starts the log afresh.
 """
 import collections
 import json
@@ -46,7 +48,12 @@ def _count_actor_starts() -> None:
 def pytest_configure(config):
     if not os.environ.get(LOG_ENV):
         raise RuntimeError(f"actor_count: set {LOG_ENV} to the file to write")
-    _count_actor_starts()
+    if hasattr(config, "workerinput"):          # a pytest-xdist worker: it runs tests
+        _count_actor_starts()
+        return
+    open(os.environ[LOG_ENV], "w").close()      # the controller, or a run without workers: a fresh log
+    if not config.getoption("numprocesses", None):
+        _count_actor_starts()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -82,6 +89,9 @@ def main(argv) -> int:
     print(f"{'CPU-s':>6}  module, in its pytest process (most first; {sum(module_cpu.values()):.0f} in all)")
     for module, s in module_cpu.most_common(20):
         print(f"{s:6.1f}  {module}")
+    print(f"{'CPU-s':>6}  test, in its pytest process (most first)")
+    for test, s in cpu.most_common(20):
+        print(f"{s:6.1f}  {test}")
     return 0
 
 

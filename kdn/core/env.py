@@ -1,4 +1,5 @@
-"""Process environment KDN needs before Ray starts: loopback only, no usage stats, token auth.
+"""The process environment KDN sets: Ray's settings before Ray starts (loopback only, no usage
+stats, token auth), and how a process starts up (its threads, the collector while it loads).
 
 Decided once here and used by the CLI, the demo, the tests and CI alike:
 - RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps every node on 127.0.0.1 (no traffic off loopback);
@@ -6,8 +7,8 @@ Decided once here and used by the CLI, the demo, the tests and CI alike:
 - RAY_AUTH_MODE=token: Ray's token auth on (token in ~/.ray/auth_token, made if missing);
 - RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH: Serve's proxy bounds request bodies (kdn/serve/proxy.py).
 
-And what a process needs while it starts: how many intra-op threads (compute_threads), and
-Python's cyclic collector held off while it loads a model or an engine (collector_paused).
+A process's intra-op threads: compute_threads. Python's cyclic collector held off while a
+process loads a model or an engine: collector_paused.
 """
 import contextlib
 import gc
@@ -65,14 +66,16 @@ def compute_threads(cap: int = 2) -> int:
 def collector_paused():
     """Python's cyclic garbage collector off while the block runs, then one full collection.
 
-    Loading the model (transformers, its weights) or an engine (vLLM) makes about a million
-    long-lived objects; with the collector on, each of its collections on the way walks all
-    those made so far, about 1 CPU-second of a 5.5 CPU-second load (`load_model()` in a fresh
-    process, measured). Paused, they are walked once, at the end. Nested blocks collect once,
-    when the outermost ends; where the collector was already off, it is left off."""
+    Loading the model (transformers, its weights) makes about 400,000 long-lived objects, an
+    engine (vLLM) more; with the collector on, its full collections on the way walk them again
+    and again: 0.4-0.5 CPU-s of a 5-5.7 CPU-s load in a fresh process (`tools/load_cpu.py`).
+    Paused, they are walked once, at the end. Nested blocks collect once, when the outermost
+    ends; where the collector was already off, it is left off. The switch is process-wide: a
+    block in another thread may see the collector resume before it ends (a lost saving, never a
+    collector left off)."""
     was_on = gc.isenabled()
-    gc.disable()
     try:
+        gc.disable()
         yield
     finally:
         if was_on:

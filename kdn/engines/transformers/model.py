@@ -46,7 +46,7 @@ from kdn.engines.transformers.cache import CacheAdapter
 from kdn.engines.transformers.convert import MODEL_NAME, converted_folder, quiet_transformers
 from kdn.engines.transformers.prompts import Prompts
 
-@collector_paused()      # a million objects made: walked once, not at every collection on the way
+@collector_paused()      # the load's ~400,000 objects: walked once by the collector, not again and again
 def load_model(cache_dir=None, dtype=torch.float32, gguf=None, log=None, warm: bool = True,
                variant=None) -> "Model":
     """SmolLM2-135M-Instruct ready for KDN: converted once, then loaded from the cache in seconds.

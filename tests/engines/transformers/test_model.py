@@ -497,3 +497,28 @@ def test_tokens_appended_in_place_give_the_same_answer_with_no_new_memory(model,
     assert again.tokens == want.tokens and tight.layers[5].keys.data_ptr() != where
     with pytest.raises(ModelError, match="spare_tokens"):
         model.cache_from_kv([kv], spare_tokens=-1)
+
+
+def test_load_model_runs_with_the_collector_paused(monkeypatch):
+    """A load makes ~400,000 objects: the collector is off while load_model runs (seen at its
+    first step, a dtype check made to refuse, so nothing is loaded) and one full collection
+    follows it (kdn.core.env.collector_paused)."""
+    import gc
+    from kdn.engines.transformers import model as module
+    inside, seen = [], []
+
+    def refuse(dtype):
+        inside.append(gc.isenabled())
+        return None
+
+    def collections(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+    monkeypatch.setattr(module, "name_of", refuse)
+    gc.callbacks.append(collections)
+    try:
+        with pytest.raises(ModelError, match="dtype must be one of"):
+            module.load_model()
+    finally:
+        gc.callbacks.remove(collections)
+    assert inside == [False] and gc.isenabled() and 2 in seen
