@@ -137,4 +137,3 @@ def test_collector_paused_resumes_after_an_error_and_leaves_an_off_collector_off
         assert not gc.isenabled() and seen == []   # left as it was, and nothing collected
     finally:
         gc.enable()
-
