@@ -1,5 +1,5 @@
-"""Which tests start Ray actors, and how much CPU each test takes in its own pytest process: a
-pytest plugin for a suite run, and a reader of what it wrote.
+"""Which tests start Ray actors, how much CPU each test takes in its own pytest process, and its
+share of the whole machine's: a pytest plugin for a suite run, and a reader of what it wrote.
 
 Every actor a test's process starts costs a Ray worker's start-up (about 1 CPU-s here: `import
 ray`, KDN's modules, the actor), so a module that starts a network per test pays that several
@@ -11,8 +11,11 @@ times over. Run the suite with the plugin, then read the log:
 Counted: calls that create actors through `ray.actor.ActorClass` in the processes that run
 tests (the networks tests start, Serve's controller, vLLM's engines), not those that `kdn`
 commands or other actors start (a `get_if_exists` call is counted whether it creates one or
-not). Per test: CPU time of its own process (setup, call and teardown), not of the actors.
-Each run starts the log afresh.
+not). Per test: CPU time of its own process (setup, call and teardown), not of the actors; its wall
+time; and the machine's busy CPU while it ran (/proc/stat) divided by the workers running tests
+side by side, its share of what the machine did then (the actors, replicas and `kdn` commands
+it started included, but also whatever the other worker's test was doing: an estimate that
+ranks modules, not an exact account). Each run starts the log afresh.
 """
 import collections
 import json
@@ -56,11 +59,20 @@ def pytest_configure(config):
         _count_actor_starts()
 
 
+def _busy_s() -> float:
+    """Busy CPU-seconds of all cores since boot (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    start = time.process_time()
+    start, wall, busy = time.process_time(), time.monotonic(), _busy_s()
     yield
-    _write({"test": item.nodeid, "cpu": time.process_time() - start})
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _write({"test": item.nodeid, "cpu": time.process_time() - start, "wall": time.monotonic() - wall,
+            "share": (_busy_s() - busy) / workers})
 
 
 def main(argv) -> int:
@@ -68,6 +80,7 @@ def main(argv) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     actors, cpu, module_cpu = collections.Counter(), collections.Counter(), collections.Counter()
+    wall, share = collections.Counter(), collections.Counter()
     for line in open(argv[0]):
         r = json.loads(line)
         module = r["test"].split("::")[0]
@@ -76,6 +89,8 @@ def main(argv) -> int:
         else:
             cpu[r["test"]] += r["cpu"]
             module_cpu[module] += r["cpu"]
+            wall[module] += r.get("wall", 0.0)
+            share[module] += r.get("share", 0.0)
     kinds = collections.Counter()
     for (_, actor), n in actors.items():
         kinds[actor] += n
@@ -89,6 +104,11 @@ def main(argv) -> int:
     print(f"{'CPU-s':>6}  module, in its pytest process (most first; {sum(module_cpu.values()):.0f} in all)")
     for module, s in module_cpu.most_common(20):
         print(f"{s:6.1f}  {module}")
+    if share:
+        print(f"{'share':>6} {'wall s':>6}  module: its share of the machine's busy CPU-s while it ran, and its "
+              f"wall time (most first; {sum(share.values()):.0f} CPU-s in all)")
+        for module, s in share.most_common(30):
+            print(f"{s:6.1f} {wall[module]:6.1f}  {module}")
     print(f"{'CPU-s':>6}  test, in its pytest process (most first)")
     for test, s in cpu.most_common(20):
         print(f"{s:6.1f}  {test}")

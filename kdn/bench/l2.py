@@ -12,6 +12,12 @@ temp directory (the page cache) and its `resp` adapter over a `redis-server` sta
 (LMCache's mean of its rounds' throughputs, a slow round weighs in it), p50 and p99 load
 latency (of one round of --num-keys objects), store GB/s, all keys verified.
 
+A row whose stores an edge answers (`kdn-local`, `kdn-remote`) also says how many of them the
+edges answered at once and how many only once durable at the origin (the edge's backlog of
+stores not yet durable was full: kdn/edge/stores.py; those run at the origin's pace, so the
+row's store GB/s mixes both), and how long after the row the origin held them all (JSON:
+`stores acked at edge`, `stores acked at origin`).
+
 `ray-ceiling` (with kdn-remote) is no adapter: the same rounds pulled by plain Ray from an
 actor on kdn-remote's node into this process and copied once into buffers, with no KDN and no
 checksum, the most any load over Ray from that node reaches on this machine; kdn-remote is
@@ -103,6 +109,30 @@ def settle_pushes(net) -> None:
         if not got["durable"]:
             raise RuntimeError(f"edge {name}: its stores are not durable after 600 s: {got}")
     NetworkView(net.name, region=READER, admin_token=token).origin(600).pushes_settled()
+
+
+def store_acks(net, token: str = None) -> dict:
+    """{"edge": stores the edges answered before the origin held them, "origin": those they
+    answered once durable there (a full backlog, kdn/edge/stores.py)}, counted since each
+    edge started (the admin token: token, else this machine's)."""
+    import ray
+    from kdn.core.auth import ensure_admin_token
+    from kdn.core.env import kdn_home
+    token = token or ensure_admin_token(kdn_home())
+    out = {"edge": 0, "origin": 0}
+    for edge in net.edges.values():
+        c = ray.get(edge.stats.remote(token=token))["stores"]
+        out["edge"] += c.get("store_acked_edge", 0)
+        out["origin"] += c.get("store_acked_origin", 0)
+    return out
+
+
+def acks_note(before: dict, after: dict, durable_s: float) -> str:
+    """How a row's stores were answered, and how long the origin took after the row to hold
+    them all: the cost an edge's answer defers, not removes."""
+    edge, origin = after["edge"] - before["edge"], after["origin"] - before["origin"]
+    return (f"; stores answered at the edge {edge} of {edge + origin} (the rest once durable: "
+            f"the backlog was full), all durable {durable_s:.1f} s after the row")
 
 
 def row(name: str, metrics: dict, note: str = "") -> dict:
@@ -217,8 +247,19 @@ def main(argv=None):
             else:
                 raise SystemExit(f"unknown row {which!r}")
             bracket = args.hosts and which == "kdn-remote"
+            # stores answered by an edge: how many it answered early, and how long they took
+            # to be durable after the row
+            acks = store_acks(net) if which.startswith("kdn") and which != "kdn-ack-origin" else None
             rows += bracketed(bracket, cluster, args, round_bytes, "socket-beside",
                               lambda: row(which, lmcache_bench(adapter, args, out), note))
+            if acks is not None:
+                t0 = time.perf_counter()
+                settle_pushes(net)
+                after = store_acks(net)
+                mine = next(r for r in reversed(rows) if r["adapter"] == which)
+                mine["note"] += acks_note(acks, after, time.perf_counter() - t0)
+                mine["stores acked at edge"] = after["edge"] - acks["edge"]
+                mine["stores acked at origin"] = after["origin"] - acks["origin"]
             if which == "kdn-remote":
                 rows.append(ray_ceiling(args))
             if which in ("kdn-local", "kdn-remote"):

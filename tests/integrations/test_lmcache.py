@@ -183,10 +183,14 @@ def test_a_store_acknowledged_at_the_edge_is_served_there_at_once_and_everywhere
     east, south = adapters("us-east"), adapters("ap-south")
     keys = [key(700 + i) for i in range(3)]
     objs = [memobj(1 << 16, seed=700 + i) for i in range(3)]
+    from kdn.bench.l2 import acks_note, store_acks
     edge = Actors(net.name, ADMIN).edge("us-east-0", 30, "sync")
-    before = edge.stats()["stores"]
+    before, acks = edge.stats()["stores"], store_acks(net, ADMIN)
     assert store(east, keys, objs) == 3 << 18
     assert east.objects.counters["acked_at_edge"] == 3
+    now = store_acks(net, ADMIN)                   # what `kdn bench l2` reports of a row's stores
+    assert (now["edge"] - acks["edge"], now["origin"] - acks["origin"]) == (3, 0), (acks, now)
+    assert "stores answered at the edge 3 of 3 " in acks_note(acks, now, 1.0)
     outs = [memobj(1 << 16, fill=0.0) for _ in keys]
     assert load(east, keys, outs) == [True] * 3                    # from us-east's edge, at once
     assert all(bytes(o.byte_array) == bytes(w.byte_array) for o, w in zip(outs, objs))
