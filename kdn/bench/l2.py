@@ -12,10 +12,15 @@ temp directory (the page cache) and its `resp` adapter over a `redis-server` sta
 (LMCache's mean of its rounds' throughputs, a slow round weighs in it), p50 and p99 load
 latency (of one round of --num-keys objects), store GB/s, all keys verified.
 
+The rows without KDN (`fs`, `resp`) run first, before KDN's cluster starts, so the references
+run on a machine KDN is not using (no object stores' memory, no daemons beside them). That
+did not settle them: in session 35 the fs adapter's stores ran at 0.23-1.98 GB/s from one run to
+the next on the same machine, before and after this change, so a store ratio needs several runs.
+
 A row whose stores an edge answers (`kdn-local`, `kdn-remote`) also says how many of them the
-edges answered at once and how many only once durable at the origin (the edge's backlog of
-stores not yet durable was full: kdn/edge/stores.py; those run at the origin's pace, so the
-row's store GB/s mixes both), and how long after the row the origin held them all (JSON:
+edges answered at once and how many only once durable at the origin (the edge had no room to
+keep them until durable: its backlog's bound or its memory for pinned copies, kdn/edge/stores.py;
+those run at the origin's pace, so the row's store GB/s mixes both), and how long after the row the origin held them all (JSON:
 `stores acked at edge`, `stores acked at origin`).
 
 `ray-ceiling` (with kdn-remote) is no adapter: the same rounds pulled by plain Ray from an
@@ -25,7 +30,10 @@ read against it and against the modelled WAN.
 
 The KDN network: three regions on this machine (kdn.launch.cluster.LocalCluster), one edge each,
 every key on every edge (replicas = 3, so the reader's edge is warm once stores are pushed),
-memory enough for the whole run. Nothing enforces the topology's WAN on loopback, so the
+memory enough for the whole run, its nodes moving stored objects between them over their HTTP
+frames as `kdn up` starts them (the origin pulls what an edge answered from that edge's frames,
+the edges pull the origin's pushes from its frames; `--plane ray`: over Ray instead, as this
+bench ran before session 35). Nothing enforces the topology's WAN on loopback, so the
 table gives the modelled floor of a cross-region load (bytes / link bandwidth + one-way
 latency, kdn.placement.topology.default_local) beside the measured row.
 
@@ -113,7 +121,7 @@ def settle_pushes(net) -> None:
 
 def store_acks(net, token: str = None) -> dict:
     """{"edge": stores the edges answered before the origin held them, "origin": those they
-    answered once durable there (a full backlog, kdn/edge/stores.py)}, counted since each
+    answered once durable there (no room to keep them until then, kdn/edge/stores.py)}, counted since each
     edge started (the admin token: token, else this machine's)."""
     import ray
     from kdn.core.auth import ensure_admin_token
@@ -131,8 +139,8 @@ def acks_note(before: dict, after: dict, durable_s: float) -> str:
     """How a row's stores were answered, and how long the origin took after the row to hold
     them all: the cost an edge's answer defers, not removes."""
     edge, origin = after["edge"] - before["edge"], after["origin"] - before["origin"]
-    return (f"; stores answered at the edge {edge} of {edge + origin} (the rest once durable: "
-            f"the backlog was full), all durable {durable_s:.1f} s after the row")
+    return (f"; stores answered at the edge {edge} of {edge + origin} (the rest once durable: no "
+            f"room to keep them until then), all durable {durable_s:.1f} s after the row")
 
 
 def row(name: str, metrics: dict, note: str = "") -> dict:
@@ -163,8 +171,14 @@ def main(argv=None):
     ap.add_argument("--cap", default=None, metavar="RATE",
                     help=f"with --hosts: cap {REMOTE}'s link with tc (e.g. 2gbit, 800mbit)")
     add_own_cores(ap)
+    ap.add_argument("--plane", choices=("http", "ray"), default="http",
+                    help="how the network's nodes move stored objects between them: over their HTTP "
+                         "frames (the default, as `kdn up` starts them) or over Ray (not with --hosts)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
+    if args.hosts and args.plane == "ray":
+        ap.error("--plane ray: with --hosts the edges serve HTTP on their hosts' addresses (the "
+                 "kdn-remote-ray row reads over Ray)")
     want = args.only or ["kdn-local", "kdn-ack-origin", "kdn-remote", "fs", "resp"]
     if args.hosts and "kdn-remote" in want and "kdn-remote-ray" not in want:
         want.insert(want.index("kdn-remote") + 1, "kdn-remote-ray")
@@ -187,35 +201,39 @@ def main(argv=None):
         # every edge holds the whole run (replicas = 3; an edge's main tier is 75% of its
         # capacity)
         topo = Topology.default_local(list(REGIONS), capacity_bytes=int(1.6 * run_bytes))
-        if args.hosts:           # every region but the reader's in a network namespace
-            from kdn.testing.netns import HostCluster
-            cluster = HostCluster(REGIONS, cpus=2, object_store_bytes=object_store_bytes(int(1.6 * run_bytes)),
-                                  cores="own" if args.own_cores else None)
-            if args.cap:
-                cluster.hosts.cap(REMOTE, args.cap)
-        elif any(n.startswith("kdn") for n in want):
-            cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=object_store_bytes(int(1.6 * run_bytes)))
-            init_ray(cluster.address)
-        admin = None
-        if cluster is not None:
-            name = f"l2{uuid.uuid4().hex[:6]}"
-            if args.hosts:       # edges serve HTTP on their host's address: that needs tokens
-                from kdn.core.auth import OPEN, ensure_admin_token
-                from kdn.core.env import kdn_home
-                admin = ensure_admin_token(kdn_home())
-                net = start_network(topo, os.path.join(work, name), network=name, replicas=len(REGIONS),
-                                    http=True, edge_options={"http_host": "node"},
-                                    auth={"admin": admin, "readers": {w: OPEN for w in [*want, "breakdown"]}})
-            else:
-                net = start_network(topo, os.path.join(work, name), network=name, replicas=len(REGIONS))
         round_bytes = args.num_keys * args.data_size_kb * 1024
         wan_s = round_bytes / (topo.bandwidth_gbps(READER, REMOTE) * 1e9) + topo.latency_ms(READER, REMOTE) / 1e3
-        if args.breakdown:       # first, on the empty network (its objects are deleted after)
-            if net is None:
-                raise SystemExit("--breakdown times KDN's load: keep a kdn row in --only")
-            parts = breakdown(net, cluster.address, args)
+        if args.breakdown and not any(n.startswith("kdn") for n in want):
+            raise SystemExit("--breakdown times KDN's load: keep a kdn row in --only")
+        # the rows without KDN first, before its cluster starts: references on a machine KDN
+        # is not using
+        want = [n for n in want if not n.startswith("kdn")] + [n for n in want if n.startswith("kdn")]
+        admin = None
         for which in want:
             out = os.path.join(work, f"{which}.json")
+            if which.startswith("kdn") and cluster is None:     # KDN's cluster, at its first row
+                if args.hosts:           # every region but the reader's in a network namespace
+                    from kdn.testing.netns import HostCluster
+                    cluster = HostCluster(REGIONS, cpus=2, object_store_bytes=object_store_bytes(int(1.6 * run_bytes)),
+                                          cores="own" if args.own_cores else None)
+                    if args.cap:
+                        cluster.hosts.cap(REMOTE, args.cap)
+                else:
+                    cluster = LocalCluster(REGIONS, cpus=2, object_store_bytes=object_store_bytes(int(1.6 * run_bytes)))
+                    init_ray(cluster.address)
+                name = f"l2{uuid.uuid4().hex[:6]}"
+                if args.hosts:           # edges serve HTTP on their host's address: that needs tokens
+                    from kdn.core.auth import OPEN, ensure_admin_token
+                    from kdn.core.env import kdn_home
+                    admin = ensure_admin_token(kdn_home())
+                    net = start_network(topo, os.path.join(work, name), network=name, replicas=len(REGIONS),
+                                        http=True, edge_options={"http_host": "node"},
+                                        auth={"admin": admin, "readers": {w: OPEN for w in [*want, "breakdown"]}})
+                else:
+                    net = start_network(topo, os.path.join(work, name), network=name, replicas=len(REGIONS),
+                                        http=args.plane == "http")
+                if args.breakdown:       # first, on the empty network (its objects are deleted after)
+                    parts = breakdown(net, cluster.address, args)
             if which.startswith("kdn"):
                 region = REMOTE if which.startswith("kdn-remote") else READER
                 adapter = {"type": "plugin", "module_path": "kdn.integrations.lmcache",
@@ -284,9 +302,10 @@ def main(argv=None):
         stop_process(redis)
         teardown(net, cluster, work)
     print(f"lmcache bench l2: {args.num_keys} keys x {args.data_size_kb} KiB a round, "
-          f"{args.rounds} rounds (+1 warmup), --no-skip-verify")
+          f"{args.rounds} rounds (+1 warmup), --no-skip-verify; the network's nodes move objects "
+          f"over {'their HTTP frames' if args.plane == 'http' else 'Ray'}")
     table(rows, ["adapter", "load GB/s", "load p50 ms", "load p99 ms", "store GB/s", "verified", "note"])
-    out = {"bench": "l2", "rows": rows, "hosts": args.hosts, "cap": args.cap}
+    out = {"bench": "l2", "rows": rows, "hosts": args.hosts, "cap": args.cap, "plane": args.plane}
     by = {r["adapter"]: r.get("load GB/s") for r in rows}
     for name, beside in (("kdn-remote", "socket-beside"), ("kdn-remote (warm)", "socket-beside-warm")):
         if by.get(beside) and by.get(name):

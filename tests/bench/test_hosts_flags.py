@@ -1,6 +1,6 @@
 """The --hosts benches' flags (kdn.bench.harness.check_host_flags): --cap and --own-cores
-need --hosts, and --own-cores a CPU per host; each refused before anything starts, naming
-the flag."""
+need --hosts, and --own-cores a CPU per host; l2's `--plane ray` is refused with --hosts; each
+refused before anything starts, naming the flag."""
 import importlib
 import os
 
@@ -23,3 +23,11 @@ def test_own_cores_with_more_hosts_than_cpus_is_refused_before_anything_starts(c
         l2.main(["--hosts", "--own-cores"])
     err = capsys.readouterr().err
     assert done.value.code == 2 and "--own-cores: 3 hosts with cores of their own need as many CPUs" in err
+
+
+def test_l2_over_ray_with_hosts_is_refused_before_anything_starts(capsys):
+    """With --hosts the edges serve HTTP on their hosts' addresses: `--plane ray` cannot hold."""
+    from kdn.bench import l2
+    with pytest.raises(SystemExit) as done:
+        l2.main(["--hosts", "--plane", "ray"])
+    assert done.value.code == 2 and "--plane ray: with --hosts" in capsys.readouterr().err
