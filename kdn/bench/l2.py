@@ -17,11 +17,12 @@ run on a machine KDN is not using (no object stores' memory, no daemons beside t
 did not settle them: in session 35 the fs adapter's stores ran at 0.23-1.98 GB/s from one run to
 the next on the same machine, before and after this change, so a store ratio needs several runs.
 
-A row whose stores an edge answers (`kdn-local`, `kdn-remote`) also says how many of them the
+A row whose stores an edge answers (`kdn-local`, `kdn-remote`, `kdn-remote-ray`) also says how many of them the
 edges answered at once and how many only once durable at the origin (the edge had no room to
 keep them until durable: its backlog's bound or its memory for pinned copies, kdn/edge/stores.py;
-those run at the origin's pace, so the row's store GB/s mixes both), and how long after the row the origin held them all (JSON:
-`stores acked at edge`, `stores acked at origin`).
+or they failed its check). Those run at the origin's pace, so the row's store GB/s mixes both.
+It also says how long after the row the origin held them all (the network is settled before
+the row). JSON: `stores acked at edge`, `stores acked at origin`.
 
 `ray-ceiling` (with kdn-remote) is no adapter: the same rounds pulled by plain Ray from an
 actor on kdn-remote's node into this process and copied once into buffers, with no KDN and no
@@ -32,8 +33,9 @@ The KDN network: three regions on this machine (kdn.launch.cluster.LocalCluster)
 every key on every edge (replicas = 3, so the reader's edge is warm once stores are pushed),
 memory enough for the whole run, its nodes moving stored objects between them over their HTTP
 frames as `kdn up` starts them (the origin pulls what an edge answered from that edge's frames,
-the edges pull the origin's pushes from its frames; `--plane ray`: over Ray instead, as this
-bench ran before session 35). Nothing enforces the topology's WAN on loopback, so the
+the edges pull the origin's pushes from its frames, and the adapter reads from and stores at an
+edge on another node over its frames, kdn.client.dataplane; `--plane ray`: all of it over Ray
+instead, as this bench ran before session 35). Nothing enforces the topology's WAN on loopback, so the
 table gives the modelled floor of a cross-region load (bytes / link bandwidth + one-way
 latency, kdn.placement.topology.default_local) beside the measured row.
 
@@ -57,6 +59,7 @@ then one more load() of objects already touched.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -104,11 +107,9 @@ def lmcache_bench(adapter: dict, args, out_path: str) -> dict:
         return json.load(f)["metrics"]
 
 
-def settle_pushes(net) -> None:
-    """Wait until every store an edge answered is durable at the origin, then until every
-    object push the origin queued has landed (admin)."""
+def settle_stores(net) -> None:
+    """Wait until every store an edge answered is durable at the origin (admin)."""
     import ray
-    from kdn.client.view import NetworkView
     from kdn.core.auth import ensure_admin_token
     from kdn.core.env import kdn_home
     token = ensure_admin_token(kdn_home())
@@ -116,7 +117,15 @@ def settle_pushes(net) -> None:
         got = ray.get(edge.stores_durable.remote(600.0, token=token))
         if not got["durable"]:
             raise RuntimeError(f"edge {name}: its stores are not durable after 600 s: {got}")
-    NetworkView(net.name, region=READER, admin_token=token).origin(600).pushes_settled()
+
+
+def settle_pushes(net) -> None:
+    """settle_stores, then wait until every object push the origin queued has landed (admin)."""
+    from kdn.client.view import NetworkView
+    from kdn.core.auth import ensure_admin_token
+    from kdn.core.env import kdn_home
+    settle_stores(net)
+    NetworkView(net.name, region=READER, admin_token=ensure_admin_token(kdn_home())).origin(600).pushes_settled()
 
 
 def store_acks(net, token: str = None) -> dict:
@@ -139,8 +148,9 @@ def acks_note(before: dict, after: dict, durable_s: float) -> str:
     """How a row's stores were answered, and how long the origin took after the row to hold
     them all: the cost an edge's answer defers, not removes."""
     edge, origin = after["edge"] - before["edge"], after["origin"] - before["origin"]
-    return (f"; stores answered at the edge {edge} of {edge + origin} (the rest once durable: no "
-            f"room to keep them until then), all durable {durable_s:.1f} s after the row")
+    rest = (f" ({origin} once durable at the origin: no room to keep them until then, or they "
+            f"failed the edge's check)") if origin else ""
+    return f"; stores answered at the edge {edge} of {edge + origin}{rest}, all durable {durable_s:.1f} s after the row"
 
 
 def row(name: str, metrics: dict, note: str = "") -> dict:
@@ -172,8 +182,9 @@ def main(argv=None):
                     help=f"with --hosts: cap {REMOTE}'s link with tc (e.g. 2gbit, 800mbit)")
     add_own_cores(ap)
     ap.add_argument("--plane", choices=("http", "ray"), default="http",
-                    help="how the network's nodes move stored objects between them: over their HTTP "
-                         "frames (the default, as `kdn up` starts them) or over Ray (not with --hosts)")
+                    help="how the network's nodes, and a reader or writer on another node than its "
+                         "edge's, move objects: over the edges' and the origin's HTTP frames (the "
+                         "default, as `kdn up` starts them) or over Ray (not with --hosts)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     if args.hosts and args.plane == "ray":
@@ -212,6 +223,7 @@ def main(argv=None):
         for which in want:
             out = os.path.join(work, f"{which}.json")
             if which.startswith("kdn") and cluster is None:     # KDN's cluster, at its first row
+                os.sync()                # the rows before it leave no writes in flight
                 if args.hosts:           # every region but the reader's in a network namespace
                     from kdn.testing.netns import HostCluster
                     cluster = HostCluster(REGIONS, cpus=2, object_store_bytes=object_store_bytes(int(1.6 * run_bytes)),
@@ -267,12 +279,17 @@ def main(argv=None):
             bracket = args.hosts and which == "kdn-remote"
             # stores answered by an edge: how many it answered early, and how long they took
             # to be durable after the row
-            acks = store_acks(net) if which.startswith("kdn") and which != "kdn-ack-origin" else None
+            acks = None
+            if which.startswith("kdn") and which != "kdn-ack-origin":
+                settle_pushes(net)           # what rows before left on its way: not this row's
+                acks = store_acks(net)
             rows += bracketed(bracket, cluster, args, round_bytes, "socket-beside",
                               lambda: row(which, lmcache_bench(adapter, args, out), note))
+            if which == "fs":                # its files go: no dirty pages under KDN's rows
+                shutil.rmtree(adapter["base_path"])
             if acks is not None:
                 t0 = time.perf_counter()
-                settle_pushes(net)
+                settle_stores(net)
                 after = store_acks(net)
                 mine = next(r for r in reversed(rows) if r["adapter"] == which)
                 mine["note"] += acks_note(acks, after, time.perf_counter() - t0)

@@ -190,7 +190,7 @@ def test_a_store_acknowledged_at_the_edge_is_served_there_at_once_and_everywhere
     assert east.objects.counters["acked_at_edge"] == 3
     now = store_acks(net, ADMIN)                   # what `kdn bench l2` reports of a row's stores
     assert (now["edge"] - acks["edge"], now["origin"] - acks["origin"]) == (3, 0), (acks, now)
-    assert "stores answered at the edge 3 of 3 " in acks_note(acks, now, 1.0)
+    assert acks_note(acks, now, 1.0) == "; stores answered at the edge 3 of 3, all durable 1.0 s after the row"
     outs = [memobj(1 << 16, fill=0.0) for _ in keys]
     assert load(east, keys, outs) == [True] * 3                    # from us-east's edge, at once
     assert all(bytes(o.byte_array) == bytes(w.byte_array) for o, w in zip(outs, objs))
