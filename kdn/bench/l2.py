@@ -130,26 +130,31 @@ def settle_pushes(net) -> None:
 
 def store_acks(net, token: str = None) -> dict:
     """{"edge": stores the edges answered before the origin held them, "origin": those they
-    answered once durable there (no room to keep them until then, kdn/edge/stores.py)}, counted since each
-    edge started (the admin token: token, else this machine's)."""
+    answered once durable there, of which "backlog": the edge's backlog would have passed its
+    bound, "room": its hot tier could not hold them pinned (kdn/edge/stores.py)}, counted since
+    each edge started (the admin token: token, else this machine's)."""
     import ray
     from kdn.core.auth import ensure_admin_token
     from kdn.core.env import kdn_home
     token = token or ensure_admin_token(kdn_home())
-    out = {"edge": 0, "origin": 0}
+    names = {"edge": "store_acked_edge", "origin": "store_acked_origin",
+             "backlog": "store_origin_backlog_full", "room": "store_origin_no_room"}
+    out = dict.fromkeys(names, 0)
     for edge in net.edges.values():
         c = ray.get(edge.stats.remote(token=token))["stores"]
-        out["edge"] += c.get("store_acked_edge", 0)
-        out["origin"] += c.get("store_acked_origin", 0)
+        for k, counter in names.items():
+            out[k] += c.get(counter, 0)
     return out
 
 
 def acks_note(before: dict, after: dict, durable_s: float) -> str:
     """How a row's stores were answered, and how long the origin took after the row to hold
     them all: the cost an edge's answer defers, not removes."""
-    edge, origin = after["edge"] - before["edge"], after["origin"] - before["origin"]
-    rest = (f" ({origin} once durable at the origin: no room to keep them until then, or they "
-            f"failed the edge's check)") if origin else ""
+    edge, origin, backlog, room = (after[k] - before[k] for k in ("edge", "origin", "backlog", "room"))
+    why = [f"{backlog} past the backlog's bound"] * bool(backlog) + [f"{room} not held pinned in memory"] * bool(room)
+    if origin > backlog + room:
+        why.append(f"{origin - backlog - room} failed the edge's check")
+    rest = f" ({origin} once durable at the origin: {', '.join(why)})" if origin else ""
     return f"; stores answered at the edge {edge} of {edge + origin}{rest}, all durable {durable_s:.1f} s after the row"
 
 
@@ -295,6 +300,8 @@ def main(argv=None):
                 mine["note"] += acks_note(acks, after, time.perf_counter() - t0)
                 mine["stores acked at edge"] = after["edge"] - acks["edge"]
                 mine["stores acked at origin"] = after["origin"] - acks["origin"]
+                mine["stores acked at origin, backlog full"] = after["backlog"] - acks["backlog"]
+                mine["stores acked at origin, no room"] = after["room"] - acks["room"]
             if which == "kdn-remote":
                 rows.append(ray_ceiling(args))
             if which in ("kdn-local", "kdn-remote"):

@@ -112,6 +112,10 @@ def status_rows(st: dict) -> list:
         if e.get("stores", {}).get("store_acked_edge"):   # stores acknowledged here: what is not durable yet
             w = e["stores"]
             rows[-1].update({"not durable": f"{w['backlog_objects']} / {gib(w['backlog_bytes'])}"})
+        if e.get("stores", {}).get("store_acked_origin"):  # stores that waited for the origin, and why
+            w = e["stores"]
+            rows[-1]["waited for origin (bound / room)"] = (f"{w.get('store_origin_backlog_full', 0)} / "
+                                                             f"{w.get('store_origin_no_room', 0)}")
         if e.get("disk"):      # an edge with a disk tier: its bytes, items, hits, write-backs
             d = e["disk"]
             rows[-1].update({"disk chunks": d["items"], "disk": gib(d["bytes"]),

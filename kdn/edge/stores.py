@@ -3,9 +3,11 @@ durable at the origin after (write-behind).
 
 LMCache and SGLang store objects (kdn.integrations.objects) either through the origin, which
 answers once they are durable, or, with `ack = "edge"`, through their region's nearest edge:
-it verifies the objects, keeps them in its hot tier, pinned, answers, and sends them to the
-origin in the background (the origin's one fsync batch a call, then its push to the ring
-owners). Once the origin has them they are unpinned: an ordinary hot copy. Where this edge
+it verifies the objects, keeps them pinned, answers, and sends them to the origin in the
+background (the origin's one fsync batch a call, then its push to the ring owners). A key this
+edge owns on the ring is kept in its main tier, where the copy stays once durable; any other
+in its hot tier (a quarter of the edge's memory), where it is an ordinary hot copy once
+durable. Once the origin has them they are unpinned. Where this edge
 serves HTTP, the origin is handed only the keys and pulls the bytes from this edge's frames
 (OriginAPI.pull_objects, kdn/origin/intake.py: the data plane between nodes); else, or what
 it did not take that way, goes over Ray.
@@ -29,7 +31,10 @@ The risk, said in the README: an edge that dies with a backlog loses those objec
 recomputes them on its next miss: never a wrong byte), and until they are durable only this
 edge serves them (another region's load misses them).
 
-Counters (objects): store_acked_edge, store_acked_origin, store_forwarded (of which
+Counters (objects): store_acked_edge, store_acked_origin (answered once durable at the origin,
+of which store_origin_backlog_full: the backlog would have passed its bound, and
+store_origin_no_room: the hot tier could not hold them pinned; the rest failed this edge's
+check, counted as corrupt_detected), store_forwarded (of which
 store_forwarded_http, with store_forwarded_http_bytes: pulled by the origin from this edge's
 frames; store_forwarded_by_ref: handed to the origin as references into this node's object
 store, so the copy kept here is the one the origin reads and the arriving bytes are freed at
@@ -48,7 +53,8 @@ origin), store_queued_unchecked (copies without a checksum to compare);
 store_origin_kept_other (copies let go once durable because the origin answered that it holds
 other bytes under their keys: a key held here as durable and stored again with other bytes,
 or one the origin took from another writer first; readers then get the origin's bytes);
-store_kept_as_main (durable copies of keys this edge owns moved to its main tier); the
+store_kept_as_main (copies of keys this edge owns kept in its main tier: stored there, or
+moved there once durable); the
 backlog's objects and bytes in stats() (`kdn status`, /metrics).
 """
 import asyncio
@@ -98,7 +104,7 @@ class WriteBehind:
         self.backlog_bytes = int(backlog_bytes)
         self._queue = collections.deque()      # copies kept here (Held) not yet at the origin, oldest first
         self._pending = 0                       # their bytes
-        self._pinned = set()                   # keys pinned here until durable
+        self._pinned = {}                      # key -> the tier ("hot", "main") pinning it until durable
         self._queued = collections.Counter()   # key -> its copies in the queue
         self._flight = {}                      # key -> ns of the batch on its way to the origin
         self._flight_ids = set()               # its chunks (a key may wait again behind it)
@@ -118,7 +124,7 @@ class WriteBehind:
         check_objects(chunks, MAX_OBJECTS_PER_CALL, "put_objects")
         n = sum(c.nbytes for c in chunks)
         early = self._pending + n <= self.backlog_bytes
-        kept, pinned, riding = await self._keep(chunks, pin=early)
+        kept, pinned, riding, failed = await self._keep(chunks, pin=early)
         ahead = [pinned[c.key] for c in chunks if c.key in pinned]
         if ahead:
             self._queue.extend(ahead)
@@ -137,18 +143,22 @@ class WriteBehind:
                                    "edge (its backlog of stores not yet durable is full, or its memory "
                                    "would not hold them) and the origin did not answer: those are not stored durably")
             self.counters["store_acked_origin"] += len(now)
+            why = "store_origin_backlog_full" if not early else "store_origin_no_room"
+            self.counters[why] += sum(c.key not in failed for c in now)
         return {"received": len(chunks), "kept": kept, "pending": len(ahead) + len(riding)}
 
     async def _keep(self, chunks, pin: bool) -> tuple:
         """Keep verified copies in the hot tier, pinned while not durable when pin: (how many
         were kept, {key: its copy (Held)} for the keys to queue for the origin, the keys whose
-        copy waits in the backlog already and answers for them)."""
+        copy waits in the backlog already and answers for them, the keys that failed the check)."""
         stored = await self.forms.to_store(list(chunks), arrival=pin)
         born, hot, n, pinned, stray = self.tiers.tombs.birth(), self.tiers.tier("hot"), 0, {}, []
-        riding = set()
-        for c, held in zip(chunks, stored):
+        riding, failed = set(), set()
+        mine = self.owns([c.key for c in chunks]) if pin else [False] * len(chunks)
+        for c, held, owner in zip(chunks, stored, mine):
             if held is None:                 # failed verification: not kept (the origin
-                continue                     # verifies and refuses it too)
+                failed.add(c.key)            # verifies and refuses it too)
+                continue
             held = self._held_already(c.key, held)
             held.born = born
             if held is self.tiers.main.peek(c.key):      # held in main already: kept there (a
@@ -160,11 +170,19 @@ class WriteBehind:
                 riding.add(c.key)                # the copy waiting (hot or main) stays, and answers for it
                 n += 1
                 continue
-            was = hot.is_pinned(c.key)
-            if self.tiers.put("hot", c.key, held, pin=pin):
+            # a key this edge owns on the ring is kept in its main tier, where its copy stays
+            # once durable (the hot tier's room, a quarter of the edge's, bounds the rest)
+            role = "main" if owner and self.tiers.main.peek(c.key) is None else "hot"
+            tier = self.tiers.tier(role)
+            was = tier.is_pinned(c.key)
+            if self.tiers.put(role, c.key, held, pin=pin):
                 n += 1
-                if pin and not was and hot.is_pinned(c.key):     # a pin that did not fit: not early
-                    self._pinned.add(c.key)
+                if role == "main":
+                    self.counters["store_kept_as_main"] += 1
+                    if hot.peek(c.key) is not None and not hot.is_pinned(c.key):
+                        hot.discard(c.key)       # an older copy: main's answers for the key now
+                if pin and not was and tier.is_pinned(c.key):    # a pin that did not fit: not early
+                    self._pinned[c.key] = role
                     pinned[c.key] = held
                 else:
                     stray.append(held)
@@ -173,7 +191,7 @@ class WriteBehind:
             for held, mine in zip(stray, self.owns([h.key for h in stray])):
                 if mine and not held.arrived and hot.peek(held.key) is held and not hot.is_pinned(held.key):
                     self._as_main(held)
-        return n, pinned, riding
+        return n, pinned, riding, failed
 
     def _again(self, key, waiting, held) -> bool:
         """Whether a store of key, whose copy `waiting` is in the backlog and held here, is
@@ -281,8 +299,11 @@ class WriteBehind:
             self._queued[c.key] -= 1
             if self._queued[c.key] <= 0:
                 del self._queued[c.key]
-            if c.key in self._pinned and c.key not in self._queued:
-                self._pinned.discard(c.key)
+            role = self._pinned.pop(c.key, None) if c.key not in self._queued else None
+            if role == "main":
+                if self.tiers.main.is_pinned(c.key):     # not dropped meanwhile: it stays there
+                    self.tiers.main.unpin(c.key)
+            elif role == "hot":
                 if c.key in hot:         # not dropped meanwhile
                     hot.unpin(c.key)
                     cur = hot.peek(c.key)        # this copy, or one stored again meanwhile
@@ -380,7 +401,7 @@ class WriteBehind:
                 self._queued[c.key] -= 1
                 if self._queued[c.key] <= 0:
                     del self._queued[c.key]
-                self._pinned.discard(c.key)
+                self._pinned.pop(c.key, None)
                 self.counters["store_forgotten"] += 1
             else:
                 kept.append(c)

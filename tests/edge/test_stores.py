@@ -63,13 +63,16 @@ def test_a_store_is_answered_at_the_edge_then_made_durable_and_unpinned(kit, edg
     objs = objects(kit, 3)
     edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0}
 
+    assert edge.stores.owns([c.key for c in objs]) == [True] * 3      # the ring's only edge: kept in main
+
     async def main():
         got = await edge.put_objects(objs)
-        hot = edge.tiers.tier("hot")
-        held_at_once = [hot.is_pinned(c.key) for c in objs]
+        main_tier = edge.tiers.tier("main")
+        held_at_once = [main_tier.is_pinned(c.key) for c in objs]
         await settle(edge)
-        return got, held_at_once, [hot.is_pinned(c.key) for c in objs], [edge.tiers.peek(c.key) for c in objs]
+        return got, held_at_once, [main_tier.is_pinned(c.key) for c in objs], [edge.tiers.peek(c.key) for c in objs]
     got, pinned_before, pinned_after, held = asyncio.run(main())
+    assert not any(c.key in edge.tiers.tier("hot") for c in objs)
     assert got == {"received": 3, "kept": 3, "pending": 3}
     assert pinned_before == [True] * 3 and pinned_after == [False] * 3
     assert [h.obj.kv.tobytes() for h in held] == [c.kv.tobytes() for c in objs]      # the bytes, served here
@@ -312,7 +315,12 @@ def test_past_the_backlogs_bound_a_store_waits_for_the_origin(kit, edge):
     a, refused_kept, b = asyncio.run(main())
     assert a["pending"] == 1 and b == {"received": 1, "kept": 1, "pending": 0}
     assert refused_kept is False, "a store refused is not held as if it were on its way"
-    assert edge.stores.stats()["store_acked_origin"] == 1
+    st = edge.stores.stats()
+    assert st["store_acked_origin"] == 1 and st["store_origin_backlog_full"] == 1
+    assert st.get("store_origin_no_room", 0) == 0
+    from kdn.cli.cluster import status_rows            # `kdn status` says why stores waited
+    row, = status_rows({"edges": [asyncio.run(edge.stats())]})
+    assert row["waited for origin (bound / room)"] == "1 / 0", row
 
 
 def test_a_delete_wins_over_a_store_waiting_or_on_its_way(kit, edge):
@@ -350,12 +358,21 @@ def test_a_store_of_anything_but_opaque_objects_is_refused_and_nothing_is_kept(k
     assert edge.stores.stats()["backlog_objects"] == 0 and edge.tiers.peek(kv[0].key) is None
 
 
-def test_what_memory_cannot_hold_pinned_waits_for_the_origin(kit, edge):
-    objs = objects(kit, 2, seed=7, size=12 << 20)       # 24 MiB: over the 16 MiB hot tier
+@pytest.mark.parametrize("owned", [False, True])
+def test_what_memory_cannot_hold_pinned_waits_for_the_origin(kit, edge, owned):
+    """A key this edge does not own is kept in the hot tier (16 MiB of the edge's 64), one it
+    owns in the main tier (48 MiB): what the tier cannot hold pinned is answered by the origin."""
+    edge.stores.owns = lambda keys: [owned] * len(keys)
+    size = 30 << 20 if owned else 12 << 20              # two: over the tier, one fits
+    objs = objects(kit, 2, seed=7, size=size)
     edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs)}
     got = asyncio.run(edge.put_objects(objs))
     assert got["received"] == 2 and got["pending"] < 2
-    assert edge.stores.stats()["store_acked_origin"] == 2 - got["pending"]
+    st = edge.stores.stats()
+    assert got["pending"] == 1 and st["store_acked_origin"] == st["store_origin_no_room"] == 1
+    assert st.get("store_origin_backlog_full", 0) == 0
+    tier, other = (edge.tiers.tier("main"), edge.tiers.tier("hot"))[::1 if owned else -1]
+    assert objs[0].key in tier and not any(c.key in other for c in objs)
     sent_now = origin_took(edge)
     assert len(sent_now) >= 2 - got["pending"]
 
@@ -384,11 +401,17 @@ def test_once_durable_a_key_this_edge_owns_moves_to_its_main_tier_the_rest_stay_
     edge.stores.owns = lambda keys: [k == mine.key for k in keys]
     edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0}
 
-    async def main():
-        await edge.put_objects([mine, other])
-        await settle(edge)
-    asyncio.run(main())
     main_tier, hot = edge.tiers.tier("main"), edge.tiers.tier("hot")
+
+    async def main():
+        gate = gated(edge, "put_objects")
+        await edge.put_objects([mine, other])
+        # until durable: the owned key pinned in main from the start, the other in hot
+        waiting = (main_tier.is_pinned(mine.key), mine.key in hot, hot.is_pinned(other.key), other.key in main_tier)
+        gate.set()
+        await settle(edge)
+        return waiting
+    assert asyncio.run(main()) == (True, False, True, False)
     assert mine.key in main_tier and mine.key not in hot and not main_tier.is_pinned(mine.key)
     assert other.key in hot and other.key not in main_tier and not hot.is_pinned(other.key)
     assert edge.tiers.peek(mine.key).obj.kv.tobytes() == mine.kv.tobytes()
@@ -472,7 +495,7 @@ def test_a_key_stored_again_while_its_copy_waits_is_answered_by_that_copy_and_ke
         same = await edge.put_objects([first])           # the same bytes again
         differ = await edge.put_objects([other])         # other bytes under the key
         asked = len(edge.asked)
-        pinned = edge.tiers.tier("hot").is_pinned(first.key)
+        pinned = edge.tiers.tier("main").is_pinned(first.key)      # the ring's only edge owns it
         gate.set()
         await settle(edge)
         return same, differ, asked, pinned
@@ -482,7 +505,7 @@ def test_a_key_stored_again_while_its_copy_waits_is_answered_by_that_copy_and_ke
     assert sent == [first.kv.tobytes()]
     assert at_origin == {first.key: first.kv.tobytes()}
     assert edge.tiers.peek(first.key).obj.kv.tobytes() == first.kv.tobytes(), "the edge serves the origin's bytes"
-    assert not edge.tiers.tier("hot").is_pinned(first.key)
+    assert not edge.tiers.tier("main").is_pinned(first.key)
     st = edge.stores.stats()
     assert st["store_queued_already"] == 1 and st["store_kept_first"] == 1 and st["store_forwarded"] == 1
     assert st["backlog_objects"] == 0 and st.get("store_acked_origin", 0) == 0

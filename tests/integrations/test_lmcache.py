@@ -191,6 +191,11 @@ def test_a_store_acknowledged_at_the_edge_is_served_there_at_once_and_everywhere
     now = store_acks(net, ADMIN)                   # what `kdn bench l2` reports of a row's stores
     assert (now["edge"] - acks["edge"], now["origin"] - acks["origin"]) == (3, 0), (acks, now)
     assert acks_note(acks, now, 1.0) == "; stores answered at the edge 3 of 3, all durable 1.0 s after the row"
+    assert now["backlog"] - acks["backlog"] == now["room"] - acks["room"] == 0
+    zero = dict.fromkeys(now, 0)                   # a row whose edges ran out of room: the reasons named
+    assert acks_note(zero, {"edge": 118, "origin": 74, "backlog": 60, "room": 13}, 2.0) == (
+        "; stores answered at the edge 118 of 192 (74 once durable at the origin: 60 past the backlog's "
+        "bound, 13 not held pinned in memory, 1 failed the edge's check), all durable 2.0 s after the row")
     outs = [memobj(1 << 16, fill=0.0) for _ in keys]
     assert load(east, keys, outs) == [True] * 3                    # from us-east's edge, at once
     assert all(bytes(o.byte_array) == bytes(w.byte_array) for o, w in zip(outs, objs))
