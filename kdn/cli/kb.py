@@ -9,21 +9,26 @@ from kdn.engines.base import ENGINES
 VARIANTS = ("founding-docs", "founding-docs-light", "founding-docs-upper")
 
 
+def _model_folder(variant=None):
+    """The folder kdn.engines.transformers.convert converted the model into (or the variant's
+    folder); None before the first conversion."""
+    from kdn.engines.transformers import convert
+    if variant is not None:
+        return variant
+    digest = convert.file_digest(convert.gguf_path())
+    folder = convert.cache_root() / "models" / f"{convert.MODEL_NAME}-{digest[:16]}"
+    return None if convert.read_meta(folder, digest) is None else folder
+
+
 def _model_fingerprint(engine: str = "transformers", variant=None):
-    """The fingerprint KV of the model gets with `engine`, from the folder kdn.engines.transformers.model converted
-    (or the variant's folder), without loading the weights (a few seconds less than load_model(), and no warm-up); None
+    """The fingerprint KV of the model gets with `engine`, from its folder (_model_folder),
+    without loading the weights (a few seconds less than load_model(), and no warm-up); None
     before the first conversion. Lets a command refuse an unknown KB or a wrong admin token
     before the model loads; whatever loads later is checked against it."""
     from kdn.engines.base import check_engine
     from kdn.engines.fingerprint import fingerprints
-    from kdn.engines.transformers import convert
-    if variant is not None:
-        return fingerprints(variant)[check_engine(engine)]
-    digest = convert.file_digest(convert.gguf_path())
-    folder = convert.cache_root() / "models" / f"{convert.MODEL_NAME}-{digest[:16]}"
-    if convert.read_meta(folder, digest) is None:
-        return None
-    return fingerprints(folder)[check_engine(engine)]
+    folder = _model_folder(variant)
+    return None if folder is None else fingerprints(folder)[check_engine(engine)]
 
 
 def _variant(args):
@@ -68,7 +73,21 @@ def _publish(args, rest):
     fingerprint = _model_fingerprint(args.engine, folder)
     plans = [_plan(_hidden_reader(name), fingerprint) for name in args.hidden_for] if fingerprint else []
     if fingerprint is not None:
-        network_client(args, tenant=args.tenant, fingerprint=fingerprint).publisher.check_access()
+        cl = network_client(args, tenant=args.tenant, fingerprint=fingerprint)
+        cl.publisher.check_access()
+        if args.engine == "transformers" and not plans and not emphasis:
+            # an unchanged KB (the origin holds every chunk) commits with the tokenizer alone
+            from kdn.client.publish import publish_if_held
+            from kdn.engines.transformers.prompts import Text
+            text = Text(_model_folder(folder), "transformers")
+            r = publish_if_held(cl, text, args.kb, selection.documents, progress=progress_bar())
+            if r is not None:
+                _print_receipt(r, "transformers")
+                from kdn.core.emphasis import override_of     # a KB's override on a new version
+                weights = override_of(cl.manifest(args.kb, r["version"]))
+                if weights and not r.get("unchanged"):
+                    _store_emphasis(cl, load_model(variant=folder), args.kb, weights, r["version"])
+                return 0
     # the KB's length is checked with the model's tokenizer before a slow engine starts
     model = load_model(warm=args.engine == "transformers", variant=folder)
     if not plans and args.hidden_for:          # the model converted just now: the plans' sender known
@@ -79,17 +98,7 @@ def _publish(args, rest):
     if engine.fingerprint != cl.publisher.fingerprint:
         cl = network_client(args, tenant=args.tenant, fingerprint=engine.fingerprint)
     r = engine.publish(cl, args.kb, selection.documents, progress=progress_bar())
-    state = "unchanged, no new version" if r.get("unchanged") else "committed"
-    size = f" ({r['bytes'] / 2**20:.1f} MiB of KV)" if "bytes" in r else ""
-    took = f" in {r['prefill_s']:.1f} s" if "prefill_s" in r else ""
-    sent = f"; sent {r['sent_chunks']} chunks" if "sent_chunks" in r else ""
-    if "fetched_bytes" in r:       # KV read back to continue from (an unchanged KB: none)
-        sent += f", fetched {r['fetched_bytes'] / 2**20:.1f} MiB"
-    print(f"{r['tenant']}/{r['kb']} v{r['version']} {state}: {r['tokens']} tokens in {r['chunks']} chunks"
-          f"{size}; prefilled {r['prefilled_tokens']} tokens{took} with {engine.name}, reused "
-          f"{r['reused_tokens']} from the network{sent}")
-    if r.get("placement"):
-        print("placement: " + ", ".join(f"{e} {n}" for e, n in sorted(r["placement"].items())))
+    _print_receipt(r, engine.name)
     if plans:
         _publish_hidden(cl, model, args.kb, selection.documents, args.hidden_for, plans)
     if emphasis:                   # the operator marks documents: the KB's emphasis override
@@ -99,6 +108,20 @@ def _publish(args, rest):
     if weights and (emphasis or not r.get("unchanged")):
         _store_emphasis(cl, model, args.kb, weights, r["version"])
     return 0
+
+
+def _print_receipt(r: dict, engine: str) -> None:
+    state = "unchanged, no new version" if r.get("unchanged") else "committed"
+    size = f" ({r['bytes'] / 2**20:.1f} MiB of KV)" if "bytes" in r else ""
+    took = f" in {r['prefill_s']:.1f} s" if "prefill_s" in r else ""
+    sent = f"; sent {r['sent_chunks']} chunks" if "sent_chunks" in r else ""
+    if "fetched_bytes" in r:       # KV read back to continue from (an unchanged KB: none)
+        sent += f", fetched {r['fetched_bytes'] / 2**20:.1f} MiB"
+    print(f"{r['tenant']}/{r['kb']} v{r['version']} {state}: {r['tokens']} tokens in {r['chunks']} chunks"
+          f"{size}; prefilled {r['prefilled_tokens']} tokens{took} with {engine}, reused "
+          f"{r['reused_tokens']} from the network{sent}")
+    if r.get("placement"):
+        print("placement: " + ", ".join(f"{e} {n}" for e, n in sorted(r["placement"].items())))
 
 
 def _hidden_reader(name: str):

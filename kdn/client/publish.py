@@ -199,12 +199,7 @@ def publish_documents(client, model, kb: str, documents, progress=None, meta=Non
     ct = publisher.chunk_tokens
     held = publisher.held_chunks(tokens)           # a lookup at the origin: no KV moves
     if held * ct >= len(tokens):                   # every chunk stored already (an unchanged KB)
-        if progress:
-            progress(len(tokens), len(tokens))
-        receipt = client.publish(kb, named, None, meta=meta, from_chunk=held)
-        receipt.update(tokens=len(tokens), reused_tokens=len(tokens), prefilled_tokens=0, prefill_s=0.0,
-                       fetched_bytes=0, total_s=time.perf_counter() - t0, documents=[n for n, _ in named])
-        return receipt
+        return _commit_held(client, kb, named, held, meta, progress, t0)
     # the longest held prefix, which the prefill continues from (an old version's trailing
     # partial chunk included: a KB that grew continues from its last token)
     reused = publisher.reuse(tokens)
@@ -227,6 +222,36 @@ def publish_documents(client, model, kb: str, documents, progress=None, meta=Non
                    fetched_bytes=reused.nbytes, total_s=time.perf_counter() - t0,
                    documents=[n for n, _ in named])
     return receipt
+
+
+def _commit_held(client, kb: str, named, held: int, meta, progress, t0: float) -> dict:
+    """Commit a KB whose every chunk the origin holds (held of them: an unchanged KB): its
+    receipt, no KV computed or moved."""
+    tokens = sum(len(toks) for _, toks in named)
+    if progress:
+        progress(tokens, tokens)
+    receipt = client.publish(kb, named, None, meta=meta, from_chunk=held)
+    receipt.update(tokens=tokens, reused_tokens=tokens, prefilled_tokens=0, prefill_s=0.0,
+                   fetched_bytes=0, total_s=time.perf_counter() - t0, documents=[n for n, _ in named])
+    return receipt
+
+
+def publish_if_held(client, text, kb: str, documents, progress=None, meta=None) -> "dict | None":
+    """publish_documents' receipt where the origin holds every chunk of the documents already
+    (an unchanged KB), with text only (kdn.engines.transformers.prompts.Text: the model's
+    tokenizer and chat template, no weights) and client connected for the model's
+    fingerprint; None where a chunk is missing (the model must compute it)."""
+    check_name(kb, "knowledge base name")
+    docs = check_documents(documents)
+    client.publisher.check_access()
+    named = knowledge_documents(text, docs)
+    tokens = [t for _, toks in named for t in toks]
+    check_kb_tokens(kb, len(tokens))
+    t0 = time.perf_counter()
+    held = client.publisher.held_chunks(tokens)
+    if held * client.publisher.chunk_tokens < len(tokens):
+        return None
+    return _commit_held(client, kb, named, held, meta, progress, t0)
 
 
 def progress_bar(prefix: str = "prefill", file=None):

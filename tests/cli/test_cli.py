@@ -193,7 +193,7 @@ def test_the_cli_knows_the_models_fingerprint_without_loading_it(model):
     assert _model_fingerprint() == model.fingerprint
 
 
-def test_a_codebase_folder_is_published_by_relative_paths_and_answered_from_kdn(code_net, cli_env, capsys):
+def test_a_codebase_folder_is_published_by_relative_paths_and_answered_from_kdn(code_net, cli_env, capsys, monkeypatch):
     from kdn.cli import main
     from kdn.client import Client
     model = cli_env
@@ -233,10 +233,12 @@ def test_a_codebase_folder_is_published_by_relative_paths_and_answered_from_kdn(
     assert out.strip(), "the answer is printed"
     prompt = len(kb_tokens) + len(model.question_tokens(question))
     assert f"{m.n_tokens}/{prompt} prompt tokens from KDN" in err, err
-    # the same tree again: the same KB, no new version, nothing prefilled
+    # the same tree again: the same KB, no new version, nothing prefilled, and no model loaded
+    # (the tokenizer alone finds every chunk held)
+    _no_model(monkeypatch)
     assert main(args + code_net) == 0
     out = capsys.readouterr().out
-    assert "default/code v1 unchanged" in out and "prefilled 0 tokens" in out
+    assert "default/code v1 unchanged" in out and "prefilled 0 tokens" in out and "sent 0 chunks" in out
 
 
 def test_query_and_publish_refusals_come_before_the_model_loads(code_net, tmp_path, capsys, monkeypatch):
@@ -330,3 +332,28 @@ def test_emphasis_at_publish_and_by_kdn_emphasize_is_the_kbs_override(code_net, 
     assert listed() == []                                                # the copies went with it
     assert main(["emphasize", "pol", "new.md=2"] + code_net) == 2
     assert "no committed knowledge base default/pol" in _one_error_line(capsys.readouterr().err)
+
+
+def test_a_kb_whose_chunks_are_all_held_commits_without_the_model_unless_its_override_needs_it(
+        code_net, cli_env, tmp_path, capsys, monkeypatch):
+    """`kdn publish` of documents whose every chunk the origin holds loads no model: unchanged,
+    no new version; renamed, a new version whose KV comes from the network. The KB's emphasis
+    override on that new version needs its edited chunks, so that publish loads the model."""
+    import kdn.engines.transformers.model
+    from kdn.cli import main
+    loads = []
+    monkeypatch.setattr(kdn.engines.transformers.model, "load_model", lambda *a, **k: loads.append(1) or cli_env)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("Rule A: badges are worn at all times.")
+    (docs / "b.md").write_text("Rule B: visitors sign in at the desk.")
+    assert main(["publish", "held", str(docs), "--emphasis", "a.md=2"] + code_net) == 0, capsys.readouterr().err
+    assert "default/held v1 committed" in capsys.readouterr().out and len(loads) == 1
+    assert main(["publish", "held", str(docs)] + code_net) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "default/held v1 unchanged" in out and "prefilled 0 tokens" in out and len(loads) == 1
+    (docs / "b.md").rename(docs / "c.md")                # the same text, another name: a new version
+    assert main(["publish", "held", str(docs)] + code_net) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "default/held v2 committed" in out and "prefilled 0 tokens" in out and "sent 0 chunks" in out
+    assert "emphasis {'a.md': 2} on v2" in out and len(loads) == 2, out

@@ -5,7 +5,8 @@ request's turns) is rendered after a probe system turn whose rendering is cut of
 knowledge tokens followed by the turns' tokens are exactly the tokens of the whole rendered
 prompt (tests compare with apply_chat_template). `Prompts` is the part of the model
 (kdn.engines.transformers.model.Model) that renders and tokenizes; it needs the model's
-`tokenizer`, `name` and `vocab_size`.
+`tokenizer`, `name` and `vocab_size`. `Text` is the same over a model folder with no weights
+loaded.
 """
 from kdn.core.errors import ModelError
 
@@ -85,3 +86,22 @@ class Prompts:
             raise ModelError(f"token id {bad} in {what} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
+
+
+class Text(Prompts):
+    """Prompts over a converted model folder's tokenizer, chat template and config alone, no
+    weights: what tokenizing a KB takes (`kdn publish` finds an unchanged KB with no model
+    loaded). ModelError where the folder cannot be read."""
+
+    def __init__(self, folder, name: str):
+        from transformers import AutoConfig, AutoTokenizer
+
+        from kdn.engines.transformers.convert import quiet_transformers
+        with quiet_transformers():
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+                self.vocab_size = AutoConfig.from_pretrained(folder, local_files_only=True).vocab_size
+            except (OSError, ValueError) as e:
+                raise ModelError(f"cannot read the tokenizer of {str(folder)!r} ({type(e).__name__}: {e}); "
+                                 "delete that folder to convert again") from e
+        self.name = name
