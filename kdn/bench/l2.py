@@ -131,14 +131,16 @@ def settle_pushes(net) -> None:
 def store_acks(net, token: str = None) -> dict:
     """{"edge": stores the edges answered before the origin held them, "origin": those they
     answered once durable there, of which "backlog": the edge's backlog would have passed its
-    bound, "room": its hot tier could not hold them pinned (kdn/edge/stores.py)}, counted since
-    each edge started (the admin token: token, else this machine's)."""
+    bound, "room": its memory could not hold them pinned; "adopted", "adopt_us": copies of
+    arrivals into the edge's object store and the microseconds they took, kdn/edge/stores.py},
+    counted since each edge started (the admin token: token, else this machine's)."""
     import ray
     from kdn.core.auth import ensure_admin_token
     from kdn.core.env import kdn_home
     token = token or ensure_admin_token(kdn_home())
     names = {"edge": "store_acked_edge", "origin": "store_acked_origin",
-             "backlog": "store_origin_backlog_full", "room": "store_origin_no_room"}
+             "backlog": "store_origin_backlog_full", "room": "store_origin_no_room",
+             "adopted": "store_adopted", "adopt_us": "store_adopt_us"}
     out = dict.fromkeys(names, 0)
     for edge in net.edges.values():
         c = ray.get(edge.stats.remote(token=token))["stores"]
@@ -155,7 +157,10 @@ def acks_note(before: dict, after: dict, durable_s: float) -> str:
     if origin > backlog + room:
         why.append(f"{origin - backlog - room} failed the edge's check")
     rest = f" ({origin} once durable at the origin: {', '.join(why)})" if origin else ""
-    return f"; stores answered at the edge {edge} of {edge + origin}{rest}, all durable {durable_s:.1f} s after the row"
+    adopted, adopt_s = after["adopted"] - before["adopted"], (after["adopt_us"] - before["adopt_us"]) / 1e6
+    copies = f"; the edges copied {adopted} arrivals into their object stores in {adopt_s:.1f} s" if adopted else ""
+    return (f"; stores answered at the edge {edge} of {edge + origin}{rest}, all durable {durable_s:.1f} s "
+            f"after the row{copies}")
 
 
 def row(name: str, metrics: dict, note: str = "") -> dict:
@@ -302,6 +307,7 @@ def main(argv=None):
                 mine["stores acked at origin"] = after["origin"] - acks["origin"]
                 mine["stores acked at origin, backlog full"] = after["backlog"] - acks["backlog"]
                 mine["stores acked at origin, no room"] = after["room"] - acks["room"]
+                mine["edge copies s"] = (after["adopt_us"] - acks["adopt_us"]) / 1e6
             if which == "kdn-remote":
                 rows.append(ray_ceiling(args))
             if which in ("kdn-local", "kdn-remote"):

@@ -72,6 +72,7 @@ def _publish(args, rest):
     folder = _variant(args)
     fingerprint = _model_fingerprint(args.engine, folder)
     plans = [_plan(_hidden_reader(name), fingerprint) for name in args.hidden_for] if fingerprint else []
+    checked = False                # the KB's length against the model's context
     if fingerprint is not None:
         cl = network_client(args, tenant=args.tenant, fingerprint=fingerprint)
         cl.publisher.check_access()
@@ -80,6 +81,8 @@ def _publish(args, rest):
             from kdn.client.publish import publish_if_held
             from kdn.engines.transformers.prompts import Text
             text = Text(_model_folder(folder), "transformers")
+            _check_length(args, text, selection.documents, *context_of(args.engine, text))
+            checked = True
             r = publish_if_held(cl, text, args.kb, selection.documents, progress=progress_bar())
             if r is not None:
                 _print_receipt(r, "transformers")
@@ -92,7 +95,8 @@ def _publish(args, rest):
     model = load_model(warm=args.engine == "transformers", variant=folder)
     if not plans and args.hidden_for:          # the model converted just now: the plans' sender known
         plans = [_plan(_hidden_reader(name), model.fingerprint) for name in args.hidden_for]
-    _check_length(args, model, selection.documents, *context_of(args.engine, model))
+    if not checked:
+        _check_length(args, model, selection.documents, *context_of(args.engine, model))
     cl = network_client(args, tenant=args.tenant, fingerprint=fingerprint or model.fingerprint)
     engine = load_engine(args.engine, model, "kv_both", **_connector_settings(args, cl, admin=True))
     if engine.fingerprint != cl.publisher.fingerprint:

@@ -369,8 +369,9 @@ def join_documents(documents) -> tuple:
 
 # --- a KB's length -----------------------------------------------------------------------------
 def model_context(model) -> "int | None":
-    """The model's context length in tokens (its max_position_embeddings), None if unknown."""
-    config = getattr(getattr(model, "hf", None), "config", None)
+    """The model's context length in tokens (its max_position_embeddings), None if unknown;
+    model: a loaded model (its `hf`'s config) or kdn.engines.transformers.prompts.Text (its `config`)."""
+    config = getattr(getattr(model, "hf", None), "config", None) or getattr(model, "config", None)
     n = getattr(config, "max_position_embeddings", None)
     return n if isinstance(n, int) and n > 0 else None
 

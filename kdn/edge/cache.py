@@ -165,6 +165,10 @@ class ChunkCache:
         with self._lock:
             return key in self._pinned
 
+    def pinned_bytes(self) -> int:
+        with self._lock:
+            return self._pinned_bytes
+
     def unpin(self, key) -> None:
         """Make key's chunk evictable again (it re-enters the policy as newly inserted)."""
         with self._lock:

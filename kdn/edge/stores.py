@@ -17,9 +17,12 @@ the caller's argument in this node's object store, which Ray keeps while this pr
 it, the caller gone or not), and put into an object of this node's own right after the
 answer, in a worker thread (adopt: the copy into fresh store memory that the answer used to
 wait for), then handed to the origin as a reference. A store of a key this edge holds already
-as its own object, with the same checksum, keeps that copy (one key, one byte string). Once
-durable, the copy of a key this edge owns on the ring moves to its main tier: the origin
-pushes nothing to an owner that holds the key.
+as its own object, with the same checksum, keeps that copy (one key, one byte string). The
+copy of a key this edge owns on the ring belongs in its main tier (the origin pushes nothing
+to an owner that holds the key): it is kept there from the start, pinned until durable, while
+the store pins fill at most MAIN_PIN_SHARE of that tier (the rest is for the operator's pinned
+KBs); else in the hot tier, and moved to main once durable. A copy still an arrival when
+durable (its copy into the store refused) is never a main copy: it goes to the hot tier.
 
 What the edge has acknowledged and the origin does not hold yet is the backlog, bounded by
 `backlog_bytes`: a store that would pass the bound is not acknowledged early; it waits until
@@ -33,8 +36,8 @@ edge serves them (another region's load misses them).
 
 Counters (objects): store_acked_edge, store_acked_origin (answered once durable at the origin,
 of which store_origin_backlog_full: the backlog would have passed its bound, and
-store_origin_no_room: the hot tier could not hold them pinned; the rest failed this edge's
-check, counted as corrupt_detected), store_forwarded (of which
+store_origin_no_room: this edge's memory could not hold them pinned, or a drop of the key came
+first; the rest failed this edge's check, counted as corrupt_detected), store_forwarded (of which
 store_forwarded_http, with store_forwarded_http_bytes: pulled by the origin from this edge's
 frames; store_forwarded_by_ref: handed to the origin as references into this node's object
 store, so the copy kept here is the one the origin reads and the arriving bytes are freed at
@@ -72,6 +75,7 @@ FORWARD_BATCH_BYTES = 64 << 20
 FORWARD_RETRY_S = 1.0
 HTTP_RETRY_S = 30.0           # an origin that reads this edge over Ray is asked to pull again after this
 MAX_OBJECTS_PER_CALL = 4096
+MAIN_PIN_SHARE = 0.5          # of the main tier, at most, pinned by stores not yet durable
 
 
 def _put_all(objs) -> list:
@@ -125,12 +129,12 @@ class WriteBehind:
         n = sum(c.nbytes for c in chunks)
         early = self._pending + n <= self.backlog_bytes
         kept, pinned, riding, failed = await self._keep(chunks, pin=early)
-        ahead = [pinned[c.key] for c in chunks if c.key in pinned]
+        ahead = list(pinned.values())          # in the call's order, each key once
         if ahead:
             self._queue.extend(ahead)
             self._queued.update(c.key for c in ahead)
             self._pending += sum(c.nbytes for c in ahead)
-            self.counters["store_acked_edge"] += len(ahead)
+            self.counters["store_acked_edge"] += sum(c.key in pinned for c in chunks)
             self._start()
             task = asyncio.get_running_loop().create_task(self.adopt(ahead))
             self._adopting.add(task)
@@ -145,10 +149,11 @@ class WriteBehind:
             self.counters["store_acked_origin"] += len(now)
             why = "store_origin_backlog_full" if not early else "store_origin_no_room"
             self.counters[why] += sum(c.key not in failed for c in now)
-        return {"received": len(chunks), "kept": kept, "pending": len(ahead) + len(riding)}
+        return {"received": len(chunks), "kept": kept,
+                "pending": sum(c.key in pinned or c.key in riding for c in chunks)}
 
     async def _keep(self, chunks, pin: bool) -> tuple:
-        """Keep verified copies in the hot tier, pinned while not durable when pin: (how many
+        """Keep verified copies (main tier or hot, _role), pinned while not durable when pin: (how many
         were kept, {key: its copy (Held)} for the keys to queue for the origin, the keys whose
         copy waits in the backlog already and answers for them, the keys that failed the check)."""
         stored = await self.forms.to_store(list(chunks), arrival=pin)
@@ -166,13 +171,14 @@ class WriteBehind:
                 if pin:                                  # twice); the queue's reference keeps it
                     pinned[c.key] = held                 # until durable
                 continue
+            if c.key in pinned:              # the same key twice in one call: its first copy
+                n += 1                       # answers (a key keeps its first bytes)
+                continue
             if c.key in self._queued and self._again(c.key, self.tiers.peek(c.key), held):
                 riding.add(c.key)                # the copy waiting (hot or main) stays, and answers for it
                 n += 1
                 continue
-            # a key this edge owns on the ring is kept in its main tier, where its copy stays
-            # once durable (the hot tier's room, a quarter of the edge's, bounds the rest)
-            role = "main" if owner and self.tiers.main.peek(c.key) is None else "hot"
+            role = self._role(c.key, held, owner and pin)
             tier = self.tiers.tier(role)
             was = tier.is_pinned(c.key)
             if self.tiers.put(role, c.key, held, pin=pin):
@@ -192,6 +198,15 @@ class WriteBehind:
                 if mine and not held.arrived and hot.peek(held.key) is held and not hot.is_pinned(held.key):
                     self._as_main(held)
         return n, pinned, riding, failed
+
+    def _role(self, key, held, owner_pin: bool) -> str:
+        """Where a store's copy is kept: "main" for a key this edge owns, to pin until durable
+        (owner_pin), that main holds no copy of and whose store pins stay within MAIN_PIN_SHARE
+        of main; else "hot" (a quarter of the edge's memory)."""
+        main = self.tiers.main
+        if not owner_pin or main.peek(key) is not None:
+            return "hot"
+        return "main" if main.pinned_bytes() + held.nbytes <= MAIN_PIN_SHARE * main.capacity else "hot"
 
     def _again(self, key, waiting, held) -> bool:
         """Whether a store of key, whose copy `waiting` is in the backlog and held here, is
@@ -301,8 +316,13 @@ class WriteBehind:
                 del self._queued[c.key]
             role = self._pinned.pop(c.key, None) if c.key not in self._queued else None
             if role == "main":
-                if self.tiers.main.is_pinned(c.key):     # not dropped meanwhile: it stays there
-                    self.tiers.main.unpin(c.key)
+                main = self.tiers.main
+                if main.is_pinned(c.key):        # not dropped meanwhile: it stays there
+                    main.unpin(c.key)
+                    cur = main.peek(c.key)
+                    if cur is not None and cur.arrived and c.key not in other:   # never adopted:
+                        main.discard(c.key)      # the caller's memory, not an owner's copy
+                        self.tiers.put("hot", c.key, cur)
             elif role == "hot":
                 if c.key in hot:         # not dropped meanwhile
                     hot.unpin(c.key)

@@ -349,6 +349,8 @@ def test_a_kb_whose_chunks_are_all_held_commits_without_the_model_unless_its_ove
     (docs / "b.md").write_text("Rule B: visitors sign in at the desk.")
     assert main(["publish", "held", str(docs), "--emphasis", "a.md=2"] + code_net) == 0, capsys.readouterr().err
     assert "default/held v1 committed" in capsys.readouterr().out and len(loads) == 1
+    from kdn.engines.transformers.engine import TransformersEngine     # from here on, no KV is computed
+    monkeypatch.setattr(TransformersEngine, "publish", lambda *a, **k: pytest.fail("the engine published"))
     assert main(["publish", "held", str(docs)] + code_net) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "default/held v1 unchanged" in out and "prefilled 0 tokens" in out and len(loads) == 1

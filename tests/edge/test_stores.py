@@ -186,8 +186,8 @@ def test_a_batch_the_origin_refuses_is_tried_again_and_the_forwarder_goes_on(kit
 
 def test_an_origin_that_refuses_to_pull_gets_the_backlog_over_ray_and_a_key_is_asked_once(kit, edge, monkeypatch):
     """A refusal of pull_objects (an error the origin raised on purpose) costs the HTTP path,
-    not the backlog: the batch goes over Ray and the forwarder goes on; a key queued twice in
-    one store is asked for once, and more objects than one call takes go in several."""
+    not the backlog: the batch goes over Ray and the forwarder goes on; a key twice in one
+    store is queued and asked for once, and more objects than one call takes go in several."""
     from kdn.core.errors import BadRequest
     monkeypatch.setattr(Held, "arrival", classmethod(checked))
     edge.stores.name, edge.stores.serves_http = "e0", lambda: True
@@ -209,7 +209,8 @@ def test_an_origin_that_refuses_to_pull_gets_the_backlog_over_ray_and_a_key_is_a
     assert asked_pull == [[c.key for c in objs]]
     st = edge.stores.stats()
     assert st["store_forward_http_declined"] == 1 and st["backlog_objects"] == 0
-    assert sorted(origin_took(edge)[:4]) == sorted([c.key for c in objs] + [objs[0].key])
+    assert sorted(origin_took(edge)[:3]) == sorted(c.key for c in objs)
+    assert origin_took(edge)[3:] == [c.key for c in objects(kit, 2, seed=31)]
 
 
 def test_a_backlog_of_more_objects_than_one_call_takes_goes_in_several(kit, edge, monkeypatch):
@@ -361,9 +362,10 @@ def test_a_store_of_anything_but_opaque_objects_is_refused_and_nothing_is_kept(k
 @pytest.mark.parametrize("owned", [False, True])
 def test_what_memory_cannot_hold_pinned_waits_for_the_origin(kit, edge, owned):
     """A key this edge does not own is kept in the hot tier (16 MiB of the edge's 64), one it
-    owns in the main tier (48 MiB): what the tier cannot hold pinned is answered by the origin."""
+    owns in the main tier (48 MiB, half of it for store pins): what memory cannot hold pinned
+    is answered by the origin."""
     edge.stores.owns = lambda keys: [owned] * len(keys)
-    size = 30 << 20 if owned else 12 << 20              # two: over the tier, one fits
+    size = 20 << 20 if owned else 12 << 20              # two: over the room, one fits
     objs = objects(kit, 2, seed=7, size=size)
     edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs)}
     got = asyncio.run(edge.put_objects(objs))
@@ -394,9 +396,10 @@ def test_stores_durable_waits_for_the_backlog_and_says_whether_it_is_empty(kit, 
     assert edge.tiers.peek(objs[0].key) is not None             # nothing harmed
 
 
-def test_once_durable_a_key_this_edge_owns_moves_to_its_main_tier_the_rest_stay_hot(kit, edge):
+def test_a_key_this_edge_owns_is_kept_in_its_main_tier_pinned_until_durable_the_rest_in_hot(kit, edge):
     """The origin pushes nothing to an owner that holds a key: kept only in the hot tier, an
-    owner's copy would go with the hot tier's evictions and the owner would hold nothing."""
+    owner's copy would go with the hot tier's evictions and the owner would hold nothing. So
+    an owned key's copy is kept in main from the start (pinned until durable), the rest in hot."""
     mine, other = objects(kit, 2, seed=50)
     edge.stores.owns = lambda keys: [k == mine.key for k in keys]
     edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0}
@@ -416,6 +419,46 @@ def test_once_durable_a_key_this_edge_owns_moves_to_its_main_tier_the_rest_stay_
     assert other.key in hot and other.key not in main_tier and not hot.is_pinned(other.key)
     assert edge.tiers.peek(mine.key).obj.kv.tobytes() == mine.kv.tobytes()
     assert edge.stores.stats()["store_kept_as_main"] == 1
+
+
+def test_the_same_key_twice_in_one_store_is_kept_and_sent_once(kit, edge):
+    obj, = objects(kit, 1, seed=52)
+    edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0}
+    main_tier, hot = edge.tiers.tier("main"), edge.tiers.tier("hot")
+
+    async def main():
+        gate = gated(edge, "put_objects")
+        got = await edge.put_objects([obj, obj])
+        waiting = (main_tier.is_pinned(obj.key), obj.key in hot, edge.stores.stats()["backlog_objects"])
+        gate.set()
+        await settle(edge)
+        return got, waiting
+    got, waiting = asyncio.run(main())
+    assert got == {"received": 2, "kept": 2, "pending": 2} and waiting == (True, False, 1)
+    assert origin_took(edge) == [obj.key]
+    assert obj.key in main_tier and not main_tier.is_pinned(obj.key) and obj.key not in hot
+    assert edge.stores.stats()["store_kept_as_main"] == 1
+
+
+def test_store_pins_fill_at_most_their_share_of_the_main_tier_then_the_hot_tier(kit, edge):
+    """The main tier (48 MiB) keeps half its pins for the operator's pinned KBs: a second
+    owned 14 MiB store would pass 24 MiB of store pins there, so it is pinned in hot."""
+    first, second = objects(kit, 2, seed=53, size=14 << 20)
+    main_tier, hot = edge.tiers.tier("main"), edge.tiers.tier("hot")
+    assert stores.MAIN_PIN_SHARE * main_tier.capacity == 24 << 20
+
+    async def main():
+        gate = gated(edge, "put_objects")
+        got = await edge.put_objects([first, second])
+        where = [(c.key in main_tier, c.key in hot, main_tier.is_pinned(c.key) or hot.is_pinned(c.key))
+                 for c in (first, second)]
+        gate.set()
+        await settle(edge)
+        return got, where
+    got, where = asyncio.run(main())
+    assert got["pending"] == 2 and where == [(True, False, True), (False, True, True)]
+    assert first.key in main_tier and second.key in main_tier and second.key not in hot   # moved once durable
+    assert main_tier.pinned_bytes() == 0 and hot.pinned_bytes() == 0
 
 
 def _arrivals(monkeypatch):
@@ -445,6 +488,9 @@ def test_a_copy_the_object_store_refuses_leaves_the_arrival_which_goes_to_the_or
     assert st["store_adopt_errors"] >= 2 and st["backlog_objects"] == 0 and st.get("store_adopted", 0) == 0
     assert all(edge.tiers.peek(c.key).arrived and edge.tiers.peek(c.key).obj.kv.tobytes() == c.kv.tobytes()
                for c in objs)
+    # kept in main until durable (the edge owns them), then never an owner's main copy: hot
+    hot, main_tier = edge.tiers.tier("hot"), edge.tiers.tier("main")
+    assert all(c.key in hot and c.key not in main_tier and not hot.is_pinned(c.key) for c in objs)
 
 
 def test_a_store_of_a_key_held_in_main_keeps_that_copy_and_adds_none_to_the_hot_tier(kit, edge, monkeypatch):

@@ -190,12 +190,14 @@ def test_a_store_acknowledged_at_the_edge_is_served_there_at_once_and_everywhere
     assert east.objects.counters["acked_at_edge"] == 3
     now = store_acks(net, ADMIN)                   # what `kdn bench l2` reports of a row's stores
     assert (now["edge"] - acks["edge"], now["origin"] - acks["origin"]) == (3, 0), (acks, now)
-    assert acks_note(acks, now, 1.0) == "; stores answered at the edge 3 of 3, all durable 1.0 s after the row"
     assert now["backlog"] - acks["backlog"] == now["room"] - acks["room"] == 0
+    assert acks_note(acks, now, 1.0).startswith("; stores answered at the edge 3 of 3, all durable 1.0 s after the row")
     zero = dict.fromkeys(now, 0)                   # a row whose edges ran out of room: the reasons named
-    assert acks_note(zero, {"edge": 118, "origin": 74, "backlog": 60, "room": 13}, 2.0) == (
+    assert acks_note(zero, {"edge": 118, "origin": 74, "backlog": 60, "room": 13, "adopted": 118,
+                            "adopt_us": 2_500_000}, 2.0) == (
         "; stores answered at the edge 118 of 192 (74 once durable at the origin: 60 past the backlog's "
-        "bound, 13 not held pinned in memory, 1 failed the edge's check), all durable 2.0 s after the row")
+        "bound, 13 not held pinned in memory, 1 failed the edge's check), all durable 2.0 s after the row; "
+        "the edges copied 118 arrivals into their object stores in 2.5 s")
     outs = [memobj(1 << 16, fill=0.0) for _ in keys]
     assert load(east, keys, outs) == [True] * 3                    # from us-east's edge, at once
     assert all(bytes(o.byte_array) == bytes(w.byte_array) for o, w in zip(outs, objs))
@@ -206,6 +208,8 @@ def test_a_store_acknowledged_at_the_edge_is_served_there_at_once_and_everywhere
     after = edge.stats()["stores"]
     assert after["store_adopted"] - before.get("store_adopted", 0) == 3, after
     assert after["store_forwarded_by_ref"] - before.get("store_forwarded_by_ref", 0) == 3, after
+    copied = store_acks(net, ADMIN)               # the bench's count of those copies, and their time
+    assert copied["adopted"] - acks["adopted"] == 3 and copied["adopt_us"] > acks["adopt_us"], (acks, copied)
     ns = east.objects.namespace("default", MODEL)
     held = east.objects.view.origin().get_chunks([object_key(ns, host_key(k)) for k in keys])
     assert [c.kv[:-8].tobytes() for c in held] == [bytes(o.byte_array) for o in objs]    # durable

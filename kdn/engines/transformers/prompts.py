@@ -87,11 +87,10 @@ class Prompts:
         return ids
 
 
-
 class Text(Prompts):
     """Prompts over a converted model folder's tokenizer, chat template and config alone, no
-    weights: what tokenizing a KB takes (`kdn publish` finds an unchanged KB with no model
-    loaded). ModelError where the folder cannot be read."""
+    weights: what tokenizing a KB and checking its length take (`kdn publish` finds an
+    unchanged KB with no model loaded). ModelError where the folder cannot be read."""
 
     def __init__(self, folder, name: str):
         from transformers import AutoConfig, AutoTokenizer
@@ -100,8 +99,8 @@ class Text(Prompts):
         with quiet_transformers():
             try:
                 self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-                self.vocab_size = AutoConfig.from_pretrained(folder, local_files_only=True).vocab_size
+                self.config = AutoConfig.from_pretrained(folder, local_files_only=True)
             except (OSError, ValueError) as e:
                 raise ModelError(f"cannot read the tokenizer of {str(folder)!r} ({type(e).__name__}: {e}); "
                                  "delete that folder to convert again") from e
-        self.name = name
+        self.name, self.vocab_size = name, self.config.vocab_size
