@@ -191,13 +191,8 @@ def publish_documents(client, model, kb: str, documents, progress=None, meta=Non
     if publisher.fingerprint != model.fingerprint:
         raise BadRequest(f"the client is connected for model {publisher.fingerprint!r} but the model is "
                          f"{model.fingerprint!r}: KV is only ever published under its own model")
-    publisher.check_access()
-    named = knowledge_documents(model, docs)
-    tokens = [t for _, toks in named for t in toks]
-    check_kb_tokens(kb, len(tokens))
-    t0 = time.perf_counter()
+    named, tokens, held, t0 = _held_of(client, model, kb, docs)
     ct = publisher.chunk_tokens
-    held = publisher.held_chunks(tokens)           # a lookup at the origin: no KV moves
     if held * ct >= len(tokens):                   # every chunk stored already (an unchanged KB)
         return _commit_held(client, kb, named, held, meta, progress, t0)
     # the longest held prefix, which the prefill continues from (an old version's trailing
@@ -224,6 +219,18 @@ def publish_documents(client, model, kb: str, documents, progress=None, meta=Non
     return receipt
 
 
+def _held_of(client, text, kb: str, docs) -> tuple:
+    """(the checked documents' [(name, token ids)], their tokens, how many of their chunks the
+    origin holds from the first on, when the lookup began), after checking the admin token
+    and the KB's length; text: the model or its Text."""
+    client.publisher.check_access()
+    named = knowledge_documents(text, docs)
+    tokens = [t for _, toks in named for t in toks]
+    check_kb_tokens(kb, len(tokens))
+    t0 = time.perf_counter()
+    return named, tokens, client.publisher.held_chunks(tokens), t0     # a lookup: no KV moves
+
+
 def _commit_held(client, kb: str, named, held: int, meta, progress, t0: float) -> dict:
     """Commit a KB whose every chunk the origin holds (held of them: an unchanged KB): its
     receipt, no KV computed or moved."""
@@ -242,13 +249,7 @@ def publish_if_held(client, text, kb: str, documents, progress=None, meta=None) 
     tokenizer and chat template, no weights) and client connected for the model's
     fingerprint; None where a chunk is missing (the model must compute it)."""
     check_name(kb, "knowledge base name")
-    docs = check_documents(documents)
-    client.publisher.check_access()
-    named = knowledge_documents(text, docs)
-    tokens = [t for _, toks in named for t in toks]
-    check_kb_tokens(kb, len(tokens))
-    t0 = time.perf_counter()
-    held = client.publisher.held_chunks(tokens)
+    named, tokens, held, t0 = _held_of(client, text, kb, check_documents(documents))
     if held * client.publisher.chunk_tokens < len(tokens):
         return None
     return _commit_held(client, kb, named, held, meta, progress, t0)
