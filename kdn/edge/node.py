@@ -42,10 +42,10 @@ from kdn.edge.membership import Membership
 from kdn.edge.peers import PEER_TIMEOUT_S, Peers
 from kdn.edge.pull import Pull
 from kdn.edge.reads import MAX_REPLY_BYTES, Reads, check_keys
-from kdn.edge.stores import BACKLOG_BYTES, WriteBehind
+from kdn.edge.stores import BACKLOG_BYTES, BACKLOG_WAIT_S, WriteBehind
 from kdn.edge.tiers import ROLES, Held, Tiers, resolve_all
 from kdn.core.errors import AccessDenied, BadRequest, KDNError, StoreError
-from kdn.core.checks import check_int
+from kdn.core.checks import check_int, check_number
 from kdn.core.dataplane import NODE_HOST, reachable_url
 from kdn.core.conversation import CONVERSATION_SHARE, conversation_namespace, home_of, retention_ttl
 from kdn.core.keys import MAX_FETCH_KEYS, MAX_KEYS_PER_CALL, check_key
@@ -77,6 +77,7 @@ class EdgeNode:
                  max_reply_bytes: int = MAX_REPLY_BYTES, http_idle_s: float = None,
                  disk_bytes: int = None, disk_dir: str = None, kv_events=None,
                  conversation_bytes: int = None, store_backlog_bytes: int = BACKLOG_BYTES,
+                 store_backlog_wait_s: float = BACKLOG_WAIT_S,
                  data_plane: str = "auto", peer_streams: int = PEER_STREAMS, pull_into: str = "process"):
         import ray
         self.network, self.name, self.region = network, name, region
@@ -119,7 +120,8 @@ class EdgeNode:
         self.stores = WriteBehind(self.tiers, self.forms, self.peers,
                                   check_int(store_backlog_bytes, "store_backlog_bytes", 0),
                                   owns=lambda keys: [name in o for o in self.members.owners(keys)],
-                                  name=name, serves_http=lambda: self.http is not None and self.pulls.mode != "ray")
+                                  name=name, serves_http=lambda: self.http is not None and self.pulls.mode != "ray",
+                                  backlog_wait_s=check_number(store_backlog_wait_s, "store_backlog_wait_s", 0, 60))
         self.counters = collections.Counter()
         self.started = time.time()
         self._bg = None

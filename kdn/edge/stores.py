@@ -25,9 +25,15 @@ KBs); else in the hot tier, and moved to main once durable. A copy still an arri
 durable (its copy into the store refused) is never a main copy: it goes to the hot tier.
 
 What the edge has acknowledged and the origin does not hold yet is the backlog, bounded by
-`backlog_bytes`: a store that would pass the bound is not acknowledged early; it waits until
-the origin holds it (an origin-acknowledged store: `durable` in the answer), so memory stays
-bounded and a slow origin slows its writers instead of losing their bytes. An origin that
+`backlog_bytes`: a store that would pass the bound waits, in its arrival order, until the
+origin has made room (what it held landed), for `backlog_wait_s` at most, and is then
+acknowledged here like the others; one that finds no room in that time (the origin slow or
+down), is larger than the bound itself, or finds the bound's worth of stores waiting before
+it is sent to the origin and acknowledged once durable there (its answer's `pending` does not
+count it). Either way memory stays bounded and a slow
+origin slows its writers instead of losing their bytes; waiting for room sends the bytes once,
+by the backlog's way, where sending them past it put a second stream into the origin beside
+the backlog's (kdn bench l2: docs/figures.md, session 37). An origin that
 does not answer, or refuses a batch (an error it raised on purpose: its disk full), is tried
 again (FORWARD_RETRY_S apart); nothing in the backlog is dropped.
 The risk, said in the README: an edge that dies with a backlog loses those objects (the host
@@ -35,7 +41,9 @@ recomputes them on its next miss: never a wrong byte), and until they are durabl
 edge serves them (another region's load misses them).
 
 Counters (objects): store_acked_edge, store_acked_origin (answered once durable at the origin,
-of which store_origin_backlog_full: the backlog would have passed its bound, and
+of which store_origin_backlog_full: the backlog would have passed its bound and no room came
+in backlog_wait_s (or the store is larger than the bound, or the line of stores waiting for
+room holds the bound's worth already), and
 store_origin_no_room: this edge's memory could not hold them pinned, or a drop of the key came
 first; the rest failed this edge's check, counted as corrupt_detected), store_forwarded (of which
 store_forwarded_http, with store_forwarded_http_bytes: pulled by the origin from this edge's
@@ -57,7 +65,8 @@ store_origin_kept_other (copies let go once durable because the origin answered 
 other bytes under their keys: a key held here as durable and stored again with other bytes,
 or one the origin took from another writer first; readers then get the origin's bytes);
 store_kept_as_main (copies of keys this edge owns kept in its main tier: stored there, or
-moved there once durable); the
+moved there once durable); store_backlog_waits and store_backlog_wait_us (stores that waited
+for room in the backlog, the time they waited); the
 backlog's objects and bytes in stats() (`kdn status`, /metrics).
 """
 import asyncio
@@ -76,6 +85,7 @@ FORWARD_RETRY_S = 1.0
 HTTP_RETRY_S = 30.0           # an origin that reads this edge over Ray is asked to pull again after this
 MAX_OBJECTS_PER_CALL = 4096
 MAIN_PIN_SHARE = 0.5          # of the main tier, at most, pinned by stores not yet durable
+BACKLOG_WAIT_S = 5.0          # a store past the backlog's bound waits this long at most for room
 
 
 def _put_all(objs) -> list:
@@ -98,7 +108,7 @@ class WriteBehind:
     """One edge's objects acknowledged before they are durable, and their way to the origin."""
 
     def __init__(self, tiers, forms, peers, backlog_bytes: int = BACKLOG_BYTES, owns=None,
-                 name: str = None, serves_http=None):
+                 name: str = None, serves_http=None, backlog_wait_s: float = BACKLOG_WAIT_S):
         """name and serves_http (whether this edge's frames may be read over HTTP now): the
         origin is asked to pull the backlog from those frames (OriginAPI.pull_objects)."""
         self.tiers, self.forms, self.peers = tiers, forms, peers
@@ -106,6 +116,9 @@ class WriteBehind:
         self._ray_until = 0.0                  # the origin reads none of this edge's frames before
         self.owns = owns or (lambda keys: [False] * len(keys))   # keys -> whether this edge is a ring owner
         self.backlog_bytes = int(backlog_bytes)
+        self.backlog_wait_s = float(backlog_wait_s)
+        self._reserved = 0                     # bytes of puts let into the backlog, not queued yet
+        self._waiters = collections.deque()    # [future, bytes] of puts waiting for room, in order
         self._queue = collections.deque()      # copies kept here (Held) not yet at the origin, oldest first
         self._pending = 0                       # their bytes
         self._pinned = {}                      # key -> the tier ("hot", "main") pinning it until durable
@@ -126,20 +139,28 @@ class WriteBehind:
         were acknowledged before they are durable}; NetworkError when the origin had to take
         some and did not answer (those are not stored; the rest stay on their way)."""
         check_objects(chunks, MAX_OBJECTS_PER_CALL, "put_objects")
-        n = sum(c.nbytes for c in chunks)
-        early = self._pending + n <= self.backlog_bytes
-        kept, pinned, riding, failed = await self._keep(chunks, pin=early)
-        ahead = list(pinned.values())          # in the call's order, each key once
-        if ahead:
-            self._queue.extend(ahead)
-            self._queued.update(c.key for c in ahead)
-            self._pending += sum(c.nbytes for c in ahead)
-            self.counters["store_acked_edge"] += sum(c.key in pinned for c in chunks)
-            self._start()
-            task = asyncio.get_running_loop().create_task(self.adopt(ahead))
-            self._adopting.add(task)
-            task.add_done_callback(self._adopting.discard)
-            self._wake.set()
+        first = {}                             # each key once; one waiting in the backlog
+        for c in chunks:                       # already is answered by that copy (_again)
+            first.setdefault(c.key, c)
+        n = sum(c.nbytes for k, c in first.items() if k not in self._queued)
+        early = await self._room_for(n)
+        try:
+            kept, pinned, riding, failed = await self._keep(chunks, pin=early)
+            ahead = list(pinned.values())          # in the call's order, each key once
+            if ahead:
+                self._queue.extend(ahead)
+                self._queued.update(c.key for c in ahead)
+                self._pending += sum(c.nbytes for c in ahead)
+                self.counters["store_acked_edge"] += sum(c.key in pinned for c in chunks)
+                self._start()
+                task = asyncio.get_running_loop().create_task(self.adopt(ahead))
+                self._adopting.add(task)
+                task.add_done_callback(self._adopting.discard)
+                self._wake.set()
+        finally:
+            if early:                          # queued (counted in _pending) or not kept
+                self._reserved -= n
+                self._grant()
         now = [c for c in chunks if c.key not in pinned and c.key not in riding]
         if now:
             if await self.peers.origin().put_objects(now) is None:
@@ -151,6 +172,53 @@ class WriteBehind:
             self.counters[why] += sum(c.key not in failed for c in now)
         return {"received": len(chunks), "kept": kept,
                 "pending": sum(c.key in pinned or c.key in riding for c in chunks)}
+
+    async def _room_for(self, n: int) -> bool:
+        """Whether a put of n bytes may be acknowledged here: at once while the backlog (and
+        what puts before it were let in) leaves room for it and no put waits before it; else
+        once the origin has made room, waiting in line, for backlog_wait_s at most. False past
+        that, for a put larger than the bound itself, and when the puts waiting already hold
+        the bound's worth of bytes (their arguments are memory too). A True reserves n bytes
+        until the caller releases them (put's finally)."""
+        if n == 0 or not self._waiters and self._pending + self._reserved + n <= self.backlog_bytes:
+            self._reserved += n
+            return True
+        if (n > self.backlog_bytes or self.backlog_wait_s <= 0
+                or sum(w[1] for w in self._waiters) + n > self.backlog_bytes):
+            return False                       # never fits, no wait, or a full line: the origin
+        loop = asyncio.get_running_loop()
+        entry = [loop.create_future(), n]
+        self._waiters.append(entry)
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait({entry[0]}, timeout=self.backlog_wait_s)
+        except BaseException:                  # cancelled: out of the line, room given back
+            if entry[0].done() and not entry[0].cancelled():
+                self._reserved -= n
+            raise
+        finally:
+            granted = entry[0].done() and not entry[0].cancelled()
+            if not entry[0].done():
+                entry[0].cancel()
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+            self.counters["store_backlog_waits"] += 1
+            self.counters["store_backlog_wait_us"] += int((time.perf_counter() - t0) * 1e6)
+            self._grant()                      # whoever waited behind it may fit now
+        return granted
+
+    def _grant(self) -> None:
+        """Let waiting puts in, in their order, while the backlog has room for the first."""
+        while self._waiters:
+            fut, n = self._waiters[0]
+            if fut.done():                     # gave up (timed out or cancelled)
+                self._waiters.popleft()
+                continue
+            if self._pending + self._reserved + n > self.backlog_bytes:
+                return
+            self._waiters.popleft()
+            self._reserved += n
+            fut.set_result(True)
 
     async def _keep(self, chunks, pin: bool) -> tuple:
         """Keep verified copies (main tier or hot, _role), pinned while not durable when pin: (how many
@@ -334,6 +402,7 @@ class WriteBehind:
                     if tier.peek(c.key) is c and tier.discard(c.key):
                         wrong.append(c.key)
                         self.tiers.note(c.key)
+        self._grant()
         if wrong:
             self.counters["store_origin_kept_other"] += len(wrong)
             log.warning("edge: the origin holds other bytes under %d key(s) stored here (first "
@@ -426,6 +495,7 @@ class WriteBehind:
             else:
                 kept.append(c)
         self._queue = kept
+        self._grant()
 
     async def _delete_again(self) -> None:
         while self._redelete:

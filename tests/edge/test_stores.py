@@ -1,6 +1,7 @@
 """Stores acknowledged at the edge (kdn/edge/stores.py): kept here and answered at once, then
 made durable at the origin; an origin that does not answer is tried again and nothing waiting
-is lost; past the backlog's bound a store waits for the origin; a delete wins over a store
+is lost; past the backlog's bound a store waits in line for room, and for the origin where
+none comes; a delete wins over a store
 not yet durable, queued or on its way. The origin here answers from `edge.answers` (the
 write-behind against a real origin, through LMCache, is tests/integrations/test_lmcache.py)."""
 import asyncio
@@ -299,9 +300,10 @@ def test_a_batch_of_large_and_small_objects_goes_as_references_and_as_bytes_in_o
     assert st["store_forwarded_by_ref"] == 2 and st["store_forwarded"] == 5 and st["backlog_objects"] == 0
 
 
-def test_past_the_backlogs_bound_a_store_waits_for_the_origin(kit, edge):
+def test_past_the_backlogs_bound_with_no_room_in_time_a_store_waits_for_the_origin(kit, edge):
     first, second = objects(kit, 1, seed=2, size=6000), objects(kit, 1, seed=3, size=6000)
     edge.stores.backlog_bytes = 8000                    # room for one
+    edge.stores.backlog_wait_s = 0.2                    # the origin down: no room comes
     edge.answers[(None, "put_objects")] = None
 
     async def main():
@@ -310,6 +312,7 @@ def test_past_the_backlogs_bound_a_store_waits_for_the_origin(kit, edge):
             await edge.put_objects(second)
         refused_kept = edge.tiers.tier("hot").is_pinned(second[0].key)
         edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs)}
+        edge.stores.backlog_wait_s = 0                  # no wait for room: to the origin at once
         b = await edge.put_objects(second)
         await settle(edge)
         return a, refused_kept, b
@@ -319,9 +322,103 @@ def test_past_the_backlogs_bound_a_store_waits_for_the_origin(kit, edge):
     st = edge.stores.stats()
     assert st["store_acked_origin"] == 1 and st["store_origin_backlog_full"] == 1
     assert st.get("store_origin_no_room", 0) == 0
+    assert st["store_backlog_waits"] == 1 and st["store_backlog_wait_us"] >= 0.2e6    # the one refused
     from kdn.cli.cluster import status_rows            # `kdn status` says why stores waited
     row, = status_rows({"edges": [asyncio.run(edge.stats())]})
     assert row["waited for origin (bound / room)"] == "1 / 0", row
+
+
+def test_past_the_bound_stores_wait_in_line_for_room_and_are_answered_at_the_edge(kit, edge):
+    """The origin makes room (the first store lands): the stores past the bound are let in, in
+    the order they came, acknowledged here, and their bytes go to the origin once, the
+    backlog's way; the one that fits while another waits queues behind it."""
+    first = objects(kit, 2, seed=19, size=3000)
+    second, third = (objects(kit, 1, seed=s, size=3000) for s in (21, 22))
+    edge.stores.backlog_bytes = 7000                    # room for two
+    gate = gated(edge, "put_objects")
+
+    async def main():
+        a = await edge.put_objects(first)               # in the backlog, held at the origin's gate
+        b = asyncio.create_task(edge.put_objects(second))
+        await asyncio.sleep(0.05)
+        c = asyncio.create_task(edge.put_objects(third))
+        await asyncio.sleep(0.05)
+        waiting = (b.done(), c.done(), len(edge.stores._waiters))
+        gate.set()                                       # the origin answers: room, one at a time
+        got = [a, await b, await c]
+        await settle(edge)
+        return waiting, got
+    waiting, got = asyncio.run(main())
+    assert waiting == (False, False, 2), "both wait for room, in line"
+    assert [g["pending"] for g in got] == [2, 1, 1], "all answered here before durable"
+    assert origin_took(edge) == [c.key for c in first + second + third], "each sent once, in order"
+    st = edge.stores.stats()
+    assert st["store_acked_edge"] == 4 and st.get("store_acked_origin", 0) == 0
+    assert st["store_backlog_waits"] == 2 and st["backlog_bytes"] == 0 and edge.stores._reserved == 0
+
+
+def test_a_store_behind_a_full_line_or_of_keys_already_waiting_does_not_wait(kit, edge):
+    """The stores waiting for room hold the bound's worth: the next goes to the origin at
+    once. A store of keys whose copies wait in the backlog needs no room: answered by them."""
+    first, second, third = (objects(kit, 1, seed=s, size=6000) for s in (27, 28, 29))
+    edge.stores.backlog_bytes = 8000                    # room for one
+    gate = gated(edge, "put_objects")
+
+    async def main():
+        await edge.put_objects(first)
+        waiting = asyncio.create_task(edge.put_objects(second))
+        await asyncio.sleep(0.05)
+        again = await asyncio.wait_for(edge.put_objects(first), 1.0)      # riding: at once
+        to_origin = asyncio.create_task(edge.put_objects(third))        # the line is full
+        await asyncio.sleep(0.05)
+        sent = [k for k in origin_took(edge)]
+        gate.set()
+        await waiting
+        got = await to_origin
+        await settle(edge)
+        return again, got, sent
+    again, got, sent = asyncio.run(main())
+    assert again["pending"] == 1 and got["pending"] == 0
+    assert third[0].key in sent, "sent to the origin without waiting in line"
+    st = edge.stores.stats()
+    assert st["store_origin_backlog_full"] == 1 and st["store_backlog_waits"] == 1
+    assert st.get("store_queued_already", 0) + st.get("store_queued_unchecked", 0) == 1    # answered by its copy
+
+
+def test_a_store_larger_than_the_bound_goes_to_the_origin_at_once(kit, edge):
+    big = objects(kit, 2, seed=23, size=6000)
+    edge.stores.backlog_bytes = 8000                    # less than the two together
+    edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0}
+    got = asyncio.run(edge.put_objects(big))
+    assert got == {"received": 2, "kept": 2, "pending": 0}
+    st = edge.stores.stats()
+    assert st["store_origin_backlog_full"] == 2 and st.get("store_backlog_waits", 0) == 0
+    assert origin_took(edge) == [c.key for c in big]
+
+
+def test_a_store_cancelled_while_it_waits_for_room_gives_its_place_up(kit, edge):
+    first = objects(kit, 2, seed=24, size=3000)
+    second, third = (objects(kit, 1, seed=s, size=3000) for s in (25, 26))
+    edge.stores.backlog_bytes = 7000                    # room for two
+    gate = gated(edge, "put_objects")
+
+    async def main():
+        await edge.put_objects(first)
+        b = asyncio.create_task(edge.put_objects(second))
+        await asyncio.sleep(0.05)
+        c = asyncio.create_task(edge.put_objects(third))
+        await asyncio.sleep(0.05)
+        b.cancel()                                       # its caller gone
+        with pytest.raises(asyncio.CancelledError):
+            await b
+        gate.set()
+        got = await c
+        await settle(edge)
+        return got
+    got = asyncio.run(main())
+    assert got["pending"] == 1
+    assert origin_took(edge) == [c.key for c in first + third]
+    assert not edge.stores._waiters and edge.stores._reserved == 0 and edge.stores.stats()["backlog_bytes"] == 0
 
 
 def test_a_delete_wins_over_a_store_waiting_or_on_its_way(kit, edge):
