@@ -23,6 +23,7 @@ operator's trust boundary: tenants outside it read over HTTP with their read tok
 """
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import time
@@ -56,6 +57,15 @@ MAX_CHUNKS_PER_CALL = 4096       # limits on what one publish call may carry
 MAX_BYTES_PER_CALL = 2 << 30
 REF_READ_TIMEOUT_S = 60.0        # objects handed over by reference (put_object_refs) are read within this
 OBJECT_PUSH_BACKLOG_BYTES = 2 << 30   # objects' bytes whose push is in flight at once
+OBJECT_PUSH_QUEUE_BYTES = 8 << 30     # objects' bytes whose push is queued (keys held, not bytes)
+# An object's push waits until the origin has taken in no object for PUSH_QUIET_S (a burst of
+# stores is over), PUSH_DEFER_MAX_S after it was queued at most, or until a caller waits for the pushes
+# (pushes_settled, delete_objects): the intake that makes edges' acknowledged stores durable,
+# and frees their backlogs, goes first. On one 2-core host the pushes to two other edges took
+# most of the CPU behind a burst of LMCache stores, their receiving edges most of that
+# (docs/figures.md, session 37); owners that have no copy yet are served by pull-through.
+PUSH_QUIET_S = 1.0
+PUSH_DEFER_MAX_S = 10.0
 
 
 def _keys(keys, what: str = "keys") -> list:
@@ -134,6 +144,14 @@ class OriginNode:
         self.watch_failure = None         # set when the health watch died of a bug
         self._pushes = set()              # object pushes in flight (put_objects)
         self._push_backlog = 0            # their bytes
+        self._push_queue = collections.deque()   # (keys, bytes, objects, seq, when) not started yet
+        self._push_queued = 0             # their bytes
+        self._push_seq = 0                # the next queued push's number
+        self._push_started = 0            # pushes numbered below this have started
+        self._hurried = 0                 # pushes numbered below this start without waiting
+        self._push_worker = None          # the task starting them (_push_loop)
+        self._intaking = 0                # object stores being taken in now
+        self._intake_at = 0.0             # when the last one ended (time.monotonic)
 
     # --- lifecycle and health ----------------------------------------------------------
     def _start_background(self):
@@ -318,7 +336,8 @@ class OriginNode:
         def put():            # in a worker thread: the writes, the fsync and the checksums
             done = self.store.put_objects(chunks)
             return done, [c.key for c, (w, stored) in zip(chunks, done) if not w and stored != c.digest()]
-        results, other = await asyncio.to_thread(put)
+        with self._intake():
+            results, other = await asyncio.to_thread(put)
         new = [c for c, (w, _) in zip(chunks, results) if w]
         self.counters["objects_received"] += len(chunks)
         self.counters["objects_written"] += len(new)
@@ -341,7 +360,8 @@ class OriginNode:
                              f"references, got {type(refs).__name__}")
         t0 = time.perf_counter()
         try:
-            chunks = await asyncio.to_thread(ray.get, list(refs), timeout=REF_READ_TIMEOUT_S)
+            with self._intake():
+                chunks = await asyncio.to_thread(ray.get, list(refs), timeout=REF_READ_TIMEOUT_S)
         except (rex.GetTimeoutError, rex.ObjectLostError) as e:
             self.counters["object_ref_failures"] += 1
             raise Unreachable(f"put_object_refs: the objects handed over could not be read "
@@ -388,7 +408,8 @@ class OriginNode:
         url = await self.pusher.edge_url(edge) if edge in {m[0] for m in self.roster.members} else None
         if url is None:
             return {"pulled": None}
-        got = await self.intake.pull(url, keys, sums)
+        with self._intake():
+            got = await self.intake.pull(url, keys, sums)
         if got is None:              # its server did not answer: asked for its address again later
             self.pusher.data.forget(edge)
             self.intake.forget(url)
@@ -399,17 +420,60 @@ class OriginNode:
         return {**answer, "pulled": len(objs), "missing": [k for k, o in zip(keys, got) if o is None]}
 
     def _push_objects(self, chunks) -> int:
-        """Queue the push of chunks to their owners; how many were queued. Bounded: beyond
-        OBJECT_PUSH_BACKLOG_BYTES in flight a batch is not pushed (counted in
-        object_pushes_skipped: owners get it by pull-through when read). A push that fails
-        of what no failover expects is counted (object_push_errors) and logged."""
+        """Queue the push of chunks to their owners; how many were queued. A queued push holds
+        their keys only (it reads the bytes from the store when it runs); the queue waits while
+        the intake is busy (_push_loop). Bounded: past OBJECT_PUSH_QUEUE_BYTES of objects
+        queued, a batch is not pushed (counted in object_pushes_skipped: owners get it by
+        pull-through when read). A push that fails of what no failover expects is counted
+        (object_push_errors) and logged."""
         n = sum(c.nbytes for c in chunks)
-        if self._push_backlog + n > OBJECT_PUSH_BACKLOG_BYTES:
+        if self._push_queued + n > OBJECT_PUSH_QUEUE_BYTES:
             self.counters["object_pushes_skipped"] += len(chunks)
             return 0
+        self._push_queue.append((list(dict.fromkeys(c.key for c in chunks)), n, len(chunks),
+                                 self._push_seq, time.monotonic()))
+        self._push_seq += 1
+        self._push_queued += n
+        self._push_worker_running()
+        return len(chunks)
+
+    def _push_worker_running(self) -> None:
+        """The task starting the queued pushes (_push_loop), started where none runs on this
+        loop (it ends when the queue is empty; a test's loop may have gone with it)."""
+        loop = asyncio.get_running_loop()
+        w = self._push_worker
+        if w is None or w.done() or w.get_loop() is not loop:
+            self._push_worker = loop.create_task(self._push_loop())
+
+    async def _push_loop(self) -> None:
+        """Start the queued pushes in order: each once no object has been taken in for
+        PUSH_QUIET_S (PUSH_DEFER_MAX_S after it was queued at most; at once where a caller
+        waits for it: pushes_settled, delete_objects) and while the pushes in flight leave
+        OBJECT_PUSH_BACKLOG_BYTES room for it. Counted: object_pushes_deferred and
+        object_push_defer_us (pushes started over 10 ms after they were queued, and how long
+        after)."""
+        while self._push_queue:
+            keys, n, count, seq, queued_at = self._push_queue[0]
+            while seq >= self._hurried:
+                now = time.monotonic()
+                left = PUSH_QUIET_S if self._intaking else self._intake_at + PUSH_QUIET_S - now
+                if left <= 0 or now - queued_at >= PUSH_DEFER_MAX_S:
+                    break
+                await asyncio.sleep(min(left, queued_at + PUSH_DEFER_MAX_S - now, 0.05))
+            while self._pushes and self._push_backlog + n > OBJECT_PUSH_BACKLOG_BYTES:
+                await asyncio.wait(set(self._pushes), return_when=asyncio.FIRST_COMPLETED)
+            late = time.monotonic() - queued_at
+            if late > 0.01:
+                self.counters["object_pushes_deferred"] += 1
+                self.counters["object_push_defer_us"] += int(late * 1e6)
+            self._push_queue.popleft()
+            self._push_queued -= n
+            self._push_started = seq + 1
+            self._start_push(keys, n, count)
+
+    def _start_push(self, keys, n: int, count: int) -> None:
         self._push_backlog += n
-        task = asyncio.get_running_loop().create_task(
-            self.pusher.push_objects(list(dict.fromkeys(c.key for c in chunks))))
+        task = asyncio.get_running_loop().create_task(self.pusher.push_objects(keys))
         self._pushes.add(task)
 
         def done(t):
@@ -420,16 +484,36 @@ class OriginNode:
             if t.exception() is not None:
                 self.counters["object_push_errors"] += 1
                 log.error("origin of network %r: pushing %d objects failed", self.network,
-                          len(chunks), exc_info=t.exception())
+                          count, exc_info=t.exception())
             else:
-                self.counters["objects_pushed"] += len(chunks)
+                self.counters["objects_pushed"] += count
         task.add_done_callback(done)
-        return len(chunks)
+
+    @contextlib.contextmanager
+    def _intake(self):
+        """An object store being taken in (pulled from an edge, read from its node, written,
+        made durable): the queued pushes wait (_push_loop)."""
+        self._intaking += 1
+        try:
+            yield
+        finally:
+            self._intaking -= 1
+            self._intake_at = time.monotonic()
+
+    async def _pushes_so_far(self) -> None:
+        """Start every push queued so far now, and wait until they (and any in flight) land."""
+        mark = self._push_seq
+        self._hurried = max(self._hurried, mark)
+        while self._push_started < mark:
+            self._push_worker_running()
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*list(self._pushes), return_exceptions=True)
 
     async def pushes_settled(self, token=None) -> dict:
-        """Wait for the object pushes queued so far; their counters (for tests and operators)."""
+        """Wait for the object pushes queued so far (waiting ones start now); their counters
+        (for tests and operators)."""
         self.tokens.check_admin(token, "pushes_settled")
-        await asyncio.gather(*list(self._pushes), return_exceptions=True)
+        await self._pushes_so_far()
         return {k: self.counters[k] for k in ("objects_pushed", "object_pushes_skipped",
                                               "object_push_errors")}
 
@@ -439,8 +523,9 @@ class OriginNode:
         is left alone. {"deleted": how many, "dropped": edge -> copies it dropped}."""
         self.tokens.check_admin(token, "delete_objects")
         keys, ns = _keys(keys), _ns(ns)
-        # pushes in flight first: one landing after the drop would bring a copy back
-        await asyncio.gather(*list(self._pushes), return_exceptions=True)
+        # pushes queued and in flight first (waiting ones start now): one landing after the
+        # drop would bring a copy back
+        await self._pushes_so_far()
         gone = await asyncio.to_thread(self.store.delete_objects, keys, ns)
         self.counters["objects_deleted"] += len(gone)
         # with the log's settled head: a copy on its way into an edge read before it is refused

@@ -8,6 +8,7 @@ import asyncio
 import errno
 import math
 import os
+import time
 
 import msgpack
 import numpy as np
@@ -424,6 +425,8 @@ def test_objects_survive_an_origin_restart_and_its_collect(tmp_path, edges):
 
 def test_put_objects_answers_before_its_push_and_reads_fall_back_to_the_origin(tmp_path, edges,
                                                                                 monkeypatch):
+    monkeypatch.setattr("kdn.origin.node.PUSH_QUIET_S", 0)       # pushed at once: the edges hold it back
+
     async def go():
         node, fake = make_origin(tmp_path, edges)
         await node.set_members(MEMBERS, token=ADMIN)
@@ -446,19 +449,63 @@ def test_put_objects_answers_before_its_push_and_reads_fall_back_to_the_origin(t
         for o, os_ in zip(objs, owners):
             assert all(fake.edges[e].held[o.key].kv.tobytes() == o.kv.tobytes() for e in os_)
         # bounded: beyond the backlog a push is skipped (counted), the store still answers
-        monkeypatch.setattr("kdn.origin.node.OBJECT_PUSH_BACKLOG_BYTES", 4096)
+        monkeypatch.setattr("kdn.origin.node.OBJECT_PUSH_QUEUE_BYTES", 4096)
         assert (await node.put_objects(opaque(2, seed=1), token=ADMIN))["pushing"] == 0
         # a push failing of a bug is counted and logged, never hidden, never the caller's error
 
         def broken(*a, **kw):
             raise TypeError("put_chunks() got an unexpected keyword argument")
-        monkeypatch.setattr("kdn.origin.node.OBJECT_PUSH_BACKLOG_BYTES", 1 << 30)
+        monkeypatch.setattr("kdn.origin.node.OBJECT_PUSH_QUEUE_BYTES", 1 << 30)
         for e in fake.edges.values():
             e.put_chunks = broken
         assert (await node.put_objects(opaque(1, seed=2), token=ADMIN))["written"] == 1
         st = await node.pushes_settled(token=ADMIN)
         assert (st["object_pushes_skipped"], st["object_push_errors"]) == (2, 1)
     run(go())
+
+
+def test_object_pushes_wait_for_a_quiet_intake_and_go_at_once_when_someone_waits_for_them(
+        tmp_path, edges, monkeypatch):
+    """A burst of stores is taken in first: their pushes start once no store came for
+    PUSH_QUIET_S, in the order they were queued; pushes_settled and delete_objects start the
+    waiting ones at once."""
+    monkeypatch.setattr("kdn.origin.node.PUSH_QUIET_S", 1.0)
+
+    async def go():
+        node, fake = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+
+        def held():
+            return sum(len(e.held) for e in fake.edges.values())
+        burst = [opaque(2, seed=10 + i) for i in range(3)]
+        for objs in burst:                   # each well within the quiet time of the one before
+            await node.put_objects(objs, token=ADMIN)
+            await asyncio.sleep(0.1)
+        during, quiet_from = held(), time.monotonic()
+        owners = node.roster.ring.owners_batch([c.key for objs in burst for c in objs], 2)
+        while held() < sum(len(o) for o in owners) and time.monotonic() - quiet_from < 10:
+            await asyncio.sleep(0.02)
+        landed_after = time.monotonic() - quiet_from
+        after_quiet = held()
+        await node.put_objects(opaque(2, seed=20), token=ADMIN)
+        t0 = time.monotonic()
+        st = await node.pushes_settled(token=ADMIN)
+        settled_in = time.monotonic() - t0
+        late = opaque(1, seed=21)                # queued, then deleted: the delete starts its push
+        await node.put_objects(late, token=ADMIN)
+        t0 = time.monotonic()
+        gone = await node.delete_objects([late[0].key], OBJ_NS, token=ADMIN)
+        deleted_in = time.monotonic() - t0
+        return (during, after_quiet, owners, landed_after, settled_in, st, deleted_in, gone,
+                node.counters, [e.held.get(late[0].key) for e in fake.edges.values()])
+    (during, after_quiet, owners, landed_after, settled_in, st, deleted_in, gone, counters,
+     late_held) = run(go())
+    assert during == 0, "no push while the stores come"
+    assert after_quiet == sum(len(o) for o in owners) > 0 and landed_after >= 0.6, landed_after
+    assert settled_in < 0.9 and deleted_in < 0.9, "a caller waiting for the pushes does not wait out the quiet"
+    assert st["objects_pushed"] == 8 and counters["object_pushes_deferred"] == 3    # the last two hurried
+    assert counters["object_push_defer_us"] >= 3 * 0.9e6
+    assert gone["deleted"] == 1 and late_held == [None] * len(late_held), "its push landed before the drop"
 
 
 def test_an_edge_that_answers_wrongly_fails_the_call(tmp_path, edges):
