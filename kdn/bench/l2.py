@@ -22,7 +22,8 @@ edges answered at once and how many only once durable at the origin (the edge ha
 keep them until durable: its backlog's bound or its memory for pinned copies, kdn/edge/stores.py;
 or they failed its check). Those run at the origin's pace, so the row's store GB/s mixes both.
 It also says how long after the row the origin held them all (the network is settled before
-the row). JSON: `stores acked at edge`, `stores acked at origin`.
+the row). JSON: `stores acked at edge`, `stores acked at origin`, `stores waited for room` (in the
+edge's backlog, kdn/edge/stores.py) and `waited for room s`.
 
 `ray-ceiling` (with kdn-remote) is no adapter: the same rounds pulled by plain Ray from an
 actor on kdn-remote's node into this process and copied once into buffers, with no KDN and no
@@ -131,21 +132,27 @@ def settle_pushes(net) -> None:
 def store_acks(net, token: str = None) -> dict:
     """{"edge": stores the edges answered before the origin held them, "origin": those they
     answered once durable there, of which "backlog": the edge's backlog would have passed its
-    bound, "room": its memory could not hold them pinned; "adopted", "adopt_us": copies of
+    bound, "room": its memory could not hold them pinned; "waits", "wait_us": stores that waited
+    for room in the backlog, and the microseconds they waited; "adopted", "adopt_us": copies of
     arrivals into the edge's object store and the microseconds they took, kdn/edge/stores.py},
-    counted since each edge started (the admin token: token, else this machine's)."""
+    "pushes_skipped": the origin's pushes of objects to ring owners it did not make (its
+    queue of them full: kdn/origin/node.py), counted since each edge and the origin started
+    (the admin token: token, else this machine's)."""
     import ray
     from kdn.core.auth import ensure_admin_token
     from kdn.core.env import kdn_home
     token = token or ensure_admin_token(kdn_home())
     names = {"edge": "store_acked_edge", "origin": "store_acked_origin",
              "backlog": "store_origin_backlog_full", "room": "store_origin_no_room",
+             "waits": "store_backlog_waits", "wait_us": "store_backlog_wait_us",
              "adopted": "store_adopted", "adopt_us": "store_adopt_us"}
     out = dict.fromkeys(names, 0)
     for edge in net.edges.values():
         c = ray.get(edge.stats.remote(token=token))["stores"]
         for k, counter in names.items():
             out[k] += c.get(counter, 0)
+    # the origin's pushes of them to the other regions' edges that it let go (its queue full)
+    out["pushes_skipped"] = ray.get(net.origin.stats.remote(token=token))["counters"].get("object_pushes_skipped", 0)
     return out
 
 
@@ -157,6 +164,9 @@ def acks_note(before: dict, after: dict, durable_s: float) -> str:
     if origin > backlog + room:
         why.append(f"{origin - backlog - room} failed the edge's check")
     rest = f" ({origin} once durable at the origin: {', '.join(why)})" if origin else ""
+    waits, wait_s = after.get("waits", 0) - before.get("waits", 0), (after.get("wait_us", 0) - before.get("wait_us", 0)) / 1e6
+    if waits:
+        rest += f"; {waits} waited for room in the backlog, {wait_s:.1f} s in all"
     adopted, adopt_s = after["adopted"] - before["adopted"], (after["adopt_us"] - before["adopt_us"]) / 1e6
     copies = f"; the edges copied {adopted} arrivals into their object stores in {adopt_s:.1f} s" if adopted else ""
     return (f"; stores answered at the edge {edge} of {edge + origin}{rest}, all durable {durable_s:.1f} s "
@@ -308,6 +318,9 @@ def main(argv=None):
                 mine["stores acked at origin, backlog full"] = after["backlog"] - acks["backlog"]
                 mine["stores acked at origin, no room"] = after["room"] - acks["room"]
                 mine["edge copies s"] = (after["adopt_us"] - acks["adopt_us"]) / 1e6
+                mine["stores waited for room"] = after["waits"] - acks["waits"]
+                mine["waited for room s"] = (after["wait_us"] - acks["wait_us"]) / 1e6
+                mine["pushes skipped"] = after["pushes_skipped"] - acks["pushes_skipped"]
             if which == "kdn-remote":
                 rows.append(ray_ceiling(args))
             if which in ("kdn-local", "kdn-remote"):

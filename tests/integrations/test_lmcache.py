@@ -198,6 +198,9 @@ def test_a_store_acknowledged_at_the_edge_is_served_there_at_once_and_everywhere
         "; stores answered at the edge 118 of 192 (74 once durable at the origin: 60 past the backlog's "
         "bound, 13 not held pinned in memory, 1 failed the edge's check), all durable 2.0 s after the row; "
         "the edges copied 118 arrivals into their object stores in 2.5 s")
+    assert acks_note(zero, {**zero, "edge": 192, "waits": 40, "wait_us": 3_200_000}, 1.0) == (
+        "; stores answered at the edge 192 of 192; 40 waited for room in the backlog, 3.2 s in all, "
+        "all durable 1.0 s after the row")
     outs = [memobj(1 << 16, fill=0.0) for _ in keys]
     assert load(east, keys, outs) == [True] * 3                    # from us-east's edge, at once
     assert all(bytes(o.byte_array) == bytes(w.byte_array) for o, w in zip(outs, objs))
