@@ -133,9 +133,10 @@ class WriteBehind:
         self.counters = collections.Counter()
 
     async def put(self, chunks) -> dict:
-        """Keep opaque chunks here and acknowledge them (durable at the origin later); what
-        this edge cannot hold pinned in memory, or what would take the backlog past its bound,
-        is acknowledged once the origin holds it. {"received", "kept", "pending": how many
+        """Keep opaque chunks here and acknowledge them (durable at the origin later); a put
+        that would take the backlog past its bound waits for room first (_room_for); what
+        this edge cannot hold pinned in memory, or finds no room in time, is acknowledged
+        once the origin holds it. {"received", "kept", "pending": how many
         were acknowledged before they are durable}; NetworkError when the origin had to take
         some and did not answer (those are not stored; the rest stay on their way)."""
         check_objects(chunks, MAX_OBJECTS_PER_CALL, "put_objects")
@@ -192,7 +193,7 @@ class WriteBehind:
         t0 = time.perf_counter()
         try:
             await asyncio.wait({entry[0]}, timeout=self.backlog_wait_s)
-        except BaseException:                  # cancelled: out of the line, room given back
+        except asyncio.CancelledError:         # its caller gone: out of the line, room given back
             if entry[0].done() and not entry[0].cancelled():
                 self._reserved -= n
             raise
