@@ -328,14 +328,20 @@ def test_past_the_backlogs_bound_with_no_room_in_time_a_store_waits_for_the_orig
     assert row["waited for origin (bound / room)"] == "1 / 0", row
 
 
+def line_of_two(kit, edge, seed):
+    """A backlog with room for two objects, a store of two to fill it (held at the origin's
+    gate, returned with them) and two single stores to wait behind it."""
+    first = objects(kit, 2, seed=seed, size=3000)
+    second, third = (objects(kit, 1, seed=seed + i, size=3000) for i in (1, 2))
+    edge.stores.backlog_bytes = 7000
+    return first, second, third, gated(edge, "put_objects")
+
+
 def test_past_the_bound_stores_wait_in_line_for_room_and_are_answered_at_the_edge(kit, edge):
     """The origin makes room (the first store lands): the stores past the bound are let in, in
     the order they came, acknowledged here, and their bytes go to the origin once, the
     backlog's way; the one that fits while another waits queues behind it."""
-    first = objects(kit, 2, seed=19, size=3000)
-    second, third = (objects(kit, 1, seed=s, size=3000) for s in (21, 22))
-    edge.stores.backlog_bytes = 7000                    # room for two
-    gate = gated(edge, "put_objects")
+    first, second, third, gate = line_of_two(kit, edge, seed=19)
 
     async def main():
         a = await edge.put_objects(first)               # in the backlog, held at the origin's gate
@@ -371,7 +377,7 @@ def test_a_store_behind_a_full_line_or_of_keys_already_waiting_does_not_wait(kit
         again = await asyncio.wait_for(edge.put_objects(first), 1.0)      # riding: at once
         to_origin = asyncio.create_task(edge.put_objects(third))        # the line is full
         await asyncio.sleep(0.05)
-        sent = [k for k in origin_took(edge)]
+        sent = origin_took(edge)
         gate.set()
         await waiting
         got = await to_origin
@@ -397,10 +403,7 @@ def test_a_store_larger_than_the_bound_goes_to_the_origin_at_once(kit, edge):
 
 
 def test_a_store_cancelled_while_it_waits_for_room_gives_its_place_up(kit, edge):
-    first = objects(kit, 2, seed=24, size=3000)
-    second, third = (objects(kit, 1, seed=s, size=3000) for s in (25, 26))
-    edge.stores.backlog_bytes = 7000                    # room for two
-    gate = gated(edge, "put_objects")
+    first, second, third, gate = line_of_two(kit, edge, seed=24)
 
     async def main():
         await edge.put_objects(first)
