@@ -38,7 +38,10 @@ the edges pull the origin's pushes from its frames, and the adapter reads from a
 edge on another node over its frames, kdn.client.dataplane; `--plane ray`: all of it over Ray
 instead, as this bench ran before session 35). Nothing enforces the topology's WAN on loopback, so the
 table gives the modelled floor of a cross-region load (bytes / link bandwidth + one-way
-latency, kdn.placement.topology.default_local) beside the measured row.
+latency, kdn.placement.topology.default_local) beside the measured row. Before its first row
+the bench waits until every edge has had its node's object store allocated ahead (each
+edge's fill, kdn.core.prefault, which a started service has done before its first store; the
+note and `waited for the fill s` say how long that took and how much it allocated).
 
 `--hosts` puts each region on a host of its own (kdn/testing/netns.py: every region but the
 reader's in a network namespace with its own address, `--cap RATE` a tc cap on kdn-remote's
@@ -120,6 +123,22 @@ def settle_stores(net) -> None:
             raise RuntimeError(f"edge {name}: its stores are not durable after 600 s: {got}")
 
 
+def settle_fills(net, timeout_s: float = 180.0) -> float:
+    """Wait until every edge has had its node's object store allocated ahead (its fill,
+    kdn.core.prefault: what a started service has done before its first store); the seconds
+    waited."""
+    import ray
+    from kdn.core.auth import ensure_admin_token
+    from kdn.core.env import kdn_home
+    token, t0 = ensure_admin_token(kdn_home()), time.perf_counter()
+    while any((ray.get(e.stats.remote(token=token)).get("object_store_fill") or {}).get("running")
+              for e in net.edges.values()):
+        if time.perf_counter() - t0 > timeout_s:
+            raise RuntimeError(f"the edges' object stores are not filled after {timeout_s:.0f} s")
+        time.sleep(0.2)
+    return time.perf_counter() - t0
+
+
 def settle_pushes(net) -> None:
     """settle_stores, then wait until every object push the origin queued has landed (admin)."""
     from kdn.client.view import NetworkView
@@ -136,8 +155,10 @@ def store_acks(net, token: str = None) -> dict:
     for room in the backlog, and the microseconds they waited; "adopted", "adopt_us": copies of
     arrivals into the edge's object store and the microseconds they took, kdn/edge/stores.py},
     "pushes_skipped": the origin's pushes of objects to ring owners it did not make (its
-    queue of them full: kdn/origin/node.py), counted since each edge and the origin started
-    (the admin token: token, else this machine's)."""
+    queue of them full: kdn/origin/node.py), counted since each edge and the origin started;
+    "filled": the bytes of their nodes' object stores the edges have had allocated ahead
+    (kdn.core.prefault), "filling": whether one still is (the admin token: token, else this
+    machine's)."""
     import ray
     from kdn.core.auth import ensure_admin_token
     from kdn.core.env import kdn_home
@@ -146,17 +167,21 @@ def store_acks(net, token: str = None) -> dict:
              "backlog": "store_origin_backlog_full", "room": "store_origin_no_room",
              "waits": "store_backlog_waits", "wait_us": "store_backlog_wait_us",
              "adopted": "store_adopted", "adopt_us": "store_adopt_us"}
-    out = dict.fromkeys(names, 0)
+    out = dict(dict.fromkeys(names, 0), filled=0, filling=False)
     for edge in net.edges.values():
-        c = ray.get(edge.stats.remote(token=token))["stores"]
+        stats = ray.get(edge.stats.remote(token=token))
+        c = stats["stores"]
         for k, counter in names.items():
             out[k] += c.get(counter, 0)
+        fill = stats.get("object_store_fill") or {}
+        out["filled"] += fill.get("pages_filled", 0) * 4096
+        out["filling"] |= bool(fill.get("running"))
     # the origin's pushes of them to the other regions' edges that it let go (its queue full)
     out["pushes_skipped"] = ray.get(net.origin.stats.remote(token=token))["counters"].get("object_pushes_skipped", 0)
     return out
 
 
-def acks_note(before: dict, after: dict, durable_s: float) -> str:
+def acks_note(before: dict, after: dict, durable_s: float, fill_s: float = None) -> str:
     """How a row's stores were answered, and how long the origin took after the row to hold
     them all: the cost an edge's answer defers, not removes."""
     edge, origin, backlog, room = (after[k] - before[k] for k in ("edge", "origin", "backlog", "room"))
@@ -169,6 +194,11 @@ def acks_note(before: dict, after: dict, durable_s: float) -> str:
         rest += f"; {waits} waited for room in the backlog, {wait_s:.1f} s in all"
     adopted, adopt_s = after["adopted"] - before["adopted"], (after["adopt_us"] - before["adopt_us"]) / 1e6
     copies = f"; the edges copied {adopted} arrivals into their object stores in {adopt_s:.1f} s" if adopted else ""
+    if before.get("filled"):
+        copies += (f"; the edges had allocated {before['filled'] / 2**30:.1f} GiB of their object stores ahead "
+                   f"when the row began{', and were still at it' if before.get('filling') else ''}")
+        if fill_s is not None:
+            copies += f" (the bench waited {fill_s:.1f} s for that after the network started)"
     return (f"; stores answered at the edge {edge} of {edge + origin}{rest}, all durable {durable_s:.1f} s "
             f"after the row{copies}")
 
@@ -264,6 +294,7 @@ def main(argv=None):
                 else:
                     net = start_network(topo, os.path.join(work, name), network=name, replicas=len(REGIONS),
                                         http=args.plane == "http")
+                fill_s = settle_fills(net)    # a started service: its stores' memory allocated
                 if args.breakdown:       # first, on the empty network (its objects are deleted after)
                     parts = breakdown(net, cluster.address, args)
             if which.startswith("kdn"):
@@ -312,7 +343,7 @@ def main(argv=None):
                 settle_stores(net)
                 after = store_acks(net)
                 mine = next(r for r in reversed(rows) if r["adapter"] == which)
-                mine["note"] += acks_note(acks, after, time.perf_counter() - t0)
+                mine["note"] += acks_note(acks, after, time.perf_counter() - t0, fill_s)
                 mine["stores acked at edge"] = after["edge"] - acks["edge"]
                 mine["stores acked at origin"] = after["origin"] - acks["origin"]
                 mine["stores acked at origin, backlog full"] = after["backlog"] - acks["backlog"]
@@ -321,6 +352,8 @@ def main(argv=None):
                 mine["stores waited for room"] = after["waits"] - acks["waits"]
                 mine["waited for room s"] = (after["wait_us"] - acks["wait_us"]) / 1e6
                 mine["pushes skipped"] = after["pushes_skipped"] - acks["pushes_skipped"]
+                mine["object stores allocated ahead GiB"] = acks["filled"] / 2**30
+                mine["waited for the fill s"] = fill_s
             if which == "kdn-remote":
                 rows.append(ray_ceiling(args))
             if which in ("kdn-local", "kdn-remote"):

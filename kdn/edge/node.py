@@ -15,6 +15,8 @@ membership from the origin every membership_refresh_s, so an edge that missed a 
 converges by itself. With a disk tier (disk_bytes, disk_dir: kdn/edge/disk.py), a writer task
 writes memory's victims and pulled-through fills to disk, off the readers' time. With
 kv_events (kdn/edge/events.py), what the tiers hold and drop is published as vLLM KV events.
+A thread has the kernel allocate the first `object_store_fill_bytes` of this node's object
+store (the edge's capacity by default; kdn.core.prefault), so copies into it take no page fault.
 The origin's drops (kdn/edge/drops.py) win over every copy on its way in (kdn/edge/tombstones.py):
 pushes and repairs carry the drop-log position their bytes were read at, and an owner asked
 by an edge that applied more of the log than it has answers nothing until it catches up.
@@ -50,6 +52,7 @@ from kdn.core.dataplane import NODE_HOST, reachable_url
 from kdn.core.conversation import CONVERSATION_SHARE, conversation_namespace, home_of, retention_ttl
 from kdn.core.keys import MAX_FETCH_KEYS, MAX_KEYS_PER_CALL, check_key
 from kdn.core.manifest import check_ttl
+from kdn.core.prefault import Prefaulter
 from kdn.core.rpc import failover_errors
 from kdn.placement.replication import ReplicationPolicy
 from kdn.core.transfer import check_accept, fetch_deadline_s
@@ -78,7 +81,8 @@ class EdgeNode:
                  disk_bytes: int = None, disk_dir: str = None, kv_events=None,
                  conversation_bytes: int = None, store_backlog_bytes: int = BACKLOG_BYTES,
                  store_backlog_wait_s: float = BACKLOG_WAIT_S,
-                 data_plane: str = "auto", peer_streams: int = PEER_STREAMS, pull_into: str = "process"):
+                 data_plane: str = "auto", peer_streams: int = PEER_STREAMS, pull_into: str = "process",
+                 object_store_fill_bytes: int = None):
         import ray
         self.network, self.name, self.region = network, name, region
         # this node's id, to tell readers beside the edge (None outside Ray: a test's edge)
@@ -122,6 +126,11 @@ class EdgeNode:
                                   owns=lambda keys: [name in o for o in self.members.owners(keys)],
                                   name=name, serves_http=lambda: self.http is not None and self.pulls.mode != "ray",
                                   backlog_wait_s=check_number(store_backlog_wait_s, "store_backlog_wait_s", 0, 60))
+        # this node's object store allocated ahead of the copies into it, up to this edge's
+        # capacity by default: memory a busy edge takes anyway (kdn.core.prefault)
+        fill = capacity_bytes if object_store_fill_bytes is None else check_int(
+            object_store_fill_bytes, "object_store_fill_bytes", 0)
+        self.prefault = Prefaulter(fill_bytes=fill, map_resident=False).start() if ray.is_initialized() and fill else None
         self.counters = collections.Counter()
         self.started = time.time()
         self._bg = None
@@ -841,6 +850,7 @@ class EdgeNode:
                 "demand": self.demand.stats(), "loads": self.pull.loads.stats(),
                 "catalog": self.catalog.stats(), "background_failure": self.background_failure,
                 "conversations": self.conversations.stats(), "stores": self.stores.stats(),
+                "object_store_fill": None if self.prefault is None else self.prefault.stats(),
                 "links": self.peers.links.stats(), "data_plane": self.pulls.stats(),
                 "kv_events": None if self.events is None else self.events.options,
                 "drops": t["drops"],          # where this edge is in the origin's drop log

@@ -5,8 +5,9 @@ they are written and knows nothing of what they mean; they are the edge's: `disk
 `disk_dir` (the disk tier beneath memory, kdn/edge/disk.py), `http_host` (the address its
 HTTP server binds: "node" for its Ray node's, so peers on other hosts reach it), `kv_events` (KV events,
 kdn/edge/events.py), `data_plane`, `peer_streams` and `pull_into` (how it pulls from peers,
-kdn/edge/dataplane.py). The launcher (kdn/launch/cluster.py) checks every edge's here before it
-starts anything, so a typo or a bad value is one TopologyError naming the file and the edge.
+kdn/edge/dataplane.py), `object_store_fill_bytes` (how much of its node's object store it has
+allocated at start: its capacity by default, 0 for none; kdn.core.prefault). The launcher
+(kdn/launch/cluster.py) checks every edge's here before it starts anything, so a typo or a bad value is one TopologyError naming the file and the edge.
 """
 import ipaddress
 
@@ -16,7 +17,8 @@ from kdn.core.dataplane import MODES
 from kdn.edge.dataplane import INTO
 from kdn.edge.events import check_kv_events
 
-OPTIONS = ("disk_bytes", "disk_dir", "kv_events", "data_plane", "peer_streams", "pull_into", "http_host")
+OPTIONS = ("disk_bytes", "disk_dir", "kv_events", "data_plane", "peer_streams", "pull_into", "http_host",
+           "object_store_fill_bytes")
 
 
 def check_edge_options(options: dict, where: str) -> dict:
@@ -61,6 +63,9 @@ def check_edge_options(options: dict, where: str) -> dict:
             raise TopologyError(f"{where}: http_host: must be \"node\" (its Ray node's address) or "
                                 f"an IP address, got {host!r:.80}")
         out["http_host"] = host
+    if "object_store_fill_bytes" in options:
+        out["object_store_fill_bytes"] = check_int(options["object_store_fill_bytes"],
+                                                   f"{where}: object_store_fill_bytes", 0, error=TopologyError)
     if "peer_streams" in options:
         out["peer_streams"] = check_int(options["peer_streams"], f"{where}: peer_streams", 1, 16,
                                         error=TopologyError)

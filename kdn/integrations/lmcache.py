@@ -63,7 +63,7 @@ PARAMS = {               # adapter_params: name -> (type, default)
     "read_tokens": ((dict, type(None)), None),  # tenant -> read token, for the tenants salts map to
     "capacity_bytes": (int, 0),            # > 0: LMCache's eviction deletes beyond it (0: none)
     "address": ((str, type(None)), None),  # Ray's address (default: `kdn up`'s, else auto)
-    "prefault": (bool, True),              # map the object store's pages ahead of loads (kdn.integrations.prefault)
+    "prefault": (bool, True),              # map the object store's pages ahead of loads (kdn.core.prefault)
     "ack": (str, "edge"),                  # a store answered by the edge ("edge") or once durable ("origin")
     "data_plane": (str, "auto"),           # loads from another node's edge: its HTTP frames ("auto") or "ray"
 }

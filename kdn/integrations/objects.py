@@ -245,10 +245,10 @@ class Objects:
         self.view, self.layer, self.token, self.ack = view, layer, admin_token, ack
         self._acked_at = set()         # edges that acknowledged stores of ours before the origin had them
         self.read_tokens = dict(read_tokens or {})
-        # the object store's pages mapped ahead of the loads (kdn.integrations.prefault)
+        # the object store's pages mapped ahead of the loads (kdn.core.prefault)
         self.prefaulter = None
         if prefault:
-            from kdn.integrations.prefault import Prefaulter
+            from kdn.core.prefault import Prefaulter
             self.prefaulter = Prefaulter().start()
         self._spare = _Spare()           # pack buffers reused by stores
         self._names = {}               # ns -> (tenant, fingerprint) it digests

@@ -205,6 +205,39 @@ def test_a_restarted_edge_serves_http_on_the_same_port(net):
     assert health["ok"] and health["edge"] == "us-east-9" and health["pid"] == again["pid"]
 
 
+# --- the object store filled ahead (kdn.core.prefault) --------------------------------------------
+def _store_held(n_bytes: int) -> int:
+    """Of the first n_bytes of this node's object store (this process maps it as the edges
+    do), how many hold memory."""
+    import ctypes
+    import ctypes.util
+    from kdn.core.prefault import store_regions
+    with open("/proc/self/maps") as f:
+        start, end = max(store_regions(f.read()), key=lambda r: r[1] - r[0])
+    page = 4096
+    n = min(n_bytes, end - start) // page
+    vec = np.zeros(n, np.uint8)
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(start, n * page, vec.ctypes.data) == 0
+    return int((vec & 1).sum()) * page
+
+
+def test_an_edge_fills_its_nodes_object_store_up_to_its_capacity_and_is_told_not_to(net):
+    edge = net.edge("us-east-0")                 # on the head node: this process's node
+    deadline = time.monotonic() + 60
+    while (fill := _call(edge, "stats", token=ADMIN)["object_store_fill"])["running"]:
+        assert time.monotonic() < deadline, fill
+        time.sleep(0.2)
+    assert fill["fill_bytes"] == 64 << 20 and fill["fill_stopped_why"] is None and not fill["fill_errors"]
+    assert _store_held(64 << 20) == 64 << 20     # allocated: a copy into it takes no fault
+    topo = Topology.from_dict(net.topology.to_dict())
+    extra = topo.add_edge("us-east-8", "us-east", 16 << 20)
+    h = start_edge(net.name, extra, topo, auth=AUTH, object_store_fill_bytes=0)
+    assert _call(h, "stats", token=ADMIN)["object_store_fill"] is None
+    ray.kill(h, no_restart=True)
+
+
 # --- the RPC surface (no Ray) -------------------------------------------------------------------
 def test_every_rpc_method_takes_a_token_and_no_private_flag():
     """kdn.core.rpc passes token= on every call; a method without it once failed silently."""

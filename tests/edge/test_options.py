@@ -16,6 +16,8 @@ WHERE = "topo.toml: edge 'use-2'"
     ({"disk_bytes": 1 << 30, "disk_dir": ""}, ["disk_dir: must be a directory path"]),
     ({"capacity": 4}, ["unknown key(s) ['capacity']", "capacity_bytes"]),
     ({"kv_events": 5601}, ["kv_events: must be an endpoint"]),
+    ({"object_store_fill_bytes": -1}, ["object_store_fill_bytes", "must be an int >= 0, got -1"]),
+    ({"object_store_fill_bytes": "1G"}, ["object_store_fill_bytes", "must be an int >= 0"]),
     ({"kv_events": {"endpoint": "tcp://127.0.0.1:5601", "colour": 1}}, ["kv_events: unknown setting(s) colour"]),
 ])
 def test_each_bad_setting_names_the_file_the_edge_and_the_problem(options, parts):
@@ -30,6 +32,7 @@ def test_good_settings_come_back_checked():
     assert got["disk_bytes"] == 1 << 30 and got["disk_dir"] == "/mnt/kdn"
     assert got["kv_events"]["endpoint"] == "tcp://127.0.0.1:5601"
     assert check_edge_options({}, WHERE) == {}
+    assert check_edge_options({"object_store_fill_bytes": 0}, WHERE) == {"object_store_fill_bytes": 0}
 
 
 def test_the_launcher_refuses_a_bad_file_before_starting_anything(tmp_path):

@@ -201,6 +201,9 @@ def test_a_store_acknowledged_at_the_edge_is_served_there_at_once_and_everywhere
     assert acks_note(zero, {**zero, "edge": 192, "waits": 40, "wait_us": 3_200_000}, 1.0) == (
         "; stores answered at the edge 192 of 192; 40 waited for room in the backlog, 3.2 s in all, "
         "all durable 1.0 s after the row")
+    assert acks_note({**zero, "filled": 3 << 30, "filling": True}, {**zero, "edge": 1}, 1.0).endswith(
+        "; the edges had allocated 3.0 GiB of their object stores ahead when the row began, and were still at it")
+    assert now["filled"] >= 0 and isinstance(now["filling"], bool)
     outs = [memobj(1 << 16, fill=0.0) for _ in keys]
     assert load(east, keys, outs) == [True] * 3                    # from us-east's edge, at once
     assert all(bytes(o.byte_array) == bytes(w.byte_array) for o, w in zip(outs, objs))
@@ -359,7 +362,7 @@ def test_lmcache_plugin_loader_builds_the_adapter_and_reports_bad_params(net):
     a = create_l2_adapter(cfg)
     try:
         assert isinstance(a, KDNL2Adapter) and a.objects.view.region == "eu-west"
-        # the object store's pages are mapped ahead of loads by default (kdn.integrations.prefault)
+        # the object store's pages are mapped ahead of loads by default (kdn.core.prefault)
         deadline = time.monotonic() + 10
         while a.stats()["objects"]["prefault"]["passes"] < 1:
             assert time.monotonic() < deadline, a.stats()["objects"]["prefault"]
