@@ -174,7 +174,7 @@ def store_acks(net, token: str = None) -> dict:
         for k, counter in names.items():
             out[k] += c.get(counter, 0)
         fill = stats.get("object_store_fill") or {}
-        out["filled"] += fill.get("pages_filled", 0) * 4096
+        out["filled"] += fill.get("filled_bytes", 0)
         out["filling"] |= bool(fill.get("running"))
     # the origin's pushes of them to the other regions' edges that it let go (its queue full)
     out["pushes_skipped"] = ray.get(net.origin.stats.remote(token=token))["counters"].get("object_pushes_skipped", 0)
@@ -343,7 +343,9 @@ def main(argv=None):
                 settle_stores(net)
                 after = store_acks(net)
                 mine = next(r for r in reversed(rows) if r["adapter"] == which)
+                mine["waited for the fill s"] = fill_s
                 mine["note"] += acks_note(acks, after, time.perf_counter() - t0, fill_s)
+                fill_s = None            # the wait was once, before the first KDN row
                 mine["stores acked at edge"] = after["edge"] - acks["edge"]
                 mine["stores acked at origin"] = after["origin"] - acks["origin"]
                 mine["stores acked at origin, backlog full"] = after["backlog"] - acks["backlog"]
@@ -353,7 +355,6 @@ def main(argv=None):
                 mine["waited for room s"] = (after["wait_us"] - acks["wait_us"]) / 1e6
                 mine["pushes skipped"] = after["pushes_skipped"] - acks["pushes_skipped"]
                 mine["object stores allocated ahead GiB"] = acks["filled"] / 2**30
-                mine["waited for the fill s"] = fill_s
             if which == "kdn-remote":
                 rows.append(ray_ceiling(args))
             if which in ("kdn-local", "kdn-remote"):

@@ -50,13 +50,32 @@ STORE_MARK = "/plasma"         # Ray's object store file: /dev/shm/plasma... (or
 
 def store_regions(maps_text: str) -> list:
     """(start, end) of the object store's shared mappings in a /proc/PID/maps text."""
+    return [(start, end) for start, end, _ in store_mappings(maps_text)]
+
+
+def store_mappings(maps_text: str) -> list:
+    """(start, end, path) of the object store's shared mappings in a /proc/PID/maps text."""
     out = []
     for line in maps_text.splitlines():
         parts = line.split(None, 5)
         if len(parts) == 6 and STORE_MARK in parts[5] and "s" in parts[1]:
             start, end = (int(x, 16) for x in parts[0].split("-"))
-            out.append((start, end))
+            out.append((start, end, parts[5].strip().removesuffix(" (deleted)")))
     return out
+
+
+def in_memory(path: str, mounts_text: str) -> bool:
+    """Whether path lies on a file system in memory (tmpfs, hugetlbfs), by the longest mount
+    point of a /proc/mounts text above it: a store on a disk (Ray's fallback where /dev/shm is
+    small) is never filled, which would write zeros to that disk."""
+    best, kind = "", None
+    for line in mounts_text.splitlines():
+        parts = line.split()
+        if len(parts) >= 3:
+            point = parts[1].replace("\\040", " ")
+            if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                best, kind = point, parts[2]
+    return kind in ("tmpfs", "hugetlbfs")
 
 
 def runs(mask: np.ndarray) -> list:
@@ -80,6 +99,7 @@ class Prefaulter:
         self.page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         self._done = {}                # (start, end) -> bool array: pages populated already
         self._filled = set()           # regions whose fill is done (or stopped)
+        self._cursor = {}              # region -> the page its fill looks on from
         self._stop = threading.Event()
         self._thread = None
         self.counters = {"passes": 0, "pages_populated": 0, "populate_errors": 0}
@@ -112,7 +132,8 @@ class Prefaulter:
         out = {**self.counters, "running": self._thread is not None and self._thread.is_alive(),
                "stopped_why": self.stopped_why}
         if self.fill_bytes:
-            out.update(fill_bytes=self.fill_bytes, fill_stopped_why=self.fill_stopped_why)
+            out.update(fill_bytes=self.fill_bytes, filled_bytes=self.counters["pages_filled"] * self.page,
+                       fill_stopped_why=self.fill_stopped_why)
         return out
 
     def _run(self) -> None:
@@ -121,14 +142,23 @@ class Prefaulter:
         while not self._stop.is_set():
             try:
                 with open("/proc/self/maps") as f:
-                    regions = store_regions(f.read())
+                    mappings = store_mappings(f.read())
             except OSError as e:
                 self.stopped_why = f"cannot read /proc/self/maps: {e}"
                 return
+            regions = [(a, b) for a, b, _ in mappings]
             left = self.budget
-            main = max(regions, key=lambda r: r[1] - r[0], default=None)   # the store (not a fallback file)
-            if self.fill_bytes and main is not None and main not in self._filled:
-                left -= self.fill(main, left)
+            # the store: its largest mapping (not a fallback file)
+            main = max(mappings, key=lambda r: r[1] - r[0], default=None)
+            if main is not None:
+                main, path = main[:2], main[2]
+                if self.fill_bytes and main not in self._filled:
+                    if self._on_disk(path):
+                        self.fill_stopped_why = (f"the object store is not in memory ({path}): a fill "
+                                                 f"would write zeros to a disk")
+                        self._filled.add(main)
+                    else:
+                        left -= self.fill(main, left)
             for region in regions if self.map_resident else ():
                 left -= self.populate(region, left)
                 if self.stopped_why:
@@ -140,9 +170,18 @@ class Prefaulter:
                 return                       # a fill only, done
             self._stop.wait(self.period_s)
 
+    @staticmethod
+    def _on_disk(path: str) -> bool:
+        try:
+            with open("/proc/mounts") as f:
+                return not in_memory(path, f.read())
+        except OSError:
+            return True                      # not known: not filled
+
     def fill(self, region, budget: int) -> int:
         """Have the kernel allocate up to `budget` of the pages among region's first fill_bytes
         that hold no memory yet, writing none (MADV_POPULATE_WRITE); how many it allocated.
+        Each call looks on from where the last stopped (a few budgets' worth of pages at most).
         Once none is left, or a call is refused, the region is done (fill_stopped_why says why
         it stopped short)."""
         start, end = region
@@ -156,24 +195,34 @@ class Prefaulter:
                 self._filled.add(region)
                 return 0
         n = min((end - start) // self.page, self.fill_bytes // self.page)
-        vec = np.zeros(n, np.uint8)
-        if self._libc.mincore(start, n * self.page, vec.ctypes.data) != 0:
-            return 0                         # unmapped meanwhile: gone next pass
-        made = 0
+        at = self._cursor.get(region, 0)
+        upto = min(n, at + 4 * budget)
+        vec = np.zeros(max(0, upto - at), np.uint8)
+        if vec.size and self._libc.mincore(start + at * self.page, vec.size * self.page, vec.ctypes.data) != 0:
+            err = ctypes.get_errno()
+            if err != errno.ENOMEM:          # ENOMEM: unmapped meanwhile, gone next pass
+                self.fill_stopped_why = f"mincore: {os.strerror(err)}"
+                self._filled.add(region)
+            return 0
+        made, last = 0, upto
         for a, b in runs((vec & 1) == 0):
             b = min(b, a + budget - made)
             if b <= a:
-                return made                  # more next pass
-            if self._libc.madvise(start + a * self.page, (b - a) * self.page, MADV_POPULATE_WRITE) != 0:
+                last = a
+                break
+            if self._libc.madvise(start + (at + a) * self.page, (b - a) * self.page, MADV_POPULATE_WRITE) != 0:
                 err = ctypes.get_errno()
                 self.counters["fill_errors"] += 1
-                self.fill_stopped_why = (f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}: the rest of "
-                                         f"the store is allocated as it is used")
+                why = ("it needs Linux 5.14 or later" if err == errno.EINVAL else os.strerror(err))
+                self.fill_stopped_why = (f"madvise(MADV_POPULATE_WRITE): {why}: the rest of the store is "
+                                         f"allocated as it is used")
                 self._filled.add(region)
                 return made
             made += b - a
             self.counters["pages_filled"] += b - a
-        if made < budget:                    # nothing was left beyond what it just filled
+            last = b
+        self._cursor[region] = at + last
+        if at + last >= n:
             self._filled.add(region)
         return made
 
@@ -212,14 +261,31 @@ class Prefaulter:
 
 def _spare_memory():
     """Bytes a fill may still take: this machine's available memory (/proc/meminfo) above
-    RESERVE_SHARE of its total; None where that is not known."""
+    RESERVE_SHARE of its total, and within this process's cgroup (v2) memory limit, if it has
+    one, above RESERVE_SHARE of that (past the limit a fill is met by the OOM killer, not an
+    error); None where neither is known."""
+    spare = None
     try:
         with open("/proc/meminfo") as f:
             info = dict(line.split(":", 1) for line in f)
         total, avail = (int(info[k].split()[0]) * 1024 for k in ("MemTotal", "MemAvailable"))
+        spare = max(0, avail - int(RESERVE_SHARE * total))
     except (OSError, KeyError, ValueError):
-        return None
-    return max(0, avail - int(RESERVE_SHARE * total))
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = next(line.split("::", 1)[1].strip() for line in f if line.startswith("0::"))
+        folder = os.path.join("/sys/fs/cgroup", own.lstrip("/"))
+        with open(os.path.join(folder, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open(os.path.join(folder, "memory.current")) as f:
+                used = int(f.read())
+            within = max(0, int(limit) - used - int(RESERVE_SHARE * int(limit)))
+            spare = within if spare is None else min(spare, within)
+    except (OSError, StopIteration, ValueError):
+        pass
+    return spare
 
 
 def _lowest_priority() -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kdn.core import prefault
-from kdn.core.prefault import Prefaulter, runs, store_regions
+from kdn.core.prefault import Prefaulter, in_memory, runs, store_mappings, store_regions
 
 MAPS = """\
 55d0c0000000-55d0c0021000 r-xp 00000000 08:01 131  /usr/bin/python3.11
@@ -28,6 +28,23 @@ MAPS = """\
 def test_only_shared_mappings_of_the_object_store_are_read_as_it():
     assert store_regions(MAPS) == [(0x7f217c000000, 0x7f21bc000000), (0x7f21c0000000, 0x7f21c0200000)]
     assert store_regions("") == []
+    assert [m[2] for m in store_mappings(MAPS)] == ["/dev/shm/plasmaLQngck", "/tmp/ray/plasma_store_file"]
+
+
+MOUNTS = """\
+/dev/vda1 / ext4 rw,relatime 0 0
+tmpfs /dev/shm tmpfs rw,nosuid,nodev 0 0
+hugetlbfs /mnt/huge\\040pages hugetlbfs rw 0 0
+tmpfs /tmp/ray tmpfs rw 0 0
+"""
+
+
+def test_only_a_store_in_memory_is_filled_by_its_mount():
+    assert in_memory("/dev/shm/plasmaLQngck", MOUNTS)
+    assert in_memory("/mnt/huge pages/plasma", MOUNTS)
+    assert in_memory("/tmp/ray/plasma_store_file", MOUNTS)           # the longest mount point wins
+    assert not in_memory("/tmp/plasmaXYZ", MOUNTS)                   # Ray's fallback on a disk
+    assert not in_memory("/dev/shmx/plasma", MOUNTS) and not in_memory("/x", "")
 
 
 def test_runs_are_the_true_stretches():
@@ -104,6 +121,7 @@ def test_a_fill_allocates_the_first_bytes_only_writes_nothing_and_keeps_its_budg
         assert m[i * page:(i + 1) * page] == bytes([i]) * page  # the object's bytes untouched
     assert not view[:3 * page].any() and not view[6 * page:16 * page].any()   # filled: zeros
     assert p.stats()["fill_stopped_why"] is None and p.stats()["fill_bytes"] == 16 * page
+    assert p.stats()["filled_bytes"] == 13 * page
     del view
 
 
@@ -129,6 +147,25 @@ def test_a_refused_fill_stops_says_why_and_harms_nothing(store):
     assert region in p._filled and p.counters["fill_errors"] == 1
     assert p.stats()["fill_stopped_why"].startswith("madvise(MADV_POPULATE_WRITE): Cannot allocate memory")
     assert held_bytes(path) == page and m[0:page] == b"x" * page
+
+    class Old(ShortOfMemory):                                   # a kernel before 5.14
+        @staticmethod
+        def madvise(*args):
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+
+    class NoMincore(ShortOfMemory):                             # a sandbox without mincore
+        @staticmethod
+        def mincore(*args):
+            ctypes.set_errno(errno.ENOSYS)
+            return -1
+    for libc, why in ((Old, "madvise(MADV_POPULATE_WRITE): it needs Linux 5.14 or later"),
+                      (NoMincore, "mincore: Function not implemented")):
+        q = Prefaulter(fill_bytes=8 * page, map_resident=False)
+        q._libc = libc
+        assert q.fill(region, budget=100) == 0 and region in q._filled
+        assert q.stats()["fill_stopped_why"].startswith(why)
+    assert held_bytes(path) == page
     del view
 
 
@@ -149,6 +186,7 @@ def test_a_fill_leaves_the_machines_reserve_and_says_so(store, monkeypatch):
     del view
 
 
+@linux_shm
 def test_the_spare_memory_is_what_is_available_above_a_quarter_of_the_total():
     info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
     total = int(info["MemTotal"].split()[0]) * 1024
@@ -162,7 +200,8 @@ def test_a_fill_only_thread_fills_at_the_lowest_priority_and_ends(store, monkeyp
     page = os.sysconf("SC_PAGE_SIZE")
     view = np.frombuffer(m, np.uint8)
     region = (view.ctypes.data, view.ctypes.data + 64 * page)
-    monkeypatch.setattr(prefault, "store_regions", lambda text: [region])
+    monkeypatch.setattr(prefault, "store_mappings", lambda text: [(*region, path)])
+    monkeypatch.setattr(prefault, "_spare_memory", lambda: None)          # whatever this machine has free
     nice = []
     real_setpriority = os.setpriority
     monkeypatch.setattr(os, "setpriority", lambda which, who, prio: nice.append((who, prio))
@@ -178,7 +217,7 @@ def test_a_fill_only_thread_fills_at_the_lowest_priority_and_ends(store, monkeyp
 
 def test_the_thread_reads_this_processs_mappings_each_pass_and_stops_when_asked(monkeypatch):
     seen = []
-    monkeypatch.setattr(prefault, "store_regions", lambda text: seen.append(text) or [])
+    monkeypatch.setattr(prefault, "store_mappings", lambda text: seen.append(text) or [])
     p = Prefaulter(period_s=0.01).start()
     deadline = time.monotonic() + 10
     while p.counters["passes"] < 3:

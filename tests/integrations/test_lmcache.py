@@ -203,7 +203,6 @@ def test_a_store_acknowledged_at_the_edge_is_served_there_at_once_and_everywhere
         "all durable 1.0 s after the row")
     assert acks_note({**zero, "filled": 3 << 30, "filling": True}, {**zero, "edge": 1}, 1.0).endswith(
         "; the edges had allocated 3.0 GiB of their object stores ahead when the row began, and were still at it")
-    assert now["filled"] >= 0 and isinstance(now["filling"], bool)
     outs = [memobj(1 << 16, fill=0.0) for _ in keys]
     assert load(east, keys, outs) == [True] * 3                    # from us-east's edge, at once
     assert all(bytes(o.byte_array) == bytes(w.byte_array) for o, w in zip(outs, objs))
