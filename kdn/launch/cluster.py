@@ -38,6 +38,7 @@ from kdn.core.names import NAMESPACE, ORIGIN_NODE, check_node_name, edge_actor_n
 DEFAULT_REGIONS = ("us-east", "eu-west", "ap-south")
 SPILL_THRESHOLD = 0.8        # Ray spills objects to disk once a node's object store is this full (its default)
 IN_FLIGHT_BYTES = 256 << 20  # room beside the edges' memory for chunks in flight (pushes, replies)
+KILLED_WAIT_S = 30.0         # how long `kdn down` waits for a process it killed to be gone
 MAX_STORE_SHARE = 0.3        # of this machine's memory, the most one embedded node's object store gets
 
 
@@ -556,6 +557,9 @@ def _stop_processes(pids, grace_s: float = 5.0) -> None:
             p.kill()
         except psutil.Error:
             pass
+    # a killed process is gone only once the kernel has freed its memory (a raylet's object
+    # store, its pages all allocated: kdn.core.prefault), so wait for that too
+    psutil.wait_procs(alive, timeout=KILLED_WAIT_S)
 
 
 def down(before_stop=None) -> dict:
