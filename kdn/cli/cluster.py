@@ -69,7 +69,8 @@ def writes_line(counters: dict, http: dict) -> str:
 
 def status_rows(st: dict) -> list:
     """One row per edge: the table `kdn status` prints; per tier (main, hot, and disk where
-    the edge has one) its chunks, bytes and hits, and the disk's write-backs."""
+    the edge has one) its chunks, bytes and hits, and the disk's write-backs; how much of its
+    node's object store it has had allocated ahead."""
     rows = []
     for e in st["edges"]:
         if e.get("down"):
@@ -116,6 +117,10 @@ def status_rows(st: dict) -> list:
             w = e["stores"]
             rows[-1]["waited for origin (bound / room)"] = (f"{w.get('store_origin_backlog_full', 0)} / "
                                                              f"{w.get('store_origin_no_room', 0)}")
+        fill = e.get("object_store_fill")
+        if fill:               # its node's object store allocated ahead (kdn.core.prefault)
+            rows[-1]["store allocated ahead"] = gib(fill.get("filled_bytes", 0)) + (
+                " (filling)" if fill.get("running") else " (stopped short)" if fill.get("fill_stopped_why") else "")
         if e.get("disk"):      # an edge with a disk tier: its bytes, items, hits, write-backs
             d = e["disk"]
             rows[-1].update({"disk chunks": d["items"], "disk": gib(d["bytes"]),

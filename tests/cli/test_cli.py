@@ -141,6 +141,14 @@ def test_status_shows_an_edges_disk_tier_beside_memory():
     plane = {"mode": "auto", "peer_http_pulls": 5, "peer_http_bytes": 3 << 30, "peer_ray_pulls": 1}
     row, = status_rows({"edges": [dict(edge, data_plane=plane)]})
     assert row["peer pulls (http / ray)"] == "5 (3.00 GiB) / 1"
+    assert "store allocated ahead" not in row                             # no fill: no column
+    fill = {"running": True, "filled_bytes": 1 << 30, "fill_stopped_why": None}
+    row, = status_rows({"edges": [dict(edge, object_store_fill=fill)]})
+    assert row["store allocated ahead"] == "1.00 GiB (filling)"
+    row, = status_rows({"edges": [dict(edge, object_store_fill=dict(fill, running=False))]})
+    assert row["store allocated ahead"] == "1.00 GiB"
+    row, = status_rows({"edges": [dict(edge, object_store_fill=dict(fill, running=False, fill_stopped_why="x"))]})
+    assert row["store allocated ahead"] == "1.00 GiB (stopped short)"
 
 
 def test_status_says_how_the_origins_pushes_travelled():
