@@ -61,13 +61,19 @@ linux_shm = pytest.mark.skipif(not sys.platform.startswith("linux") or not os.pa
 
 @pytest.fixture
 def store():
-    """(path, mmap) of a 64-page shared-memory file, all holes, named as Ray's store is."""
+    """A 64-page shared-memory file, all holes, named as Ray's store is: its path, page size,
+    mmap (m), a numpy view of it and the view's (start, end) region."""
+    import types
     page = os.sysconf("SC_PAGE_SIZE")
     path = os.path.join(SHM, f"plasma-kdn-test-{os.getpid()}")
     with open(path, "w+b") as f:
         f.truncate(64 * page)
         m = mmap.mmap(f.fileno(), 64 * page)
-    yield path, m
+    view = np.frombuffer(m, np.uint8)
+    st = types.SimpleNamespace(path=path, page=page, m=m, view=view,
+                               region=(view.ctypes.data, view.ctypes.data + 64 * page))
+    yield st
+    del st.view, view                 # no export of the mapping left: it can close
     m.close()
     os.unlink(path)
 
@@ -105,12 +111,9 @@ def test_it_populates_only_pages_that_hold_memory_and_each_once():
 
 @linux_shm
 def test_a_fill_allocates_the_first_bytes_only_writes_nothing_and_keeps_its_budget(store):
-    path, m = store
-    page = os.sysconf("SC_PAGE_SIZE")
+    path, m, page, view, region = store.path, store.m, store.page, store.view, store.region
     for i in (3, 4, 5):                                         # an object's bytes already there
         m[i * page:(i + 1) * page] = bytes([i]) * page
-    view = np.frombuffer(m, np.uint8)
-    region = (view.ctypes.data, view.ctypes.data + 64 * page)
     p = Prefaulter(fill_bytes=16 * page, map_resident=False)    # not started: no thread
     assert p.fill(region, budget=5) == 5                        # pages 0-2, 6, 7: the budget
     assert held_bytes(path) == 8 * page and region not in p._filled
@@ -122,16 +125,12 @@ def test_a_fill_allocates_the_first_bytes_only_writes_nothing_and_keeps_its_budg
     assert not view[:3 * page].any() and not view[6 * page:16 * page].any()   # filled: zeros
     assert p.stats()["fill_stopped_why"] is None and p.stats()["fill_bytes"] == 16 * page
     assert p.stats()["filled_bytes"] == 13 * page
-    del view
 
 
 @linux_shm
 def test_a_refused_fill_stops_says_why_and_harms_nothing(store):
-    path, m = store
-    page = os.sysconf("SC_PAGE_SIZE")
+    path, m, page, region = store.path, store.m, store.page, store.region
     m[0:page] = b"x" * page
-    view = np.frombuffer(m, np.uint8)
-    region = (view.ctypes.data, view.ctypes.data + 64 * page)
     p = Prefaulter(fill_bytes=8 * page, map_resident=False)
     real = p._libc
 
@@ -166,15 +165,11 @@ def test_a_refused_fill_stops_says_why_and_harms_nothing(store):
         assert q.fill(region, budget=100) == 0 and region in q._filled
         assert q.stats()["fill_stopped_why"].startswith(why)
     assert held_bytes(path) == page
-    del view
 
 
 @linux_shm
 def test_a_fill_leaves_the_machines_reserve_and_says_so(store, monkeypatch):
-    path, m = store
-    page = os.sysconf("SC_PAGE_SIZE")
-    view = np.frombuffer(m, np.uint8)
-    region = (view.ctypes.data, view.ctypes.data + 64 * page)
+    path, page, region = store.path, store.page, store.region
     spare = [2 * page]                                          # what is available above the reserve
     monkeypatch.setattr(prefault, "_spare_memory", lambda: spare[0])
     p = Prefaulter(fill_bytes=16 * page, map_resident=False)
@@ -183,7 +178,6 @@ def test_a_fill_leaves_the_machines_reserve_and_says_so(store, monkeypatch):
     assert p.fill(region, budget=100) == 0 and region in p._filled
     assert held_bytes(path) == 2 * page
     assert p.stats()["fill_stopped_why"].startswith("this machine's available memory is down to its reserve (25%")
-    del view
 
 
 @linux_shm
@@ -196,10 +190,7 @@ def test_the_spare_memory_is_what_is_available_above_a_quarter_of_the_total():
 
 @linux_shm
 def test_a_fill_only_thread_fills_at_the_lowest_priority_and_ends(store, monkeypatch):
-    path, m = store
-    page = os.sysconf("SC_PAGE_SIZE")
-    view = np.frombuffer(m, np.uint8)
-    region = (view.ctypes.data, view.ctypes.data + 64 * page)
+    path, page, region = store.path, store.page, store.region
     monkeypatch.setattr(prefault, "store_mappings", lambda text: [(*region, path)])
     monkeypatch.setattr(prefault, "_spare_memory", lambda: None)          # whatever this machine has free
     nice = []
@@ -212,7 +203,6 @@ def test_a_fill_only_thread_fills_at_the_lowest_priority_and_ends(store, monkeyp
     assert p.counters["pages_filled"] == 32 and p.counters["passes"] >= 4     # 10 pages a pass
     assert held_bytes(path) == 32 * page and p.counters["pages_populated"] == 0
     assert nice == [(p._thread.native_id, 19)]
-    del view
 
 
 def test_the_thread_reads_this_processs_mappings_each_pass_and_stops_when_asked(monkeypatch):
