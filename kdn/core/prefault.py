@@ -205,8 +205,8 @@ class Prefaulter:
                 self._filled.add(region)
             return 0
         made, last = 0, upto
-        for a, b in runs((vec & 1) == 0):
-            b = min(b, a + budget - made)
+        for a, run_end in runs((vec & 1) == 0):
+            b = min(run_end, a + budget - made)
             if b <= a:
                 last = a
                 break
@@ -221,6 +221,8 @@ class Prefaulter:
             made += b - a
             self.counters["pages_filled"] += b - a
             last = b
+            if b < run_end:                  # the budget ended inside this run: on from here next time
+                break
         self._cursor[region] = at + last
         if at + last >= n:
             self._filled.add(region)
@@ -262,8 +264,9 @@ class Prefaulter:
 def _spare_memory():
     """Bytes a fill may still take: this machine's available memory (/proc/meminfo) above
     RESERVE_SHARE of its total, and within this process's cgroup (v2) memory limit, if it has
-    one, above RESERVE_SHARE of that (past the limit a fill is met by the OOM killer, not an
-    error); None where neither is known."""
+    one, above RESERVE_SHARE of that, its droppable page cache not counted as used (past the
+    limit a fill is met by the OOM killer, not an error; a parent cgroup's limit is not read);
+    None where neither is known."""
     spare = None
     try:
         with open("/proc/meminfo") as f:
@@ -281,6 +284,9 @@ def _spare_memory():
         if limit != "max":
             with open(os.path.join(folder, "memory.current")) as f:
                 used = int(f.read())
+            with open(os.path.join(folder, "memory.stat")) as f:     # page cache it can drop
+                stat = dict(line.split() for line in f if line.count(" ") == 1)
+            used -= int(stat.get("inactive_file", 0))
             within = max(0, int(limit) - used - int(RESERVE_SHARE * int(limit)))
             spare = within if spare is None else min(spare, within)
     except (OSError, StopIteration, ValueError):

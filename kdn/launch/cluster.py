@@ -558,8 +558,22 @@ def _stop_processes(pids, grace_s: float = 5.0) -> None:
         except psutil.Error:
             pass
     # a killed process is gone only once the kernel has freed its memory (a raylet's object
-    # store, its pages all allocated: kdn.core.prefault), so wait for that too
-    psutil.wait_procs(alive, timeout=KILLED_WAIT_S)
+    # store, its pages all allocated: kdn.core.prefault), so wait for that too; a zombie has
+    # (nothing may reap an orphan in a container): it counts as gone
+    deadline = time.monotonic() + KILLED_WAIT_S
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _exiting(p)]
+        if alive:
+            time.sleep(0.05)
+
+
+def _exiting(p) -> bool:
+    """Whether a killed process is still on its way out (not gone, not a zombie)."""
+    import psutil
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def down(before_stop=None) -> dict:

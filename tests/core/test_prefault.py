@@ -109,8 +109,14 @@ def test_it_populates_only_pages_that_hold_memory_and_each_once():
         os.unlink(path)
 
 
+@pytest.fixture
+def plenty(monkeypatch):
+    """Whatever this machine has free, a fill's reserve is not what a test is about."""
+    monkeypatch.setattr(prefault, "_spare_memory", lambda: None)
+
+
 @linux_shm
-def test_a_fill_allocates_the_first_bytes_only_writes_nothing_and_keeps_its_budget(store):
+def test_a_fill_allocates_the_first_bytes_only_writes_nothing_and_keeps_its_budget(store, plenty):
     path, m, page, view, region = store.path, store.m, store.page, store.view, store.region
     for i in (3, 4, 5):                                         # an object's bytes already there
         m[i * page:(i + 1) * page] = bytes([i]) * page
@@ -128,7 +134,20 @@ def test_a_fill_allocates_the_first_bytes_only_writes_nothing_and_keeps_its_budg
 
 
 @linux_shm
-def test_a_refused_fill_stops_says_why_and_harms_nothing(store):
+def test_a_budget_that_ends_inside_a_run_of_holes_goes_on_from_there(store, plenty):
+    path, m, page, region = store.path, store.m, store.page, store.region
+    for i in (3, 4, 5):
+        m[i * page] = 1
+    p = Prefaulter(fill_bytes=16 * page, map_resident=False)
+    got = []
+    while region not in p._filled:
+        got.append(p.fill(region, budget=2))
+        assert len(got) < 20, got
+    assert sum(got) == 13 and held_bytes(path) == 16 * page     # no hole left behind
+
+
+@linux_shm
+def test_a_refused_fill_stops_says_why_and_harms_nothing(store, plenty):
     path, m, page, region = store.path, store.m, store.page, store.region
     m[0:page] = b"x" * page
     p = Prefaulter(fill_bytes=8 * page, map_resident=False)
@@ -189,10 +208,9 @@ def test_the_spare_memory_is_what_is_available_above_a_quarter_of_the_total():
 
 
 @linux_shm
-def test_a_fill_only_thread_fills_at_the_lowest_priority_and_ends(store, monkeypatch):
+def test_a_fill_only_thread_fills_at_the_lowest_priority_and_ends(store, plenty, monkeypatch):
     path, page, region = store.path, store.page, store.region
     monkeypatch.setattr(prefault, "store_mappings", lambda text: [(*region, path)])
-    monkeypatch.setattr(prefault, "_spare_memory", lambda: None)          # whatever this machine has free
     nice = []
     real_setpriority = os.setpriority
     monkeypatch.setattr(os, "setpriority", lambda which, who, prio: nice.append((who, prio))

@@ -231,9 +231,13 @@ def test_an_edge_fills_its_nodes_object_store_up_to_its_capacity_and_is_told_not
         assert time.monotonic() < deadline, fill
         time.sleep(0.2)
     assert fill["fill_bytes"] == 64 << 20 and not fill["fill_errors"]
-    assert fill["fill_stopped_why"] is None or fill["fill_stopped_why"].startswith("this machine's available")
-    if fill["fill_stopped_why"] is None:          # (not a machine short of memory)
-        assert _store_held(64 << 20) == 64 << 20  # allocated: a copy into it takes no fault
+    why = fill["fill_stopped_why"]               # a machine short of memory, a store on a disk
+    assert why is None or why.startswith(("this machine's available", "the object store is not in memory"))
+    if why is None:
+        # the node's first 64 MiB hold memory: filled by the edge, or allocated already by
+        # objects before it (so this also holds where the edge filled none of it)
+        assert _store_held(64 << 20) == 64 << 20
+        assert fill["filled_bytes"] <= 64 << 20 and fill["passes"] >= 1
     topo = Topology.from_dict(net.topology.to_dict())
     extra = topo.add_edge("us-east-8", "us-east", 16 << 20)
     h = start_edge(net.name, extra, topo, auth=AUTH, object_store_fill_bytes=0)

@@ -193,3 +193,23 @@ def test_a_cluster_without_a_log_monitor_starts_none_and_its_workers_still_log_t
     assert ray.get(shout.remote(), timeout=60) == 1
     logs = Path(head.get_logs_dir_path())
     assert any("kdn-log-check" in p.read_text(errors="replace") for p in logs.glob("worker-*.err"))
+
+
+def test_kdn_down_counts_a_killed_process_gone_once_it_is_a_zombie_or_reaped():
+    """`kdn down` waits for what it killed to be gone (a raylet frees its store's memory on the
+    way out), but not for a zombie nothing reaps (an orphan in a container)."""
+    from kdn.launch.cluster import _exiting
+    running = subprocess.Popen(["sleep", "30"])
+    done = subprocess.Popen(["true"])
+    try:
+        p = psutil.Process(done.pid)
+        deadline = time.monotonic() + 10
+        while p.status() != psutil.STATUS_ZOMBIE:          # exited, not reaped yet
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert _exiting(psutil.Process(running.pid)) and not _exiting(p)
+        done.wait()
+        assert not _exiting(p)                             # reaped: no such process
+    finally:
+        running.kill()
+        running.wait()
