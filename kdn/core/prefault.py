@@ -262,19 +262,13 @@ class Prefaulter:
 
 
 def _spare_memory():
-    """Bytes a fill may still take: this machine's available memory (/proc/meminfo) above
+    """Bytes a fill may still take: this machine's available memory (psutil) above
     RESERVE_SHARE of its total, and within this process's cgroup (v2) memory limit, if it has
     one, above RESERVE_SHARE of that, its droppable page cache not counted as used (past the
-    limit a fill is met by the OOM killer, not an error; a parent cgroup's limit is not read);
-    None where neither is known."""
-    spare = None
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        total, avail = (int(info[k].split()[0]) * 1024 for k in ("MemTotal", "MemAvailable"))
-        spare = max(0, avail - int(RESERVE_SHARE * total))
-    except (OSError, KeyError, ValueError):
-        pass
+    limit a fill is met by the OOM killer, not an error; a parent cgroup's limit is not read)."""
+    import psutil
+    mem = psutil.virtual_memory()
+    spare = max(0, mem.available - int(RESERVE_SHARE * mem.total))
     try:
         with open("/proc/self/cgroup") as f:
             own = next(line.split("::", 1)[1].strip() for line in f if line.startswith("0::"))
@@ -288,7 +282,7 @@ def _spare_memory():
                 stat = dict(line.split() for line in f if line.count(" ") == 1)
             used -= int(stat.get("inactive_file", 0))
             within = max(0, int(limit) - used - int(RESERVE_SHARE * int(limit)))
-            spare = within if spare is None else min(spare, within)
+            spare = min(spare, within)
     except (OSError, StopIteration, ValueError):
         pass
     return spare

@@ -7,7 +7,8 @@ HTTP server binds: "node" for its Ray node's, so peers on other hosts reach it),
 kdn/edge/events.py), `data_plane`, `peer_streams` and `pull_into` (how it pulls from peers,
 kdn/edge/dataplane.py), `object_store_fill_bytes` (how much of its node's object store it has
 allocated at start: its capacity by default, 0 for none; kdn.core.prefault). The launcher
-(kdn/launch/cluster.py) checks every edge's here before it starts anything, so a typo or a bad value is one TopologyError naming the file and the edge.
+(kdn/launch/cluster.py) checks every edge's here before it starts anything, so a typo or a
+bad value is one TopologyError naming the file and the edge.
 """
 import ipaddress
 

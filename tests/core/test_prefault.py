@@ -20,7 +20,7 @@ MAPS = """\
 55d0c0000000-55d0c0021000 r-xp 00000000 08:01 131  /usr/bin/python3.11
 7f217c000000-7f21bc000000 rw-s 00000000 00:1b 79   /dev/shm/plasmaLQngck (deleted)
 7f21bc000000-7f21bc100000 rw-p 00000000 00:00 0
-7f21c0000000-7f21c0200000 r--s 00000000 00:1b 80   /tmp/ray/plasma_store_file
+7f21c0000000-7f21c0200000 r--s 00000000 00:1b 80   /var/tmp/ray/plasma_store_file
 7f21d0000000-7f21d0200000 rw-p 00000000 00:1b 81   /dev/shm/plasmaPrivate
 """
 
@@ -28,22 +28,22 @@ MAPS = """\
 def test_only_shared_mappings_of_the_object_store_are_read_as_it():
     assert store_regions(MAPS) == [(0x7f217c000000, 0x7f21bc000000), (0x7f21c0000000, 0x7f21c0200000)]
     assert store_regions("") == []
-    assert [m[2] for m in store_mappings(MAPS)] == ["/dev/shm/plasmaLQngck", "/tmp/ray/plasma_store_file"]
+    assert [m[2] for m in store_mappings(MAPS)] == ["/dev/shm/plasmaLQngck", "/var/tmp/ray/plasma_store_file"]
 
 
 MOUNTS = """\
 /dev/vda1 / ext4 rw,relatime 0 0
 tmpfs /dev/shm tmpfs rw,nosuid,nodev 0 0
 hugetlbfs /mnt/huge\\040pages hugetlbfs rw 0 0
-tmpfs /tmp/ray tmpfs rw 0 0
+tmpfs /var/tmp/ray tmpfs rw 0 0
 """
 
 
 def test_only_a_store_in_memory_is_filled_by_its_mount():
     assert in_memory("/dev/shm/plasmaLQngck", MOUNTS)
     assert in_memory("/mnt/huge pages/plasma", MOUNTS)
-    assert in_memory("/tmp/ray/plasma_store_file", MOUNTS)           # the longest mount point wins
-    assert not in_memory("/tmp/plasmaXYZ", MOUNTS)                   # Ray's fallback on a disk
+    assert in_memory("/var/tmp/ray/plasma_store_file", MOUNTS)           # the longest mount point wins
+    assert not in_memory("/var/tmp/plasmaXYZ", MOUNTS)                   # Ray's fallback on a disk
     assert not in_memory("/dev/shmx/plasma", MOUNTS) and not in_memory("/x", "")
 
 
