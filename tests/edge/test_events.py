@@ -9,7 +9,6 @@ own port): the events of every edge match what it holds after a publish, and an 
 and restarted starts over with AllBlocksCleared and announces what it holds again.
 """
 import time
-import uuid
 
 import msgspec
 import numpy as np
@@ -52,15 +51,23 @@ class Subscriber:
         self.next_seq = seq + 1
 
     def drain(self, quiet_s=0.4, timeout_s=20.0, until=None):
-        """Receive until nothing came for quiet_s (and until(self) holds, when given)."""
+        """Receive until nothing came for quiet_s (and until(self) holds, when given). Batches
+        sent before this SUB socket joined (ZMQ's slow joiner: a busy machine) or lost in
+        between come from the replay socket, in order, as a router gets them."""
         t0 = last = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             if self.sub.poll(50):
                 topic, seq, payload = self.sub.recv_multipart()
                 assert len(seq) == 8
+                seq = int.from_bytes(seq, "big")
+                if seq > self.next_seq:          # a gap: the replay socket has what it missed
+                    for s, b in self.replay(self.next_seq):
+                        if s < seq:
+                            self.frames.append((topic, s, b))
+                            self.apply(s, b)
                 batch = VLLM.decode(payload)
-                self.frames.append((topic, int.from_bytes(seq, "big"), batch))
-                self.apply(int.from_bytes(seq, "big"), batch)
+                self.frames.append((topic, seq, batch))
+                self.apply(seq, batch)
                 last = time.monotonic()
             elif time.monotonic() - last > quiet_s and (until is None or until(self)):
                 return self
