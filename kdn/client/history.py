@@ -82,12 +82,21 @@ class History:
         key = first_key(tokens, self.tenant, self.fingerprint, start_chunk, self.chunk_tokens)
         if key is None:
             return None
-        try:
-            edge = self.view.ring.owners_in(key, region)[0]
-        except PlacementError:            # no edge in that region (any more)
+        edge = self._owner(key, region)
+        if edge is None:
             return None
         scope = conversation_scope(edge, salt)
         return edge, scope, conversation_namespace(self.tenant, self.fingerprint, scope)
+
+    def _owner(self, key: bytes, region: str):
+        """The key's owner among region's edges; None when the ring has none there, after
+        membership re-read once (NetworkView.recheck: the ring in hand may predate an edge's return)."""
+        for last in (False, True):
+            try:
+                return self.view.ring.owners_in(key, region)[0]
+            except PlacementError:        # no edge in that region (any more, or not yet in this view)
+                if last or not self.view.recheck():
+                    return None
 
     def regions(self, hints=()) -> list:
         """Regions to look in: this worker's, the hinted ones, then the rest nearest first (by

@@ -34,6 +34,7 @@ SUSPECT_S = 10.0              # a failed edge is tried last for this long
 RETRY_PAUSE_S = 0.2           # between tries of a restarting origin
 EDGE_MEMBERSHIP_TIMEOUT_S = 2.0
 LINK_FRESH_S = 60.0           # a link's measurement ranks edges this long after its last fetch
+RECHECK_S = 2.0               # a view re-reads membership for a region it holds no edge of at most this often
 LINK_MIN_FETCHES = 2          # fetches over an edge's HTTP frames measured before they rank it
 
 
@@ -81,6 +82,7 @@ class NetworkView:
     # --- membership ----------------------------------------------------------------------
     def refresh(self) -> None:
         """Re-read membership and topology (from the origin, else the newest an edge has)."""
+        self._read_at = time.monotonic()
         try:
             m = self.origin().membership()
         except Unreachable:
@@ -115,6 +117,19 @@ class NetworkView:
                 self.refresh()
             except NetworkError:
                 pass
+
+    def recheck(self) -> bool:
+        """Re-read membership unless this view read it within RECHECK_S; True when it did. For
+        a caller that found no edge where its region should have one: an edge the origin's
+        health watch dropped comes back under a newer version, and a caller that then calls
+        no edge (so follow() never runs) would not learn it otherwise. Best effort, as follow()."""
+        if time.monotonic() - self._read_at < RECHECK_S:
+            return False
+        try:
+            self.refresh()
+        except NetworkError:
+            return False
+        return True
 
     # --- calls: stubs of kdn.core.interfaces ---------------------------------------------
     def writes(self, token: str = None) -> OriginWrites:

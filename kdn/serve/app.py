@@ -639,15 +639,21 @@ class Ingress:
         from starlette.responses import StreamingResponse
 
         async def relay():
+            ended = False
             try:
                 async for piece in gen:
                     yield piece
+                ended = True
             except (RayActorError, RayTaskError, serve.exceptions.RayServeException) as e:
                 # the worker died or failed mid-answer: end with an error event (the openai
                 # client raises APIError on it), never with an end that looks complete
+                ended = True
                 self.counters["broken_streams"] += 1
                 yield sse(error_body(503, f"the answer broke off: its worker failed ({type(e).__name__}); "
                                           "retry the request", "stream_broken"))
+            finally:
+                if not ended:   # the caller left mid-answer (this relay cancelled or closed):
+                    gen.cancel()    # the worker stops now, not whenever Ray's cancel reaches it
         return StreamingResponse(relay(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **(routed or {})})
 

@@ -49,3 +49,27 @@ def test_origin_calls_carry_the_admin_token_and_give_up_at_their_deadline(net):
     with pytest.raises(Unreachable, match="did not answer stats within 1 s"):
         v.origin(1.0).stats()
     assert 0.8 < time.monotonic() - t0 < 5
+
+
+def test_a_region_the_views_ring_has_no_edge_in_is_read_again_before_it_is_given_up(net, monkeypatch):
+    """An edge the ring dropped and took back (as the origin's health watch does for an edge
+    that stopped answering): a view that read membership in between holds a ring with no edge
+    in that region, and a History that calls no edge would never learn otherwise. Its next
+    home() re-reads membership (at most every RECHECK_S) and finds the edge again."""
+    from kdn.client import view as view_module
+    from kdn.client.history import History
+    v = NetworkView(net.name, region="eu-west", admin_token=ADMIN)
+    tokens = list(range(600))                       # two whole chunks
+    h = History(v, "acme", "fp")
+    assert h.home(tokens, 0, "eu-west")[0] == "eu-west-0"
+    v.origin().remove_edge("eu-west-0")
+    v.refresh()
+    v.origin().add_edge("eu-west-0", "eu-west")
+    version = v.membership["version"]
+    assert "eu-west" not in v.ring.regions, "this view read the ring without it"
+    assert h.home(tokens, 0, "eu-west") is None, "read within RECHECK_S: not read again"
+    assert v.membership["version"] == version
+    monkeypatch.setattr(view_module, "RECHECK_S", 0.0)
+    edge, scope, ns = h.home(tokens, 0, "eu-west")
+    assert edge == "eu-west-0" and v.membership["version"] > version
+    assert h.home(tokens, 0, "mars") is None        # a region with no edge at all: still None

@@ -285,7 +285,7 @@ def test_a_conversation_kept_by_one_vllm_engine_is_read_by_another_in_another_re
     assert k["history"]["region"] == "us-east" and k["history"]["fetched"], k
     assert k["loaded"] >= len(t1["prompt"]) // 256 * 256 and k["history_from"] == "us-east-0", k
     assert t2["tokens"] == full["tokens"]
-    assert t2["kept"]["edge"] == "eu-west-0" and t2["kept"]["held"] == 0, "kept at home in eu-west"
+    assert t2["kept"]["edge"] == "eu-west-0" and t2["kept"]["held"] == 0, f"kept at home in eu-west: {t2['kept']}"
     # a salt narrows it: neither KDN's conversation nor vLLM's own cache is shared across salts
     other = ray.get(west.converse.remote(second, 1, salt="|someone-else"), timeout=600)
     assert other["kdn"]["local"] == 0 and other["kdn"].get("external", 0) == 0, other["kdn"]
