@@ -43,8 +43,13 @@ prepare_ray_env()
 # node that is alive but slow still has the default 10 s per check to answer, 5 times running.
 # Each node's dashboard agent samples every worker process's stats for Ray's own metrics,
 # which no test reads, every 5 s by default: once a minute here (about 40% of its CPU).
+# Edges do not allocate their node's object store ahead (KDN_OBJECT_STORE_FILL_BYTES=0,
+# kdn.edge.options.fill_bytes): the suite starts hundreds of short-lived edges and dozens of
+# nodes, and the fill costs 0.6-0.7 CPU-s per GiB here (tools/fill_cpu.py) for stores the
+# tests barely use. The fill's own tests ask for it by name; the README's walk runs with the
+# default.
 for _k, _v in {"RAY_health_check_period_ms": "1000", "RAY_health_check_initial_delay_ms": "1000",
-               "REPORTER_UPDATE_INTERVAL_MS": "60000"}.items():
+               "REPORTER_UPDATE_INTERVAL_MS": "60000", "KDN_OBJECT_STORE_FILL_BYTES": "0"}.items():
     os.environ.setdefault(_k, _v)
 
 REGIONS = ("us-east", "eu-west", "ap-south")

@@ -180,6 +180,7 @@ def test_readme_runs_as_written(tmp_path):
     logs.mkdir()
     env = dict(os.environ, KDN_HOME=str(home))
     env.pop("RAY_ADDRESS", None)
+    env.pop("KDN_OBJECT_STORE_FILL_BYTES", None)     # the reader's default (tests/conftest.py)
     kdn, state_file = Runner(env, logs), home / "cluster.json"
     _refused_before_start(kdn, state_file)
     outputs, tree, checked_up = [], {}, False

@@ -34,7 +34,8 @@ SUSPECT_S = 10.0              # a failed edge is tried last for this long
 RETRY_PAUSE_S = 0.2           # between tries of a restarting origin
 EDGE_MEMBERSHIP_TIMEOUT_S = 2.0
 LINK_FRESH_S = 60.0           # a link's measurement ranks edges this long after its last fetch
-RECHECK_S = 2.0               # a view re-reads membership for a region it holds no edge of at most this often
+RECHECK_S = 5.0               # a view re-reads membership for a region it holds no edge of at most this often
+RECHECK_TIMEOUT_S = 1.0       # and gives the origin this long to answer
 LINK_MIN_FETCHES = 2          # fetches over an edge's HTTP frames measured before they rank it
 
 
@@ -87,6 +88,9 @@ class NetworkView:
             m = self.origin().membership()
         except Unreachable:
             m = self._membership_from_edges()
+        self._take(m)
+
+    def _take(self, m: dict) -> None:
         self.membership = m
         self.topology = Topology.from_dict(m["topology"])
         self.ring = Ring([Edge(*e) for e in m["members"]])
@@ -119,16 +123,22 @@ class NetworkView:
                 pass
 
     def recheck(self) -> bool:
-        """Re-read membership unless this view read it within RECHECK_S; True when it did. For
-        a caller that found no edge where its region should have one: an edge the origin's
-        health watch dropped comes back under a newer version, and a caller that then calls
-        no edge (so follow() never runs) would not learn it otherwise. Best effort, as follow()."""
+        """Re-read membership unless this view read it within RECHECK_S; True when that gave a
+        newer one. For a caller that found no edge where its region should have one: an edge
+        the origin's health watch dropped comes back under a newer version, and a caller that
+        then calls no edge (so follow() never runs) would not learn it otherwise. Best effort,
+        as follow(), and bounded: the origin gets RECHECK_TIMEOUT_S, and while it is down the
+        caller goes on with the ring in hand (at most one such wait every RECHECK_S)."""
         if time.monotonic() - self._read_at < RECHECK_S:
             return False
-        try:
-            self.refresh()
-        except NetworkError:
+        self._read_at = time.monotonic()
+        try:            # the origin only, briefly: this runs in a request's path
+            m = self.origin(RECHECK_TIMEOUT_S).membership()
+        except Unreachable:
             return False
+        if m["version"] <= self.membership.get("version", 0):
+            return False
+        self._take(m)
         return True
 
     # --- calls: stubs of kdn.core.interfaces ---------------------------------------------

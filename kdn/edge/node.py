@@ -16,7 +16,9 @@ converges by itself. With a disk tier (disk_bytes, disk_dir: kdn/edge/disk.py), 
 writes memory's victims and pulled-through fills to disk, off the readers' time. With
 kv_events (kdn/edge/events.py), what the tiers hold and drop is published as vLLM KV events.
 A thread has the kernel allocate the first `object_store_fill_bytes` of this node's object
-store (the edge's capacity by default; kdn.core.prefault), so copies into it take no page fault.
+store (the edge's capacity by default, or KDN_OBJECT_STORE_FILL_BYTES where the node's
+environment sets it: kdn.edge.options.fill_bytes; kdn.core.prefault), so copies into it take
+no page fault.
 The origin's drops (kdn/edge/drops.py) win over every copy on its way in (kdn/edge/tombstones.py):
 pushes and repairs carry the drop-log position their bytes were read at, and an owner asked
 by an edge that applied more of the log than it has answers nothing until it catches up.
@@ -41,6 +43,7 @@ from kdn.edge.disk import DiskTier
 from kdn.edge.drops import Replay
 from kdn.edge.forms import Forms, corrupted
 from kdn.edge.membership import Membership
+from kdn.edge.options import fill_bytes
 from kdn.edge.peers import PEER_TIMEOUT_S, Peers
 from kdn.edge.pull import Pull
 from kdn.edge.reads import MAX_REPLY_BYTES, Reads, check_keys
@@ -128,8 +131,7 @@ class EdgeNode:
                                   backlog_wait_s=check_number(store_backlog_wait_s, "store_backlog_wait_s", 0, 60))
         # this node's object store allocated ahead of the copies into it, up to this edge's
         # capacity by default: memory a busy edge takes anyway (kdn.core.prefault)
-        fill = capacity_bytes if object_store_fill_bytes is None else check_int(
-            object_store_fill_bytes, "object_store_fill_bytes", 0)
+        fill = fill_bytes(object_store_fill_bytes, capacity_bytes)
         self.prefault = Prefaulter(fill_bytes=fill, map_resident=False).start() if ray.is_initialized() and fill else None
         self.counters = collections.Counter()
         self.started = time.time()

@@ -6,17 +6,21 @@ they are written and knows nothing of what they mean; they are the edge's: `disk
 HTTP server binds: "node" for its Ray node's, so peers on other hosts reach it), `kv_events` (KV events,
 kdn/edge/events.py), `data_plane`, `peer_streams` and `pull_into` (how it pulls from peers,
 kdn/edge/dataplane.py), `object_store_fill_bytes` (how much of its node's object store it has
-allocated at start: its capacity by default, 0 for none; kdn.core.prefault). The launcher
+allocated at start: its capacity by default, 0 for none, and where the file says nothing,
+KDN_OBJECT_STORE_FILL_BYTES in the environment of the node's Ray processes; kdn.core.prefault). The launcher
 (kdn/launch/cluster.py) checks every edge's here before it starts anything, so a typo or a
 bad value is one TopologyError naming the file and the edge.
 """
 import ipaddress
+import os
 
 from kdn.core.checks import check_int
 from kdn.core.errors import BadRequest, TopologyError
 from kdn.core.dataplane import MODES
 from kdn.edge.dataplane import INTO
 from kdn.edge.events import check_kv_events
+
+FILL_ENV = "KDN_OBJECT_STORE_FILL_BYTES"     # the default object_store_fill_bytes of a node's edges
 
 OPTIONS = ("disk_bytes", "disk_dir", "kv_events", "data_plane", "peer_streams", "pull_into", "http_host",
            "object_store_fill_bytes")
@@ -71,3 +75,20 @@ def check_edge_options(options: dict, where: str) -> dict:
         out["peer_streams"] = check_int(options["peer_streams"], f"{where}: peer_streams", 1, 16,
                                         error=TopologyError)
     return out
+
+
+def fill_bytes(given, capacity_bytes: int, environ=None) -> int:
+    """How much of its node's object store an edge allocates at start (kdn.core.prefault): its
+    object_store_fill_bytes where given; else KDN_OBJECT_STORE_FILL_BYTES where the environment
+    sets it (a node's default: 0 turns the fill off for every edge there, e.g. for short-lived
+    networks, which would pay for memory they never use: 0.6-0.7 CPU-s per GiB on a 2-core VM,
+    tools/fill_cpu.py);
+    else the edge's capacity, memory a busy edge takes anyway."""
+    if given is not None:
+        return check_int(given, "object_store_fill_bytes", 0)
+    raw = (os.environ if environ is None else environ).get(FILL_ENV, "").strip()
+    if not raw:
+        return capacity_bytes
+    if not raw.isdigit():
+        raise BadRequest(f"{FILL_ENV} must be a whole number of bytes >= 0, got {raw!r:.40}")
+    return int(raw)

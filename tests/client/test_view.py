@@ -73,3 +73,6 @@ def test_a_region_the_views_ring_has_no_edge_in_is_read_again_before_it_is_given
     edge, scope, ns = h.home(tokens, 0, "eu-west")
     assert edge == "eu-west-0" and v.membership["version"] > version
     assert h.home(tokens, 0, "mars") is None        # a region with no edge at all: still None
+    v.actors = Actors(f"gone{uuid.uuid4().hex[:6]}")  # the origin down: the request goes on soon
+    t0 = time.monotonic()
+    assert h.home(tokens, 0, "mars") is None and time.monotonic() - t0 < 1.0 + 2.0

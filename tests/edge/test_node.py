@@ -48,7 +48,7 @@ def _start(name, tmp, **edge_options):
 @pytest.fixture(scope="module")
 def net(ray_cluster, tmp_path_factory):
     n = _start(f"node{uuid.uuid4().hex[:8]}", tmp_path_factory.mktemp("origin"),
-               max_reply_bytes=int(2.5 * CHUNK_BYTES))
+               max_reply_bytes=int(2.5 * CHUNK_BYTES), object_store_fill_bytes=64 << 20)
     kbs = {}
     for seed, (tenant, token) in enumerate((("acme", ACME), ("beta", BETA))):
         toks, kv = _tokens(N_TOKENS, seed), _kv(N_TOKENS, seed)
@@ -224,7 +224,10 @@ def _store_held(n_bytes: int) -> int:
     return int((vec & 1).sum()) * page
 
 
-def test_an_edge_fills_its_nodes_object_store_up_to_its_capacity_and_is_told_not_to(net):
+def test_an_edge_fills_its_nodes_object_store_as_told_and_is_told_not_to(net):
+    """An edge given object_store_fill_bytes (here its capacity, the default where the node's
+    environment says nothing: tests/edge/test_options.py) has that much of its node's store
+    allocated; one given 0 starts no fill."""
     edge = net.edge("us-east-0")                 # on the head node: this process's node
     deadline = time.monotonic() + 60
     while (fill := _call(edge, "stats", token=ADMIN)["object_store_fill"])["running"]:

@@ -1,9 +1,9 @@
 """An edge's settings from the topology file (kdn/edge/options.py): checked by the edge's
 rules, each error naming the file and the edge; the launcher refuses a bad file before
-anything starts."""
+anything starts. The object-store fill's default, from a node's environment."""
 import pytest
 
-from kdn.core.errors import TopologyError
+from kdn.core.errors import BadRequest, TopologyError
 from kdn.edge.options import check_edge_options
 from kdn.placement.topology import Topology
 
@@ -42,3 +42,17 @@ def test_the_launcher_refuses_a_bad_file_before_starting_anything(tmp_path):
     topo = Topology.from_dict(t)
     with pytest.raises(TopologyError, match="disk_bytes"):
         start_network(topo, tmp_path / "origin", network="never-started")   # no Ray needed: refused first
+
+
+def test_the_fill_is_the_edges_own_setting_else_its_nodes_environment_else_its_capacity():
+    from kdn.edge.options import FILL_ENV, fill_bytes
+    assert fill_bytes(None, 1 << 30, {}) == 1 << 30                          # the default: its capacity
+    assert fill_bytes(None, 1 << 30, {FILL_ENV: "0"}) == 0                   # a node's default
+    assert fill_bytes(None, 1 << 30, {FILL_ENV: " 268435456 "}) == 256 << 20
+    assert fill_bytes(None, 1 << 30, {FILL_ENV: ""}) == 1 << 30              # set but empty: unset
+    assert fill_bytes(5, 1 << 30, {FILL_ENV: "0"}) == 5                      # the edge's own wins
+    for bad in ("-1", "1G", "0x10"):
+        with pytest.raises(BadRequest, match=f"KDN_OBJECT_STORE_FILL_BYTES must be a whole number.*{bad}"):
+            fill_bytes(None, 1 << 30, {FILL_ENV: bad})
+    with pytest.raises(BadRequest, match="object_store_fill_bytes"):
+        fill_bytes(-1, 1 << 30, {})
