@@ -26,7 +26,8 @@ store's memory: on a 2-core AMD EPYC a 256 MiB `ray.put` took 135 ms into store 
 the node, 65-75 ms into memory the node had allocated but this process had not mapped, and
 18-20 ms into memory mapped here. Ray's store hands memory out from its lowest addresses up,
 and keeps what it has allocated, so filling the lowest bytes takes at start the memory a busy
-edge would take anyway (its capacity, by default: the edge's `object_store_fill_bytes`). A
+edge would take anyway (its capacity, by default: the edge's `object_store_fill_bytes`, or
+KDN_OBJECT_STORE_FILL_BYTES from its node's environment, kdn.edge.options.fill_bytes). A
 fill leaves RESERVE_SHARE of the machine's memory available (several nodes' stores share one
 machine in a test or a demo), and one that reaches that reserve or is refused stops and says
 why; the rest of the store is then allocated as it is used, as without it.

@@ -89,6 +89,6 @@ def fill_bytes(given, capacity_bytes: int, environ=None) -> int:
     raw = (os.environ if environ is None else environ).get(FILL_ENV, "").strip()
     if not raw:
         return capacity_bytes
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()):
         raise BadRequest(f"{FILL_ENV} must be a whole number of bytes >= 0, got {raw!r:.40}")
     return int(raw)

@@ -285,9 +285,10 @@ def start_network(topology, root, network: str = "kdn", detached: bool = False,
     check_node_name(network, "network name")                                # before anything starts
     check_store_codec((origin_options or {}).get("store_codec", "raw"), "origin")
     check_store_codec((edge_options or {}).get("store_codec", "raw"), "edge")
-    from kdn.edge.options import check_edge_options
+    from kdn.edge.options import check_edge_options, fill_bytes
     for e in topology.edges:                                  # every edge's, before anything starts
         check_edge_options(topology.edge_options(e.name), f"{topology.source}: edge {e.name!r}")
+    fill_bytes(None, 0)          # KDN_OBJECT_STORE_FILL_BYTES here (an embedded cluster's nodes inherit it)
     from kdn.origin.objects import is_bucket
     root = str(root) if is_bucket(str(root)) else str(Path(root).absolute())
     ocls = ray.remote(_origin_class())

@@ -52,6 +52,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import time
 
@@ -636,26 +637,45 @@ class Ingress:
     def _streaming(self, gen, routed: dict = None):
         from ray import serve
         from ray.exceptions import RayActorError, RayTaskError
-        from starlette.responses import StreamingResponse
+        ended = []
 
         async def relay():
-            ended = False
             try:
                 async for piece in gen:
                     yield piece
-                ended = True
             except (RayActorError, RayTaskError, serve.exceptions.RayServeException) as e:
                 # the worker died or failed mid-answer: end with an error event (the openai
                 # client raises APIError on it), never with an end that looks complete
-                ended = True
                 self.counters["broken_streams"] += 1
                 yield sse(error_body(503, f"the answer broke off: its worker failed ({type(e).__name__}); "
                                           "retry the request", "stream_broken"))
+            ended.append(True)
+
+        def left():
+            if not ended:       # the caller left mid-answer (the response cancelled or its send failed):
+                gen.cancel()    # the worker stops now, not whenever Ray's cancel reaches it
+        return _relayed_class()(relay(), left, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", **(routed or {})})
+
+
+@functools.cache
+def _relayed_class():
+    """StreamingResponse with on_exit() run however its sending ends: sent, the caller gone (the
+    response cancelled, a send failed), or before its body was first read. (A body generator's
+    own finally runs only where the cancel finds it awaiting; otherwise when it is collected.)"""
+    from starlette.responses import StreamingResponse
+
+    class Relayed(StreamingResponse):
+        def __init__(self, content, on_exit, **kw):
+            super().__init__(content, **kw)
+            self.on_exit = on_exit
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
             finally:
-                if not ended:   # the caller left mid-answer (this relay cancelled or closed):
-                    gen.cancel()    # the worker stops now, not whenever Ray's cancel reaches it
-        return StreamingResponse(relay(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **(routed or {})})
+                self.on_exit()
+    return Relayed
 
 
 def nearest_regions(topology, regions) -> dict:

@@ -62,6 +62,7 @@ def test_a_region_the_views_ring_has_no_edge_in_is_read_again_before_it_is_given
     tokens = list(range(600))                       # two whole chunks
     h = History(v, "acme", "fp")
     assert h.home(tokens, 0, "eu-west")[0] == "eu-west-0"
+    monkeypatch.setattr(view_module, "RECHECK_S", 3600.0)  # read just now, however slow the calls below
     v.origin().remove_edge("eu-west-0")
     v.refresh()
     v.origin().add_edge("eu-west-0", "eu-west")

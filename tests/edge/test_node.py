@@ -227,7 +227,7 @@ def _store_held(n_bytes: int) -> int:
 def test_an_edge_fills_its_nodes_object_store_as_told_and_is_told_not_to(net):
     """An edge given object_store_fill_bytes (here its capacity, the default where the node's
     environment says nothing: tests/edge/test_options.py) has that much of its node's store
-    allocated; one given 0 starts no fill."""
+    allocated; one given nothing, on a node whose environment says 0, starts no fill."""
     edge = net.edge("us-east-0")                 # on the head node: this process's node
     deadline = time.monotonic() + 60
     while (fill := _call(edge, "stats", token=ADMIN)["object_store_fill"])["running"]:
@@ -243,7 +243,8 @@ def test_an_edge_fills_its_nodes_object_store_as_told_and_is_told_not_to(net):
         assert fill["filled_bytes"] <= 64 << 20 and fill["passes"] >= 1
     topo = Topology.from_dict(net.topology.to_dict())
     extra = topo.add_edge("us-east-8", "us-east", 16 << 20)
-    h = start_edge(net.name, extra, topo, auth=AUTH, object_store_fill_bytes=0)
+    # no setting: the node's environment's (tests/conftest.py: KDN_OBJECT_STORE_FILL_BYTES=0)
+    h = start_edge(net.name, extra, topo, auth=AUTH)
     assert _call(h, "stats", token=ADMIN)["object_store_fill"] is None
     ray.kill(h, no_restart=True)
 

@@ -51,8 +51,17 @@ def test_the_fill_is_the_edges_own_setting_else_its_nodes_environment_else_its_c
     assert fill_bytes(None, 1 << 30, {FILL_ENV: " 268435456 "}) == 256 << 20
     assert fill_bytes(None, 1 << 30, {FILL_ENV: ""}) == 1 << 30              # set but empty: unset
     assert fill_bytes(5, 1 << 30, {FILL_ENV: "0"}) == 5                      # the edge's own wins
-    for bad in ("-1", "1G", "0x10"):
+    for bad in ("-1", "1G", "0x10", "\u00b2"):
         with pytest.raises(BadRequest, match=f"KDN_OBJECT_STORE_FILL_BYTES must be a whole number.*{bad}"):
             fill_bytes(None, 1 << 30, {FILL_ENV: bad})
     with pytest.raises(BadRequest, match="object_store_fill_bytes"):
         fill_bytes(-1, 1 << 30, {})
+
+
+def test_a_bad_fill_in_the_launchers_environment_is_refused_before_anything_starts(monkeypatch, tmp_path):
+    from kdn.edge.options import FILL_ENV
+    from kdn.launch.cluster import start_network
+    monkeypatch.setenv(FILL_ENV, "2GiB")
+    with pytest.raises(BadRequest, match="KDN_OBJECT_STORE_FILL_BYTES must be a whole number.*2GiB"):
+        start_network(Topology.default_local(["us-east"]), tmp_path / "origin", network="nofill")
+    assert not (tmp_path / "origin").exists()
