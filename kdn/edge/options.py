@@ -6,10 +6,11 @@ they are written and knows nothing of what they mean; they are the edge's: `disk
 HTTP server binds: "node" for its Ray node's, so peers on other hosts reach it), `kv_events` (KV events,
 kdn/edge/events.py), `data_plane`, `peer_streams` and `pull_into` (how it pulls from peers,
 kdn/edge/dataplane.py), `object_store_fill_bytes` (how much of its node's object store it has
-allocated at start: its capacity by default, 0 for none, and where the file says nothing,
-KDN_OBJECT_STORE_FILL_BYTES in the environment of the node's Ray processes; kdn.core.prefault). The launcher
-(kdn/launch/cluster.py) checks every edge's here before it starts anything, so a typo or a
-bad value is one TopologyError naming the file and the edge.
+allocated at start: 0 for none; where the file says nothing, KDN_OBJECT_STORE_FILL_BYTES in the
+environment of the node's Ray processes, else its capacity: fill_bytes; kdn.core.prefault). The
+launcher (kdn/launch/cluster.py) checks every edge's here before it starts anything, so a typo
+or a bad value is one TopologyError naming the file and the edge (a bad environment value, one
+BadRequest naming the variable).
 """
 import ipaddress
 import os
@@ -82,8 +83,7 @@ def fill_bytes(given, capacity_bytes: int, environ=None) -> int:
     object_store_fill_bytes where given; else KDN_OBJECT_STORE_FILL_BYTES where the environment
     sets it (a node's default: 0 turns the fill off for every edge there, e.g. for short-lived
     networks, which would pay for memory they never use: 0.6-0.7 CPU-s per GiB on a 2-core VM,
-    tools/fill_cpu.py);
-    else the edge's capacity, memory a busy edge takes anyway."""
+    tools/fill_cpu.py); else the edge's capacity, memory a busy edge takes anyway."""
     if given is not None:
         return check_int(given, "object_store_fill_bytes", 0)
     raw = (os.environ if environ is None else environ).get(FILL_ENV, "").strip()
