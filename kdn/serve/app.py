@@ -346,8 +346,9 @@ class Ingress:
         self.home = node_region()
         self.in_flight = collections.Counter()  # region -> this replica's requests there now
         self.affinity = Affinity()              # conversation -> the region that answered it
-        # requests, streams, errors_<status>, broken_streams, region_<name>, route_<outcome>,
-        # tier_<tier>, route_decisions, route_decision_us, retried_replica_died
+        # requests, streams, errors_<status>, broken_streams, streams_left (callers gone
+        # mid-answer), region_<name>, route_<outcome>, tier_<tier>, route_decisions,
+        # route_decision_us, retried_replica_died
         self.counters = collections.Counter()
         self._publisher = None
         self.publish_failure = None   # the bug that stopped the counter loop, if one did
@@ -653,6 +654,7 @@ class Ingress:
 
         def left():
             if not ended:       # the caller left mid-answer (the response cancelled or its send failed):
+                self.counters["streams_left"] += 1
                 gen.cancel()    # the worker stops now, not whenever Ray's cancel reaches it
         return _relayed_class()(relay(), left, media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", **(routed or {})})

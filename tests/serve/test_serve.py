@@ -504,16 +504,21 @@ def test_a_killed_router_is_no_outage(service, model):
 
 
 def test_a_stream_left_mid_answer_stops_and_the_next_is_answered(service, model):
-    """A caller that goes away after a few tokens of a long answer: the replica stops
-    generating (the rest would hold up every request behind it) and answers the next."""
+    """A caller that goes away after a few tokens of a long answer: the router counts it gone
+    and cancels the answer at its worker, whose replica stops generating (the rest would hold
+    up every request behind it) and answers the next."""
     from ray import serve as ray_serve
+    from kdn.serve import metrics
     from kdn.serve.app import app_name
     handle = ray_serve.get_deployment_handle("us-east", app_name=app_name(service["network"]))
 
     def generated():
         st = handle.stats.remote().result()
         return st["counters"].get("aborted", 0), sum(c.get("completion_tokens", 0) for c in st["chats"].values())
+    def left():      # streams the routers saw their callers leave (kdn_serve_events_total)
+        return metrics.gather(service["network"])["counters"].get("streams_left", 0)
     aborted, tokens = generated()
+    was_left = left()
     c = _client(service["info"]["regions"]["us-east"])
     stream = c.chat.completions.create(model=f"{MODEL_NAME}@rights", max_tokens=400, stream=True,
                                        messages=[{"role": "user", "content": "Recite every amendment."}])
@@ -531,6 +536,10 @@ def test_a_stream_left_mid_answer_stops_and_the_next_is_answered(service, model)
     now_aborted, now_tokens = generated()
     assert now_aborted == aborted + 1
     assert now_tokens - tokens - r.usage.completion_tokens < 100     # not the 400 asked for
+    while left() == was_left:       # the router cancelled it at the worker (published every period)
+        assert time.monotonic() < deadline, "the router never counted its caller gone"
+        time.sleep(0.2)
+    assert left() == was_left + 1
 
 
 def test_the_bench_measures_this_service(service):
