@@ -326,7 +326,7 @@ class Objects:
                 got = self.view.writes(self.token).put("objects", chunks, STORE_TIMEOUT_S)
         except AccessDenied as e:
             self.counters["store_refused"] += 1
-            raise AccessDenied(f"KDN {self.layer}: the origin refused a store ({e}): stores need the "
+            raise AccessDenied(f"KDN {self.layer}: a store was refused ({e}): stores need the "
                                f"network's admin token (the `token` setting)") from None
         self.counters["stored"] += got["received"]
         self.counters["written"] += got["written"]

@@ -188,3 +188,80 @@ def test_a_refusal_is_raised_as_the_ray_path_raises_it(status, error, raised):
         client._refuse(_Answer(status, error, "the words"), "POST", "/v1/objects")
     assert type(got.value).__name__ == raised and "the words" in str(got.value)
     assert not isinstance(got.value, Unreachable)          # none of these is a failover
+
+
+class _EarlyRefuser:
+    """A server that reads a request's headers and a little of its body, writes `answer`
+    (None: nothing) and closes with the rest of the body unread, which resets the
+    connection under a client still sending: what an aiohttp server does to a body it
+    refused before reading once its lingering time is over (a slow link). Counts the
+    connections and the body bytes it read."""
+
+    def __init__(self, answer):
+        import socket
+        self.answer, self.connections, self.read = answer, 0, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        import socket
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                self.read += len(data.partition(b"\r\n\r\n")[2])
+                if self.answer is not None:
+                    conn.sendall(self.answer)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # close = reset
+
+    def close(self):
+        self.sock.close()
+
+
+def _refusal(status, reason, error, message) -> bytes:
+    import json
+    body = json.dumps({"error": error, "message": message, "status": status}).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def _big_objects(n_bytes):
+    """Opaque objects whose frames make a body far larger than a socket's buffers."""
+    from kdn.core.chunk import OPAQUE
+    return [Chunk(bytes([i]) * 16, NS, np.full(8 << 20, i, np.uint8), OPAQUE) for i in range(n_bytes >> 23)]
+
+
+def test_a_refusal_answered_before_the_body_was_read_is_raised_as_the_refusal_and_not_sent_again():
+    """A wrong token on a 64 MiB store, refused before the body is read: the client's send
+    fails on the reset, and it raises the server's 403 as AccessDenied (the Ray path's
+    refusal), not Unreachable (a failover to the next node as if this one were down), and
+    sends the body once, not twice. A connection reset with no answer at all is still
+    Unreachable after one reconnect, as before."""
+    from kdn.core.errors import AccessDenied
+    from kdn.core.rpc import Unreachable
+    server = _EarlyRefuser(_refusal(403, "Forbidden", "forbidden", "POST /v1/objects needs the network's admin token"))
+    try:
+        client = EdgeHTTPClient(server.url, timeout_s=10, token="not-the-admin-token")
+        with pytest.raises(AccessDenied, match="403 POST /v1/objects needs the network's admin token") as got:
+            client.put_frames("objects", _big_objects(64 << 20))
+        assert not isinstance(got.value, Unreachable)
+        assert server.connections == 1 and server.read < 64 << 20, (server.connections, server.read)
+        assert client.stats()["answered_before_body_end"] == 1 and client._conn is None
+    finally:
+        server.close()
+    silent = _EarlyRefuser(None)
+    try:
+        client = EdgeHTTPClient(silent.url, timeout_s=10)
+        with pytest.raises(Unreachable, match="closed the connection on POST /v1/objects"):
+            client.put_frames("objects", _big_objects(64 << 20))
+        assert silent.connections == 2 and client.stats().get("answered_before_body_end", 0) == 0
+    finally:
+        silent.close()

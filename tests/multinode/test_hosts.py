@@ -363,6 +363,46 @@ def test_stores_at_an_edge_on_another_host_go_over_its_http_server(carrier):
 
 
 @ray.remote(num_cpus=0)
+def _wrong_token_store(network, region, n_bytes):
+    """A store with a wrong admin token at `region`'s edge, from this host: the refusal, how
+    long the store call took, and how many connections the writer's pool made."""
+    from kdn.core.errors import AccessDenied
+    from kdn.integrations.objects import Objects, object_key
+    obj = Objects.connect(network, region, "hosts", admin_token="not-the-admin-token")
+    ns = obj.namespace("acme", "slow-link")
+    data = np.random.default_rng(29).integers(0, 255, n_bytes, dtype=np.uint8)
+    t0 = time.monotonic()
+    try:
+        obj.store([(ns, object_key(ns, b"refused"))], [data])
+        refused = None
+    except AccessDenied as e:
+        refused = str(e)
+    took = time.monotonic() - t0
+    obj.close()
+    return {"refused": refused, "took_s": took}
+
+
+def test_a_refused_store_on_a_slow_link_is_answered_at_once_not_after_its_body(carrier, hosts):
+    """A store with a wrong token, 64 MiB at eu-west's edge behind a 30 Mbit/s link (18 s of
+    body): the edge refuses it from its headers, and the writer reads that refusal as soon as
+    it comes, stops sending, and raises the edge's 403. Before, the writer sent until the
+    edge's server stopped draining the body (10 s) and reset the connection, took the reset
+    for a dead edge, and went on to the origin: 20.8 s, the body sent twice."""
+    net = carrier
+    before = _stats(net, "eu-west-0")["counters"]
+    hosts.hosts.cap("eu-west", "30mbit")
+    try:
+        got = ray.get(_wrong_token_store.options(label_selector={"region": "ap-south"}).remote(
+            net.name, "eu-west", 64 << 20), timeout=120)
+    finally:
+        hosts.hosts.uncap("eu-west")
+    assert got["refused"] is not None and "refused POST /v1/objects: 403" in got["refused"], got
+    assert _urls(net)["eu-west-0"] in got["refused"]     # the edge on its host said so, not the origin
+    assert got["took_s"] < 6, got                # the body alone takes 18 s on this link
+    assert _grew(before, _stats(net, "eu-west-0")["counters"], "store_http_writes") == 0
+
+
+@ray.remote(num_cpus=0)
 def _write_from_host(network, toks, kv, ns, keys, datas):
     """A publisher and a cache layer's stores acknowledged at the origin, on some region's host:
     how their bytes went, and the view's own counters."""
