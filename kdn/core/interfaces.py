@@ -73,6 +73,10 @@ class EdgeAPI(EdgeReads, Protocol):
     async def stores_durable(self, timeout_s: float = 60.0) -> dict:
         """Wait until the stores answered here are durable at the origin: the backlog's stats."""
 
+    async def withdraw_stores(self, keys, timeout_s: float = 60.0) -> dict:
+        """Before a delete of keys at the origin: their stores answered here not sent yet are
+        not sent, those on their way have landed: {"withdrawn", "settled"}."""
+
     async def pin_keys(self, keys) -> int:
         """Pin chunks held here; how many."""
 

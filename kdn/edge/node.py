@@ -409,6 +409,16 @@ class EdgeNode:
             raise BadRequest(f"stores_durable: timeout_s must be in (0, 3600], got {timeout_s!r:.40}")
         return {"durable": await self.stores.drain(timeout_s), **self.stores.stats()}
 
+    async def withdraw_stores(self, keys, timeout_s: float = 60.0, token=None) -> dict:
+        """Before a host deletes keys at the origin (its eviction): this edge's stores of them
+        not sent yet are not sent, and those on their way are waited for (up to timeout_s)
+        until they have landed (kdn/edge/stores.py, WriteBehind.withdraw): {"withdrawn",
+        "settled"}."""
+        self.tokens.check_admin(token, "withdraw_stores")
+        if not 0 < timeout_s <= 3600:
+            raise BadRequest(f"withdraw_stores: timeout_s must be in (0, 3600], got {timeout_s!r:.40}")
+        return await self.stores.withdraw(check_keys(keys, ADMIN_KEYS, distinct=False), timeout_s)
+
     async def pin_keys(self, keys, token=None) -> int:
         """Pin chunks this edge holds (an operator pinned their KB to this region)."""
         self.tokens.check_admin(token, "pin_keys")

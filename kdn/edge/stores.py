@@ -51,7 +51,8 @@ frames; store_forwarded_by_ref: handed to the origin as references into this nod
 store, so the copy kept here is the one the origin reads and the arriving bytes are freed at
 once), store_forward_http_declined (batches the origin would not pull over HTTP: over Ray),
 store_forward_retries (of which store_forward_errors: batches the origin refused, its disk
-full say: tried again like one it did not answer), store_forgotten (deleted before sent), store_deleted_again (deleted
+full say: tried again like one it did not answer), store_forgotten (deleted before sent; of which
+store_withdrawn: taken out ahead of a host's delete, withdraw()), store_deleted_again (deleted
 while on their way), store_adopted and store_adopt_us (arrivals made this node's own, the
 time it took), store_adopt_errors (copies the object store refused: those stay arrivals),
 store_held_already (a copy held here kept instead of the arrival); stores written to this
@@ -484,7 +485,39 @@ class WriteBehind:
             return
         for k in keys & self._flight.keys():
             self._redelete[self._flight[k]].add(k)
-        kept = collections.deque()
+        self._unqueue(keys)
+
+    async def withdraw(self, keys, timeout_s: float) -> dict:
+        """Keys about to be deleted at the origin (a host's eviction: kdn.integrations.objects):
+        what of them waits in the backlog is not sent, and what is on its way is waited for
+        until it has landed (at most timeout_s), so the delete that follows finds every copy
+        this edge acknowledged and none lands after it. The rest of the backlog goes on as it
+        was: an eviction waits for at most one batch on its way, not for everything
+        acknowledged before it. A copy still on its way at the deadline (the origin slow or
+        down) is deleted again once it lands, as forget() does. {"withdrawn": the keys of which
+        a copy was taken out of the queue, "settled": whether none is on its way any more}."""
+        keys = set(keys)
+        out = self._unqueue(keys)
+        for c in out:          # never to be durable: let go here too, not left pinned (the
+            for tier in (self.tiers.tier("hot"), self.tiers.main):     # origin's delete drops
+                if tier.peek(c.key) is c and tier.discard(c.key):       # any other copy)
+                    self.tiers.note(c.key)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._flight.keys() & keys and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        late = self._flight.keys() & keys
+        for k in late:
+            self._redelete[self._flight[k]].add(k)
+        self.counters["store_withdrawn"] += len(out)
+        return {"withdrawn": len({c.key for c in out}), "settled": not late}
+
+    def _unqueue(self, keys: set) -> list:
+        """The queued copies of keys that are not on their way, taken out of the backlog
+        (counted: store_forgotten)."""
+        if not self._queued.keys() & keys:
+            return []
+        kept, out = collections.deque(), []
         for c in self._queue:
             if c.key in keys and id(c) not in self._flight_ids:
                 self._pending -= c.nbytes
@@ -493,10 +526,12 @@ class WriteBehind:
                     del self._queued[c.key]
                 self._pinned.pop(c.key, None)
                 self.counters["store_forgotten"] += 1
+                out.append(c)
             else:
                 kept.append(c)
         self._queue = kept
         self._grant()
+        return out
 
     async def _delete_again(self) -> None:
         while self._redelete:

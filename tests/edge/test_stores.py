@@ -452,6 +452,51 @@ def test_a_delete_wins_over_a_store_waiting_or_on_its_way(kit, edge):
     assert edge.stores.stats()["store_forgotten"] == 1 and edge.stores.stats()["store_deleted_again"] == 1
 
 
+def test_a_hosts_delete_withdraws_its_keys_and_waits_only_for_the_batch_on_its_way(kit, edge):
+    """Before a host's delete (LMCache's eviction) the edge withdraws the keys: a store of one
+    waiting in the backlog is never sent and is let go here, one on its way is waited for
+    until it has landed (so the origin's delete that follows finds it), and the rest of the
+    backlog is neither waited for nor held back. A key still on its way at the deadline is
+    deleted again once it lands."""
+    flying, waiting, others = objects(kit, 2, seed=40), objects(kit, 1, seed=41), objects(kit, 3, seed=42)
+
+    async def main():
+        gate = asyncio.Event()
+        sent = []
+
+        async def slow(cs):
+            sent.append([c.key for c in cs])
+            if len(sent) == 1:
+                await gate.wait()                          # the first batch stays on its way
+            return {"received": len(cs)}
+        edge.answers[(None, "put_objects")] = slow
+        edge.answers[(None, "delete_objects")] = lambda keys, ns: {"deleted": len(keys)}
+        await edge.put_objects(flying)
+        await asyncio.sleep(0.05)
+        await edge.put_objects(waiting + others)           # queued behind it
+        victims = [flying[0].key, waiting[0].key]
+        late = await edge.withdraw_stores(victims, 0.2, token=None)   # the batch is held: a deadline
+        asyncio.get_running_loop().call_later(0.1, gate.set)
+        t0 = asyncio.get_running_loop().time()
+        landed = await edge.withdraw_stores(victims, 5.0)
+        waited = asyncio.get_running_loop().time() - t0
+        await settle(edge)
+        return late, landed, waited, sent
+    late, landed, waited, sent = asyncio.run(main())
+    assert late == {"withdrawn": 1, "settled": False}           # the waiting one out; the flying one not yet
+    assert landed == {"withdrawn": 0, "settled": True} and waited < 2.0
+    assert sent[0] == [c.key for c in flying]
+    assert [k for batch in sent[1:] for k in batch] == [c.key for c in others], "the waiting store is never sent"
+    assert edge.tiers.peek(waiting[0].key) is None               # let go here, not left pinned
+    assert all(edge.tiers.peek(c.key) is not None for c in others + flying)
+    again = [args for node, m, args in edge.asked if m == "delete_objects"]
+    assert again == [[flying[0].key]], "on its way at the first deadline: deleted again once landed"
+    st = edge.stores.stats()
+    assert st["store_withdrawn"] == 1 and st["store_forgotten"] == 1 and st["backlog_objects"] == 0
+    with pytest.raises(BadRequest, match="timeout_s must be in"):
+        asyncio.run(edge.withdraw_stores([flying[0].key], 0))
+
+
 def test_a_store_of_anything_but_opaque_objects_is_refused_and_nothing_is_kept(kit, edge):
     kv = kit.make_chunks(1)
     with pytest.raises(BadRequest, match="item 1 is not an opaque Chunk"):
