@@ -101,8 +101,8 @@ class FrameWrites:
     nothing for INGEST_READ_S is dropped (408). The caller checks the token first and stores
     the chunks inside `received`. A store that keeps views of the chunks (an edge keeps the
     objects it acknowledged as they arrived until it has copied them into its node's object
-    store, kdn/edge/stores.py) keeps the body's memory past its slot, bounded there by what
-    that store may keep. raw_objects: frames_of's."""
+    store, or into memory of its own where that store refuses them, kdn/edge/stores.py) keeps
+    the body's memory past its slot, bounded there by what that store may keep. raw_objects: frames_of's."""
 
     def __init__(self, raw_objects: bool = False):
         self._slots = None          # made in the server's loop, on first use

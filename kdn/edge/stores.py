@@ -77,6 +77,7 @@ import time
 
 from kdn.core.chunk import check_objects
 from kdn.core.errors import KDNError, NetworkError
+from kdn.edge.tiers import own_copy
 
 log = logging.getLogger("kdn.edge")
 
@@ -90,18 +91,21 @@ BACKLOG_WAIT_S = 5.0          # a store past the backlog's bound waits this long
 
 
 def _put_all(objs) -> list:
-    """Each object put into this node's store (from a worker thread): its reference, or None
-    where the store refused it (full, or out of disk to spill to): that one stays an arrival,
-    sent to the origin by value and answered to readers by value."""
+    """Each object put into this node's store (from a worker thread): (its reference, None), or
+    (None, a copy of its own in this process's memory) where the store refused it (full, or
+    out of disk to spill to): that one stays an arrival, sent to the origin by value and
+    answered to readers by value, but no longer a view into the body or the call argument it
+    came in, which would keep all of that memory for one object (an HTTP body holds up to
+    MAX_INGEST_BYTES of objects)."""
     import ray
     import ray.exceptions as rex
     out = []
     for obj in objs:
         try:
-            out.append(ray.put(obj))
+            out.append((ray.put(obj), None))
         except (rex.ObjectStoreFullError, rex.OutOfDiskError) as e:
-            log.warning("edge: an arrival stays the caller's memory: the object store refused its copy (%s)", e)
-            out.append(None)
+            log.warning("edge: an arrival stays in this process's memory: the object store refused its copy (%s)", e)
+            out.append((None, own_copy(obj)))
     return out
 
 
@@ -321,10 +325,12 @@ class WriteBehind:
                 return
             t0 = time.perf_counter()
             refs = await asyncio.to_thread(_put_all, [h.obj for h in todo])
-            for h, ref in zip(todo, refs):
+            for h, (ref, copy) in zip(todo, refs):
                 if ref is not None:
                     h.adopt(ref)             # on the loop: readers never see it half set
-            n = sum(r is not None for r in refs)
+                else:
+                    h.obj = copy             # the same bytes, and checksum; the buffer can go
+            n = sum(r is not None for r, _ in refs)
             self.counters["store_adopted"] += n
             self.counters["store_adopt_us"] += int((time.perf_counter() - t0) * 1e6)
             if n < len(todo):

@@ -80,7 +80,7 @@ class Held:
         view into a larger buffer it must not pin). From a worker thread, like Held.of."""
         if not _ray_initialized():
             return cls.here(obj)
-        return cls.here(_own_copy(obj)) if obj.nbytes < INLINE_BYTES else cls.of(obj)
+        return cls.here(own_copy(obj)) if obj.nbytes < INLINE_BYTES else cls.of(obj)
 
     @classmethod
     def arrival(cls, obj) -> "Held":
@@ -159,7 +159,7 @@ def _is_object(x) -> bool:
     return isinstance(x, (Chunk, Encoded))
 
 
-def _own_copy(obj):
+def own_copy(obj):
     """A Chunk or Encoded with read-only bytes of its own (its checksum, if known, carried)."""
     from kdn.core.chunk import Chunk, Encoded
     if isinstance(obj, Encoded):

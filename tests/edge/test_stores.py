@@ -616,8 +616,16 @@ def _arrivals(monkeypatch):
 
 
 def test_a_copy_the_object_store_refuses_leaves_the_arrival_which_goes_to_the_origin_by_value(kit, edge, monkeypatch):
+    """The object store refuses the edge's copies (full): each stays an arrival, answered and
+    sent by value, in memory of its own: not a view into the body (or call argument) it came
+    in, which would keep the whole of it for one object."""
+    import ray
+    import ray.exceptions as rex
+
+    def full(obj):
+        raise rex.ObjectStoreFullError("the object store is full (this test)")
     _arrivals(monkeypatch)
-    monkeypatch.setattr(stores, "_put_all", lambda objs: [None] * len(objs))     # the store is full
+    monkeypatch.setattr(ray, "put", full)
     objs = objects(kit, 2, seed=60)
     edge.answers[(None, "put_objects")] = lambda cs: {"received": len(cs), "written": len(cs), "pushing": 0}
 
@@ -633,6 +641,8 @@ def test_a_copy_the_object_store_refuses_leaves_the_arrival_which_goes_to_the_or
     assert st["store_adopt_errors"] >= 2 and st["backlog_objects"] == 0 and st.get("store_adopted", 0) == 0
     assert all(edge.tiers.peek(c.key).arrived and edge.tiers.peek(c.key).obj.kv.tobytes() == c.kv.tobytes()
                for c in objs)
+    assert not any(np.shares_memory(edge.tiers.peek(c.key).obj.kv, c.kv) for c in objs)   # its own bytes
+    assert all(edge.tiers.peek(c.key).obj.digest() == c.digest() for c in objs)
     # kept in main until durable (the edge owns them), then never an owner's main copy: hot
     hot, main_tier = edge.tiers.tier("hot"), edge.tiers.tier("main")
     assert all(c.key in hot and c.key not in main_tier and not hot.is_pinned(c.key) for c in objs)
