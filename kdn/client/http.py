@@ -188,11 +188,12 @@ class EdgeHTTPClient:
         for name, value in headers.items():
             conn.putheader(name, value)
         conn.endheaders()
-        sock = conn.sock
+        sock, answer = conn.sock, select.poll()      # poll: no limit on the fd's number
+        answer.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
         for part in body:
             mv = memoryview(part).cast("B")
             for start in range(0, mv.nbytes, SEND_STEP):
-                if select.select([sock], [], [], 0)[0]:
+                if answer.poll(0):
                     return True
                 sock.sendall(mv[start:start + SEND_STEP])
         return False
