@@ -157,7 +157,7 @@ class EdgeHTTPClient:
                 if answered:
                     early = self._answer_before_body_end()
                     if early is not None:             # a refusal, not a lost connection
-                        self._refuse(early, method, path)
+                        self._early(early, method, path)
                     raise ConnectionResetError("closed before the whole body was sent")
                 resp = self._conn.getresponse()
                 self.counters["requests"] += 1
@@ -195,7 +195,12 @@ class EdgeHTTPClient:
             for start in range(0, mv.nbytes, SEND_STEP):
                 if answer.poll(0):
                     return True
-                sock.sendall(mv[start:start + SEND_STEP])
+                try:
+                    sock.sendall(mv[start:start + SEND_STEP])
+                except TimeoutError:       # a server that answered and stopped reading
+                    if answer.poll(0):
+                        return True
+                    raise
         return False
 
     def _answer_before_body_end(self):
@@ -207,15 +212,30 @@ class EdgeHTTPClient:
         what arrived before the reset. None when there is no answer to read (a keep-alive
         connection the server had closed before this request: the caller reconnects). The
         connection is closed either way: its request was never completed."""
-        try:
-            resp = self._conn.getresponse()
-            answered = _Answered(resp.status, resp.read())
-        except (http.client.HTTPException, OSError):
-            answered = None
+        answered = None
+        if self._conn.sock is not None:            # None: the connect itself failed
+            try:
+                resp = self._conn.getresponse()
+                answered = _Answered(resp.status, resp.read())
+            except (http.client.HTTPException, OSError):
+                answered = None
         self.close()
         if answered is not None:
             self.counters["answered_before_body_end"] += 1
         return answered
+
+    def _early(self, resp, method, path):
+        """Raise what an answer given before the request's body was all sent says: a refusal
+        as _refuse raises it; a 408 (the server stopped waiting for the body: the link
+        stalled) as Unreachable, as a timeout here is; anything below 400 as the protocol
+        error it is (no server answers a write before it has read it)."""
+        if resp.status == 408:
+            raise Unreachable(f"edge {self.url} timed out waiting for the body of {method} {path}: "
+                              f"{resp.read()[:200].decode('utf-8', 'replace')}")
+        if resp.status < 400:
+            raise RemoteError(f"edge {self.url} answered {method} {path} with {resp.status} before "
+                              f"its body was sent")
+        self._refuse(resp, method, path)
 
     def _refuse(self, resp, method, path):
         raw = resp.read()

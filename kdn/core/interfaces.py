@@ -75,7 +75,7 @@ class EdgeAPI(EdgeReads, Protocol):
 
     async def withdraw_stores(self, keys, timeout_s: float = 60.0) -> dict:
         """Before a delete of keys at the origin: their stores answered here not sent yet are
-        not sent, those on their way have landed: {"withdrawn", "settled"}."""
+        not sent, those on their way have landed: {"withdrawn", "settled", "backlog_objects"}."""
 
     async def pin_keys(self, keys) -> int:
         """Pin chunks held here; how many."""

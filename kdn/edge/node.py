@@ -413,7 +413,7 @@ class EdgeNode:
         """Before a host deletes keys at the origin (its eviction): this edge's stores of them
         not sent yet are not sent, and those on their way are waited for (up to timeout_s)
         until they have landed (kdn/edge/stores.py, WriteBehind.withdraw): {"withdrawn",
-        "settled"}."""
+        "settled", "backlog_objects"}."""
         self.tokens.check_admin(token, "withdraw_stores")
         if not 0 < timeout_s <= 3600:
             raise BadRequest(f"withdraw_stores: timeout_s must be in (0, 3600], got {timeout_s!r:.40}")

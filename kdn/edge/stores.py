@@ -105,8 +105,14 @@ def _put_all(objs) -> list:
             out.append((ray.put(obj), None))
         except (rex.ObjectStoreFullError, rex.OutOfDiskError) as e:
             log.warning("edge: an arrival stays in this process's memory: the object store refused its copy (%s)", e)
-            out.append((None, own_copy(obj)))
-    return out
+            out.append((None, obj if _owns_bytes(obj) else own_copy(obj)))    # (copied once: a retry
+    return out                                                                  # finds it its own)
+
+
+def _owns_bytes(obj) -> bool:
+    """Whether a Chunk's or Encoded's bytes are an array of their own, a view of nothing else."""
+    arr = obj.kv if hasattr(obj, "kv") else obj.frame
+    return arr.flags.owndata
 
 
 class WriteBehind:
@@ -501,7 +507,8 @@ class WriteBehind:
         was: an eviction waits for at most one batch on its way, not for everything
         acknowledged before it. A copy still on its way at the deadline (the origin slow or
         down) is deleted again once it lands, as forget() does. {"withdrawn": the keys of which
-        a copy was taken out of the queue, "settled": whether none is on its way any more}."""
+        a copy was taken out of the queue, "settled": whether none is on its way any more,
+        "backlog_objects": what the backlog holds after it}."""
         keys = set(keys)
         out = self._unqueue(keys)
         for c in out:          # never to be durable: let go here too, not left pinned (the
@@ -516,7 +523,7 @@ class WriteBehind:
         for k in late:
             self._redelete[self._flight[k]].add(k)
         self.counters["store_withdrawn"] += len(out)
-        return {"withdrawn": len({c.key for c in out}), "settled": not late}
+        return {"withdrawn": len({c.key for c in out}), "settled": not late, "backlog_objects": len(self._queue)}
 
     def _unqueue(self, keys: set) -> list:
         """The queued copies of keys that are not on their way, taken out of the backlog

@@ -62,6 +62,7 @@ BATCH_OBJECTS = 1024
 ACK_EDGE, ACK_ORIGIN = "edge", "origin"   # where a store is acknowledged (the hosts' `ack`)
 ACKS = (ACK_EDGE, ACK_ORIGIN)
 STORE_TIMEOUT_S = 30.0           # a store batch (retried while the origin restarts)
+WITHDRAW_WAIT_S = STORE_TIMEOUT_S - 5     # an edge's wait for a delete's keys on their way (inside the call's)
 # A load or lookup asks in batches of at most these, each under its own deadline (that of its
 # keys and bytes: kdn.core.transfer.fetch_deadline_s): a hung edge costs one batch's deadline
 # (then it is tried last), and a batch no edge answers loses only itself and what follows.
@@ -393,11 +394,12 @@ class Objects:
         n = 0
         for s in range(0, len(keys), BATCH_OBJECTS):
             for edge in sorted(self._acked_at):
-                try:
+                try:       # the edge's own wait ends first, so its answer says what it did
                     got = self.view.at(edge, STORE_TIMEOUT_S).withdraw_stores(
-                        keys[s:s + BATCH_OBJECTS], STORE_TIMEOUT_S, token=self.token)
-                except Unreachable:
+                        keys[s:s + BATCH_OBJECTS], WITHDRAW_WAIT_S, token=self.token)
+                except Unreachable:                      # restarted, it holds none of ours
                     self.counters["delete_edge_unreachable"] += 1
+                    self._acked_at.discard(edge)
                     continue
                 except AccessDenied as e:
                     self.counters["delete_refused"] += 1
@@ -406,6 +408,8 @@ class Objects:
                 self.counters["delete_withdrawn"] += got["withdrawn"]
                 if not got["settled"]:        # still on its way: the edge deletes it again once landed
                     self.counters["delete_unsettled"] += 1
+                elif not got["backlog_objects"]:     # nothing of ours waits there any more
+                    self._acked_at.discard(edge)
             try:
                 got = self.view.origin(STORE_TIMEOUT_S).delete_objects(keys[s:s + BATCH_OBJECTS], ns, token=self.token)
             except AccessDenied as e:

@@ -128,21 +128,28 @@ class Collector:
                 n += sum(self.chunks.delete_chunk(k) for k in mine)
         return n
 
-    def delete_objects(self, keys, ns: bytes) -> list:
+    def delete_objects(self, keys, ns: bytes) -> tuple:
         """Delete the opaque objects of namespace ns under keys (a host layer's own delete);
-        a key that is not such an object (absent, a KB's chunk, another namespace's) is left
-        alone. The keys deleted."""
+        a key that is another thing here (a KB's chunk, another namespace's object) is left
+        alone. (the keys deleted, the keys not stored here at all). Both are logged as drops:
+        a key this origin never got may still be held by edges, a store not durable yet that
+        its writer withdrew from an edge's backlog before this delete (kdn/edge/stores.py,
+        WriteBehind.withdraw) and that a reader in its region pulled from that edge."""
         ns = ns_digest(ns)
         keys = list(dict.fromkeys(chunk_key(k) for k in keys))
 
-        def ours(k):
+        def kind(k):
             try:
                 header, _ = read_header(self.objects.head(chunk_name(k), 8 + MAX_HEADER))
-            except (FileNotFoundError, FrameError):
-                return False
-            return header["dtype"] == OPAQUE and header["ns"] == ns
+            except FileNotFoundError:
+                return "absent"
+            except FrameError:
+                return "other"
+            return "ours" if header["dtype"] == OPAQUE and header["ns"] == ns else "other"
         with self._lock:
-            mine = [k for k, m in zip(keys, self.chunks.map(ours, keys)) if m]
-            self.drops.append(mine)                  # logged before any is gone
+            kinds = self.chunks.map(kind, keys)
+            mine = [k for k, m in zip(keys, kinds) if m == "ours"]
+            absent = [k for k, m in zip(keys, kinds) if m == "absent"]
+            self.drops.append(mine + absent)         # logged before any is gone
             gone = [k for k in mine if self.chunks.delete_chunk(k)]
-        return gone
+        return gone, absent

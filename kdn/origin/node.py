@@ -519,18 +519,21 @@ class OriginNode:
 
     async def delete_objects(self, keys, ns: bytes, token=None) -> dict:
         """Delete opaque objects of namespace ns (a host layer's delete: LMCache's eviction)
-        from the store, then ask every edge to drop them. A key that is not such an object
-        is left alone. {"deleted": how many, "dropped": edge -> copies it dropped}."""
+        from the store, then ask every edge to drop them, and the keys not stored here at all
+        (a store its writer withdrew from an edge's backlog first may have copies at edges of
+        its region: kdn.origin.collector). A key that is another thing here (a KB's chunk) is
+        left alone. {"deleted": how many were stored here, "dropped": edge -> copies it dropped}."""
         self.tokens.check_admin(token, "delete_objects")
         keys, ns = _keys(keys), _ns(ns)
         # pushes queued and in flight first (waiting ones start now): one landing after the
         # drop would bring a copy back
         await self._pushes_so_far()
-        gone = await asyncio.to_thread(self.store.delete_objects, keys, ns)
+        gone, absent = await asyncio.to_thread(self.store.delete_objects, keys, ns)
         self.counters["objects_deleted"] += len(gone)
+        drop = gone + absent
         # with the log's settled head: a copy on its way into an edge read before it is refused
-        at = await asyncio.to_thread(settled, self.store) if gone else None
-        dropped = await self.pusher.every_edge().drop(gone, drops=at) if gone else []
+        at = await asyncio.to_thread(settled, self.store) if drop else None
+        dropped = await self.pusher.every_edge().drop(drop, drops=at) if drop else []
         return {"deleted": len(gone), "dropped": dict(zip(self.roster.names(), dropped))}
 
     async def commit(self, manifest: dict, push: bool = True, token=None) -> dict:

@@ -76,7 +76,7 @@ class ChunkStore(Chunks):
     def collect(self, object_ttl_s: "float | None" = None, now: "float | None" = None) -> dict:
         return self.collector.collect(object_ttl_s, now)
 
-    def delete_objects(self, keys, ns: bytes) -> list:
+    def delete_objects(self, keys, ns: bytes) -> tuple:
         return self.collector.delete_objects(keys, ns)
 
     def put_conversation(self, tenant: str, ns: bytes, chunks) -> list:

@@ -396,6 +396,29 @@ def test_a_pulled_object_stands_only_with_the_checksum_the_edge_acknowledged():
     assert _as_acknowledged([zipped], [objs[2].digest()])[0].kv.tobytes() == objs[2].kv.tobytes()
 
 
+def test_a_delete_drops_at_every_edge_a_key_the_origin_never_got_and_leaves_a_kbs_chunk_alone(tmp_path, edges):
+    """A host's store withdrawn from its edge's backlog before its delete (kdn/edge/stores.py,
+    withdraw) never reached the origin, yet a reader in its region may have pulled a copy from
+    that edge: the origin's delete drops the keys it does not hold at every edge too, and logs
+    them, while a KB's chunk named in the same delete stays stored and held."""
+    async def go():
+        node, fake = make_origin(tmp_path, edges)
+        await node.set_members(MEMBERS, token=ADMIN)
+        m = kb()
+        await publish(node, m)
+        await node.pushes_settled(token=ADMIN)
+        never = opaque(1)[0]
+        for e in fake.edges.values():               # pulled from the edge that acknowledged it
+            e.held[never.key] = never
+        head = node.store.drops.head
+        out = await node.delete_objects([never.key, m.keys[0]], OBJ_NS, token=ADMIN)
+        assert out["deleted"] == 0 and sum(out["dropped"].values()) == len(fake.edges)
+        assert not any(never.key in e.held for e in fake.edges.values())
+        assert node.store.drops.since(head)[0] == [never.key], "logged: an edge away replays it"
+        assert (await node.get_chunks([m.keys[0]], token=ADMIN))[0] is not None   # a KB's chunk: not ours
+    run(go())
+
+
 def test_objects_survive_an_origin_restart_and_its_collect(tmp_path, edges):
     async def go():
         node, fake = make_origin(tmp_path, edges)
