@@ -1,18 +1,33 @@
 """How fast this machine writes memory a process has just been given, with and without
-numpy's request for transparent huge pages:
+numpy's request for transparent huge pages, and files into the page cache, right after
+memory was freed and after it lay free a while:
 
-    .venv/bin/python tools/first_touch.py [GIB] [IDLE_S]       # default 1 GiB, 4 s
+    .venv/bin/python tools/first_touch.py [GIB] [IDLE_S] [CACHE_IDLE_S]   # 1 GiB, 4 s, 30 s
 
 numpy asks the kernel for huge pages (madvise MADV_HUGEPAGE) on every array of 4 MiB or more,
 unless NUMPY_MADVISE_HUGEPAGE=0. For each setting this writes GIB GiB of new memory after
 IDLE_S seconds idle, then again at once (the first array freed in between), and prints GB/s.
-On session 41's VM the first write with huge pages ran at a small fraction of the one
-without, with no compaction (`compact_stall` in /proc/vmstat unchanged): it wrote
-0.11-0.12 GB/s with them against 1.3-2.5 without, and 2.3-8.6 against 2.2-2.6 right after a
-free. A figure that allocates large arrays in fresh memory pays it where it runs.
+Then "page_cache": GIB GiB written as 8 MiB files under the temp dir (as LMCache's `fs`
+adapter writes them: `kdn bench l2`'s fs row), once right after 3 GiB were touched and freed
+and once CACHE_IDLE_S seconds after, with the MiB this guest reported free to its host in
+between (virtio free page reporting: /sys/module/page_reporting, where the kernel has it).
+Then "durable_files": GIB GiB of 8 MiB files each fsynced (as the origin makes objects durable),
+written through the page cache and with O_DIRECT from one reused aligned buffer (the tail
+that is not a whole block written through the page cache), each CACHE_IDLE_S / 2 seconds after
+3 GiB were freed.
+
+On session 42's VM (Firecracker's kernel, free page reporting at 2 MiB) memory that lay free
+a few seconds was reported and given back to the host; writing it again paid the host's
+faults: files at 4.2-4.6 GB/s right after a free and 0.33-0.36 GB/s 30 s after, with 8 GiB
+reported meanwhile. That is `fs`'s swing in `kdn bench l2` (docs/figures.md, session 42).
+Durable 8 MiB files: 0.29-0.31 GB/s through the page cache, 0.81-0.88 with O_DIRECT.
 """
+import fcntl
 import json
+import mmap
+import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -21,6 +36,10 @@ try:
     from numpy._core.multiarray import _set_madvise_hugepage
 except ImportError:                     # numpy < 2
     from numpy.core.multiarray import _set_madvise_hugepage
+
+REPORTED = "/sys/module/page_reporting/parameters/reported_kib"
+FILE_BYTES = 8 << 20                    # LMCache's objects in kdn bench l2 (32 x 8 MiB a round)
+DIRECT_BLOCK = 4096                     # O_DIRECT's unit: the page, a multiple of any disk's block
 
 
 def write_gbs(nbytes: int) -> float:
@@ -46,8 +65,99 @@ def touch(gib: float, idle_s: float) -> dict:
     return rows
 
 
+def reported_kib():
+    """KiB this guest has reported free to its host since boot; None where not exposed."""
+    try:
+        with open(REPORTED) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def page_cache(gib: float, idle_s: float) -> dict:
+    """GB/s of writing gib GiB of 8 MiB files right after 3 GiB were freed, and idle_s
+    seconds after; each time the files go (and are synced away) after."""
+    n, buf, out = int(gib * (1 << 30)) // FILE_BYTES, os.urandom(FILE_BYTES), {}
+    with tempfile.TemporaryDirectory(prefix="kdn-first-touch-") as d:
+        for name, wait in (("after_free", 0.0), ("after_idle", idle_s)):
+            write_gbs(3 << 30)                               # 3 GiB touched and freed
+            r0 = reported_kib()
+            time.sleep(wait)
+            t0 = time.perf_counter()
+            for i in range(n):
+                with open(os.path.join(d, f"{name}-{i}"), "wb") as f:
+                    f.write(buf)
+            out[name] = round(n * FILE_BYTES / (time.perf_counter() - t0) / 1e9, 2)
+            r1 = reported_kib()
+            out[f"{name}_reported_mib"] = None if r0 is None else (r1 - r0) // 1024
+            for i in range(n):
+                os.unlink(os.path.join(d, f"{name}-{i}"))
+            os.sync()
+    return out
+
+
+def _write_direct(path: str, data, bounce: mmap.mmap) -> None:
+    """data written to a new file at path with O_DIRECT through bounce (page-aligned, a
+    multiple of the block), the last partial block through the page cache; fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    try:
+        src, bv, off = memoryview(data).cast("B"), memoryview(bounce), 0
+        while off < len(src):
+            n = min(len(src) - off, len(bv))
+            bv[:n] = src[off:off + n]
+            whole = n // DIRECT_BLOCK * DIRECT_BLOCK
+            if whole:
+                os.write(fd, bv[:whole])
+            if n > whole:                                  # the tail: through the page cache
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                os.write(fd, bv[whole:n])
+            off += n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def durable_files(gib: float, idle_s: float) -> dict:
+    """GB/s of writing gib GiB of 8 MiB files, each fsynced, through the page cache and with
+    O_DIRECT, each idle_s seconds after 3 GiB were freed ("refused: ..." where the file
+    system takes no O_DIRECT, tmpfs say)."""
+    n, out = int(gib * (1 << 30)) // FILE_BYTES, {}
+    data = os.urandom(FILE_BYTES - 1000)        # not a whole number of blocks, as objects are not
+    bounce = mmap.mmap(-1, FILE_BYTES)
+    with tempfile.TemporaryDirectory(prefix="kdn-first-touch-") as d:
+        for name in ("page_cache", "o_direct"):
+            write_gbs(3 << 30)
+            time.sleep(idle_s)
+            t0 = time.perf_counter()
+            try:
+                for i in range(n):
+                    path = os.path.join(d, f"{name}-{i}")
+                    if name == "o_direct":
+                        _write_direct(path, data, bounce)
+                    else:
+                        with open(path, "wb") as f:
+                            f.write(data)
+                            f.flush()
+                            os.fsync(f.fileno())
+            except OSError as e:                     # EINVAL: no O_DIRECT on this file system
+                out[name] = f"refused: {e.strerror}"
+            else:
+                out[name] = round(n * len(data) / (time.perf_counter() - t0) / 1e9, 2)
+                with open(os.path.join(d, f"{name}-{n - 1}"), "rb") as f:
+                    if f.read() != data:
+                        raise SystemExit(f"{name}: a file read back differs from what was written")
+            for p in os.listdir(d):
+                os.unlink(os.path.join(d, p))
+    return out
+
+
 def main(argv) -> None:
-    print(json.dumps(touch(float(argv[0]) if argv else 1.0, float(argv[1]) if len(argv) > 1 else 4.0)))
+    gib = float(argv[0]) if argv else 1.0
+    rows = touch(gib, float(argv[1]) if len(argv) > 1 else 4.0)
+    cache_idle = float(argv[2]) if len(argv) > 2 else 30.0
+    rows["page_cache"] = page_cache(gib, cache_idle)
+    rows["durable_files"] = durable_files(gib, cache_idle / 2)
+    print(json.dumps(rows))
 
 
 if __name__ == "__main__":
