@@ -24,7 +24,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from kdn.core.errors import StoreError
-from kdn.core.files import DIR_MODE, TEMP_SUFFIX, fsync_dir, make_dirs, write_atomic, write_temp
+from kdn.core.files import DIR_MODE, DIRECT_MIN_BYTES, TEMP_SUFFIX, fsync_dir, make_dirs, write_atomic, write_temp
 
 S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
           "AWS_SESSION_TOKEN")
@@ -74,9 +74,15 @@ class LocalObjects:
 
     def put(self, name: str, parts, durable: bool = True) -> int:
         """Write the object whole (atomic; durable unless durable=False, when sync() must
-        follow before anyone is told it is stored); returns its size."""
+        follow before anyone is told it is stored); returns its size. One of
+        DIRECT_MIN_BYTES or more, in a store that fsyncs, goes around the page cache
+        (kdn.core.files: O_DIRECT where the file system takes it)."""
+        if isinstance(parts, (bytes, bytearray, memoryview)):
+            parts = [parts]
+        direct = self.fsync and isinstance(parts, (list, tuple)) and \
+            sum(memoryview(p).nbytes for p in parts) >= DIRECT_MIN_BYTES
         try:
-            return write_atomic(self.root / name, parts, self.fsync and durable)
+            return write_atomic(self.root / name, parts, self.fsync and durable, direct)
         except OSError as e:    # disk full, quota, I/O error: kdn.core.files left nothing behind
             raise self._failed("write", Path(name).name, e) from None
 

@@ -33,3 +33,78 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
         files.write_atomic(target, parts())
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+@pytest.mark.parametrize("sizes", [
+    [4096],                                                   # one whole block
+    [1],                                                      # a tail only
+    [files.DIRECT_BLOCK * 3 + 17],                            # blocks and a tail
+    [100, files.BOUNCE_BYTES, files.BOUNCE_BYTES - 99, 5],    # parts across the buffer's edge
+    [files.BOUNCE_BYTES * 2],                                 # the buffer filled twice exactly
+    [],                                                       # nothing
+])
+def test_direct_writes_keep_every_byte(tmp_path, sizes):
+    parts = [os.urandom(n) for n in sizes]
+    target = tmp_path / "d" / "f.bin"
+    assert files.write_atomic(target, [memoryview(p) for p in parts], direct=True) == sum(sizes)
+    assert target.read_bytes() == b"".join(parts)
+    assert _mode(target) == 0o600
+    assert [p.name for p in target.parent.iterdir()] == ["f.bin"]
+
+
+def test_direct_writes_open_with_o_direct_where_the_file_system_takes_it(tmp_path, monkeypatch):
+    """The temp file is opened with O_DIRECT, and kept so where the file system takes it
+    (this machine's tmp dir: ext4 or tmpfs since Linux 6.6); plain writes never are."""
+    try:
+        os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except OSError as e:
+        pytest.skip(f"this tmp dir's file system takes no O_DIRECT ({e.strerror})")
+    real_open, flags = os.open, []
+    monkeypatch.setattr(os, "open", lambda path, f, *a: flags.append(f) or real_open(path, f, *a))
+    monkeypatch.setattr(files, "_no_direct", set())
+    files.write_atomic(tmp_path / "f.bin", os.urandom(files.DIRECT_BLOCK * 2), direct=True)
+    files.write_atomic(tmp_path / "g.bin", os.urandom(files.DIRECT_BLOCK * 2))
+    monkeypatch.setattr(files, "_bounces", [])             # every aligned buffer in use:
+    monkeypatch.setattr(files, "_bounces_made", files.MAX_BOUNCES)     # through the page cache
+    data = os.urandom(files.DIRECT_BLOCK * 2)
+    files.write_atomic(tmp_path / "h.bin", data, direct=True)
+    assert (tmp_path / "h.bin").read_bytes() == data
+    opened = [f for f in flags if f & os.O_CREAT]
+    assert [bool(f & os.O_DIRECT) for f in opened] == [True, False, False]
+    assert files._no_direct == set() and files._bounces == []
+
+
+def test_a_file_system_without_o_direct_is_written_through_the_page_cache(tmp_path, monkeypatch):
+    """A file system that refuses O_DIRECT (EINVAL at open: tmpfs before Linux 6.6, some
+    network file systems) is written through the page cache, whole, and remembered."""
+    import errno
+    real_open, tried = os.open, []
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            tried.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+    monkeypatch.setattr(os, "open", no_direct)
+    monkeypatch.setattr(files, "_no_direct", set())
+    data = os.urandom(files.DIRECT_BLOCK + 5)
+    for name in ("a.bin", "b.bin"):
+        assert files.write_atomic(tmp_path / name, data, direct=True) == len(data)
+        assert (tmp_path / name).read_bytes() == data
+    assert len(tried) == 1 and files._no_direct == {os.stat(tmp_path).st_dev}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "b.bin"]
+
+
+def test_origin_objects_write_large_objects_direct_and_small_ones_cached(tmp_path, monkeypatch):
+    from kdn.origin.objects import LocalObjects
+    seen = []
+    real = files.write_temp
+    monkeypatch.setattr(files, "write_temp", lambda p, parts, fsync=True, direct=False:
+                        seen.append(direct) or real(p, parts, fsync, direct))
+    store = LocalObjects(tmp_path / "o")
+    big = os.urandom(files.DIRECT_MIN_BYTES)
+    assert store.put("big", [big[:10], big[10:]]) == len(big)
+    assert store.put("small", b"x" * 100) == 100
+    assert LocalObjects(tmp_path / "n", fsync=False).put("big", [big]) == len(big)
+    assert seen == [True, False, False]
+    assert store.get("big") == big and store.get("small") == b"x" * 100
