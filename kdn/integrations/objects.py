@@ -204,8 +204,11 @@ SPARE_BYTES = PUT_BATCH_BYTES    # pack buffers a process keeps for its next sto
 
 class _Spare:
     """Pack buffers kept from one store to the next (thread-safe: a host stores from several
-    threads), at most `limit` bytes of them; a buffer is reused for an object that fills at
-    least half of it."""
+    threads), at most `limit` bytes of them, or one batch's where that is more (a full batch
+    passes PUT_BATCH_BYTES by up to its last object and trailers: 32 x 8 MiB objects are 256
+    bytes over, and the limit alone dropped one buffer a batch, which the next store wrote
+    as new memory), never more than twice `limit`; a buffer is reused for an object that
+    fills at least half of it."""
 
     def __init__(self, limit: int = SPARE_BYTES):
         self.limit, self.bytes = limit, 0
@@ -221,9 +224,10 @@ class _Spare:
         return np.empty(n, np.uint8)
 
     def give(self, bufs) -> None:
+        bound = max(self.limit, min(sum(b.nbytes for b in bufs), 2 * self.limit))
         with self._lock:
             for b in bufs:
-                if self.bytes + b.nbytes <= self.limit:
+                if self.bytes + b.nbytes <= bound:
                     self._free[b.nbytes].append(b)
                     self.bytes += b.nbytes
 
