@@ -143,19 +143,35 @@ def _write_direct(fd: int, parts, bounce: memoryview) -> int:
     if whole:
         _write_all(fd, bounce[:whole])
     if fill > whole:             # the tail: O_DIRECT takes whole blocks only
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        _buffered(fd)
         _write_all(fd, bounce[whole:fill])
     return total + fill
 
 
 def _write_all(fd: int, data: memoryview) -> None:
-    """All of data written to fd; after a short write (a disk filling up) the rest goes
-    through the page cache, which takes any length (the next write then says what failed)."""
+    """All of data written to fd. After a short write (a disk filling up) the rest goes
+    through the page cache, which takes any length (the next write then says what failed);
+    so does a write O_DIRECT refuses (EINVAL: a file system that opens with it and writes
+    without it)."""
     while len(data):
-        n = os.write(fd, data)
+        try:
+            n = os.write(fd, data)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not _buffered(fd):
+                raise
+            continue
         if n < len(data):
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            _buffered(fd)
         data = data[n:]
+
+
+def _buffered(fd: int) -> bool:
+    """fd's O_DIRECT turned off; whether it was on."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if not flags & os.O_DIRECT:
+        return False
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+    return True
 
 
 def write_atomic(path, parts, fsync: bool = True, direct: bool = False) -> int:

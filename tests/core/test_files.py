@@ -52,13 +52,19 @@ def test_direct_writes_keep_every_byte(tmp_path, sizes):
     assert [p.name for p in target.parent.iterdir()] == ["f.bin"]
 
 
+def _needs_o_direct(d):
+    """Skip unless d's file system opens files with O_DIRECT."""
+    try:
+        os.close(os.open(d / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except OSError as e:
+        pytest.skip(f"this tmp dir's file system takes no O_DIRECT ({e.strerror})")
+    os.unlink(d / "probe")
+
+
 def test_direct_writes_open_with_o_direct_where_the_file_system_takes_it(tmp_path, monkeypatch):
     """The temp file is opened with O_DIRECT, and kept so where the file system takes it
     (this machine's tmp dir: ext4 or tmpfs since Linux 6.6); plain writes never are."""
-    try:
-        os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
-    except OSError as e:
-        pytest.skip(f"this tmp dir's file system takes no O_DIRECT ({e.strerror})")
+    _needs_o_direct(tmp_path)
     real_open, flags = os.open, []
     monkeypatch.setattr(os, "open", lambda path, f, *a: flags.append(f) or real_open(path, f, *a))
     monkeypatch.setattr(files, "_no_direct", set())
@@ -93,6 +99,34 @@ def test_a_file_system_without_o_direct_is_written_through_the_page_cache(tmp_pa
         assert (tmp_path / name).read_bytes() == data
     assert len(tried) == 1 and files._no_direct == {os.stat(tmp_path).st_dev}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "b.bin"]
+
+
+def test_a_write_o_direct_refuses_goes_through_the_page_cache(tmp_path, monkeypatch):
+    """A file system that opens with O_DIRECT and refuses its writes (EINVAL) loses nothing:
+    the write goes on through the page cache; other errors are raised as they were."""
+    import errno
+    import fcntl
+    real_write, refused = os.write, []
+
+    def write(fd, data):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(len(data))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+    _needs_o_direct(tmp_path)
+    monkeypatch.setattr(os, "write", write)
+    data = os.urandom(files.BOUNCE_BYTES + files.DIRECT_BLOCK + 3)
+    assert files.write_atomic(tmp_path / "f.bin", data, direct=True) == len(data)
+    assert (tmp_path / "f.bin").read_bytes() == data
+    assert refused == [files.BOUNCE_BYTES]           # once: the file went on without O_DIRECT
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError, match="No space left"):
+        files.write_atomic(tmp_path / "f.bin", data, direct=True)
+    assert (tmp_path / "f.bin").read_bytes() == data                 # the old file stands
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]          # no temp file left
 
 
 def test_origin_objects_write_large_objects_direct_and_small_ones_cached(tmp_path, monkeypatch):
