@@ -12,19 +12,16 @@ adapter writes them: `kdn bench l2`'s fs row), once right after 3 GiB were touch
 and once CACHE_IDLE_S seconds after, with the MiB this guest reported free to its host in
 between (virtio free page reporting: /sys/module/page_reporting, where the kernel has it).
 Then "durable_files": GIB GiB of 8 MiB files each fsynced (as the origin makes objects durable),
-written through the page cache and with O_DIRECT from one reused aligned buffer (the tail
-that is not a whole block written through the page cache), each CACHE_IDLE_S / 2 seconds after
-3 GiB were freed.
+through the page cache and as the origin writes them (kdn.core.files: O_DIRECT), each
+CACHE_IDLE_S / 2 seconds after 3 GiB were freed.
 
 On session 42's VM (Firecracker's kernel, free page reporting at 2 MiB) memory that lay free
 a few seconds was reported and given back to the host; writing it again paid the host's
 faults: files at 4.2-4.6 GB/s right after a free and 0.33-0.36 GB/s 30 s after, with 8 GiB
 reported meanwhile. That is `fs`'s swing in `kdn bench l2` (docs/figures.md, session 42).
-Durable 8 MiB files: 0.29-0.31 GB/s through the page cache, 0.81-0.88 with O_DIRECT.
+Durable 8 MiB files: 0.51-0.60 GB/s through the page cache, 1.23-1.33 as the origin writes them.
 """
-import fcntl
 import json
-import mmap
 import os
 import sys
 import tempfile
@@ -39,7 +36,6 @@ except ImportError:                     # numpy < 2
 
 REPORTED = "/sys/module/page_reporting/parameters/reported_kib"
 FILE_BYTES = 8 << 20                    # LMCache's objects in kdn bench l2 (32 x 8 MiB a round)
-DIRECT_BLOCK = 4096                     # O_DIRECT's unit: the page, a multiple of any disk's block
 
 
 def write_gbs(nbytes: int) -> float:
@@ -96,58 +92,29 @@ def page_cache(gib: float, idle_s: float) -> dict:
     return out
 
 
-def _write_direct(path: str, data, bounce: mmap.mmap) -> None:
-    """data written to a new file at path with O_DIRECT through bounce (page-aligned, a
-    multiple of the block), the last partial block through the page cache; fsynced."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
-    try:
-        src, bv, off = memoryview(data).cast("B"), memoryview(bounce), 0
-        while off < len(src):
-            n = min(len(src) - off, len(bv))
-            bv[:n] = src[off:off + n]
-            whole = n // DIRECT_BLOCK * DIRECT_BLOCK
-            if whole:
-                os.write(fd, bv[:whole])
-            if n > whole:                                  # the tail: through the page cache
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-                os.write(fd, bv[whole:n])
-            off += n
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def durable_files(gib: float, idle_s: float) -> dict:
-    """GB/s of writing gib GiB of 8 MiB files, each fsynced, through the page cache and with
-    O_DIRECT, each idle_s seconds after 3 GiB were freed ("refused: ..." where the file
-    system takes no O_DIRECT, tmpfs say)."""
+    """GB/s of writing gib GiB of 8 MiB files, each fsynced, through the page cache and as the
+    origin writes them (kdn.core.files.write_atomic with direct: O_DIRECT through its reused
+    aligned buffers), each idle_s seconds after 3 GiB were freed; "o_direct_refused" where the
+    file system took no O_DIRECT (then both went through the page cache)."""
+    from kdn.core import files
     n, out = int(gib * (1 << 30)) // FILE_BYTES, {}
     data = os.urandom(FILE_BYTES - 1000)        # not a whole number of blocks, as objects are not
-    bounce = mmap.mmap(-1, FILE_BYTES)
     with tempfile.TemporaryDirectory(prefix="kdn-first-touch-") as d:
         for name in ("page_cache", "o_direct"):
             write_gbs(3 << 30)
             time.sleep(idle_s)
             t0 = time.perf_counter()
-            try:
-                for i in range(n):
-                    path = os.path.join(d, f"{name}-{i}")
-                    if name == "o_direct":
-                        _write_direct(path, data, bounce)
-                    else:
-                        with open(path, "wb") as f:
-                            f.write(data)
-                            f.flush()
-                            os.fsync(f.fileno())
-            except OSError as e:                     # EINVAL: no O_DIRECT on this file system
-                out[name] = f"refused: {e.strerror}"
-            else:
-                out[name] = round(n * len(data) / (time.perf_counter() - t0) / 1e9, 2)
-                with open(os.path.join(d, f"{name}-{n - 1}"), "rb") as f:
-                    if f.read() != data:
-                        raise SystemExit(f"{name}: a file read back differs from what was written")
+            for i in range(n):
+                files.write_atomic(os.path.join(d, f"{name}-{i}"), data, fsync=True,
+                                   direct=name == "o_direct")
+            out[name] = round(n * len(data) / (time.perf_counter() - t0) / 1e9, 2)
+            with open(os.path.join(d, f"{name}-{n - 1}"), "rb") as f:
+                if f.read() != data:
+                    raise SystemExit(f"{name}: a file read back differs from what was written")
             for p in os.listdir(d):
                 os.unlink(os.path.join(d, p))
+        out["o_direct_refused"] = os.stat(d).st_dev in files._no_direct
     return out
 
 

@@ -10,8 +10,8 @@ reuses, or through the page cache while all are in use; the last partial block t
 page cache, as O_DIRECT takes whole blocks only): it is fsynced at once anyway, so caching its
 pages buys a reader little, and filling new page-cache memory is what such a write cost most
 (on session 42's VM, memory that lay free was given back to the host and paid its faults when
-written again: 8 MiB files fsynced at 0.60 GB/s through the page cache, 1.33 with O_DIRECT,
-tools/first_touch.py). A file system that takes no O_DIRECT (tmpfs) is written through the
+written again: 8 MiB files fsynced at 0.51-0.60 GB/s through the page cache, 1.23-1.33
+with O_DIRECT, tools/first_touch.py). A file system that takes no O_DIRECT (tmpfs) is written through the
 page cache, and remembered.
 """
 import errno
