@@ -160,15 +160,27 @@ def as_bytes(obj) -> memoryview:
 
 def pack(key: bytes, ns: bytes, data, into=None) -> Chunk:
     """An opaque chunk holding data's bytes and their checksum (one copy of the bytes), in
-    `into` (a uint8 array of at least that many bytes) when given, else in new memory."""
+    `into` (a uint8 array of at least that many bytes) when given, else in new memory.
+
+    Its kv is a read-only view that carries its frame's payload checksum (the xxh3_64 of the
+    object and its trailer), hashed block by block in the same pass, while each block is in
+    cache: a frame of it written over HTTP (an edge's or the origin's server) costs no second
+    pass over the bytes. Ray's copy of it carries no checksum (Chunk.__reduce__): whoever
+    receives it hashes again. The caller keeps `into` unchanged until the chunk is sent."""
     src = np.frombuffer(as_bytes(data), np.uint8)
     arr = np.empty(src.size + TRAILER, np.uint8) if into is None else into[:src.size + TRAILER]
-    body, h = arr[:src.size], xxhash.xxh3_64()
+    body, h, frame = arr[:src.size], xxhash.xxh3_64(), xxhash.xxh3_64()
     for s in range(0, src.size, _BLOCK):
         np.copyto(body[s:s + _BLOCK], src[s:s + _BLOCK])
         h.update(body[s:s + _BLOCK])
+        frame.update(body[s:s + _BLOCK])
     arr[src.size:] = np.frombuffer(_TRAILER.pack(h.intdigest()), np.uint8)
-    return Chunk(key, ns, arr, OPAQUE)
+    frame.update(arr[src.size:])
+    kv = arr.view()
+    kv.flags.writeable = False
+    chunk = Chunk(key, ns, kv, OPAQUE)
+    object.__setattr__(chunk, "_xxh", frame.intdigest())
+    return chunk
 
 
 def unpack_into(chunk: Chunk, out) -> bool:

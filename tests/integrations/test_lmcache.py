@@ -28,6 +28,7 @@ from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj  # noqa: E402
 
 from kdn.integrations.lmcache import KDNL2Adapter, KDNL2AdapterConfig, host_key  # noqa: E402
+from kdn.edge.forms import corrupted  # noqa: E402
 from kdn.integrations.objects import object_key, pack  # noqa: E402
 from kdn.core.errors import BadConfig  # noqa: E402
 
@@ -281,8 +282,7 @@ def test_an_object_failing_its_checksum_is_reported_not_loaded(adapters):
     a = adapters("eu-west")
     k = key(200)
     ns = a.objects.namespace("default", MODEL)
-    bad = pack(object_key(ns, host_key(k)), ns, np.arange(4096, dtype=np.uint8))
-    bad.kv[5] ^= 0xFF                                            # the bytes no longer match
+    bad = corrupted(pack(object_key(ns, host_key(k)), ns, np.arange(4096, dtype=np.uint8)))
     a.objects.view.origin().put_objects([bad])
     assert lookup(a, [k]) == [True]
     out = memobj(1024, fill=1.0)

@@ -15,6 +15,7 @@ from kdn.core.keys import MAX_FETCH_KEYS
 from kdn.core.interfaces import EdgeAPI
 from kdn.core.rpc import Stub
 from kdn.core.transfer import fetch_deadline_s
+from kdn.edge.forms import corrupted
 from kdn.integrations.objects import (READ_BATCH_BYTES, READ_BATCH_KEYS, TRAILER, Objects, Tenancy,
                                  check_params, object_key, object_namespace, pack, read_batch,
                                  read_tokens_of, unpack_into)
@@ -34,6 +35,11 @@ def test_pack_unpack_round_trips_the_bytes(n):
     assert c.opaque and c.nbytes == n + TRAILER and c.tokens == 0
     out = bytearray(n)
     assert unpack_into(c, out) and bytes(out) == src.tobytes()
+    # the frame's payload checksum, hashed in pack's pass, is the bytes' own: a frame of it
+    # carries it unhashed again and decodes as the chunk
+    assert not c.kv.flags.writeable and c._xxh == c.digest()
+    frame = encode(c)
+    assert read_header(frame)[0]["xxh"] == c.digest() and decode(frame).equal(c)
 
 
 def test_a_corrupt_or_mis_sized_object_is_not_good():
@@ -41,8 +47,8 @@ def test_a_corrupt_or_mis_sized_object_is_not_good():
     c = pack(KEY, NS, src)
     out = bytearray(4999)
     assert not unpack_into(c, out)                      # the host asked for another size
-    c.kv[1234] ^= 1
-    assert not unpack_into(c, bytearray(5000))          # a flipped bit: the checksum catches it
+    assert not c.kv.flags.writeable                     # keys name contents
+    assert not unpack_into(corrupted(c), bytearray(5000))   # a flipped byte: the checksum catches it
 
 
 @pytest.mark.parametrize("codec", ["raw", "zstd"])

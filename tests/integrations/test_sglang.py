@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
+from kdn.edge.forms import corrupted  # noqa: E402
 from kdn.integrations.objects import object_key, pack  # noqa: E402
 from kdn.integrations.sglang import KDNHiCacheStorage  # noqa: E402
 from kdn.core.errors import BadConfig, BadKey  # noqa: E402
@@ -209,8 +210,7 @@ def test_a_corrupt_page_is_reported_missing(net):
     store.register_mem_pool_host(pool)
     key = uuid.uuid4().hex
     kdn_key = object_key(store.ns, f"{key}_{store.suffix}_0".encode())
-    bad = pack(kdn_key, store.ns, np.zeros(1024, np.uint8))
-    bad.kv[3] ^= 0xFF
+    bad = corrupted(pack(kdn_key, store.ns, np.zeros(1024, np.uint8)))     # a byte flipped
     store.objects.view.origin().put_objects([bad])
     assert store.batch_get_v1([key], torch.tensor([1])) == [False]
 
