@@ -3,9 +3,13 @@ kdn/origin/http.py): its listening socket, serving an aiohttp app on it, its bas
 caller's bearer token, and bulk writes received as bodies of raw frames (FrameWrites: the
 origin's POST /v1/chunks and /v1/objects, an edge's POST /v1/objects)."""
 import asyncio
+import collections
 import contextlib
 import socket
+import sys
 import time
+
+import numpy as np
 
 from aiohttp import web
 
@@ -18,6 +22,9 @@ MAX_INGEST_BYTES = 512 << 20  # one write's body (a publisher's batch is 64 MiB,
 MAX_INGEST_FRAMES = 4096      # frames in one write (the nodes' MAX_CHUNKS_PER_CALL)
 INGESTS_AT_ONCE = 2           # write bodies a server holds at once (each up to MAX_INGEST_BYTES); the rest wait
 INGEST_READ_S = 30.0          # a write whose body sends nothing for this long is dropped
+KEPT_BODY_BYTES = 512 << 20   # receive buffers a server keeps for its next writes, at most (two
+                              # object stores' batches): new memory costs a page fault per 4 KiB
+                              # as the body lands (37-87 ms of a 64 MiB write on a 2-core VM)
 
 
 class Served:
@@ -102,11 +109,41 @@ class FrameWrites:
     the chunks inside `received`. A store that keeps views of the chunks (an edge keeps the
     objects it acknowledged as they arrived until it has copied them into its node's object
     store, or into memory of its own where that store refuses them, kdn/edge/stores.py) keeps
-    the body's memory past its slot, bounded there by what that store may keep. raw_objects: frames_of's."""
+    the body's memory past its slot, bounded there by what that store may keep. raw_objects: frames_of's.
 
-    def __init__(self, raw_objects: bool = False):
+    A body lands in a buffer kept from the writes before once no chunk of theirs is viewed any
+    more (_buffer; at most KEPT_BODY_BYTES kept), so the bytes of a stream of writes do not
+    fault in new memory page by page."""
+
+    def __init__(self, raw_objects: bool = False, counters=None, prefix: str = "write_"):
         self._slots = None          # made in the server's loop, on first use
         self.raw_objects = raw_objects
+        self._kept = []             # bodies' buffers, reused once nothing views them (_buffer)
+        # the server's counters: <prefix>buffers_reused, <prefix>buffers_new
+        self.counters = collections.Counter() if counters is None else counters
+        self.prefix = prefix
+
+    def _buffer(self, n: int) -> np.ndarray:
+        """A writable n-byte buffer for a body: a kept one that no chunk (or anything) views
+        any more and that n fills at least half of, else new memory, kept for the next writes
+        while the kept ones come to at most KEPT_BODY_BYTES (free ones make room first).
+        Only the server's loop calls this, so two bodies never get the same buffer."""
+        for b in self._kept:
+            # 3 references: the list's, b, getrefcount's argument: any more is a live view
+            if n <= b.nbytes <= 2 * n and sys.getrefcount(b) <= 3:
+                self.counters[self.prefix + "buffers_reused"] += 1
+                return b[:n]
+        b = np.empty(max(n, 1), np.uint8)
+        self.counters[self.prefix + "buffers_new"] += 1
+        i = 0
+        while i < len(self._kept) and sum(k.nbytes for k in self._kept) + b.nbytes > KEPT_BODY_BYTES:
+            if sys.getrefcount(self._kept[i]) <= 2:     # the list's, the argument: free
+                del self._kept[i]
+            else:
+                i += 1
+        if sum(k.nbytes for k in self._kept) + b.nbytes <= KEPT_BODY_BYTES:
+            self._kept.append(b)
+        return b[:n]
 
     @contextlib.asynccontextmanager
     async def received(self, request, what: str):
@@ -124,7 +161,7 @@ class FrameWrites:
         if self._slots is None:
             self._slots = asyncio.Semaphore(INGESTS_AT_ONCE)
         async with self._slots:
-            buf, got, t0 = bytearray(n), 0, time.perf_counter()
+            buf, got, t0 = memoryview(self._buffer(n)), 0, time.perf_counter()
             while got < n:                                   # as it arrives, into one buffer
                 try:
                     piece = await asyncio.wait_for(request.content.readany(), INGEST_READ_S)
@@ -137,6 +174,7 @@ class FrameWrites:
                     raise BadRequest(f"the body runs past its Content-Length of {n} bytes")
                 buf[got:got + len(piece)] = piece
                 got += len(piece)
-            chunks = await asyncio.to_thread(frames_of, memoryview(buf).toreadonly(), MAX_INGEST_FRAMES,
+            chunks = await asyncio.to_thread(frames_of, buf.toreadonly(), MAX_INGEST_FRAMES,
                                              self.raw_objects)
+            del buf                     # the chunks' views alone keep the buffer from reuse
             yield chunks, n, time.perf_counter() - t0

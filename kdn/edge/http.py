@@ -120,7 +120,8 @@ class EdgeHTTP(Served):
         self.metrics = EdgeMetrics(edge, self)
         self._encoders = None
         self._runner = None
-        self.writes = FrameWrites(raw_objects=True)   # POST /v1/objects
+        # POST /v1/objects; its buffers counted beside the stores' (store_http_buffers_*)
+        self.writes = FrameWrites(raw_objects=True, counters=edge.stores.counters, prefix="store_http_")
         self.app = web.Application(middlewares=[self._errors], client_max_size=self.max_body_bytes)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/kbs", self._kbs)

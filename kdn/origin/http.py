@@ -83,9 +83,10 @@ class OriginHTTP(Served):
                              "admin token: anyone who reaches the address would read every chunk")
         self.store, self.tokens, self.host, self.port_wanted = store, tokens, host, int(port)
         self.ingest = dict(ingest or {})
-        self.writes = FrameWrites()                             # POST /v1/chunks, /v1/objects
         self.port, self._runner = None, None
         self.counters = collections.Counter()
+        # POST /v1/chunks, /v1/objects; its buffers counted as ingest_buffers_reused, _new
+        self.writes = FrameWrites(counters=self.counters, prefix="ingest_")
         self.app = web.Application(middlewares=[self._errors], client_max_size=MAX_PULL_BYTES)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_post("/v1/peer", self._peer)

@@ -300,7 +300,8 @@ def _loaded(obj, ns, keys, datas) -> list:
 
 def _store_counters(net, edge) -> dict:
     c = ray.get(net.edges[edge].stats.remote(), timeout=30)["counters"]
-    return {k: c.get(k, 0) for k in ("store_http_writes", "store_http_objects", "store_acked_edge")}
+    return {k: c.get(k, 0) for k in ("store_http_writes", "store_http_objects", "store_acked_edge",
+                                     "store_http_buffers_new", "store_http_buffers_reused")}
 
 
 def test_objects_written_over_http_are_kept_as_over_ray_and_a_bad_body_keeps_nothing(net):
@@ -334,6 +335,17 @@ def test_objects_written_over_http_are_kept_as_over_ray_and_a_bad_body_keeps_not
         assert after["store_acked_edge"] - before["store_acked_edge"] == 3
         assert _loaded(obj, ns, keys, datas) == [True] * 3
         assert ray.get(net.edges[edge].stores_durable.remote(30.0), timeout=60)["durable"]
+        # more bodies of the same size: each lands in a body's buffer once nothing views it,
+        # and every object of every body, the first's included, loads back exactly
+        more = [_objects(obj, (70_000, 1 << 20, 333), seed=50 + i) for i in range(3)]
+        for _, _, _, cs in more:
+            assert EdgeHTTPClient(url, allow_remote=True).put_frames("objects", cs)["kept"] == 3
+            assert ray.get(net.edges[edge].stores_durable.remote(30.0), timeout=60)["durable"]
+        end = _store_counters(net, edge)
+        took = {k: end[f"store_http_buffers_{k}"] - before[f"store_http_buffers_{k}"] for k in ("new", "reused")}
+        assert took["new"] + took["reused"] == 4 and took["reused"] >= 1, took
+        for ns_i, keys_i, datas_i, _ in [(ns, keys, datas, None)] + more:
+            assert _loaded(obj, ns_i, keys_i, datas_i) == [True] * 3
     finally:
         obj.close()
 
