@@ -25,6 +25,8 @@ INGEST_READ_S = 30.0          # a write whose body sends nothing for this long i
 KEPT_BODY_BYTES = 512 << 20   # receive buffers a server keeps for its next writes, at most (two
                               # object stores' batches): new memory costs a page fault per 4 KiB
                               # as the body lands (37-87 ms of a 64 MiB write on a 2-core VM)
+KEPT_BODIES = 8               # and at most this many of them
+KEPT_BODY_MIN = 1 << 20       # a smaller body's buffer is not kept (its faults cost little)
 
 
 class Served:
@@ -112,7 +114,7 @@ class FrameWrites:
     the body's memory past its slot, bounded there by what that store may keep. raw_objects: frames_of's.
 
     A body lands in a buffer kept from the writes before once no chunk of theirs is viewed any
-    more (_buffer; at most KEPT_BODY_BYTES kept), so the bytes of a stream of writes do not
+    more (_buffer; within KEPT_BODIES and KEPT_BODY_BYTES), so the bytes of a stream of writes do not
     fault in new memory page by page."""
 
     def __init__(self, raw_objects: bool = False, counters=None, prefix: str = "write_"):
@@ -126,8 +128,9 @@ class FrameWrites:
     def _buffer(self, n: int) -> np.ndarray:
         """A writable n-byte buffer for a body: a kept one that no chunk (or anything) views
         any more and that n fills at least half of, else new memory, kept for the next writes
-        while the kept ones come to at most KEPT_BODY_BYTES (free ones make room first).
-        Only the server's loop calls this, so two bodies never get the same buffer."""
+        (from KEPT_BODY_MIN bytes up) while the kept ones stay within KEPT_BODIES and
+        KEPT_BODY_BYTES (free ones make room first). Only the server's loop calls this, so two
+        bodies never get the same buffer."""
         for b in self._kept:
             # 3 references: the list's, b, getrefcount's argument: any more is a live view
             if n <= b.nbytes <= 2 * n and sys.getrefcount(b) <= 3:
@@ -135,13 +138,19 @@ class FrameWrites:
                 return b[:n]
         b = np.empty(max(n, 1), np.uint8)
         self.counters[self.prefix + "buffers_new"] += 1
+        if n < KEPT_BODY_MIN:
+            return b[:n]
+
+        def fits() -> bool:
+            return (len(self._kept) < KEPT_BODIES
+                    and sum(k.nbytes for k in self._kept) + b.nbytes <= KEPT_BODY_BYTES)
         i = 0
-        while i < len(self._kept) and sum(k.nbytes for k in self._kept) + b.nbytes > KEPT_BODY_BYTES:
+        while i < len(self._kept) and not fits():
             if sys.getrefcount(self._kept[i]) <= 2:     # the list's, the argument: free
                 del self._kept[i]
             else:
                 i += 1
-        if sum(k.nbytes for k in self._kept) + b.nbytes <= KEPT_BODY_BYTES:
+        if fits():
             self._kept.append(b)
         return b[:n]
 
