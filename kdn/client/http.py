@@ -10,8 +10,9 @@ KV server, the fastest peer measured on this machine; a bytes-per-chunk client (
 copies every payload twice more.
 
 One keep-alive connection per client (so one client per thread); a connection the server
-closed is reopened once and the (idempotent) request repeated. The receive buffer is reused
-by the next fetch only once nothing views it any more (no live Chunk of the last answer).
+closed is reopened once and the (idempotent) request repeated. The receive buffer is written
+by a later fetch only once nothing views it any more (no live Chunk of the answer it held:
+kdn.core.buffers).
 An edge bounds one answer: while it says X-KDN-More: 1, fetch() asks for the keys after
 those received, so a long prefix arrives in a few answers (X-KDN-Sources is run-length
 coded, kdn.core.wire). Only loopback edges are accepted unless allow_remote is set,
@@ -27,7 +28,6 @@ import http.client
 import json
 import functools
 import select
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +36,7 @@ from urllib.parse import urlencode, urlsplit
 import msgpack
 import numpy as np
 
+from kdn.core.buffers import KeptBuffers
 from kdn.core.chunk import Encoded, codecs, decode, encode_parts, frame_size, header_bytes, read_header
 from kdn.core.codecs import LOSSY
 from kdn.core.wire import FRAMES_TYPE, ORIGIN_UNREACHABLE, unpack_sources
@@ -111,7 +112,8 @@ class EdgeHTTPClient:
         self.max_response_bytes = int(max_response_bytes)
         self._conn = None
         self.reuse_buffer = reuse_buffer
-        self._buffer = None         # the last receive buffer, reused once nothing views it
+        # the receive buffer, reused once nothing views it (_receive_buffer)
+        self._buffers = KeptBuffers(1, self.max_response_bytes)
         # requests, reconnects, fetches, chunks, bytes (received), kv_bytes, buffers_reused
         self.counters = collections.Counter()
         self.codecs = collections.Counter()      # codec -> frames received in it
@@ -485,22 +487,19 @@ class EdgeHTTPClient:
         return buf, frames.done()
 
     def _receive_buffer(self, n: int) -> np.ndarray:
-        """A writable n-byte buffer: the previous one if no chunk (or anything) still views it.
+        """A writable n-byte buffer: one this client received into before, if nothing (no
+        chunk) views it any more and it holds n, else new memory (kdn.core.buffers).
 
         A fresh 64 MiB buffer costs its page faults on every fetch, about as long as the
-        copy out of the socket itself; a buffer nobody references any more can be written
-        again safely (every view of it, a Chunk's kv included, holds a reference to it).
+        copy out of the socket itself. One is kept: while its answer's chunks live (an edge
+        keeps a push's objects as views until it has put them into its node's store), the
+        next answers land in new memory (measured: docs/figures.md, session 43).
         """
-        b = self._buffer
-        # 3 references: self._buffer, b, getrefcount's argument; any more is a live view.
-        if self.reuse_buffer and b is not None and b.nbytes >= n and sys.getrefcount(b) <= 3:
-            b.flags.writeable = True
-            self.counters["buffers_reused"] += 1
-            return b[:n]
-        b = np.empty(max(n, 1), np.uint8)
-        if self.reuse_buffer:
-            self._buffer = b
-        return b[:n]
+        if not self.reuse_buffer:
+            return np.empty(max(n, 1), np.uint8)[:n]
+        buf, reused = self._buffers.take(n)
+        self.counters["buffers_reused"] += reused
+        return buf
 
 
 class HTTPEdges:

@@ -6,13 +6,11 @@ import asyncio
 import collections
 import contextlib
 import socket
-import sys
 import time
-
-import numpy as np
 
 from aiohttp import web
 
+from kdn.core.buffers import KeptBuffers
 from kdn.core.chunk import decode, frame_size, read_header
 from kdn.core.dtypes import OPAQUE
 from kdn.core.errors import BadRequest, FrameError
@@ -120,39 +118,21 @@ class FrameWrites:
     def __init__(self, raw_objects: bool = False, counters=None, prefix: str = "write_"):
         self._slots = None          # made in the server's loop, on first use
         self.raw_objects = raw_objects
-        self._kept = []             # bodies' buffers, reused once nothing views them (_buffer)
+        self._kept = None           # bodies' buffers, reused once nothing views them (_buffer)
         # the server's counters: <prefix>buffers_reused, <prefix>buffers_new
         self.counters = collections.Counter() if counters is None else counters
         self.prefix = prefix
 
-    def _buffer(self, n: int) -> np.ndarray:
-        """A writable n-byte buffer for a body: a kept one that no chunk (or anything) views
-        any more and that n fills at least half of, else new memory, kept for the next writes
-        (from KEPT_BODY_MIN bytes up) while the kept ones stay within KEPT_BODIES and
-        KEPT_BODY_BYTES (free ones make room first). Only the server's loop calls this, so two
-        bodies never get the same buffer."""
-        for b in self._kept:
-            # 3 references: the list's, b, getrefcount's argument: any more is a live view
-            if n <= b.nbytes <= 2 * n and sys.getrefcount(b) <= 3:
-                self.counters[self.prefix + "buffers_reused"] += 1
-                return b[:n]
-        b = np.empty(max(n, 1), np.uint8)
-        self.counters[self.prefix + "buffers_new"] += 1
-        if n < KEPT_BODY_MIN:
-            return b[:n]
-
-        def fits() -> bool:
-            return (len(self._kept) < KEPT_BODIES
-                    and sum(k.nbytes for k in self._kept) + b.nbytes <= KEPT_BODY_BYTES)
-        i = 0
-        while i < len(self._kept) and not fits():
-            if sys.getrefcount(self._kept[i]) <= 2:     # the list's, the argument: free
-                del self._kept[i]
-            else:
-                i += 1
-        if fits():
-            self._kept.append(b)
-        return b[:n]
+    def _buffer(self, n: int):
+        """A writable n-byte buffer for a body: a kept one that nothing views any more and that
+        n fills at least half of, else new memory, kept for the next writes (from
+        KEPT_BODY_MIN bytes up, within KEPT_BODIES and KEPT_BODY_BYTES: kdn.core.buffers).
+        Only the server's loop calls this, so two bodies never get the same buffer."""
+        if self._kept is None:
+            self._kept = KeptBuffers(KEPT_BODIES, KEPT_BODY_BYTES, KEPT_BODY_MIN, fill=0.5)
+        buf, reused = self._kept.take(n)
+        self.counters[self.prefix + ("buffers_reused" if reused else "buffers_new")] += 1
+        return buf
 
     @contextlib.asynccontextmanager
     async def received(self, request, what: str):
