@@ -624,7 +624,8 @@ def origin_pushes(args, cluster, kv, admin, read, link: SocketLink) -> dict:
                 out["socket"].append(sock)
         far = ray.get(nets["origin-push-http"].edges["far-0"].stats.remote(token=admin))
         out["http_split"] = {"pull_us": far["data_plane"].get("origin_http_us", 0),
-                             "keep_us": far["counters"].get("pushes_pulled_keep_us", 0)}
+                             "keep_us": far["counters"].get("pushes_pulled_keep_us", 0),
+                             **{k: far["data_plane"].get(f"origin_http_buffers_{k}", 0) for k in ("reused", "new")}}
         # the copies pushed are the published bytes: far-0 of each network answers them
         for row in nets:
             toks = pubs[row].manifest(f"push-{args.reps}").token_ids().tolist()
@@ -1018,7 +1019,8 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
                         lambda link: origin_pushes(args, cluster, kv, admin, read, link))
         split = pushed["http_split"]
         print(f"origin-push-http, as far-0 timed it (all reps with the warm-up): pulling the frames "
-              f"{split['pull_us'] / 1e3:.0f} ms, keeping the copies {split['keep_us'] / 1e3:.0f} ms")
+              f"{split['pull_us'] / 1e3:.0f} ms, keeping the copies {split['keep_us'] / 1e3:.0f} ms; "
+              f"received into memory used before {split['reused']} times, into new {split['new']}")
         behind = beside("socket-beside-write-behind", "the write-behind",
                         lambda link: write_behind(args, kv, admin, read, link))
         split = behind["store_split"]

@@ -114,7 +114,7 @@ class EdgeHTTPClient:
         self.reuse_buffer = reuse_buffer
         # the receive buffer, reused once nothing views it (_receive_buffer)
         self._buffers = KeptBuffers(1, self.max_response_bytes)
-        # requests, reconnects, fetches, chunks, bytes (received), kv_bytes, buffers_reused
+        # requests, reconnects, fetches, chunks, bytes (received), kv_bytes, buffers_reused, _new
         self.counters = collections.Counter()
         self.codecs = collections.Counter()      # codec -> frames received in it
 
@@ -498,7 +498,7 @@ class EdgeHTTPClient:
         if not self.reuse_buffer:
             return np.empty(max(n, 1), np.uint8)[:n]
         buf, reused = self._buffers.take(n)
-        self.counters["buffers_reused"] += reused
+        self.counters["buffers_reused" if reused else "buffers_new"] += 1
         return buf
 
 

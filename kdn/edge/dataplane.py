@@ -113,7 +113,7 @@ class PeerPulls:
         parts = slices(keys, self.streams)
         t0 = time.perf_counter()
         replies = await asyncio.gather(*(asyncio.to_thread(self._pull, peer, url, part, region, drops,
-                                                           into or self.into)
+                                                           into or self.into, counter)
                                          for part in parts), return_exceptions=True)
         seconds = time.perf_counter() - t0
         failed = [r for r in replies if isinstance(r, BaseException)]
@@ -154,7 +154,7 @@ class PeerPulls:
         for ns, keys in by_ns.items():      # (a dead peer answers None: it holds nothing)
             await self.peers.edge(peer).drop_corrupt(keys, ns)
 
-    def _pull(self, peer: str, url: str, keys, region: str, drops, into: str) -> tuple:
+    def _pull(self, peer: str, url: str, keys, region: str, drops, into: str, counter: str) -> tuple:
         """(Held per key or None, bytes received, [(key, ns)] of corrupt frames) over one
         connection (a worker thread)."""
         from kdn.client.http import EdgeHTTPClient
@@ -175,8 +175,9 @@ class PeerPulls:
         except BaseException:
             client.close()
             raise
-        self.counters["peer_http_wait_us"] += client.counters.pop("peer_wait_us", 0)
-        self.counters["peer_http_buffers_reused"] += client.counters.pop("buffers_reused", 0)
+        self.counters[f"{counter}_wait_us"] += client.counters.pop("peer_wait_us", 0)
+        for k in ("buffers_reused", "buffers_new"):     # received into memory used before, or new
+            self.counters[f"{counter}_{k}"] += client.counters.pop(k, 0)
         if len(idle) < IDLE_CONNECTIONS:
             idle.append(client)
         else:

@@ -36,6 +36,7 @@ import time
 from kdn.core.auth import Tokens
 from kdn.core.chunk import Chunk, Encoded
 from kdn.core.codecs import LOSSLESS
+from kdn.edge.arrivals import Arrivals
 from kdn.edge.catalog import Catalog
 from kdn.edge.conversations import Conversations, held_object
 from kdn.edge.dataplane import STREAMS as PEER_STREAMS, PeerPulls
@@ -72,6 +73,7 @@ PIN_STORE_BUDGET_S = 20.0     # a pinned store's pull and sends to the origin, a
 PIN_LOOKUP_TIMEOUT_S = 1.0    # a lookup's pull from the origin (a worker waits 2 s for the lookup)
 PIN_PULL_TIMEOUT_S = 60.0     # a pull-back that outlasts its caller's wait goes on this long, for the next turn
 ADMIN_KEYS = MAX_KEYS_PER_CALL   # keys one operator or origin call may name (a KB's keys)
+PUSH_ARRIVAL_BYTES = 128 << 20  # a push's copies answered before they are in the node's store, at most
 
 
 class EdgeNode:
@@ -124,11 +126,15 @@ class EdgeNode:
         self.reads = Reads(name, region, self.members, self.tiers, self.pull, self.peers,
                            self.catalog, self.demand, max_reply_bytes)
         # other cache layers' stores acknowledged here, durable at the origin after
+        # what this edge answered for before copying it into its node's store (its stores,
+        # the origin's pushes it pulled over HTTP), put there after
+        self.arrivals = Arrivals()
         self.stores = WriteBehind(self.tiers, self.forms, self.peers,
                                   check_int(store_backlog_bytes, "store_backlog_bytes", 0),
                                   owns=lambda keys: [name in o for o in self.members.owners(keys)],
                                   name=name, serves_http=lambda: self.http is not None and self.pulls.mode != "ray",
-                                  backlog_wait_s=check_number(store_backlog_wait_s, "store_backlog_wait_s", 0, 60))
+                                  backlog_wait_s=check_number(store_backlog_wait_s, "store_backlog_wait_s", 0, 60),
+                                  arrivals=self.arrivals)
         # this node's object store allocated ahead of the copies into it, up to this edge's
         # capacity by default: memory a busy edge takes anyway (kdn.core.prefault)
         fill = fill_bytes(object_store_fill_bytes, capacity_bytes)
@@ -337,6 +343,13 @@ class EdgeNode:
         the origin's drop-log state when the bytes were read (a push; a repair: its load's):
         a chunk a drop applied here since is not kept (kdn/edge/tombstones.py)."""
         self.tokens.check_admin(token, "put_chunks")
+        n, _ = await self._keep(chunks, role, pin, ttl_s, drops)
+        return n
+
+    async def _keep(self, chunks, role: str, pin: bool, ttl_s, drops, arrival: bool = False) -> tuple:
+        """put_chunks' work: (how many of chunks were kept, the Helds kept as they arrived).
+        arrival: chunks in the store form are kept as they are (Held.arrival, views into the
+        buffer they came in), for the caller to adopt (kdn/edge/arrivals.py)."""
         if role not in ROLES:
             raise BadRequest(f"role must be one of {', '.join(ROLES)}, got {role!r:.40}")
         ttl_s = None if ttl_s is None else check_ttl(ttl_s)
@@ -349,28 +362,34 @@ class EdgeNode:
             raise BadRequest(f"put_chunks takes Chunks and Encoded frames, got a {type(bad).__name__}")
         tier = self.tiers.tier(role)
         new = [c for c in chunks if c.key not in tier]
-        stored = dict(zip((c.key for c in new), await self.forms.to_store(new)))
-        n = 0
+        stored = dict(zip((c.key for c in new), await self.forms.to_store(new, arrival=arrival)))
+        n, arrived = 0, []
         for c in chunks:
-            held = tier.peek(c.key)          # already held: keep the object we have
+            held, fresh = tier.peek(c.key), False     # already held: keep the object we have
             if held is None:
                 if c.key not in stored:      # held above, evicted while others were encoded
-                    stored[c.key] = (await self.forms.to_store([c]))[0]
-                held = stored[c.key]
+                    stored[c.key] = (await self.forms.to_store([c], arrival=arrival))[0]
+                held, fresh = stored.pop(c.key), True
                 if held is None:
                     continue                 # failed verification
                 held.born = born
-            n += bool(self.tiers.put(role, c.key, held, pin=pin))
+            if self.tiers.put(role, c.key, held, pin=pin):
+                n += 1
+                if fresh and held.arrived:
+                    arrived.append(held)
             if ttl_s:
                 self.tiers.expire_later(c.key, ttl_s)
         self.counters["received_" + role] += n
-        return n
+        return n, arrived
 
     async def pull_chunks(self, url: str, keys, role: str = "main", pin: bool = False, ttl_s=None,
                           token=None, drops=None, origin_ip: str = None) -> dict:
         """A push taken over the data plane: the chunks of keys pulled from the origin's frames
         at url (kdn/origin/http.py; origin_ip: its node's address), then kept as put_chunks
-        keeps them. {"pulled": chunks received, "kept": of those, kept}; {"pulled": None} when
+        keeps them, but as they arrived: the answer does not wait for their copy into this
+        node's store, made right after it (kdn/edge/arrivals.py), unless the copies of pushes
+        before still to make pass PUSH_ARRIVAL_BYTES (then this push's are made first).
+        {"pulled": chunks received, "kept": of those, kept}; {"pulled": None} when
         this edge does not reach url, or its data_plane is "ray" (the origin then sends the
         chunks over Ray)."""
         self.tokens.check_admin(token, "pull_chunks")
@@ -387,7 +406,12 @@ class EdgeNode:
             return {"pulled": None, "kept": 0}
         objs = [o for o in got if o is not None]
         t0 = time.perf_counter()
-        kept = await self.put_chunks(objs, role=role, pin=pin, ttl_s=ttl_s, token=token, drops=drops)
+        kept, arrived = await self._keep(objs, role, pin, ttl_s, drops, arrival=True)
+        nbytes = sum(h.nbytes for h in arrived)
+        if self.arrivals.pending_bytes + nbytes > PUSH_ARRIVAL_BYTES:
+            await self.arrivals.adopt(arrived, "pushes")     # the store keeps the pace
+        else:
+            self.arrivals.later(arrived, "pushes")           # into the store after the answer
         self.counters["pushes_pulled_keep_us"] += int((time.perf_counter() - t0) * 1e6)
         return {"pulled": len(objs), "kept": kept}
 
@@ -492,7 +516,7 @@ class EdgeNode:
             return reply
         arrived = [h for h in got["out"] if h.arrived]
         if arrived:        # a store's objects kept as they arrived: this node's own first, so
-            await self.stores.adopt(arrived)     # the reader maps them (kdn/edge/stores.py)
+            await self.arrivals.adopt(arrived)   # the reader maps them (kdn/edge/arrivals.py)
         # (a copy received over HTTP and not kept has no reference: it rides in the reply)
         reply.update(refs=[h.ref if h.ref is not None else h.obj for h in got["out"]],
                      codecs=[h.codec for h in got["out"]],
@@ -840,7 +864,7 @@ class EdgeNode:
         """Every component's counters in one (their names do not overlap)."""
         out = collections.Counter(self.counters)
         for part in (self.members, self.tiers, self.forms, self.pull, self.pull.loads,
-                     self.reads, self.catalog, self.peers, self.replay, self.stores, self.pulls):
+                     self.reads, self.catalog, self.peers, self.replay, self.stores, self.arrivals, self.pulls):
             out.update(part.counters)
         out.update(self.conversations.snapshot())     # (updated from worker threads)
         out.update(self.tiers.tombs.counters)         # drops_refused_stale (kdn/edge/tombstones.py)

@@ -15,8 +15,8 @@ it did not take that way, goes over Ray.
 The answer waits for no copy: each object is kept as it arrived (Held.arrival: a view into
 the caller's argument in this node's object store, which Ray keeps while this process maps
 it, the caller gone or not), and put into an object of this node's own right after the
-answer, in a worker thread (adopt: the copy into fresh store memory that the answer used to
-wait for), then handed to the origin as a reference. A store of a key this edge holds already
+answer, in a worker thread (adopted, kdn/edge/arrivals.py: the copy into fresh store memory
+that the answer used to wait for), then handed to the origin as a reference. A store of a key this edge holds already
 as its own object, with the same checksum, keeps that copy (one key, one byte string). The
 copy of a key this edge owns on the ring belongs in its main tier (the origin pushes nothing
 to an owner that holds the key): it is kept there from the start, pinned until durable, while
@@ -77,7 +77,7 @@ import time
 
 from kdn.core.chunk import check_objects
 from kdn.core.errors import KDNError, NetworkError
-from kdn.edge.tiers import own_copy
+from kdn.edge.arrivals import Arrivals
 
 log = logging.getLogger("kdn.edge")
 
@@ -90,39 +90,17 @@ MAIN_PIN_SHARE = 0.5          # of the main tier, at most, pinned by stores not 
 BACKLOG_WAIT_S = 5.0          # a store past the backlog's bound waits this long at most for room
 
 
-def _put_all(objs) -> list:
-    """Each object put into this node's store (from a worker thread): (its reference, None), or
-    (None, a copy of its own in this process's memory) where the store refused it (full, or
-    out of disk to spill to): that one stays an arrival, sent to the origin by value and
-    answered to readers by value, but no longer a view into the body or the call argument it
-    came in, which would keep all of that memory for one object (an HTTP body holds up to
-    MAX_INGEST_BYTES of objects)."""
-    import ray
-    import ray.exceptions as rex
-    out = []
-    for obj in objs:
-        try:
-            out.append((ray.put(obj), None))
-        except (rex.ObjectStoreFullError, rex.OutOfDiskError) as e:
-            log.warning("edge: an arrival stays in this process's memory: the object store refused its copy (%s)", e)
-            out.append((None, obj if _owns_bytes(obj) else own_copy(obj)))    # (copied once: a retry
-    return out                                                                  # finds it its own)
-
-
-def _owns_bytes(obj) -> bool:
-    """Whether a Chunk's or Encoded's bytes are an array of their own, a view of nothing else."""
-    arr = obj.kv if hasattr(obj, "kv") else obj.frame
-    return arr.flags.owndata
-
-
 class WriteBehind:
     """One edge's objects acknowledged before they are durable, and their way to the origin."""
 
     def __init__(self, tiers, forms, peers, backlog_bytes: int = BACKLOG_BYTES, owns=None,
-                 name: str = None, serves_http=None, backlog_wait_s: float = BACKLOG_WAIT_S):
+                 name: str = None, serves_http=None, backlog_wait_s: float = BACKLOG_WAIT_S,
+                 arrivals: Arrivals = None):
         """name and serves_http (whether this edge's frames may be read over HTTP now): the
-        origin is asked to pull the backlog from those frames (OriginAPI.pull_objects)."""
+        origin is asked to pull the backlog from those frames (OriginAPI.pull_objects);
+        arrivals: the edge's (kdn/edge/arrivals.py), which adopts the stores kept as they arrived."""
         self.tiers, self.forms, self.peers = tiers, forms, peers
+        self.arrivals = arrivals or Arrivals()
         self.name, self.serves_http = name, serves_http or (lambda: False)
         self._ray_until = 0.0                  # the origin reads none of this edge's frames before
         self.owns = owns or (lambda keys: [False] * len(keys))   # keys -> whether this edge is a ring owner
@@ -139,8 +117,6 @@ class WriteBehind:
         self._redelete = collections.defaultdict(set)   # ns -> keys deleted while in flight
         self._wake = None
         self._task = None
-        self._adopt_lock = asyncio.Lock()
-        self._adopting = set()                 # adoption tasks started by put (kept referenced)
         self.counters = collections.Counter()
 
     async def put(self, chunks) -> dict:
@@ -165,9 +141,7 @@ class WriteBehind:
                 self._pending += sum(c.nbytes for c in ahead)
                 self.counters["store_acked_edge"] += sum(c.key in pinned for c in chunks)
                 self._start()
-                task = asyncio.get_running_loop().create_task(self.adopt(ahead))
-                self._adopting.add(task)
-                task.add_done_callback(self._adopting.discard)
+                self.arrivals.later(ahead, "store")
                 self._wake.set()
         finally:
             if early:                          # queued (counted in _pending) or not kept
@@ -273,7 +247,7 @@ class WriteBehind:
                 else:
                     stray.append(held)
         if stray:     # kept, not in the backlog (the origin answers for them): this node's own
-            await self.adopt(stray)          # now, and an owner's in its main tier
+            await self.arrivals.adopt(stray, "store")          # now, and an owner's in its main tier
             for held, mine in zip(stray, self.owns([h.key for h in stray])):
                 if mine and not held.arrived and hot.peek(held.key) is held and not hot.is_pinned(held.key):
                     self._as_main(held)
@@ -319,29 +293,6 @@ class WriteBehind:
             return old
         return held
 
-    async def adopt(self, helds) -> None:
-        """Arrivals (views into the callers' arguments, Held.arrival) put into this node's
-        store as its own objects, one batch at a time in a worker thread, right after they
-        are acknowledged (and by the forwarder, or a fetch about to answer with them, for any
-        not yet): the callers' memory is freed, and a reader on this node gets a reference,
-        not a copy in the answer."""
-        async with self._adopt_lock:
-            todo = [h for h in helds if h.arrived]
-            if not todo:
-                return
-            t0 = time.perf_counter()
-            refs = await asyncio.to_thread(_put_all, [h.obj for h in todo])
-            for h, (ref, copy) in zip(todo, refs):
-                if ref is not None:
-                    h.adopt(ref)             # on the loop: readers never see it half set
-                else:
-                    h.obj = copy             # the same bytes, and checksum; the buffer can go
-            n = sum(r is not None for r, _ in refs)
-            self.counters["store_adopted"] += n
-            self.counters["store_adopt_us"] += int((time.perf_counter() - t0) * 1e6)
-            if n < len(todo):
-                self.counters["store_adopt_errors"] += len(todo) - n
-
     def _start(self) -> None:
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()     # of this loop (a test runs several, one at a time)
@@ -365,7 +316,7 @@ class WriteBehind:
             self._flight = {c.key: c.ns for c in batch}
             self._flight_ids = {id(c) for c in batch}
             try:
-                await self.adopt([c for c in batch if c.arrived])
+                await self.arrivals.adopt([c for c in batch if c.arrived], "store")
                 try:
                     got = await self._send(batch, by_ref=not tries % 2)
                     if got is not None:      # still in flight here: a delete meanwhile is redone,
@@ -564,4 +515,5 @@ class WriteBehind:
 
     def stats(self) -> dict:
         return {"backlog_objects": len(self._queue), "backlog_bytes": self._pending,
-                "backlog_limit_bytes": self.backlog_bytes, **self.counters}
+                "backlog_limit_bytes": self.backlog_bytes, **self.counters,
+                **{k: v for k, v in self.arrivals.counters.items() if k.startswith("store_")}}

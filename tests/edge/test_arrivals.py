@@ -2,7 +2,7 @@
 caller's argument in the node's object store, with no copy on the caller's time. What the
 write-behind relies on: Ray keeps that memory while the edge maps it, after the caller has
 freed it, after the caller's process is gone and while the store hands memory out again; and
-adopt() makes it an object of the node's own with the same bytes."""
+adopt() makes it an object of the node's own with the same bytes, once (kdn.edge.arrivals)."""
 import numpy as np
 import ray
 
@@ -76,3 +76,33 @@ def test_outside_ray_or_under_inline_bytes_an_arrival_is_an_ordinary_copy():
     held = Held.arrival(small)
     assert not held.arrived
     assert held.obj.kv.tobytes() == small.kv.tobytes()
+
+
+def test_arrivals_are_adopted_once_after_the_answer_whoever_asks_first(ray_cluster):
+    """kdn.edge.arrivals.Arrivals: `later` counts the bytes still to copy until its task has
+    put them; a reader's adopt of the same objects meanwhile (a fetch about to answer) shares
+    the lock, so each object is put once, and every adopted object is the bytes that arrived."""
+    import asyncio
+    from kdn.edge.arrivals import Arrivals
+    rng = np.random.default_rng(11)
+    chunks = [pack(bytes([9, i]) * (KEY_BYTES // 2), NS, rng.integers(0, 256, SIZE, dtype=np.uint8))
+              for i in range(3)]
+    want = [c.kv.tobytes() for c in chunks]
+
+    async def run():
+        arrivals = Arrivals()
+        helds = [Held.arrival(c) for c in chunks]
+        assert [h.arrived for h in helds] == [True] * 3
+        arrivals.later(helds, "pushes")
+        assert arrivals.pending_bytes == sum(h.nbytes for h in helds) > 3 * SIZE - 1
+        await arrivals.adopt(helds[1:2], "store")        # a reader asks for one meanwhile
+        while arrivals.pending_bytes:
+            await asyncio.sleep(0.01)
+        arrivals.later(helds, "pushes")                  # adopted already: nothing to do
+        assert arrivals.pending_bytes == 0
+        return arrivals.counters, helds
+
+    counters, helds = asyncio.run(run())
+    assert (counters["store_adopted"], counters["pushes_adopted"]) == (1, 2), counters
+    assert [h.arrived for h in helds] == [False] * 3 and all(h.obj is None for h in helds)
+    assert [o.kv.tobytes() for o in ray.get([h.ref for h in helds])] == want

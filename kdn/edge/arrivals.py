@@ -1,0 +1,101 @@
+"""Arrivals: objects an edge keeps as they arrived, before they are its node's own.
+
+An edge answers some writes before it has copied their bytes into its node's object store:
+another cache layer's stores (kdn/edge/stores.py: a view into the caller's argument, or into
+the HTTP body they came in) and the origin's pushes it pulled over HTTP (EdgeNode.pull_chunks:
+views into the receive buffer). Each is a Held with `arrived` set (Held.arrival); adopting it
+puts its bytes into this node's store (ray.put, in a worker thread) and drops the view, so
+the memory it came in can go and a Ray reader on this node maps it instead of being sent a
+copy. Adoption happens right after the answer (later), before a fetch answers a Ray reader
+with one (adopt), and before the write-behind hands one to the origin.
+
+One lock for all of them, so an arrival is put once whoever asks first. `later` keeps its
+tasks referenced and counts the bytes they still hold (pending_bytes): a writer that would
+pass a bound adopts at once instead (EdgeNode.pull_chunks), so arrivals never pile up in
+this process's memory faster than the store takes them.
+
+Counters, per kind ("store", "pushes"): <kind>_adopted, <kind>_adopt_us (the time the copies
+took), <kind>_adopt_errors (copies the object store refused: those stay in this process, as a
+copy of their own).
+"""
+import asyncio
+import collections
+import logging
+import time
+
+from kdn.edge.tiers import own_copy
+
+log = logging.getLogger("kdn.edge")
+
+
+def _put_all(objs) -> list:
+    """Each object put into this node's store (from a worker thread): (its reference, None), or
+    (None, a copy of its own in this process's memory) where the store refused it (full, or
+    out of disk to spill to): that one stays an arrival, sent to the origin by value and
+    answered to readers by value, but no longer a view into the body or the call argument it
+    came in, which would keep all of that memory for one object (an HTTP body holds up to
+    MAX_INGEST_BYTES of objects)."""
+    import ray
+    import ray.exceptions as rex
+    out = []
+    for obj in objs:
+        try:
+            out.append((ray.put(obj), None))
+        except (rex.ObjectStoreFullError, rex.OutOfDiskError) as e:
+            log.warning("edge: an arrival stays in this process's memory: the object store refused its copy (%s)", e)
+            out.append((None, obj if _owns_bytes(obj) else own_copy(obj)))    # (copied once: a retry
+    return out                                                                  # finds it its own)
+
+
+def _owns_bytes(obj) -> bool:
+    """Whether a Chunk's or Encoded's bytes are an array of their own, a view of nothing else."""
+    arr = obj.kv if hasattr(obj, "kv") else obj.frame
+    return arr.flags.owndata
+
+
+class Arrivals:
+    """Adoption of one edge's arrivals (see the module): adopt now, or later."""
+
+    def __init__(self):
+        self.counters = collections.Counter()
+        self.pending_bytes = 0                 # bytes of arrivals handed to `later`, not adopted yet
+        self._lock = asyncio.Lock()
+        self._tasks = set()                    # adoptions started by `later` (kept referenced)
+
+    async def adopt(self, helds, kind: str = "store") -> None:
+        """Those of helds still arrivals put into this node's store as its own objects, in
+        one worker-thread call (a Held another caller adopted first is left as it is)."""
+        async with self._lock:
+            todo = [h for h in helds if h.arrived]
+            if not todo:
+                return
+            t0 = time.perf_counter()
+            refs = await asyncio.to_thread(_put_all, [h.obj for h in todo])
+            for h, (ref, copy) in zip(todo, refs):
+                if ref is not None:
+                    h.adopt(ref)             # on the loop: readers never see it half set
+                else:
+                    h.obj = copy             # the same bytes, and checksum; the buffer can go
+            n = sum(r is not None for r, _ in refs)
+            self.counters[f"{kind}_adopted"] += n
+            self.counters[f"{kind}_adopt_us"] += int((time.perf_counter() - t0) * 1e6)
+            if n < len(todo):
+                self.counters[f"{kind}_adopt_errors"] += len(todo) - n
+
+    def later(self, helds, kind: str = "store") -> None:
+        """Adopt helds in a task of this loop, after the caller has answered."""
+        helds = [h for h in helds if h.arrived]
+        if not helds:
+            return
+        nbytes = sum(h.nbytes for h in helds)
+        self.pending_bytes += nbytes
+
+        async def run():
+            try:
+                await self.adopt(helds, kind)
+            finally:
+                self.pending_bytes -= nbytes
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
