@@ -98,7 +98,7 @@ class EdgeHTTPClient:
 
     def __init__(self, base_url: str, timeout_s: float = 30.0, allow_remote: bool = False,
                  max_response_bytes: int = MAX_RESPONSE_BYTES, reuse_buffer: bool = True,
-                 token: str = None):
+                 token: str = None, buffers: KeptBuffers = None):
         u = urlsplit(base_url)
         if u.scheme != "http" or not u.hostname or u.port is None:
             raise BadRequest(f"an edge URL is http://HOST:PORT, got {base_url!r}")
@@ -112,8 +112,9 @@ class EdgeHTTPClient:
         self.max_response_bytes = int(max_response_bytes)
         self._conn = None
         self.reuse_buffer = reuse_buffer
-        # the receive buffer, reused once nothing views it (_receive_buffer)
-        self._buffers = KeptBuffers(1, self.max_response_bytes)
+        # the receive buffer, reused once nothing views it (_receive_buffer); or buffers
+        # shared with other clients (an edge's pulling connections: kdn/edge/dataplane.py)
+        self._buffers = KeptBuffers(1, self.max_response_bytes) if buffers is None else buffers
         # requests, reconnects, fetches, chunks, bytes (received), kv_bytes, buffers_reused, _new
         self.counters = collections.Counter()
         self.codecs = collections.Counter()      # codec -> frames received in it
@@ -491,9 +492,10 @@ class EdgeHTTPClient:
         chunk) views it any more and it holds n, else new memory (kdn.core.buffers).
 
         A fresh 64 MiB buffer costs its page faults on every fetch, about as long as the
-        copy out of the socket itself. One is kept: while its answer's chunks live (an edge
-        keeps a push's objects as views until it has put them into its node's store), the
-        next answers land in new memory (measured: docs/figures.md, session 43).
+        copy out of the socket itself. One is kept, unless the client was given buffers to
+        share: while its answer's chunks live (an edge keeps a push's objects as views until
+        it has put them into its node's store), the next answers land in new memory
+        (measured: docs/figures.md, session 43).
         """
         if not self.reuse_buffer:
             return np.empty(max(n, 1), np.uint8)[:n]

@@ -5,9 +5,11 @@ New memory costs a page fault per 4 KiB as the bytes land in it: on a VM whose h
 free memory back (free page reporting: docs/figures.md, session 42) 0.3-0.8 GB/s, against
 several GB/s into memory written before. So a receiver keeps the buffers it received into and
 writes one again once nothing views it any more: every view of a buffer (a chunk decoded from
-it, a memoryview, a numpy slice) holds a reference to it, so its reference count tells. One
-thread (or one event loop) takes from a KeptBuffers."""
+it, a memoryview, a numpy slice) holds a reference to it, so its reference count tells.
+Threads may share one KeptBuffers (an edge's pulling connections: kdn/edge/dataplane.py): a
+buffer is taken under its lock, so two never get the same one."""
 import sys
+import threading
 
 import numpy as np
 
@@ -23,16 +25,19 @@ class KeptBuffers:
         self.most, self.most_bytes = int(most), int(most_bytes)
         self.least_bytes, self.fill = int(least_bytes), float(fill)
         self._kept = []
+        self._lock = threading.Lock()
 
     def take(self, n: int) -> tuple:
         """(a writable n-byte uint8 array, whether it is memory used before)."""
-        for b in self._kept:
-            # 3 references: the list's, b, getrefcount's argument: any more is a live view
-            if n <= b.nbytes and n >= self.fill * b.nbytes and sys.getrefcount(b) <= 3:
-                return b[:n], True
-        b = np.empty(max(n, 1), np.uint8)
+        with self._lock:
+            for b in self._kept:
+                # 3 references: the list's, b, getrefcount's argument: any more is a live view
+                if n <= b.nbytes and n >= self.fill * b.nbytes and sys.getrefcount(b) <= 3:
+                    return b[:n], True
+        b = np.empty(max(n, 1), np.uint8)       # (new memory: outside the lock)
         if self.least_bytes <= n and b.nbytes <= self.most_bytes:
-            self._keep(b)
+            with self._lock:
+                self._keep(b)
         return b[:n], False
 
     def _keep(self, b) -> None:
@@ -51,4 +56,4 @@ class KeptBuffers:
     @property
     def nbytes(self) -> int:
         """The bytes of the buffers kept (free or in use)."""
-        return sum(b.nbytes for b in self._kept)
+        return sum(b.nbytes for b in list(self._kept))

@@ -27,14 +27,18 @@ connection carries is split over `streams` parallel connections (contiguous slic
 keys, each on its own keep-alive connection, received in a worker thread: the socket reads
 release the GIL). A peer that does not answer (refused, reset, cut off, silent for
 PEER_TIMEOUT_S) is unreachable, as on Ray: its address is forgotten, and the caller moves to
-the next owner. A corrupt frame costs only its key (fetched elsewhere). Each pull's bytes
-over its wall time are noted in the edge's measured links (kdn/placement/links.py).
+the next owner. Every connection receives into the edge's kept buffers (KEPT_PULL_BUFFERS,
+at most KEPT_PULL_BYTES, kdn.core.buffers): memory an earlier pull used, once nothing views
+it, so a pull does not fault in new pages (counted per path: <path>_buffers_reused, _new).
+A corrupt frame costs only its key (fetched elsewhere). Each pull's bytes over its wall time
+are noted in the edge's measured links (kdn/placement/links.py).
 """
 import asyncio
 import collections
 import concurrent.futures
 import time
 
+from kdn.core.buffers import KeptBuffers
 from kdn.core.dataplane import STREAMS, Addresses, slices
 from kdn.core.errors import BadRequest
 from kdn.core.rpc import Unreachable
@@ -46,6 +50,10 @@ IDLE_CONNECTIONS = 4         # keep-alive connections kept per peer
 
 
 INTO = ("process", "store")    # where a pulled copy lands (pull_into, the first the default)
+# receive buffers kept for the next pulls, shared by all of an edge's connections (kdn.core.buffers)
+KEPT_PULL_BUFFERS = 8
+KEPT_PULL_BYTES = 256 << 20
+KEPT_PULL_MIN = 1 << 20        # a smaller answer's buffer is not kept (its faults cost little)
 PUTTERS = 4
 _PUTTERS = concurrent.futures.ThreadPoolExecutor(PUTTERS, thread_name_prefix="kdn-peer-put")
 
@@ -76,6 +84,9 @@ class PeerPulls:
         self.into = check_pull_into(into)
         self.counters = collections.Counter()
         self._idle = collections.defaultdict(list)    # url -> idle EdgeHTTPClients
+        # every pull's answer lands in a buffer an earlier one used once nothing views it (a
+        # push's copies view theirs until they are in the node's store), whichever connection
+        self.buffers = KeptBuffers(KEPT_PULL_BUFFERS, KEPT_PULL_BYTES, KEPT_PULL_MIN, fill=0.5)
 
     async def get(self, peer: str, keys, region: str, drops):
         url = await self._url(peer)
@@ -163,7 +174,7 @@ class PeerPulls:
             client = idle.pop()                 # (threads share the list: pop is atomic)
         except IndexError:
             client = EdgeHTTPClient(url, timeout_s=PEER_TIMEOUT_S, allow_remote=True,
-                                    token=self.peers.actors.token)
+                                    token=self.peers.actors.token, buffers=self.buffers)
         store = into == "store" and _ray_initialized()
         try:
             # "store": each object into this node's store as soon as its frame is verified,
@@ -191,4 +202,5 @@ class PeerPulls:
 
     def stats(self) -> dict:
         return {"mode": self.mode, "streams": self.streams,
-                "http_peers": self.addresses.with_http(), **self.counters}
+                "http_peers": self.addresses.with_http(), "buffers_kept_bytes": self.buffers.nbytes,
+                **self.counters}

@@ -3,6 +3,8 @@ the HTTP client keep (kdn.core.buffers.KeptBuffers): a buffer is written again o
 nothing views it, never beside a chunk still read, and the buffers kept stay within their
 bounds. (The writes over a real edge's and origin's HTTP servers are in
 tests/edge/test_http.py, the client's reuse in its test_receive_buffer_* there.)"""
+import sys
+
 import numpy as np
 
 from kdn.core import serving
@@ -53,6 +55,40 @@ def test_the_buffers_kept_stay_within_their_bytes_and_count():
     held = [small.take(99)[0], small.take(100)[0], small.take(101)[0], small.take(102)[0]]
     assert sorted(b.nbytes for b in small._kept) == [101, 102]   # at most 2, the newest, none under 100
     assert not KeptBuffers(2, 500).take(600)[1] and KeptBuffers(2, 500)._kept == []
+
+
+def test_threads_sharing_kept_buffers_never_write_into_a_buffer_another_one_views():
+    """An edge's pulling connections share one KeptBuffers (kdn/edge/dataplane.py): each of 4
+    threads takes a buffer, fills it with its own byte while holding a view of it, and checks
+    every byte is still its own before letting go. A buffer handed to two threads at once would
+    show another thread's byte. Buffers are reused all along, within the bounds."""
+    import threading
+    kept = KeptBuffers(4, 64 << 10, fill=0.5)
+    bad, reused = [], [0] * 4
+
+    def work(t):
+        for i in range(300):
+            buf, again = kept.take(8 << 10)
+            reused[t] += again
+            view = np.frombuffer(memoryview(buf).toreadonly(), np.uint8)   # as a chunk views it
+            _fill(buf, t + 1)
+            del buf
+            if not (view == t + 1).all():
+                bad.append((t, i))
+            del view
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)                    # threads switch all the time: races show
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not bad, bad[:5]
+    assert sum(reused) > 600 and kept.nbytes <= 64 << 10 and len(kept._kept) <= 4
 
 
 def test_a_servers_bodies_of_ever_new_sizes_keep_few_buffers():

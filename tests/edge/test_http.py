@@ -389,6 +389,25 @@ def test_receive_buffer_is_reused_only_when_no_chunk_views_it(net):
     assert np.array_equal(np.concatenate(third.kv_parts(), axis=3), t["kv"][:, :, :, :768])
 
 
+def test_clients_sharing_kept_buffers_reuse_each_others_once_free(net):
+    """An edge's pulling connections share their receive buffers (kdn/edge/dataplane.py):
+    a buffer one client received into is written by another once nothing views it, never
+    while a chunk of it lives."""
+    from kdn.core.buffers import KeptBuffers
+    t = net.test
+    shared = KeptBuffers(2, 64 << 20)
+    a, b = (EdgeHTTPClient(t["urls"]["us-east-0"], buffers=shared) for _ in range(2))
+    want = np.concatenate(a.fetch(t["keys"], t["ns"]).kv_parts(), axis=3)   # a's buffer, free again
+    first = a.fetch(t["keys"], t["ns"])             # into that buffer again; its chunks live
+    second = b.fetch(t["keys"], t["ns"])            # so b takes new memory
+    assert (a.counters["buffers_reused"], b.counters["buffers_new"]) == (1, 1)
+    del second                                      # b's buffer free: a takes it
+    third = a.fetch(t["keys"][:3], t["ns"])
+    assert a.counters["buffers_reused"] == 2 and shared.nbytes <= 64 << 20
+    assert np.array_equal(np.concatenate(first.kv_parts(), axis=3), want), "a live chunk changed"
+    assert np.array_equal(np.concatenate(third.kv_parts(), axis=3), t["kv"][:, :, :, :768])
+
+
 # --- an edge in this process (no Ray) -----------------------------------------------------------
 def _post(url, path, body, headers=None, token=None):
     headers = dict(headers or {})
