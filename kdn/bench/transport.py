@@ -584,7 +584,9 @@ def origin_pushes(args, cluster, kv, admin, read, link: SocketLink) -> dict:
     and "socket": one bare-socket transfer timed before each rep. One network per path (the
     origin here, serving its frames on this host's address or on none; one edge, far-0, that
     owns every chunk), KBs of the same size published alternately, each push timed by the
-    origin from its call to the edge's answer (push_<path>_us: the edge holds the chunks)."""
+    origin from its call to the edge's answer (push_<path>_us: the edge holds the chunks;
+    over HTTP it answers before copying them into its node's store, kdn/edge/arrivals.py,
+    over Ray after)."""
     from kdn.client import Client
     from kdn.launch.cluster import start_network, stop_network
     from kdn.placement.topology import Topology
@@ -625,6 +627,7 @@ def origin_pushes(args, cluster, kv, admin, read, link: SocketLink) -> dict:
         far = ray.get(nets["origin-push-http"].edges["far-0"].stats.remote(token=admin))
         out["http_split"] = {"pull_us": far["data_plane"].get("origin_http_us", 0),
                              "keep_us": far["counters"].get("pushes_pulled_keep_us", 0),
+                             "adopt_us": far["counters"].get("pushes_adopt_us", 0),
                              **{k: far["data_plane"].get(f"origin_http_buffers_{k}", 0) for k in ("reused", "new")}}
         # the copies pushed are the published bytes: far-0 of each network answers them
         for row in nets:
@@ -1019,7 +1022,8 @@ def across_hosts(args, kv, tokens, cap_bps) -> int:
                         lambda link: origin_pushes(args, cluster, kv, admin, read, link))
         split = pushed["http_split"]
         print(f"origin-push-http, as far-0 timed it (all reps with the warm-up): pulling the frames "
-              f"{split['pull_us'] / 1e3:.0f} ms, keeping the copies {split['keep_us'] / 1e3:.0f} ms; "
+              f"{split['pull_us'] / 1e3:.0f} ms, keeping the copies {split['keep_us'] / 1e3:.0f} ms, "
+              f"then copying them into the store after the answer {split['adopt_us'] / 1e3:.0f} ms; "
               f"received into memory used before {split['reused']} times, into new {split['new']}")
         behind = beside("socket-beside-write-behind", "the write-behind",
                         lambda link: write_behind(args, kv, admin, read, link))

@@ -9,14 +9,17 @@ the memory it came in can go and a Ray reader on this node maps it instead of be
 copy. Adoption happens right after the answer (later), before a fetch answers a Ray reader
 with one (adopt), and before the write-behind hands one to the origin.
 
-One lock for all of them, so an arrival is put once whoever asks first. `later` keeps its
-tasks referenced and counts the bytes they still hold (pending_bytes): a writer that would
-pass a bound adopts at once instead (EdgeNode.pull_chunks), so arrivals never pile up in
-this process's memory faster than the store takes them.
+One lock for all of them, so an arrival is put once whoever asks first (a peer asking over
+Ray gets a reference, too: EdgeNode.peer_get). `later` keeps its tasks referenced and counts
+the bytes they still hold (pending_bytes): a push that would pass a bound adopts at once
+instead (EdgeNode.pull_chunks), so arrivals never pile up in this process's memory faster
+than the store takes them.
 
-Counters, per kind ("store", "pushes"): <kind>_adopted, <kind>_adopt_us (the time the copies
-took), <kind>_adopt_errors (copies the object store refused: those stay in this process, as a
-copy of their own).
+Counters, per kind of arrival (Held.arrived: "store", "pushes"), whoever adopted it:
+<kind>_adopted, <kind>_adopt_us (the time the copies took), <kind>_adopt_errors (copies the
+object store refused: those stay in this process, as a copy of their own); and
+arrivals_adopt_failures (a `later` task that failed otherwise: logged, its arrivals adopted
+by the next who asks).
 """
 import asyncio
 import collections
@@ -62,27 +65,31 @@ class Arrivals:
         self._lock = asyncio.Lock()
         self._tasks = set()                    # adoptions started by `later` (kept referenced)
 
-    async def adopt(self, helds, kind: str = "store") -> None:
+    async def adopt(self, helds) -> None:
         """Those of helds still arrivals put into this node's store as its own objects, in
         one worker-thread call (a Held another caller adopted first is left as it is)."""
         async with self._lock:
             todo = [h for h in helds if h.arrived]
             if not todo:
                 return
+            kinds = [h.arrived for h in todo]
             t0 = time.perf_counter()
             refs = await asyncio.to_thread(_put_all, [h.obj for h in todo])
+            us = int((time.perf_counter() - t0) * 1e6)
             for h, (ref, copy) in zip(todo, refs):
                 if ref is not None:
                     h.adopt(ref)             # on the loop: readers never see it half set
                 else:
                     h.obj = copy             # the same bytes, and checksum; the buffer can go
-            n = sum(r is not None for r, _ in refs)
-            self.counters[f"{kind}_adopted"] += n
-            self.counters[f"{kind}_adopt_us"] += int((time.perf_counter() - t0) * 1e6)
-            if n < len(todo):
-                self.counters[f"{kind}_adopt_errors"] += len(todo) - n
+            for kind in set(kinds):
+                mine = [r for k, (r, _) in zip(kinds, refs) if k == kind]
+                n = sum(r is not None for r in mine)
+                self.counters[f"{kind}_adopted"] += n
+                self.counters[f"{kind}_adopt_us"] += us * len(mine) // len(todo)
+                if n < len(mine):
+                    self.counters[f"{kind}_adopt_errors"] += len(mine) - n
 
-    def later(self, helds, kind: str = "store") -> None:
+    def later(self, helds) -> None:
         """Adopt helds in a task of this loop, after the caller has answered."""
         helds = [h for h in helds if h.arrived]
         if not helds:
@@ -92,10 +99,17 @@ class Arrivals:
 
         async def run():
             try:
-                await self.adopt(helds, kind)
+                await self.adopt(helds)
             finally:
                 self.pending_bytes -= nbytes
 
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.counters["arrivals_adopt_failures"] += 1
+            log.error("edge: copying arrivals into the node's store failed (the next reader or "
+                      "the write-behind copies them): %r", task.exception())

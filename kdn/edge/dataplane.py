@@ -29,7 +29,9 @@ release the GIL). A peer that does not answer (refused, reset, cut off, silent f
 PEER_TIMEOUT_S) is unreachable, as on Ray: its address is forgotten, and the caller moves to
 the next owner. Every connection receives into the edge's kept buffers (KEPT_PULL_BUFFERS,
 at most KEPT_PULL_BYTES, kdn.core.buffers): memory an earlier pull used, once nothing views
-it, so a pull does not fault in new pages (counted per path: <path>_buffers_reused, _new).
+it and the answer fills at least half of it, so a pull does not fault in new pages (an
+answer under KEPT_PULL_MIN takes new memory: its faults cost little; counted per path:
+<path>_buffers_reused, _new).
 A corrupt frame costs only its key (fetched elsewhere). Each pull's bytes over its wall time
 are noted in the edge's measured links (kdn/placement/links.py).
 """
@@ -137,13 +139,15 @@ class PeerPulls:
             if peer != ORIGIN:
                 self.peers.counters["peer_failures"] += 1
             return None
-        bad = [bad for _, _, corrupt in replies for bad in corrupt]
+        for *_, counts in replies:          # the connections' counts, added here on the loop
+            self.counters.update(counts)
+        bad = [bad for _, _, corrupt, _ in replies for bad in corrupt]
         if peer != ORIGIN:                  # the origin verified what it sent: none to tell
             await self._report_corrupt(peer, bad)
         else:
             self.counters["origin_http_corrupt"] += len(bad)
-        out = [h for objs, _, _ in replies for h in objs]
-        nbytes = sum(b for _, b, _ in replies)
+        out = [h for objs, *_ in replies for h in objs]
+        nbytes = sum(b for _, b, *_ in replies)
         self.peers.links.transfer(peer, nbytes, seconds)
         self.counters[f"{counter}_pulls"] += 1
         self.counters[f"{counter}_streams"] += len(parts)
@@ -166,8 +170,9 @@ class PeerPulls:
             await self.peers.edge(peer).drop_corrupt(keys, ns)
 
     def _pull(self, peer: str, url: str, keys, region: str, drops, into: str, counter: str) -> tuple:
-        """(Held per key or None, bytes received, [(key, ns)] of corrupt frames) over one
-        connection (a worker thread)."""
+        """(Held per key or None, bytes received, [(key, ns)] of corrupt frames, counts for
+        this edge's counters) over one connection (a worker thread: the caller adds the
+        counts on the loop)."""
         from kdn.client.http import EdgeHTTPClient
         idle = self._idle[url]
         try:
@@ -186,19 +191,19 @@ class PeerPulls:
         except BaseException:
             client.close()
             raise
-        self.counters[f"{counter}_wait_us"] += client.counters.pop("peer_wait_us", 0)
-        for k in ("buffers_reused", "buffers_new"):     # received into memory used before, or new
-            self.counters[f"{counter}_{k}"] += client.counters.pop(k, 0)
+        counts = {f"{counter}_wait_us": client.counters.pop("peer_wait_us", 0),
+                  **{f"{counter}_{k}": client.counters.pop(k, 0)      # received into memory used
+                     for k in ("buffers_reused", "buffers_new")}}     # before, or new
         if len(idle) < IDLE_CONNECTIONS:
             idle.append(client)
         else:
             client.close()
         corrupt = client.peer_corrupt_keys
         if store:
-            return got, nbytes, corrupt
+            return got, nbytes, corrupt, counts
         # "process": held here, a Ray reader gets them in the reply, a kept copy is put into
         # this node's store after the reply (kdn/edge/pull.py own_copy)
-        return [None if o is None else _held_here(o, peer) for o in got], nbytes, corrupt
+        return [None if o is None else _held_here(o, peer) for o in got], nbytes, corrupt, counts
 
     def stats(self) -> dict:
         return {"mode": self.mode, "streams": self.streams,

@@ -104,16 +104,21 @@ class Forms:
         self.counters["stored_encoded"] += 1
         return Encoded.of(chunk, self.store_codec)
 
-    async def to_store(self, objs, arrival: bool = False) -> list:
+    async def to_store(self, objs, arrival: str = None) -> list:
         """A Held per obj, verified, in the store form and put into this node's store (None
         where it fails): hashing, coding and ray.put's copy in one worker-thread call.
-        arrival: objs are a Ray call's arguments, kept as they arrived where their form is
-        kept (no copy: Held.arrival; the caller adopts them later)."""
+        arrival: the kind of arrivals objs are (a Ray call's arguments, or views into a
+        received buffer), kept as they arrived where their form is kept (no copy:
+        Held.arrival; the caller adopts them later, kdn/edge/arrivals.py)."""
         def kept():
             out = []
             for o, form in zip(objs, map(self.store_form, objs)):
-                keep = Held.arrival if arrival and form is o else Held.kept
-                out.append(None if form is None else keep(form))
+                if form is None:
+                    out.append(None)
+                elif arrival and form is o:
+                    out.append(Held.arrival(form, arrival))
+                else:
+                    out.append(Held.kept(form))
             return out
         return await asyncio.to_thread(kept) if objs else []
 

@@ -346,10 +346,10 @@ class EdgeNode:
         n, _ = await self._keep(chunks, role, pin, ttl_s, drops)
         return n
 
-    async def _keep(self, chunks, role: str, pin: bool, ttl_s, drops, arrival: bool = False) -> tuple:
+    async def _keep(self, chunks, role: str, pin: bool, ttl_s, drops, arrival: str = None) -> tuple:
         """put_chunks' work: (how many of chunks were kept, the Helds kept as they arrived).
-        arrival: chunks in the store form are kept as they are (Held.arrival, views into the
-        buffer they came in), for the caller to adopt (kdn/edge/arrivals.py)."""
+        arrival: the kind of arrivals chunks in the store form are kept as (Held.arrival,
+        views into the buffer they came in), for the caller to adopt (kdn/edge/arrivals.py)."""
         if role not in ROLES:
             raise BadRequest(f"role must be one of {', '.join(ROLES)}, got {role!r:.40}")
         ttl_s = None if ttl_s is None else check_ttl(ttl_s)
@@ -406,12 +406,12 @@ class EdgeNode:
             return {"pulled": None, "kept": 0}
         objs = [o for o in got if o is not None]
         t0 = time.perf_counter()
-        kept, arrived = await self._keep(objs, role, pin, ttl_s, drops, arrival=True)
+        kept, arrived = await self._keep(objs, role, pin, ttl_s, drops, arrival="pushes")
         nbytes = sum(h.nbytes for h in arrived)
         if self.arrivals.pending_bytes + nbytes > PUSH_ARRIVAL_BYTES:
-            await self.arrivals.adopt(arrived, "pushes")     # the store keeps the pace
+            await self.arrivals.adopt(arrived)     # the store keeps the pace
         else:
-            self.arrivals.later(arrived, "pushes")           # into the store after the answer
+            self.arrivals.later(arrived)           # into the store after the answer
         self.counters["pushes_pulled_keep_us"] += int((time.perf_counter() - t0) * 1e6)
         return {"pulled": len(objs), "kept": kept}
 
@@ -544,7 +544,12 @@ class EdgeNode:
         """
         keys = check_keys(keys)
         out = await self.peer_held(keys, region, drops, token=token)
-        return [None] * len(keys) if out is None else [None if h is None else h.wire() for h in out]
+        if out is None:
+            return [None] * len(keys)
+        # kept as they arrived (a push, a store): this node's own first, so the asker maps a
+        # reference instead of getting the bytes inside the answer (kdn/edge/arrivals.py)
+        await self.arrivals.adopt([h for h in out if h is not None and h.arrived])
+        return [None if h is None else h.wire() for h in out]
 
     async def peer_held(self, keys, region: str = None, drops=None, token=None):
         """peer_get's answer for either transport (Ray, or HTTP frames: kdn/edge/http.py): per

@@ -141,7 +141,7 @@ class WriteBehind:
                 self._pending += sum(c.nbytes for c in ahead)
                 self.counters["store_acked_edge"] += sum(c.key in pinned for c in chunks)
                 self._start()
-                self.arrivals.later(ahead, "store")
+                self.arrivals.later(ahead)
                 self._wake.set()
         finally:
             if early:                          # queued (counted in _pending) or not kept
@@ -210,7 +210,7 @@ class WriteBehind:
         """Keep verified copies (main tier or hot, _role), pinned while not durable when pin: (how many
         were kept, {key: its copy (Held)} for the keys to queue for the origin, the keys whose
         copy waits in the backlog already and answers for them, the keys that failed the check)."""
-        stored = await self.forms.to_store(list(chunks), arrival=pin)
+        stored = await self.forms.to_store(list(chunks), arrival="store" if pin else None)
         born, hot, n, pinned, stray = self.tiers.tombs.birth(), self.tiers.tier("hot"), 0, {}, []
         riding, failed = set(), set()
         mine = self.owns([c.key for c in chunks]) if pin else [False] * len(chunks)
@@ -247,7 +247,7 @@ class WriteBehind:
                 else:
                     stray.append(held)
         if stray:     # kept, not in the backlog (the origin answers for them): this node's own
-            await self.arrivals.adopt(stray, "store")          # now, and an owner's in its main tier
+            await self.arrivals.adopt(stray)          # now, and an owner's in its main tier
             for held, mine in zip(stray, self.owns([h.key for h in stray])):
                 if mine and not held.arrived and hot.peek(held.key) is held and not hot.is_pinned(held.key):
                     self._as_main(held)
@@ -316,7 +316,7 @@ class WriteBehind:
             self._flight = {c.key: c.ns for c in batch}
             self._flight_ids = {id(c) for c in batch}
             try:
-                await self.arrivals.adopt([c for c in batch if c.arrived], "store")
+                await self.arrivals.adopt([c for c in batch if c.arrived])
                 try:
                     got = await self._send(batch, by_ref=not tries % 2)
                     if got is not None:      # still in flight here: a delete meanwhile is redone,

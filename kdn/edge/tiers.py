@@ -57,7 +57,7 @@ class Held:
                                        # links: where a Ray object's transfer is noted
         self.xxh = None        # a raw chunk's KV checksum, computed when it was verified here
         self.carried = False   # a peer's object carried in its Ray answer (from_wire): unverified
-        self.arrived = False   # obj is a view into a caller's argument, not this node's own (Held.arrival)
+        self.arrived = False   # obj is a view into memory not this node's own: its kind (Held.arrival)
 
     @classmethod
     def of(cls, obj) -> "Held":
@@ -83,17 +83,20 @@ class Held:
         return cls.here(own_copy(obj)) if obj.nbytes < INLINE_BYTES else cls.of(obj)
 
     @classmethod
-    def arrival(cls, obj) -> "Held":
-        """obj as it arrived in a Ray call's argument, held with no copy: a read-only view into
-        the caller's object in this node's store. Ray keeps that memory while a process maps
-        it, even once the caller has freed it or exited (tests/edge/test_arrivals.py), so a
-        store is acknowledged without a copy into fresh memory on the caller's time; it is put
-        into an object of this node's own later (adopt). Inside Ray, and from INLINE_BYTES
-        up (a smaller one is copied: Held.kept); elsewhere the same as Held.kept."""
+    def arrival(cls, obj, kind: str = "store") -> "Held":
+        """obj as it arrived, held with no copy: a read-only view into a Ray call's argument
+        in this node's store (Ray keeps that memory while a process maps it, even once the
+        caller has freed it or exited: tests/edge/test_arrivals.py), or into the buffer an
+        HTTP body or answer was received into, so a write is acknowledged without a copy
+        into fresh memory on the writer's time; it is put into an object of this node's own
+        later (kdn/edge/arrivals.py). `arrived` says its kind ("store": a cache layer's
+        store; "pushes": the origin's push), which its adoption is counted under. Inside Ray,
+        and from INLINE_BYTES up (a smaller one is copied: Held.kept); elsewhere the same
+        as Held.kept."""
         if not _ray_initialized() or obj.nbytes < INLINE_BYTES:
             return cls.kept(obj)
         held = cls.here(obj)
-        held.xxh, held.arrived = getattr(obj, "_xxh", None), True
+        held.xxh, held.arrived = getattr(obj, "_xxh", None), kind
         return held
 
     def adopt(self, ref) -> None:

@@ -22,7 +22,7 @@ class Keeper:
 
     def keep(self, chunks) -> list:
         self.held += [Held.arrival(c) for c in chunks]
-        return [h.arrived for h in self.held]
+        return [bool(h.arrived) for h in self.held]
 
     def churn(self, n: int, size: int) -> int:
         """Allocate and free n objects of size in this node's store, as other writers would."""
@@ -78,31 +78,44 @@ def test_outside_ray_or_under_inline_bytes_an_arrival_is_an_ordinary_copy():
     assert held.obj.kv.tobytes() == small.kv.tobytes()
 
 
-def test_arrivals_are_adopted_once_after_the_answer_whoever_asks_first(ray_cluster):
+def test_arrivals_are_adopted_once_after_the_answer_whoever_asks_first(ray_cluster, monkeypatch):
     """kdn.edge.arrivals.Arrivals: `later` counts the bytes still to copy until its task has
-    put them; a reader's adopt of the same objects meanwhile (a fetch about to answer) shares
-    the lock, so each object is put once, and every adopted object is the bytes that arrived."""
+    put them; a reader's adopt of one meanwhile (a fetch about to answer) shares the lock, so
+    each object is put once, counted under its own kind of arrival, and every adopted object
+    is the bytes that arrived. A task that fails is counted and logged, and leaves its
+    arrivals for the next who asks."""
     import asyncio
-    from kdn.edge.arrivals import Arrivals
+    from kdn.edge import arrivals as A
     rng = np.random.default_rng(11)
     chunks = [pack(bytes([9, i]) * (KEY_BYTES // 2), NS, rng.integers(0, 256, SIZE, dtype=np.uint8))
-              for i in range(3)]
+              for i in range(4)]
     want = [c.kv.tobytes() for c in chunks]
 
     async def run():
-        arrivals = Arrivals()
-        helds = [Held.arrival(c) for c in chunks]
-        assert [h.arrived for h in helds] == [True] * 3
-        arrivals.later(helds, "pushes")
-        assert arrivals.pending_bytes == sum(h.nbytes for h in helds) > 3 * SIZE - 1
-        await arrivals.adopt(helds[1:2], "store")        # a reader asks for one meanwhile
+        arrivals = A.Arrivals()
+        helds = [Held.arrival(c, kind) for c, kind in zip(chunks, ("store", "pushes", "pushes", "pushes"))]
+        assert [h.arrived for h in helds] == ["store", "pushes", "pushes", "pushes"]
+        arrivals.later(helds[:3])
+        assert arrivals.pending_bytes == sum(h.nbytes for h in helds[:3]) > 3 * SIZE - 1
+        await arrivals.adopt(helds[1:2])                 # a reader asks for one meanwhile
         while arrivals.pending_bytes:
             await asyncio.sleep(0.01)
-        arrivals.later(helds, "pushes")                  # adopted already: nothing to do
+        arrivals.later(helds[:3])                        # adopted already: nothing to do
         assert arrivals.pending_bytes == 0
+
+        def broken(objs):
+            raise RuntimeError("the store went away")
+        monkeypatch.setattr(A, "_put_all", broken)
+        arrivals.later(helds[3:])
+        while arrivals.pending_bytes or arrivals._tasks:
+            await asyncio.sleep(0.01)
+        assert helds[3].arrived == "pushes" and helds[3].obj is not None      # left for the next
+        monkeypatch.undo()
+        await arrivals.adopt(helds[3:])
         return arrivals.counters, helds
 
     counters, helds = asyncio.run(run())
-    assert (counters["store_adopted"], counters["pushes_adopted"]) == (1, 2), counters
-    assert [h.arrived for h in helds] == [False] * 3 and all(h.obj is None for h in helds)
+    assert (counters["store_adopted"], counters["pushes_adopted"], counters["arrivals_adopt_failures"]) \
+        == (1, 3, 1), counters
+    assert [h.arrived for h in helds] == [False] * 4 and all(h.obj is None for h in helds)
     assert [o.kv.tobytes() for o in ray.get([h.ref for h in helds])] == want

@@ -21,7 +21,7 @@ def edge(kit, monkeypatch):
     monkeypatch.setattr(stores, "FORWARD_RETRY_S", 0.01)
     # held in this process even where this process joined Ray for other tests
     monkeypatch.setattr(Held, "kept", classmethod(lambda cls, obj: cls.here(obj)))
-    monkeypatch.setattr(Held, "arrival", classmethod(lambda cls, obj: cls.kept(obj)))   # (tests/edge/test_arrivals.py)
+    monkeypatch.setattr(Held, "arrival", classmethod(lambda cls, obj, kind="store": cls.kept(obj)))   # (tests/edge/test_arrivals.py)
     e = kit.local_edge([])
     e.answers, e.asked = {}, []
 
@@ -107,7 +107,7 @@ def test_an_origin_that_does_not_answer_is_tried_again_and_nothing_waiting_is_lo
     assert origin_took(edge)[-2:] == [c.key for c in objs]
 
 
-def checked(cls, obj):
+def checked(cls, obj, kind="store"):
     """Held.arrival with the copy's checksum known, as the edge's verification leaves it."""
     held = cls.here(obj)
     held.xxh = obj.digest()
@@ -611,9 +611,9 @@ def test_store_pins_fill_at_most_their_share_of_the_main_tier_then_the_hot_tier(
 def _arrivals(monkeypatch):
     """Every object kept as it arrived (as inside Ray, for objects of INLINE_BYTES and more):
     a view of the caller's bytes, as a call's argument or an HTTP body is."""
-    def arrival(cls, obj):
+    def arrival(cls, obj, kind="store"):
         held = cls.here(Chunk(obj.key, obj.ns, obj.kv[:], obj.dtype))
-        held.xxh, held.arrived = obj.digest(), True
+        held.xxh, held.arrived = obj.digest(), kind
         return held
     monkeypatch.setattr(Held, "arrival", classmethod(arrival))
 
@@ -675,7 +675,7 @@ def test_a_key_stored_again_while_its_copy_waits_is_answered_by_that_copy_and_ke
     effect, here as at the origin (a key keeps its first bytes: kdn/origin/chunks.py), so the
     edge and the origin end with the same bytes. They used to go to the origin at once and
     replace the edge's copy: the origin kept whichever landed first."""
-    def checked(cls, obj):                    # a copy with its checksum, as the store keeps
+    def checked(cls, obj, kind="store"):                    # a copy with its checksum, as the store keeps
         held = cls.here(obj)
         held.xxh = obj.digest()
         return held
@@ -798,7 +798,7 @@ def test_a_key_held_as_durable_and_stored_again_with_other_bytes_ends_with_the_o
     them at once, as any store, and sends them; the origin keeps the key's first bytes and
     names the key in its answer (kept_other, as OriginNode.put_objects does), and the edge lets
     its copy go: its readers then get the origin's bytes, never the ones the origin refused."""
-    def checked(cls, obj):
+    def checked(cls, obj, kind="store"):
         held = cls.here(obj)
         held.xxh = obj.digest()
         return held
