@@ -125,10 +125,10 @@ class EdgeNode:
                          self.catalog, self.demand, self.pulls)
         self.reads = Reads(name, region, self.members, self.tiers, self.pull, self.peers,
                            self.catalog, self.demand, max_reply_bytes)
-        # other cache layers' stores acknowledged here, durable at the origin after
         # what this edge answered for before copying it into its node's store (its stores,
         # the origin's pushes it pulled over HTTP), put there after
         self.arrivals = Arrivals()
+        # other cache layers' stores acknowledged here, durable at the origin after
         self.stores = WriteBehind(self.tiers, self.forms, self.peers,
                                   check_int(store_backlog_bytes, "store_backlog_bytes", 0),
                                   owns=lambda keys: [name in o for o in self.members.owners(keys)],
