@@ -16,8 +16,9 @@ The answer waits for no copy: each object is kept as it arrived (Held.arrival: a
 the caller's argument in this node's object store, which Ray keeps while this process maps
 it, the caller gone or not), and put into an object of this node's own right after the
 answer, in a worker thread (adopted, kdn/edge/arrivals.py: the copy into fresh store memory
-that the answer used to wait for), then handed to the origin as a reference. A store of a key this edge holds already
-as its own object, with the same checksum, keeps that copy (one key, one byte string). The
+that the answer used to wait for), then handed to the origin as a reference. A store of a
+key this edge holds already as its own object, with the same checksum, keeps that copy (one
+key, one byte string). The
 copy of a key this edge owns on the ring belongs in its main tier (the origin pushes nothing
 to an owner that holds the key): it is kept there from the start, pinned until durable, while
 the store pins fill at most MAIN_PIN_SHARE of that tier (the rest is for the operator's pinned
