@@ -10,16 +10,16 @@ copy. Adoption happens right after the answer (later), before a fetch answers a 
 with one (adopt), and before the write-behind hands one to the origin.
 
 One lock for all of them, so an arrival is put once whoever asks first (a peer asking over
-Ray gets a reference, too: EdgeNode.peer_get). `later` keeps its tasks referenced and counts
-the bytes they still hold (pending_bytes): a push that would pass a bound adopts at once
-instead (EdgeNode.pull_chunks), so arrivals never pile up in this process's memory faster
-than the store takes them.
+Ray gets a reference, too: EdgeNode.peer_get). `later` runs on the edge's tasks after the
+reply (Peers.later: one that fails is counted, as after_reply_errors, and logged; its
+arrivals are adopted by the next who asks) and counts the bytes they still hold
+(pending_bytes): a push that would pass a bound adopts at once instead
+(EdgeNode.pull_chunks), so arrivals never pile up in this process's memory faster than the
+store takes them.
 
 Counters, per kind of arrival (Held.arrived: "store", "pushes"), whoever adopted it:
 <kind>_adopted, <kind>_adopt_us (the time the copies took), <kind>_adopt_errors (copies the
-object store refused: those stay in this process, as a copy of their own); and
-arrivals_adopt_failures (a `later` task that failed otherwise: logged, its arrivals adopted
-by the next who asks).
+object store refused: those stay in this process, as a copy of their own).
 """
 import asyncio
 import collections
@@ -59,11 +59,12 @@ def _owns_bytes(obj) -> bool:
 class Arrivals:
     """Adoption of one edge's arrivals (see the module): adopt now, or later."""
 
-    def __init__(self):
+    def __init__(self, after_reply):
+        """after_reply(coro, what): runs coro after the current reply (Peers.later)."""
         self.counters = collections.Counter()
         self.pending_bytes = 0                 # bytes of arrivals handed to `later`, not adopted yet
         self._lock = asyncio.Lock()
-        self._tasks = set()                    # adoptions started by `later` (kept referenced)
+        self._after_reply = after_reply
 
     async def adopt(self, helds) -> None:
         """Those of helds still arrivals put into this node's store as its own objects, in
@@ -103,13 +104,4 @@ class Arrivals:
             finally:
                 self.pending_bytes -= nbytes
 
-        task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self.counters["arrivals_adopt_failures"] += 1
-            log.error("edge: copying arrivals into the node's store failed (the next reader or "
-                      "the write-behind copies them): %r", task.exception())
+        self._after_reply(run(), "copying arrivals into the node's store")

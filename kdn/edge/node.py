@@ -127,7 +127,7 @@ class EdgeNode:
                            self.catalog, self.demand, max_reply_bytes)
         # what this edge answered for before copying it into its node's store (its stores,
         # the origin's pushes it pulled over HTTP), put there after
-        self.arrivals = Arrivals()
+        self.arrivals = Arrivals(self.peers.later)
         # other cache layers' stores acknowledged here, durable at the origin after
         self.stores = WriteBehind(self.tiers, self.forms, self.peers,
                                   check_int(store_backlog_bytes, "store_backlog_bytes", 0),

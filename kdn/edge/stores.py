@@ -101,7 +101,7 @@ class WriteBehind:
         origin is asked to pull the backlog from those frames (OriginAPI.pull_objects);
         arrivals: the edge's (kdn/edge/arrivals.py), which adopts the stores kept as they arrived."""
         self.tiers, self.forms, self.peers = tiers, forms, peers
-        self.arrivals = arrivals or Arrivals()
+        self.arrivals = arrivals or Arrivals(peers.later)
         self.name, self.serves_http = name, serves_http or (lambda: False)
         self._ray_until = 0.0                  # the origin reads none of this edge's frames before
         self.owns = owns or (lambda keys: [False] * len(keys))   # keys -> whether this edge is a ring owner
