@@ -39,10 +39,13 @@ def _down(args, rest):
 
 def push_line(counters: dict) -> str:
     """How the origin's pushes travelled (kdn/origin/push.py), or "" before any: chunks and
-    pace per path, each batch timed from the origin's call to the edge's answer."""
+    pace per path, its bytes over the time the path had a batch in flight, each batch from the
+    origin's call to the edge's answer (batches overlapping counted once: push_<path>_busy_us;
+    an origin before it: the batches' own times added up)."""
     parts = []
     for path, how in (("http", "pulled by edges on other nodes from its HTTP frames"), ("ray", "over Ray")):
-        n, nbytes, us = (counters.get(f"push_{path}_{k}", 0) for k in ("chunks", "bytes", "us"))
+        n, nbytes = (counters.get(f"push_{path}_{k}", 0) for k in ("chunks", "bytes"))
+        us = counters.get(f"push_{path}_busy_us") or counters.get(f"push_{path}_us", 0)
         if n:
             parts.append(f"{n} chunks {how} ({nbytes / max(us, 1) / 1e3:.2f} GB/s)")
     return "origin pushes: " + "; ".join(parts) if parts else ""

@@ -2,8 +2,8 @@
 
 An edge answers some writes before it has copied their bytes into its node's object store:
 another cache layer's stores (kdn/edge/stores.py: a view into the caller's argument, or into
-the HTTP body they came in) and the origin's pushes it pulled over HTTP (EdgeNode.pull_chunks:
-views into the receive buffer). Each is a Held with `arrived` set (Held.arrival); adopting it
+the HTTP body they came in) and the origin's pushes (EdgeNode.pull_chunks: views into the
+buffer it received them in over HTTP; put_chunks: into the Ray call's argument). Each is a Held with `arrived` set (Held.arrival); adopting it
 puts its bytes into this node's store (ray.put, in a worker thread) and drops the view, so
 the memory it came in can go and a Ray reader on this node maps it instead of being sent a
 copy. Adoption happens right after the answer (later), before a fetch answers a Ray reader
@@ -14,7 +14,7 @@ Ray gets a reference, too: EdgeNode.peer_get). `later` runs on the edge's tasks 
 reply (Peers.later: one that fails is counted, as after_reply_errors, and logged; its
 arrivals are adopted by the next who asks) and counts the bytes they still hold
 (pending_bytes): a push that would pass a bound adopts at once instead
-(EdgeNode.pull_chunks), so arrivals never pile up in this process's memory faster than the
+(EdgeNode._adopt_pushes), so arrivals never pile up in this process's memory faster than the
 store takes them.
 
 Counters, per kind of arrival (Held.arrived: "store", "pushes"), whoever adopted it:

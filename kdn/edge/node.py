@@ -341,10 +341,27 @@ class EdgeNode:
         """Keep chunks the origin pushes (role main) or warms (role hot); how many were kept.
         Each is verified and kept in this edge's store form; one already held stays. drops:
         the origin's drop-log state when the bytes were read (a push; a repair: its load's):
-        a chunk a drop applied here since is not kept (kdn/edge/tombstones.py)."""
+        a chunk a drop applied here since is not kept (kdn/edge/tombstones.py).
+        Those already in the store form are kept as they arrived (views into the call's
+        argument, in this node's object store, which Ray keeps while this process maps it),
+        and copied into the store as this node's own objects after the answer, as pull_chunks
+        does (_adopt_pushes)."""
         self.tokens.check_admin(token, "put_chunks")
-        n, _ = await self._keep(chunks, role, pin, ttl_s, drops)
+        t0 = time.perf_counter()
+        n, arrived = await self._keep(chunks, role, pin, ttl_s, drops, arrival="pushes")
+        await self._adopt_pushes(arrived)
+        self.counters["pushes_ray_keep_us"] += int((time.perf_counter() - t0) * 1e6)
         return n
+
+    async def _adopt_pushes(self, arrived) -> None:
+        """A push's arrivals copied into the store after the answer (kdn/edge/arrivals.py), or
+        now where the copies of pushes before still to make would pass PUSH_ARRIVAL_BYTES: the
+        memory arrivals hold stays bounded, and the store keeps the pace of the pushes."""
+        nbytes = sum(h.nbytes for h in arrived)
+        if self.arrivals.pending_bytes + nbytes > PUSH_ARRIVAL_BYTES:
+            await self.arrivals.adopt(arrived)
+        else:
+            self.arrivals.later(arrived)
 
     async def _keep(self, chunks, role: str, pin: bool, ttl_s, drops, arrival: str = None) -> tuple:
         """put_chunks' work: (how many of chunks were kept, the Helds kept as they arrived).
@@ -387,8 +404,7 @@ class EdgeNode:
         """A push taken over the data plane: the chunks of keys pulled from the origin's frames
         at url (kdn/origin/http.py; origin_ip: its node's address), then kept as put_chunks
         keeps them, but as they arrived: the answer does not wait for their copy into this
-        node's store, made right after it (kdn/edge/arrivals.py), unless the copies of pushes
-        before still to make pass PUSH_ARRIVAL_BYTES (then this push's are made first).
+        node's store, made right after it (_adopt_pushes).
         {"pulled": chunks received, "kept": of those, kept}; {"pulled": None} when
         this edge does not reach url, or its data_plane is "ray" (the origin then sends the
         chunks over Ray)."""
@@ -407,11 +423,7 @@ class EdgeNode:
         objs = [o for o in got if o is not None]
         t0 = time.perf_counter()
         kept, arrived = await self._keep(objs, role, pin, ttl_s, drops, arrival="pushes")
-        nbytes = sum(h.nbytes for h in arrived)
-        if self.arrivals.pending_bytes + nbytes > PUSH_ARRIVAL_BYTES:
-            await self.arrivals.adopt(arrived)     # the store keeps the pace
-        else:
-            self.arrivals.later(arrived)           # into the store after the answer
+        await self._adopt_pushes(arrived)
         self.counters["pushes_pulled_keep_us"] += int((time.perf_counter() - t0) * 1e6)
         return {"pulled": len(objs), "kept": kept}
 

@@ -20,6 +20,7 @@ again (kdn.core.dataplane.ADDRESS_RETRY_S).
 """
 import asyncio
 import collections
+import contextlib
 import functools
 import time
 
@@ -64,6 +65,7 @@ class Pusher:
         self.ingest = None           # what -> the origin's store call its HTTP server takes writes for
         self.http, self.data, self._http_lock = None, None, asyncio.Lock()
         self.counters = collections.Counter(chunks_pushed=0, edge_call_failures=0)
+        self._in_flight = {}         # path -> (batches in flight on it, since when: _busy)
 
     async def http_url(self):
         """The URL of the origin's frames server, started on first use; None without one."""
@@ -197,11 +199,12 @@ class Pusher:
         async def flush(batch, nbytes):
             async with sem:
                 url = await self._pull_url(edge)
-                t0 = time.perf_counter()
                 if url is not None:       # the keys over Ray, the bytes over the data plane
-                    drops = await asyncio.to_thread(settled, self.store)
-                    got = await self.edge(edge).pull_chunks(url, batch, role=role, pin=pin, ttl_s=ttl_s,
-                                                            drops=drops, origin_ip=self.data.node_ip)
+                    with self._busy("http"):
+                        t0 = time.perf_counter()
+                        drops = await asyncio.to_thread(settled, self.store)
+                        got = await self.edge(edge).pull_chunks(url, batch, role=role, pin=pin, ttl_s=ttl_s,
+                                                                drops=drops, origin_ip=self.data.node_ip)
                     if got is None:       # dead or too slow (counted): it refills by pull-through
                         return 0
                     if got["pulled"] is not None:
@@ -209,9 +212,10 @@ class Pusher:
                         return len(batch)
                     self.counters["push_http_unreached"] += 1       # over Ray, until asked again
                     self.data.note(edge, {"url": None})
+                with self._busy("ray"):
                     t0 = time.perf_counter()
-                drops, chunks = await asyncio.to_thread(read, batch)
-                ok = await self.edge(edge).put_chunks(chunks, role=role, pin=pin, ttl_s=ttl_s, drops=drops)
+                    drops, chunks = await asyncio.to_thread(read, batch)
+                    ok = await self.edge(edge).put_chunks(chunks, role=role, pin=pin, ttl_s=ttl_s, drops=drops)
                 if ok is None:
                     return 0
                 self._timed("ray", len(batch), nbytes, t0)
@@ -232,10 +236,28 @@ class Pusher:
     def _timed(self, path: str, chunks: int, nbytes: int, t0: float) -> None:
         """A batch the edge holds now, sent over path ("http": pulled from the origin's frames;
         "ray"): its chunks, its stored bytes and the microseconds from the call to the answer
-        (push_<path>_chunks/_bytes/_us: the pace of each path, `kdn bench transport --hosts`)."""
+        (push_<path>_chunks/_bytes/_us; _us adds up each batch's own time, so where batches
+        overlap the path's pace is bytes over push_<path>_busy_us: _busy)."""
         self.counters[f"push_{path}_chunks"] += chunks
         self.counters[f"push_{path}_bytes"] += nbytes
         self.counters[f"push_{path}_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    @contextlib.contextmanager
+    def _busy(self, path: str):
+        """Counts the wall time path has at least one batch in flight (push_<path>_busy_us):
+        BATCHES_IN_FLIGHT batches share the path, so each batch's own time (push_<path>_us)
+        adds up to more than the time the bytes took (`kdn status`, `kdn bench transport`).
+        On the event loop only."""
+        n, since = self._in_flight.get(path, (0, None))
+        self._in_flight[path] = (n + 1, time.perf_counter() if n == 0 else since)
+        try:
+            yield
+        finally:
+            n, since = self._in_flight.pop(path)
+            if n > 1:
+                self._in_flight[path] = (n - 1, since)
+            else:
+                self.counters[f"push_{path}_busy_us"] += int((time.perf_counter() - since) * 1e6)
 
     async def rehome(self, old_ring) -> int:
         """After a membership change, send every live chunk to owners that did not own it."""

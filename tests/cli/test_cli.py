@@ -158,6 +158,10 @@ def test_status_says_how_the_origins_pushes_travelled():
                       "push_ray_chunks": 18, "push_ray_bytes": 10**9, "push_ray_us": 4 * 10**6}) == (
         "origin pushes: 36 chunks pulled by edges on other nodes from its HTTP frames (1.00 GB/s); "
         "18 chunks over Ray (0.25 GB/s)")
+    # batches in flight together on a path: the pace is over the time it was busy, not their times added
+    assert push_line({"push_http_chunks": 36, "push_http_bytes": 2 * 10**9, "push_http_us": 2 * 10**6,
+                      "push_http_busy_us": 10**6}) == (
+        "origin pushes: 36 chunks pulled by edges on other nodes from its HTTP frames (2.00 GB/s)")
 
 
 def test_status_says_how_bulk_writes_reached_the_origin():
