@@ -126,7 +126,7 @@ class EdgeNode:
         self.reads = Reads(name, region, self.members, self.tiers, self.pull, self.peers,
                            self.catalog, self.demand, max_reply_bytes)
         # what this edge answered for before copying it into its node's store (its stores,
-        # the origin's pushes it pulled over HTTP), put there after
+        # the origin's pushes, pulled over HTTP or given over Ray), put there after
         self.arrivals = Arrivals(self.peers.later)
         # other cache layers' stores acknowledged here, durable at the origin after
         self.stores = WriteBehind(self.tiers, self.forms, self.peers,
@@ -343,9 +343,11 @@ class EdgeNode:
         the origin's drop-log state when the bytes were read (a push; a repair: its load's):
         a chunk a drop applied here since is not kept (kdn/edge/tombstones.py).
         Those already in the store form are kept as they arrived (views into the call's
-        argument, in this node's object store, which Ray keeps while this process maps it),
+        argument, in this node's object store, which Ray keeps while this process maps it;
+        an argument under Ray's inline size came inside the call, in this process's memory),
         and copied into the store as this node's own objects after the answer, as pull_chunks
-        does (_adopt_pushes)."""
+        does (_adopt_pushes). Read repairs (kdn/edge/pull.py) are kept the same way, and
+        counted with the pushes (pushes_ray_keep_us, pushes_adopted)."""
         self.tokens.check_admin(token, "put_chunks")
         t0 = time.perf_counter()
         n, arrived = await self._keep(chunks, role, pin, ttl_s, drops, arrival="pushes")

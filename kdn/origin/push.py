@@ -65,7 +65,7 @@ class Pusher:
         self.ingest = None           # what -> the origin's store call its HTTP server takes writes for
         self.http, self.data, self._http_lock = None, None, asyncio.Lock()
         self.counters = collections.Counter(chunks_pushed=0, edge_call_failures=0)
-        self._in_flight = {}         # path -> (batches in flight on it, since when: _busy)
+        self._in_flight = {}         # path -> (batches in flight on it, busy counted up to: _busy)
 
     async def http_url(self):
         """The URL of the origin's frames server, started on first use; None without one."""
@@ -200,8 +200,8 @@ class Pusher:
             async with sem:
                 url = await self._pull_url(edge)
                 if url is not None:       # the keys over Ray, the bytes over the data plane
+                    t0 = time.perf_counter()
                     with self._busy("http"):
-                        t0 = time.perf_counter()
                         drops = await asyncio.to_thread(settled, self.store)
                         got = await self.edge(edge).pull_chunks(url, batch, role=role, pin=pin, ttl_s=ttl_s,
                                                                 drops=drops, origin_ip=self.data.node_ip)
@@ -212,8 +212,8 @@ class Pusher:
                         return len(batch)
                     self.counters["push_http_unreached"] += 1       # over Ray, until asked again
                     self.data.note(edge, {"url": None})
+                t0 = time.perf_counter()
                 with self._busy("ray"):
-                    t0 = time.perf_counter()
                     drops, chunks = await asyncio.to_thread(read, batch)
                     ok = await self.edge(edge).put_chunks(chunks, role=role, pin=pin, ttl_s=ttl_s, drops=drops)
                 if ok is None:
@@ -247,17 +247,22 @@ class Pusher:
         """Counts the wall time path has at least one batch in flight (push_<path>_busy_us):
         BATCHES_IN_FLIGHT batches share the path, so each batch's own time (push_<path>_us)
         adds up to more than the time the bytes took (`kdn status`, `kdn bench transport`).
-        On the event loop only."""
-        n, since = self._in_flight.get(path, (0, None))
-        self._in_flight[path] = (n + 1, time.perf_counter() if n == 0 else since)
+        Added whenever a batch starts or ends, so the counter keeps up with the bytes during a
+        long run of batches. A batch the edge does not answer (dead or past BATCH_TIMEOUT_S)
+        counts too: the path was taken for that time. On the event loop only."""
+        n, mark = self._in_flight.get(path, (0, None))
+        now = time.perf_counter()
+        if n:
+            self.counters[f"push_{path}_busy_us"] += int((now - mark) * 1e6)
+        self._in_flight[path] = (n + 1, now)
         try:
             yield
         finally:
-            n, since = self._in_flight.pop(path)
+            n, mark = self._in_flight.pop(path)
+            now = time.perf_counter()
+            self.counters[f"push_{path}_busy_us"] += int((now - mark) * 1e6)
             if n > 1:
-                self._in_flight[path] = (n - 1, since)
-            else:
-                self.counters[f"push_{path}_busy_us"] += int((time.perf_counter() - since) * 1e6)
+                self._in_flight[path] = (n - 1, now)
 
     async def rehome(self, old_ring) -> int:
         """After a membership change, send every live chunk to owners that did not own it."""

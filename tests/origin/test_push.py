@@ -78,6 +78,30 @@ def test_batches_are_bounded_in_bytes(parts, monkeypatch):
     assert fake.count("put_chunks")[NAMES[0]] == -(-len(m.keys) // 3)
 
 
+def test_a_paths_busy_time_counts_overlapping_batches_once_and_keeps_up_while_they_run(parts, monkeypatch):
+    """push_<path>_busy_us: the wall time a path has a batch in flight (kdn status divides a
+    path's bytes by it), each batch's own time in push_<path>_us adding up to more."""
+    *_, pusher = parts
+    now = [100.0]
+    monkeypatch.setattr(push.time, "perf_counter", lambda: now[0])
+    first, second = pusher._busy("http"), pusher._busy("http")
+    first.__enter__()
+    now[0] += 1.0
+    second.__enter__()                     # beside the first for 1 s
+    now[0] += 1.0
+    first.__exit__(None, None, None)
+    assert pusher.counters["push_http_busy_us"] == 2_000_000      # counted as they end, not at idle
+    now[0] += 1.0
+    second.__exit__(None, None, None)
+    now[0] += 5.0                          # idle: not counted
+    with pytest.raises(TimeoutError):
+        with pusher._busy("http"):         # a batch that fails still ends its time
+            now[0] += 0.5
+            raise TimeoutError
+    assert pusher.counters["push_http_busy_us"] == 3_500_000 and not pusher._in_flight
+    assert pusher.counters["push_ray_busy_us"] == 0
+
+
 def test_rehome_sends_each_chunk_only_to_its_new_owners(parts):
     store, ms, fake, pusher = parts
     m = published(store)
