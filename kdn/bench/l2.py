@@ -203,6 +203,36 @@ def acks_note(before: dict, after: dict, durable_s: float, fill_s: float = None)
             f"after the row{copies}")
 
 
+SERVED = ("local", "disk", "peer", "origin")     # kdn.core.names.SOURCE_KINDS
+
+
+def served(net, region: str, token: str = None) -> dict:
+    """{kind: chunks region's edges served from there (local, disk, peer, origin: the served_*
+    counters of kdn/edge/reads.py), "repairs": read repairs they sent to owners that lacked
+    what they fetched elsewhere (kdn/edge/pull.py)}, since each edge started (the admin token:
+    token, else this machine's)."""
+    import ray
+    from kdn.core.auth import ensure_admin_token
+    from kdn.core.env import kdn_home
+    token = token or ensure_admin_token(kdn_home())
+    out = dict.fromkeys([*SERVED, "repairs"], 0)
+    for name, edge in net.edges.items():
+        if net.topology.region_of(name) != region:
+            continue
+        c = ray.get(edge.stats.remote(token=token))["counters"]
+        for kind in SERVED:
+            out[kind] += c.get(f"served_{kind}", 0)
+        out["repairs"] += c.get("repairs_sent", 0)
+    return out
+
+
+def served_note(before: dict, after: dict) -> str:
+    """The row's loads by where its edge found them, and the read repairs that caused."""
+    got = {k: after[k] - before[k] for k in after}
+    kinds = ", ".join(f"{got[k]} {k}" for k in SERVED if got[k])
+    return f"; its edge served {kinds or 'nothing'}" + (f", and sent {got['repairs']} read repairs" if got["repairs"] else "")
+
+
 def row(name: str, metrics: dict, note: str = "") -> dict:
     ops = {m["operation"]: m for k, m in metrics.items() if k.startswith("op_")}
     load, store = ops["Load"], ops["Store"]
@@ -334,8 +364,14 @@ def main(argv=None):
             if which.startswith("kdn") and which != "kdn-ack-origin":
                 settle_pushes(net)           # what rows before left on its way: not this row's
                 acks = store_acks(net)
+            was = served(net, region, admin) if which.startswith("kdn") else None
             rows += bracketed(bracket, cluster, args, round_bytes, "socket-beside",
                               lambda: row(which, lmcache_bench(adapter, args, out), note))
+            if was is not None:          # where the row's loads came from
+                now = served(net, region, admin)
+                mine = next(r for r in reversed(rows) if r["adapter"] == which)
+                mine["note"] += served_note(was, now)
+                mine["served"] = {k: now[k] - was[k] for k in now}
             if which == "fs":                # its files go: no dirty pages under KDN's rows
                 shutil.rmtree(adapter["base_path"])
             if acks is not None:

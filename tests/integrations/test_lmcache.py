@@ -184,7 +184,7 @@ def test_a_store_acknowledged_at_the_edge_is_served_there_at_once_and_everywhere
     east, south = adapters("us-east"), adapters("ap-south")
     keys = [key(700 + i) for i in range(3)]
     objs = [memobj(1 << 16, seed=700 + i) for i in range(3)]
-    from kdn.bench.l2 import acks_note, store_acks
+    from kdn.bench.l2 import acks_note, served, served_note, store_acks
     edge = Actors(net.name, ADMIN).edge("us-east-0", 30, "sync")
     before, acks = edge.stats()["stores"], store_acks(net, ADMIN)
     assert store(east, keys, objs) == 3 << 18
@@ -205,8 +205,13 @@ def test_a_store_acknowledged_at_the_edge_is_served_there_at_once_and_everywhere
     assert acks_note({**zero, "filled": 3 << 30, "filling": True}, {**zero, "edge": 1}, 1.0).endswith(
         "; the edges had allocated 3.0 GiB of their object stores ahead when the row began, and were still at it")
     outs = [memobj(1 << 16, fill=0.0) for _ in keys]
+    was = served(net, "us-east", ADMIN)
     assert load(east, keys, outs) == [True] * 3                    # from us-east's edge, at once
     assert all(bytes(o.byte_array) == bytes(w.byte_array) for o, w in zip(outs, objs))
+    now = served(net, "us-east", ADMIN)            # what `kdn bench l2` says of a row's loads
+    assert served_note(was, now) == "; its edge served 3 local", (was, now)
+    assert served_note(was, {**now, "origin": now["origin"] + 2, "repairs": now["repairs"] + 4}) == \
+        "; its edge served 3 local, 2 origin, and sent 4 read repairs"
     durable = edge.stores_durable(20.0)           # waits for the backlog (admin)
     assert durable["durable"] and durable["backlog_objects"] == 0, durable
     # answered with no copy (kept as they arrived), made the edge's own objects after, and
