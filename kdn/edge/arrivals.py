@@ -3,8 +3,9 @@
 An edge answers some writes before it has copied their bytes into its node's object store:
 another cache layer's stores (kdn/edge/stores.py: a view into the caller's argument, or into
 the HTTP body they came in) and the origin's pushes (EdgeNode.pull_chunks: views into the
-buffer it received them in over HTTP; put_chunks: into the Ray call's argument). Each is a Held with `arrived` set (Held.arrival); adopting it
-puts its bytes into this node's store (ray.put, in a worker thread) and drops the view, so
+buffer it received them in over HTTP; put_chunks: into the Ray call's argument). Each is a
+Held with `arrived` set (Held.arrival); adopting it puts its bytes into this node's store
+(ray.put, in a worker thread) and drops the view, so
 the memory it came in can go and a Ray reader on this node maps it instead of being sent a
 copy. Adoption happens right after the answer (later), before a fetch answers a Ray reader
 with one (adopt), and before the write-behind hands one to the origin.
